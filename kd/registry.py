@@ -1,0 +1,66 @@
+"""A small name -> class registry shared by backends and KD losses."""
+from __future__ import annotations
+
+import difflib
+from typing import Callable, Dict, Generic, Iterable, List, TypeVar
+
+from kd.errors import KDError
+
+T = TypeVar("T")
+
+
+def suggest(name: str, choices: Iterable[str], n: int = 3) -> str:
+    """' (did you mean a, b?)' for close matches of ``name`` in ``choices``, else ''."""
+    close = difflib.get_close_matches(name, list(choices), n=n, cutoff=0.6)
+    return f" (did you mean {', '.join(close)}?)" if close else ""
+
+
+class Registry(Generic[T]):
+    """Maps names to classes; refuses duplicates and lists valid names on a miss."""
+
+    def __init__(self, kind: str, entry_point_group: str | None = None):
+        self.kind = kind
+        self.entry_point_group = entry_point_group
+        self._items: Dict[str, T] = {}
+        self._entry_points_loaded = False
+
+    def register(self, name: str) -> Callable[[T], T]:
+        def deco(obj: T) -> T:
+            if name in self._items and self._items[name] is not obj:
+                raise ValueError(f"{self.kind} {name!r} is already registered")
+            self._items[name] = obj
+            setattr(obj, "name", name)
+            return obj
+
+        return deco
+
+    def _load_entry_points(self) -> None:
+        if self._entry_points_loaded or not self.entry_point_group:
+            return
+        self._entry_points_loaded = True
+        from importlib.metadata import entry_points
+
+        try:
+            eps = entry_points(group=self.entry_point_group)
+        except TypeError:  # Python < 3.10
+            eps = entry_points().get(self.entry_point_group, [])
+        for ep in eps:
+            if ep.name not in self._items:
+                self.register(ep.name)(ep.load())
+
+    def get(self, name: str) -> T:
+        self._load_entry_points()
+        if name not in self._items:
+            raise KDError(
+                f"unknown {self.kind} {name!r}{suggest(name, self._items)}; "
+                f"choose from: {', '.join(sorted(self._items))}"
+            )
+        return self._items[name]
+
+    def names(self) -> List[str]:
+        self._load_entry_points()
+        return sorted(self._items)
+
+    def __contains__(self, name: str) -> bool:
+        self._load_entry_points()
+        return name in self._items
