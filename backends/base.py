@@ -1,0 +1,113 @@
+"""The backend protocol: the only place that knows about processes, wrappers and reductions.
+
+The engine never branches on the backend's name; it asks the backend object for facts and
+actions:
+
+* roles: ``rank``, ``world_size``, ``is_main`` (the only process that writes ``--out``);
+* placement: ``device``; ``local_batch(global_batch)``, the per-process share of the batch;
+* data: ``data_shard()`` -> ``(num_replicas, rank)`` for the samplers;
+* models: ``wrap(student_side)`` for gradient sync, ``wrap_forward(module)`` for the teacher
+  and evaluation (forward only, never for gradient sync), ``unwrap(model)``;
+* the step: ``precision()`` picks the precision object, ``sync_gradients(model)`` runs after
+  backward (a no-op where the wrapper syncs during backward);
+* reductions: ``all_reduce_sum(tensor)`` and ``barrier()``.
+
+A backend registers itself with ``@register("name")``; third-party backends can also be
+registered through the Python entry point group ``kd.backends``.
+"""
+from __future__ import annotations
+
+from typing import ClassVar, Optional, Tuple
+
+import torch
+from torch import nn
+
+from kd.errors import KDError
+from kd.registry import Registry
+
+BACKENDS: Registry = Registry("backend", entry_point_group="kd.backends")
+register = BACKENDS.register
+
+
+def resolve_device(cfg) -> torch.device:
+    """The device type a run asks for: ``--device auto`` is CUDA where available."""
+    if cfg.device == "cuda" or (cfg.device == "auto" and (cfg.gpus or torch.cuda.is_available())):
+        if not torch.cuda.is_available():
+            raise KDError("--device cuda (or --gpus) asked for CUDA, but no CUDA GPU is usable here; use --device cpu")
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+class Backend:
+    """Base class; concrete backends override what differs. One instance per process."""
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    #: True when the backend runs one process per device, started by the launcher.
+    multiprocess: ClassVar[bool] = False
+
+    @classmethod
+    def unavailable(cls) -> Optional[str]:
+        """Why this backend cannot run on this machine, or None if it can."""
+        return None
+
+    @classmethod
+    def num_processes(cls, cfg) -> int:
+        """How many processes the launcher starts on this node."""
+        return 1
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.rank = 0
+        self.world_size = 1
+        self.local_rank = 0
+        self.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def setup(self) -> None:
+        """Create the process group (if any) and choose this process's device."""
+
+    def teardown(self) -> None:
+        """Destroy what setup created."""
+
+    def describe(self) -> str:
+        return f"backend {self.name}: {self.world_size} process(es), device {self.device}"
+
+    def local_batch(self, global_batch: int) -> int:
+        if global_batch % self.world_size:
+            raise KDError(f"--batch-size {global_batch} is not divisible by the {self.world_size} processes")
+        return global_batch // self.world_size
+
+    def data_shard(self) -> Tuple[int, int]:
+        return self.world_size, self.rank
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def wrap_forward(self, module: nn.Module) -> nn.Module:
+        """A forward-only wrapper (teacher, evaluation); never synchronises gradients."""
+        return module
+
+    @staticmethod
+    def unwrap(model: nn.Module) -> nn.Module:
+        while hasattr(model, "module") and isinstance(model.module, nn.Module):
+            model = model.module
+        return getattr(model, "_orig_mod", model)
+
+    def precision(self):
+        """The precision object for ``--opt`` (native torch.amp unless a backend says otherwise)."""
+        from kd.precision import make_precision
+
+        return make_precision(self.cfg, self.device)
+
+    def sync_gradients(self, model: nn.Module) -> None:
+        """Called after backward, before unscale/clip/step."""
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def barrier(self) -> None:
+        """Wait for every process (a no-op for one process)."""

@@ -1,0 +1,183 @@
+"""The ``kd`` command line: parsing and error presentation only; the work is in ``kd``.
+
+Every user error ends with one line on stderr and exit code 2.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+from click.core import ParameterSource
+
+from kd.errors import KDError
+
+
+def _backend_names():
+    import backends
+
+    return backends.BACKENDS.names()
+
+
+def _loss_names():
+    from kd.losses import LOSSES
+
+    return LOSSES.names()
+
+
+# (option declarations, RunConfig field, click keyword arguments); None defaults mean "not given"
+TRAIN_OPTIONS = [
+    (("--data",), "data", dict(metavar="DIR", help="ImageNet-layout folder (train/ and val/ ImageFolders), or 'synthetic'.")),
+    (("--teacher",), "teacher", dict(metavar="NAME", help="Teacher: torchvision model name or timm:NAME.")),
+    (("--teacher-weights",), "teacher_weights", dict(metavar="pretrained|none|PATH", help="Teacher weights [pretrained].")),
+    (("--student",), "student", dict(metavar="NAME", help="Student: torchvision model name or timm:NAME.")),
+    (("--student-weights",), "student_weights", dict(metavar="pretrained|none|PATH", help="Student initial weights [none].")),
+    (("--num-classes",), "num_classes", dict(type=int, help="Classes [the number of class folders].")),
+    (("--no-teacher",), "no_teacher", dict(is_flag=True, default=None, help="Train the student alone on the labels.")),
+    (("--kd-loss",), "kd_loss", dict(metavar="NAME", help="KD method [kd]; see 'kd losses'.")),
+    (("--alpha",), "alpha", dict(type=float, help="Weight of the label (CE) term [method default].")),
+    (("--temperature", "-T"), "temperature", dict(type=float, help="Softmax temperature [method default].")),
+    (("--feature-layers",), "feature_layers", dict(metavar="A,B,..", help="Modules tapped by feature methods.")),
+    (("--epochs",), "epochs", dict(type=int, help="Epochs [90].")),
+    (("--batch-size", "-b"), "batch_size", dict(type=int, help="GLOBAL batch size, whatever the backend [256].")),
+    (("--lr",), "lr", dict(type=float, help="Peak learning rate [0.1].")),
+    (("--momentum",), "momentum", dict(type=float, help="SGD momentum [0.9].")),
+    (("--nesterov/--no-nesterov",), "nesterov", dict(default=None, help="Nesterov momentum [off].")),
+    (("--weight-decay", "--wd"), "weight_decay", dict(type=float, help="Weight decay [1e-4].")),
+    (("--wd-bn-bias/--no-wd-bn-bias",), "wd_bn_bias", dict(default=None, help="Decay BatchNorm and bias too [off].")),
+    (("--lr-schedule",), "lr_schedule", dict(type=click.Choice(["step", "cosine", "constant"]), help="[step]")),
+    (("--lr-milestones",), "lr_milestones", dict(metavar="E1,E2,..", help="Epochs of the step schedule [30,60,80].")),
+    (("--lr-gamma",), "lr_gamma", dict(type=float, help="Factor at each milestone [0.1].")),
+    (("--warmup-epochs",), "warmup_epochs", dict(type=float, help="Linear LR warm-up [0].")),
+    (("--grad-clip",), "grad_clip", dict(type=float, help="Clip the gradient norm to this value.")),
+    (("--image-size",), "image_size", dict(type=int, help="Train crop and val crop size [224].")),
+    (("--val-resize",), "val_resize", dict(type=int, help="Val short-side resize [image-size * 256/224].")),
+    (("--min-crop-scale",), "min_crop_scale", dict(type=float, help="Smallest crop area of RandomResizedCrop [0.08].")),
+    (("--loader",), "loader", dict(metavar="NAME", help="Input pipeline [pil].")),
+    (("--workers", "-j"), "workers", dict(type=int, help="DataLoader worker processes per process [8].")),
+    (("--mp-context",), "mp_context", dict(type=click.Choice(["fork", "forkserver", "spawn"]), help="Worker start method [forkserver on Linux].")),
+    (("--max-bad-images",), "max_bad_images", dict(type=int, help="Unreadable images tolerated before failing [10].")),
+    (("--limit-train-batches",), "limit_train_batches", dict(type=int, help="At most this many steps per epoch.")),
+    (("--limit-val-batches",), "limit_val_batches", dict(type=int, help="At most this many val batches.")),
+    (("--device",), "device", dict(type=click.Choice(["auto", "cpu", "cuda"]), help="[auto: cuda where available]")),
+    (("--backend",), "backend", dict(metavar="NAME", help="Parallel backend [single]; see 'kd backends'.")),
+    (("--gpus",), "gpus", dict(metavar="0,1,3", help="GPU indices to use (any subset).")),
+    (("--nproc",), "nproc", dict(type=int, help="Processes for a multi-process backend on the CPU.")),
+    (("--dp-output-device",), "dp_output_device", dict(type=int, help="dp: GPU that gathers outputs [first of --gpus].")),
+    (("--find-unused-parameters/--no-find-unused-parameters",), "find_unused_parameters", dict(default=None, help="torch_ddp [detect].")),
+    (("--static-graph",), "static_graph", dict(is_flag=True, default=None, help="torch_ddp static graph.")),
+    (("--sync-bn",), "sync_bn", dict(is_flag=True, default=None, help="Synchronised BatchNorm across processes.")),
+    (("--opt",), "opt", dict(type=click.Choice(["O0", "O1", "O2", "O3"]), help="Opt level as in apex [O0].")),
+    (("--amp-dtype",), "amp_dtype", dict(type=click.Choice(["float16", "bfloat16"]), help="[float16 on CUDA, bfloat16 on CPU]")),
+    (("--amp-impl",), "amp_impl", dict(type=click.Choice(["auto", "native", "apex"]), help="[auto]")),
+    (("--channels-last/--no-channels-last",), "channels_last", dict(default=None, help="[on for CUDA]")),
+    (("--compile/--no-compile",), "compile", dict(default=None, help="torch.compile teacher and student [off].")),
+    (("--seed",), "seed", dict(type=int, help="[0]")),
+    (("--out", "-o"), "out", dict(metavar="DIR", help="Run folder [runs/kd].")),
+    (("--log-every",), "log_every", dict(type=int, help="Steps between TensorBoard points [50].")),
+    (("--eval-every",), "eval_every", dict(type=int, help="Epochs between evaluations [1].")),
+    (("--save-every-steps",), "save_every_steps", dict(type=int, help="Also checkpoint every N steps.")),
+    (("--keep-last",), "keep_last", dict(type=int, help="Step checkpoints kept [1].")),
+    (("--max-nonfinite-steps",), "max_nonfinite_steps", dict(type=int, help="Consecutive NaN/inf losses before stopping [20].")),
+    (("--progress/--no-progress",), "progress_bar", dict(default=None, help="Progress bar [on a terminal only].")),
+]
+
+
+def train_options(fn):
+    for decls, field, kwargs in reversed(TRAIN_OPTIONS):
+        fn = click.option(*decls, field, **kwargs)(fn)
+    return fn
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="kd", message="kd %(version)s")
+def cli():
+    """kd: knowledge-distillation training for image classification."""
+
+
+@cli.command(context_settings={"ignore_unknown_options": False})
+@click.option("--recipe", "-r", metavar="NAME|PATH", help="YAML recipe; options override it.")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override any config key (repeatable).")
+@click.option("--loss-arg", "loss_arg", multiple=True, metavar="KEY=VALUE", help="A KD method hyper-parameter (repeatable).")
+@train_options
+@click.option("--resume", is_flag=False, flag_value="last", default=None, metavar="[PATH]",
+              help="Continue from OUT/checkpoints/last.pt, or from PATH.")
+@click.option("--overwrite", is_flag=True, help="Replace a run already in --out.")
+@click.option("--local_rank", "--local-rank", "local_rank", type=int, default=None, hidden=True)
+@click.pass_context
+def train(ctx, recipe, sets, loss_arg, resume, overwrite, local_rank, **options):
+    """Distil a student from a teacher (or train one model with --no-teacher)."""
+    import kd
+    from kd import config as kd_config
+    from kd.launch import accept_legacy_local_rank
+
+    accept_legacy_local_rank(local_rank)
+    given = {k: v for k, v in options.items()
+             if v is not None and ctx.get_parameter_source(k) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)}
+    if loss_arg:
+        given["loss_args"] = kd_config.parse_set([f"loss_args.{item}" for item in loss_arg])["loss_args"]
+    base = None
+    if resume:
+        out = Path(given.get("out") or (Path(resume).parent.parent if resume != "last" else "runs/kd"))
+        given["out"] = str(out)
+        if (out / "config.yaml").is_file():
+            base = kd_config.load(out / "config.yaml")
+    cfg = kd_config.resolve(recipe=recipe, options=given, sets=list(sets), base=base)
+    kd.train(cfg, resume=resume, overwrite=overwrite)
+
+
+@cli.command("eval")
+@click.option("--model", required=True, metavar="NAME", help="torchvision model name or timm:NAME.")
+@click.option("--weights", required=True, metavar="PATH|pretrained", help="Weights file (kd checkpoints too).")
+@click.option("--data", required=True, metavar="DIR", help="Folder with a val/ ImageFolder.")
+@click.option("--batch-size", "-b", type=int, default=256, show_default=True)
+@click.option("--image-size", type=int, default=224, show_default=True)
+@click.option("--workers", "-j", type=int, default=8, show_default=True)
+@click.option("--num-classes", type=int, default=None)
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+def eval_cmd(model, weights, data, batch_size, image_size, workers, num_classes, device):
+    """Top-1/top-5 of a model on DATA/val."""
+    from kd.evaluate import evaluate_model
+
+    r = evaluate_model(model, weights, data, batch_size, device, image_size, workers, num_classes)
+    click.echo(f"{model} {weights}: top-1 {r['top1']:.2f}  top-5 {r['top5']:.2f}  ({r['count']} images)")
+
+
+@cli.command()
+@click.option("--out", "-o", default="runs/demo", show_default=True, metavar="DIR", help="Where the demo runs go.")
+@click.option("--epochs", type=int, default=None, help="Epochs of each run (the demo's default is tuned for 2 cores).")
+@click.option("--overwrite", is_flag=True, help="Replace an earlier demo in --out.")
+def demo(out, epochs, overwrite):
+    """A real KD experiment on scikit-learn's bundled digits, offline, on the CPU."""
+    from kd.demo import run_demo
+
+    run_demo(Path(out), epochs=epochs, overwrite=overwrite)
+
+
+def main(argv=None) -> int:
+    """Entry point of the ``kd`` console script: one line and exit code 2 for any user error."""
+    try:
+        cli.main(args=argv, prog_name="kd", standalone_mode=False)
+    except KDError as exc:
+        click.echo(f"kd: error: {exc}", err=True)
+        return 2
+    except click.UsageError as exc:
+        if type(exc).__name__.startswith("NoArgsIsHelp"):  # 'kd' or 'kd train' alone: show the help
+            click.echo(exc.ctx.get_help() if exc.ctx else str(exc))
+            return 2
+        hint = f" (see 'kd {exc.ctx.info_name} --help')" if exc.ctx and exc.ctx.info_name != "kd" else ""
+        click.echo(f"kd: error: {exc.format_message()}{hint}", err=True)
+        return 2
+    except click.exceptions.Exit as exc:
+        return exc.exit_code
+    except click.exceptions.Abort:
+        click.echo("kd: interrupted", err=True)
+        return 130
+    except KeyboardInterrupt:
+        click.echo("kd: interrupted", err=True)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""Checkpoints: full state, written atomically by the main process, loaded with weights_only=True."""
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+from pathlib import Path
+from typing import Any, Dict
+
+import numpy as np
+import torch
+
+from kd.errors import KDError
+
+FORMAT_VERSION = 1
+
+
+def rng_state() -> Dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]),
+             "python_pos": random.getstate()[2],
+             "numpy": torch.from_numpy(np.random.get_state()[1].astype(np.int64)),
+             "numpy_pos": int(np.random.get_state()[2])}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate((3, tuple(state["python"]), state["python_pos"]))
+    np.random.set_state(("MT19937", state["numpy"].numpy().astype(np.uint32), state["numpy_pos"], 0, 0.0))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_atomic(obj: Dict[str, Any], path: Path) -> None:
+    """Write to a temporary file in the same folder, fsync, rename: never a truncated file.
+
+    A failed write (disk full) leaves the previous file as it was.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            torch.save(obj, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def load(path: Path) -> Dict[str, Any]:
+    """A kd checkpoint, refusing anything that needs arbitrary code to unpickle."""
+    path = Path(path)
+    if not path.is_file():
+        raise KDError(f"nothing to resume: {path} does not exist")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise KDError(f"cannot load checkpoint {path}: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}") from None
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT_VERSION or "student" not in obj:
+        raise KDError(f"{path} is not a kd checkpoint")
+    return obj

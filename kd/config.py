@@ -1,0 +1,271 @@
+"""Run configuration: defaults < recipe < command-line options < ``--set key=value``.
+
+A :class:`RunConfig` is plain data. Recipes are YAML files with the same keys
+(``yaml.safe_load`` only); the resolved config is saved as ``OUT/config.yaml``.
+Every problem found here raises :class:`~kd.errors.KDError`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Union
+
+import yaml
+
+from kd.errors import KDError
+from kd.registry import suggest
+
+RECIPE_DIR = Path(__file__).resolve().parent.parent / "recipes"
+OPT_LEVELS = ("O0", "O1", "O2", "O3")
+
+
+@dataclass
+class RunConfig:
+    """Every option of ``kd train``; field names are the recipe keys and the ``--set`` keys."""
+
+    # data
+    data: Optional[str] = None
+    image_size: int = 224
+    val_resize: Optional[int] = None  # default: image_size * 256 / 224
+    min_crop_scale: float = 0.08  # RandomResizedCrop's lower area bound
+    loader: str = "pil"
+    workers: Optional[int] = None  # None: min(8, CPU cores per process)
+    mp_context: Optional[str] = None  # None: the platform's safe default (kd.data.loader)
+    max_bad_images: int = 10
+    limit_train_batches: Optional[int] = None  # per epoch, for smoke tests and benchmarks
+    limit_val_batches: Optional[int] = None
+    # models
+    teacher: Optional[str] = None
+    teacher_weights: str = "pretrained"
+    student: Optional[str] = None
+    student_weights: str = "none"
+    num_classes: Optional[int] = None
+    no_teacher: bool = False
+    # method
+    kd_loss: str = "kd"
+    alpha: Optional[float] = None  # None: the method's default
+    temperature: Optional[float] = None
+    loss_args: Dict[str, Any] = field(default_factory=dict)
+    feature_layers: Optional[List[str]] = None
+    # optimisation
+    epochs: int = 90
+    batch_size: int = 256  # the GLOBAL batch, whatever the backend
+    lr: float = 0.1
+    momentum: float = 0.9
+    nesterov: bool = False
+    weight_decay: float = 1e-4
+    wd_bn_bias: bool = False
+    lr_schedule: str = "step"
+    lr_milestones: List[int] = field(default_factory=lambda: [30, 60, 80])
+    lr_gamma: float = 0.1
+    warmup_epochs: float = 0.0
+    grad_clip: Optional[float] = None
+    # hardware
+    device: str = "auto"
+    backend: str = "single"
+    gpus: Optional[List[int]] = None
+    nproc: Optional[int] = None
+    dp_output_device: Optional[int] = None
+    find_unused_parameters: Optional[bool] = None  # None: detect
+    static_graph: bool = False
+    sync_bn: bool = False
+    opt: str = "O0"
+    amp_dtype: Optional[str] = None  # None: float16 on CUDA, bfloat16 on the CPU
+    amp_impl: str = "auto"
+    channels_last: Optional[bool] = None  # None: on for CUDA
+    compile: bool = False
+    # run
+    seed: int = 0
+    out: str = "runs/kd"
+    log_every: int = 50
+    eval_every: int = 1
+    save_every_steps: Optional[int] = None
+    keep_last: int = 1
+    max_nonfinite_steps: int = 20
+    progress_bar: Optional[bool] = None  # None: only on a terminal
+    # recipe metadata (not options)
+    recipe: Optional[str] = None
+    description: Optional[str] = None
+    reference: Optional[Dict[str, Any]] = None
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def loss_kwargs(self) -> Dict[str, Any]:
+        """Hyper-parameters of the KD method: ``loss_args`` plus ``--alpha`` / ``--temperature``."""
+        args = {k: v for k, v in (("alpha", self.alpha), ("temperature", self.temperature)) if v is not None}
+        args.update(self.loss_args)
+        return args
+
+
+FIELDS = {f.name: f for f in fields(RunConfig)}
+_LIST_INT = {"lr_milestones", "gpus"}
+_LIST_STR = {"feature_layers"}
+
+
+def _type_name(name: str) -> str:
+    return str(FIELDS[name].type).replace("typing.", "")
+
+
+def coerce(name: str, value: Any) -> Any:
+    """Convert ``value`` (from YAML or a ``--set`` string) to the type of field ``name``."""
+    if name not in FIELDS:
+        raise KDError(f"unknown option {name!r}{suggest(name, FIELDS)}")
+    default = FIELDS[name].default
+    ftype = _type_name(name)
+    if value is None:
+        if "Optional" in ftype:
+            return None
+        raise KDError(f"option {name!r} cannot be empty")
+    try:
+        if name in _LIST_INT or name in _LIST_STR:
+            if isinstance(value, str):
+                value = [v for v in value.replace(" ", "").split(",") if v]
+            elif isinstance(value, (int, float)):
+                value = [value]
+            return [int(v) for v in value] if name in _LIST_INT else [str(v) for v in value]
+        if name == "loss_args":
+            if not isinstance(value, dict):
+                raise ValueError("a mapping")
+            return dict(value)
+        if name == "reference":
+            return dict(value) if isinstance(value, dict) else {"top1": float(value)}
+        if "bool" in ftype:
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError("true or false")
+        if "int" in ftype and "float" not in ftype and not isinstance(default, float):
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError("an integer")
+            return int(value)
+        if "float" in ftype:
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError) as exc:
+        raise KDError(f"option {name!r}: cannot use {value!r} ({exc})") from None
+
+
+def parse_set(items: List[str]) -> Dict[str, Any]:
+    """``["epochs=5", "loss_args.beta=8"]`` -> ``{"epochs": "5", "loss_args": {"beta": 8}}``."""
+    out: Dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise KDError(f"--set expects key=value, got {item!r}")
+        key, value = item.split("=", 1)
+        key = key.strip().replace("-", "_")
+        if key.startswith("loss_args."):
+            out.setdefault("loss_args", {})[key.split(".", 1)[1]] = yaml.safe_load(value)
+        else:
+            out[key] = value
+    return out
+
+
+def find_recipe(name: str) -> Path:
+    """A recipe by path, or by name under ``recipes/`` (``imagenet/r34_r18_kd``)."""
+    path = Path(name)
+    if path.suffix in (".yaml", ".yml") and path.exists():
+        return path
+    for candidate in (RECIPE_DIR / name, RECIPE_DIR / f"{name}.yaml"):
+        if candidate.is_file():
+            return candidate
+    known = [str(p.relative_to(RECIPE_DIR).with_suffix("")) for p in RECIPE_DIR.rglob("*.yaml")]
+    raise KDError(f"no recipe {name!r}{suggest(name, known)}; see 'kd recipes list'")
+
+
+def load_yaml(path: Union[str, Path], what: str = "recipe") -> Dict[str, Any]:
+    try:
+        with open(path, "r", encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+    except OSError as exc:
+        raise KDError(f"cannot read {what} {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise KDError(f"{what} {path} is not valid YAML{where}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise KDError(f"{what} {path} must be a mapping of option: value")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def apply(cfg: RunConfig, values: Dict[str, Any], source: str) -> RunConfig:
+    """A copy of ``cfg`` with ``values`` applied; ``source`` names where they came from in errors."""
+    changes = {}
+    for key, value in values.items():
+        if key not in FIELDS:
+            raise KDError(f"unknown option {key!r} in {source}{suggest(key, FIELDS)}")
+        if key == "loss_args" and isinstance(value, dict):
+            value = {**cfg.loss_args, **changes.get("loss_args", {}), **value}
+        changes[key] = coerce(key, value)
+    return dataclasses.replace(cfg, **changes)
+
+
+def resolve(recipe: Optional[str] = None, options: Optional[Dict[str, Any]] = None,
+            sets: Optional[List[str]] = None, base: Optional[RunConfig] = None) -> RunConfig:
+    """Defaults (or ``base``) < recipe < ``options`` < ``--set`` items, then validated."""
+    cfg = base or RunConfig()
+    if recipe:
+        path = find_recipe(recipe)
+        cfg = apply(cfg, load_yaml(path), f"recipe {path}")
+        cfg = dataclasses.replace(cfg, recipe=str(recipe))
+    if options:
+        cfg = apply(cfg, options, "the command line")
+    if sets:
+        cfg = apply(cfg, parse_set(sets), "--set")
+    return validate(cfg)
+
+
+def validate(cfg: RunConfig) -> RunConfig:
+    """Checks that need no data, models or devices; returns ``cfg`` unchanged."""
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            raise KDError(msg)
+
+    need(cfg.student is not None, "--student is required (a torchvision model name or timm:NAME)")
+    need(cfg.no_teacher or cfg.teacher is not None, "--teacher is required (or --no-teacher to train the student alone)")
+    need(cfg.data is not None, "--data is required (a folder with train/ and val/ ImageFolders, or 'synthetic')")
+    need(cfg.opt in OPT_LEVELS, f"--opt must be one of {', '.join(OPT_LEVELS)}, got {cfg.opt!r}")
+    need(cfg.device in ("auto", "cpu", "cuda"), f"--device must be auto, cpu or cuda, got {cfg.device!r}")
+    need(cfg.amp_dtype in (None, "float16", "bfloat16"), f"--amp-dtype must be float16 or bfloat16, got {cfg.amp_dtype!r}")
+    need(cfg.amp_impl in ("auto", "native", "apex"), f"--amp-impl must be auto, native or apex, got {cfg.amp_impl!r}")
+    need(cfg.lr_schedule in ("step", "cosine", "constant"), f"--lr-schedule must be step, cosine or constant, got {cfg.lr_schedule!r}")
+    need(cfg.epochs >= 1, "--epochs must be at least 1")
+    need(cfg.batch_size >= 1, "--batch-size must be at least 1")
+    need(cfg.lr > 0, "--lr must be positive")
+    need(0.0 < cfg.min_crop_scale <= 1.0, "--min-crop-scale must be in (0, 1]")
+    need(cfg.image_size >= 8, "--image-size must be at least 8")
+    need(cfg.workers is None or cfg.workers >= 0, "--workers must be 0 or more")
+    need(cfg.mp_context in (None, "fork", "forkserver", "spawn"), f"--mp-context must be fork, forkserver or spawn, got {cfg.mp_context!r}")
+    need(cfg.log_every >= 1, "--log-every must be at least 1")
+    need(cfg.nproc is None or cfg.nproc >= 1, "--nproc must be at least 1")
+    need(cfg.gpus is None or len(set(cfg.gpus)) == len(cfg.gpus), f"--gpus lists a GPU twice: {cfg.gpus}")
+    need(cfg.gpus is None or all(g >= 0 for g in cfg.gpus), f"--gpus must be GPU indices 0, 1, ...: {cfg.gpus}")
+    need(not (cfg.gpus and cfg.device == "cpu"), "--gpus needs --device cuda (or auto), not --device cpu")
+    need(cfg.keep_last >= 1, "--keep-last must be at least 1")
+    need(0.0 <= (cfg.alpha if cfg.alpha is not None else 0.0) <= 1.0, "--alpha must be between 0 and 1")
+    need(cfg.temperature is None or cfg.temperature > 0, "--temperature must be positive")
+    if cfg.no_teacher and cfg.kd_loss not in ("kd", "ce"):
+        raise KDError(f"--no-teacher trains with cross-entropy only; it conflicts with --kd-loss {cfg.kd_loss}")
+    return cfg
+
+
+def save(cfg: RunConfig, path: Union[str, Path]) -> None:
+    with open(path, "w", encoding="utf-8") as fh:
+        yaml.safe_dump(cfg.to_dict(), fh, sort_keys=False)
+
+
+def load(path: Union[str, Path]) -> RunConfig:
+    """A saved ``config.yaml`` (as written by :func:`save`)."""
+    return apply(RunConfig(), load_yaml(path, "saved config"), str(path))
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")

@@ -1,0 +1,4 @@
+"""Datasets, samplers and loaders (CPU-only workers; the GPU pipeline in its own module)."""
+from kd.data.loader import Batch, Data, build
+
+__all__ = ["Batch", "Data", "build"]

@@ -1,0 +1,142 @@
+"""ImageNet-layout folders read with PIL, in CPU-only, picklable, module-level code.
+
+Workers only decode and augment; they never touch CUDA or a model. Randomness comes from
+a per-sample seed carried by the sampler, so augmentation is the same whatever the number
+of workers, the start method, persistent workers, or a resume in the middle of an epoch.
+"""
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from PIL import Image
+
+from kd.errors import KDError
+
+IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+
+def scan_split(root: Path, split: str) -> Tuple[List[str], List[Tuple[str, int]]]:
+    """Class names and (path, label) pairs of ``root/split/<class>/*``; KDError if unusable."""
+    folder = root / split
+    if not folder.is_dir():
+        raise KDError(f"data folder {root} has no {split}/ subfolder (expected {root}/{split}/<class>/*.jpg)")
+    classes = sorted(e.name for e in os.scandir(folder) if e.is_dir() and not e.name.startswith("."))
+    if not classes:
+        raise KDError(f"{folder} has no class folders (expected {folder}/<class>/*.jpg)")
+    samples = []
+    for label, cls in enumerate(classes):
+        for dirpath, _, files in sorted(os.walk(folder / cls, followlinks=True)):
+            for fname in sorted(files):
+                if fname.lower().endswith(IMG_EXTENSIONS):
+                    samples.append((os.path.join(dirpath, fname), label))
+    if not samples:
+        raise KDError(f"{folder} has class folders but no images ({', '.join(IMG_EXTENSIONS[:3])}, ...)")
+    return classes, samples
+
+
+def scan(root: str) -> Tuple[List[str], List[Tuple[str, int]], List[Tuple[str, int]]]:
+    """Classes, train samples and val samples of an ImageNet-layout folder."""
+    path = Path(root)
+    if not path.is_dir():
+        raise KDError(f"data folder {root} does not exist")
+    classes, train = scan_split(path, "train")
+    val_classes, val = scan_split(path, "val")
+    if val_classes != classes:
+        only_train = sorted(set(classes) - set(val_classes))
+        only_val = sorted(set(val_classes) - set(classes))
+        detail = "; ".join(
+            s for s in (f"only in train: {', '.join(only_train[:3])}" if only_train else "",
+                        f"only in val: {', '.join(only_val[:3])}" if only_val else "") if s
+        )
+        raise KDError(f"train/ and val/ of {root} have different classes ({detail})")
+    return classes, train, val
+
+
+def random_resized_crop_params(height: int, width: int, gen: torch.Generator,
+                               scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)) -> Tuple[int, int, int, int]:
+    """(top, left, h, w) drawn as torchvision's RandomResizedCrop.get_params, from ``gen``."""
+    area = height * width
+    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+    for _ in range(10):
+        target_area = area * (scale[0] + (scale[1] - scale[0]) * torch.rand(1, generator=gen).item())
+        aspect = math.exp(log_ratio[0] + (log_ratio[1] - log_ratio[0]) * torch.rand(1, generator=gen).item())
+        w = int(round(math.sqrt(target_area * aspect)))
+        h = int(round(math.sqrt(target_area / aspect)))
+        if 0 < w <= width and 0 < h <= height:
+            top = int(torch.randint(0, height - h + 1, (1,), generator=gen).item())
+            left = int(torch.randint(0, width - w + 1, (1,), generator=gen).item())
+            return top, left, h, w
+    in_ratio = width / height
+    if in_ratio < min(ratio):
+        w, h = width, int(round(width / min(ratio)))
+    elif in_ratio > max(ratio):
+        h, w = height, int(round(height * max(ratio)))
+    else:
+        w, h = width, height
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
+def to_uint8_chw(img: Image.Image) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1).contiguous()
+
+
+class ImageFolderPIL:
+    """(path, label) samples decoded with PIL into uint8 CHW tensors of ``size`` x ``size``.
+
+    Indexed by ``(index, seed)`` pairs (see :class:`kd.data.sampler.SeededSampler`). Train:
+    RandomResizedCrop + horizontal flip; val: resize the short side to ``resize``, centre crop.
+    An unreadable image yields ``None`` plus its path, and the collate function drops it.
+    """
+
+    def __init__(self, samples: Sequence[Tuple[str, int]], size: int, train: bool, resize: Optional[int] = None,
+                 min_scale: float = 0.08):
+        self.samples = list(samples)
+        self.scale = (min_scale, 1.0)
+        self.size = size
+        self.train = train
+        self.resize = resize or int(round(size * 256 / 224))
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, item):
+        index, seed = item if isinstance(item, tuple) else (item, 0)
+        path, label = self.samples[index]
+        try:
+            with Image.open(path) as im:
+                img = im.convert("RGB")
+                img.load()
+        except Exception:  # any decoder failure: truncated, not an image, unreadable
+            return None, label, path
+        if self.train:
+            gen = torch.Generator().manual_seed(seed)
+            top, left, h, w = random_resized_crop_params(img.height, img.width, gen, self.scale)
+            img = img.resize((self.size, self.size), Image.BILINEAR, box=(left, top, left + w, top + h))
+            if torch.rand(1, generator=gen).item() < 0.5:
+                img = img.transpose(Image.FLIP_LEFT_RIGHT)
+        else:
+            scale = self.resize / min(img.width, img.height)
+            new = (max(self.size, int(round(img.width * scale))), max(self.size, int(round(img.height * scale))))
+            img = img.resize(new, Image.BILINEAR)
+            left = (img.width - self.size) // 2
+            top = (img.height - self.size) // 2
+            img = img.crop((left, top, left + self.size, top + self.size))
+        return to_uint8_chw(img), label, path
+
+
+def collate(batch):
+    """Stack the good images; report the bad ones. Module-level so any start method can pickle it."""
+    good = [(img, label) for img, label, _ in batch if img is not None]
+    bad = [path for img, _, path in batch if img is None]
+    if good:
+        images = torch.stack([g[0] for g in good])
+        labels = torch.tensor([g[1] for g in good], dtype=torch.long)
+    else:
+        images = torch.empty(0, 3, 1, 1, dtype=torch.uint8)
+        labels = torch.empty(0, dtype=torch.long)
+    return images, labels, bad

@@ -1,0 +1,172 @@
+"""Loaders the engine iterates: batches of normalised float images and labels on the device.
+
+The DataLoader settings that keep ``num_workers > 0`` safe live here: a module-level,
+picklable dataset and collate function, a deliberate start method, persistent workers,
+pinned memory with non-blocking copies, and worker seeds that differ across workers,
+ranks and epochs. The teacher never runs in a worker.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import sys
+from dataclasses import dataclass, field
+from typing import Iterator, List, Optional
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+from kd.data.folder import ImageFolderPIL, collate, scan
+from kd.data.sampler import SeededSampler
+from kd.errors import KDError
+
+MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
+STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
+
+
+def default_mp_context() -> str:
+    """forkserver on Linux, spawn elsewhere.
+
+    Not fork: a forked worker inherits the parent's CUDA state, threads and loader iterators,
+    the source of 'Cannot re-initialize CUDA in forked subprocess' and 'can only test a child
+    process'. forkserver starts workers from a clean server process (Python 3.14's default on
+    Linux); it needs picklable datasets, which ours are by construction.
+    """
+    methods = multiprocessing.get_all_start_methods()
+    return "forkserver" if sys.platform.startswith("linux") and "forkserver" in methods else "spawn"
+
+
+def default_workers(processes: int) -> int:
+    """min(8, the CPU cores available to each of ``processes`` processes)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(8, cores // max(processes, 1)))
+
+
+def seed_worker(worker_id: int) -> None:
+    """Seed Python's and NumPy's RNGs from torch's per-worker seed (for third-party transforms)."""
+    seed = torch.initial_seed() % 2**32
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+@dataclass
+class Batch:
+    images: torch.Tensor
+    labels: torch.Tensor
+    bad: List[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+
+class DeviceLoader:
+    """A DataLoader plus the move to the device and normalisation there (uint8 crosses the bus)."""
+
+    def __init__(self, loader: DataLoader, sampler: SeededSampler, device: torch.device, channels_last: bool,
+                 limit: Optional[int] = None):
+        self.loader = loader
+        self.sampler = sampler
+        self.device = device
+        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+        self.limit = limit
+        self.mean = torch.tensor(MEAN, device=device).view(1, 3, 1, 1)
+        self.std = torch.tensor(STD, device=device).view(1, 3, 1, 1)
+        self.skipped_batches = 0
+
+    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
+        self.skipped_batches = skip_batches
+        self.sampler.set_epoch(epoch, skip_batches * self.loader.batch_size)
+
+    def __len__(self) -> int:
+        bs = self.loader.batch_size
+        total = self.sampler.total()
+        n = total // bs if self.loader.drop_last and total >= bs else (total + bs - 1) // bs
+        n = n if self.limit is None else min(n, self.limit)
+        return max(n - self.skipped_batches, 0)
+
+    def __iter__(self) -> Iterator[Batch]:
+        remaining = len(self)
+        if remaining == 0:
+            return
+        for images, labels, bad in self.loader:
+            images = images.to(self.device, non_blocking=True).float()
+            images = images.sub_(self.mean).div_(self.std).contiguous(memory_format=self.memory_format)
+            yield Batch(images, labels.to(self.device, non_blocking=True), bad)
+            remaining -= 1
+            if remaining == 0:
+                break
+
+
+class SyntheticLoader:
+    """Random images and labels made on the device: benchmarks of the step without input cost."""
+
+    def __init__(self, batch_size: int, size: int, num_classes: int, steps: int, device: torch.device,
+                 channels_last: bool, seed: int):
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        fmt = torch.channels_last if channels_last else torch.contiguous_format
+        self.images = torch.randn(batch_size, 3, size, size, generator=g).to(device).contiguous(memory_format=fmt)
+        self.labels = torch.randint(0, num_classes, (batch_size,), generator=g).to(device)
+        self.steps = steps
+        self.skipped_batches = 0
+
+    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
+        self.skipped_batches = skip_batches
+
+    def __len__(self) -> int:
+        return max(self.steps - self.skipped_batches, 0)
+
+    def __iter__(self) -> Iterator[Batch]:
+        for _ in range(len(self)):
+            yield Batch(self.images, self.labels)
+
+
+@dataclass
+class Data:
+    train: object
+    val: object
+    classes: List[str]
+    num_train: int
+    num_val: int
+
+
+SYNTHETIC_CLASSES = 1000
+SYNTHETIC_STEPS = 100
+
+
+def build(cfg, num_replicas: int, rank: int, local_batch: int, device: torch.device, channels_last: bool) -> Data:
+    """Train and val loaders for this process: its shard of the data, ``local_batch`` per step."""
+    if cfg.data == "synthetic":
+        n = cfg.num_classes or SYNTHETIC_CLASSES
+        steps = cfg.limit_train_batches or SYNTHETIC_STEPS
+        train = SyntheticLoader(local_batch, cfg.image_size, n, steps, device, channels_last, cfg.seed + rank)
+        val = SyntheticLoader(local_batch, cfg.image_size, n, cfg.limit_val_batches or 2, device, channels_last, cfg.seed + 999)
+        return Data(train, val, [str(i) for i in range(n)], steps * local_batch * num_replicas, 0)
+    classes, train_samples, val_samples = scan(cfg.data)
+    if cfg.loader != "pil":
+        raise KDError(f"unknown --loader {cfg.loader!r}; choose from: pil")
+    train = make_loader(cfg, train_samples, True, num_replicas, rank, local_batch, device, channels_last)
+    val = make_loader(cfg, val_samples, False, num_replicas, rank, local_batch, device, channels_last)
+    return Data(train, val, classes, len(train_samples), len(val_samples))
+
+
+def make_loader(cfg, samples, train: bool, num_replicas: int, rank: int, local_batch: int,
+                device: torch.device, channels_last: bool) -> DeviceLoader:
+    """A PIL loader over ``samples``: shuffled and padded for training, sharded exactly for val."""
+    dataset = ImageFolderPIL(samples, cfg.image_size, train, cfg.val_resize, cfg.min_crop_scale)
+    sampler = SeededSampler(len(dataset), num_replicas, rank, shuffle=train, seed=cfg.seed, pad=train)
+    workers = default_workers(num_replicas) if cfg.workers is None else cfg.workers
+    kwargs = {}
+    if workers > 0:
+        kwargs = dict(multiprocessing_context=cfg.mp_context or default_mp_context(), persistent_workers=True,
+                      prefetch_factor=4, worker_init_fn=seed_worker,
+                      generator=torch.Generator().manual_seed(cfg.seed * 1000 + rank * 2 + int(train)))
+    drop_last = train and len(sampler) >= local_batch
+    loader = DataLoader(dataset, batch_size=local_batch, sampler=sampler, num_workers=workers,
+                        collate_fn=collate, pin_memory=device.type == "cuda", drop_last=drop_last, **kwargs)
+    limit = cfg.limit_train_batches if train else cfg.limit_val_batches
+    return DeviceLoader(loader, sampler, device, channels_last, limit)

@@ -1,0 +1,90 @@
+"""What a run writes: TensorBoard scalars, metrics.jsonl, a progress bar. Main process only.
+
+Other processes get a :class:`NullLogger`: quiet by design, nothing patched.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Dict, Optional
+
+try:
+    from tqdm import tqdm
+except ImportError:  # pragma: no cover - tqdm is a dependency
+    tqdm = None
+
+
+class NullLogger:
+    """The logger of non-main processes: accepts everything, writes nothing."""
+
+    def info(self, msg: str) -> None:
+        pass
+
+    def scalars(self, prefix: str, values: Dict[str, float], step: int) -> None:
+        pass
+
+    def epoch(self, record: Dict[str, float]) -> None:
+        pass
+
+    def progress(self, total: int, desc: str):
+        return _NullBar()
+
+    def close(self) -> None:
+        pass
+
+
+class _NullBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix_str(self, s: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class RunLogger(NullLogger):
+    """Writes ``OUT/tb/`` event files and ``OUT/metrics.jsonl``; prints to stderr."""
+
+    def __init__(self, out: Path, progress_bar: Optional[bool] = None):
+        self.out = Path(out)
+        self._writer = None
+        self.metrics_path = self.out / "metrics.jsonl"
+        self.bar_enabled = sys.stderr.isatty() if progress_bar is None else progress_bar
+
+    @property
+    def writer(self):
+        """The SummaryWriter, made on first use so a run that fails to start leaves no tb/."""
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=str(self.out / "tb"), flush_secs=30)
+        return self._writer
+
+    def info(self, msg: str) -> None:
+        if tqdm is not None and self.bar_enabled:
+            tqdm.write(msg, file=sys.stderr)
+        else:
+            print(msg, file=sys.stderr, flush=True)
+
+    def scalars(self, prefix: str, values: Dict[str, float], step: int) -> None:
+        for key, value in values.items():
+            self.writer.add_scalar(f"{prefix}/{key}", value, step)
+
+    def epoch(self, record: Dict[str, float]) -> None:
+        with open(self.metrics_path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(record) + "\n")
+        step = int(record["epoch"])
+        self.scalars("epoch", {k: v for k, v in record.items() if k != "epoch" and isinstance(v, (int, float))}, step)
+        self.writer.flush()
+
+    def progress(self, total: int, desc: str):
+        if tqdm is None or not self.bar_enabled:
+            return _NullBar()
+        return tqdm(total=total, desc=desc, file=sys.stderr, dynamic_ncols=True, leave=False)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()

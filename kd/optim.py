@@ -1,0 +1,47 @@
+"""SGD with decay on weights only (unless asked), and per-step LR schedules with warm-up."""
+from __future__ import annotations
+
+import bisect
+import math
+from typing import Iterable, Tuple
+
+import torch
+from torch import nn
+
+
+def param_groups(named: Iterable[Tuple[str, nn.Parameter]], weight_decay: float, wd_bn_bias: bool):
+    """Two groups: weights (decayed) and BatchNorm/bias parameters (decayed only with ``wd_bn_bias``)."""
+    decay, no_decay = [], []
+    for _, p in named:
+        if not p.requires_grad:
+            continue
+        (decay if p.ndim > 1 or wd_bn_bias else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def build_optimizer(cfg, named_params) -> torch.optim.Optimizer:
+    groups = param_groups(named_params, cfg.weight_decay, cfg.wd_bn_bias)
+    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0,
+                           foreach=True)
+
+
+def lr_factor(cfg, epoch: float) -> float:
+    """The LR multiplier at fractional ``epoch`` for the configured schedule."""
+    warm = cfg.warmup_epochs
+    if warm > 0 and epoch < warm:
+        return (epoch + 1e-8) / warm
+    if cfg.lr_schedule == "step":
+        return cfg.lr_gamma ** bisect.bisect_right(sorted(cfg.lr_milestones), math.floor(epoch + 1e-9))
+    if cfg.lr_schedule == "cosine":
+        span = max(cfg.epochs - warm, 1e-8)
+        return 0.5 * (1.0 + math.cos(math.pi * min(max(epoch - warm, 0.0) / span, 1.0)))
+    return 1.0
+
+
+def build_scheduler(cfg, optimizer, steps_per_epoch: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Stepped once per optimizer step; ``steps_per_epoch`` converts steps to epochs."""
+    steps = max(steps_per_epoch, 1)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(cfg, step / steps))
