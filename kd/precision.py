@@ -112,8 +112,11 @@ class AutocastPrecision(Precision):
         return torch.autocast(self.device.type, dtype=self.dtype)
 
 
-def make_precision(cfg, device: torch.device) -> Precision:
-    """The native precision object for ``cfg.opt``."""
+def make_precision(cfg, device: torch.device, prefer_apex: bool = False) -> Precision:
+    """The precision object for ``cfg.opt``: native, or real apex.amp where asked and installed.
+
+    ``prefer_apex`` is the backend's wish (apex_ddp); ``--amp-impl`` decides when given.
+    """
     if cfg.opt == "O0":
         return Precision(device)
     dtype = amp_dtype(cfg, device)
