@@ -111,7 +111,12 @@ class Trainer:
 
         self.precision = backend.precision()
         self.logger.info(self.precision.describe())
-        loss = build_loss("ce" if cfg.no_teacher else cfg.kd_loss, num_classes, cfg.loss_kwargs())
+        loss_args = cfg.loss_kwargs()
+        if cfg.no_teacher:  # KD hyper-parameters (from a recipe, say) mean nothing without a teacher
+            from kd.losses.kd import CrossEntropy
+
+            loss_args = {k: v for k, v in loss_args.items() if k in CrossEntropy.defaults}
+        loss = build_loss("ce" if cfg.no_teacher else cfg.kd_loss, num_classes, loss_args)
         student = models.build(cfg.student, num_classes, cfg.student_weights)
         teacher = None
         if loss.needs_teacher:
@@ -139,6 +144,7 @@ class Trainer:
             self._restore(checkpoint.load(resume_from))
             self.logger.info(f"resumed from {resume_from} at epoch {self.epoch + 1}")
         if backend.is_main:  # written once set-up has succeeded, so a failed start leaves no run behind
+            self.out.mkdir(parents=True, exist_ok=True)
             kd_config.save(cfg, self.out / "config.yaml")
 
     # ----------------------------------------------------------------- set-up helpers

@@ -1,0 +1,135 @@
+"""kd train end to end on the CPU: outputs, TensorBoard, checkpoints, frozen teacher, resume, eval."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import kd
+from kd import config as kd_config
+from kd.engine import Trainer
+from conftest import run_kd
+
+TINY = dict(image_size=32, batch_size=8, workers=0, lr=0.05, device="cpu", log_every=1, seed=0)
+
+
+def tiny_cfg(data, out, **kw):
+    opts = dict(TINY, data=str(data), out=str(out), teacher="resnet18", teacher_weights="none",
+                student="resnet18", epochs=2, temperature=2.0)
+    opts.update(kw)
+    return kd_config.resolve(options=opts)
+
+
+def test_cli_run_writes_metrics_tensorboard_checkpoints(image_folder, tmp_path):
+    out = tmp_path / "run"
+    r = run_kd("train", "--data", image_folder, "--teacher", "resnet18", "--teacher-weights", "none",
+               "--student", "resnet18", "--image-size", 32, "-b", 8, "-j", 0, "--epochs", 2, "--device", "cpu",
+               "--log-every", 1, "--out", out)
+    assert r.returncode == 0, r.stderr
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [rec["epoch"] for rec in records] == [1, 2]
+    for key in ("epoch", "train_loss", "train_ce", "train_kd", "val_top1", "val_top5", "lr", "img_per_s", "seconds"):
+        assert key in records[-1]
+    assert 0.0 <= records[-1]["val_top1"] <= 100.0
+    assert (out / "checkpoints" / "last.pt").is_file() and (out / "checkpoints" / "best.pt").is_file()
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert saved["student"] == "resnet18" and saved["batch_size"] == 8 and saved["epochs"] == 2
+
+    events = EventAccumulator(str(out / "tb"))
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    for tag in ("train/loss", "train/ce", "train/kd", "train/lr", "epoch/val_top1", "epoch/train_loss"):
+        assert tag in tags, tags
+    steps = [e.step for e in events.Scalars("train/loss")]
+    assert steps == sorted(steps) and len(steps) == 2 * 3  # 24 images / batch 8 = 3 steps per epoch
+    val = [e.value for e in events.Scalars("epoch/val_top1")]
+    assert val == pytest.approx([rec["val_top1"] for rec in records])
+
+
+def test_teacher_is_frozen_and_unchanged(image_folder, tmp_path):
+    weights = tmp_path / "teacher.pt"
+    torch.manual_seed(1)
+    torch.save(kd.models.build("resnet18", 3).state_dict(), weights)
+    before = torch.load(weights, weights_only=True)
+    cfg = tiny_cfg(image_folder, tmp_path / "run", teacher_weights=str(weights))
+    import backends
+
+    backend = backends.get("single")(cfg)
+    backend.setup()
+    trainer = Trainer(cfg, backend, Path(cfg.out))
+    teacher = trainer.teacher.teacher
+    assert not teacher.training
+    assert all(not p.requires_grad for p in teacher.parameters())
+    opt_params = {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
+    assert not opt_params & {id(p) for p in teacher.parameters()}
+    student_before = {k: v.clone() for k, v in trainer.side.student.state_dict().items()}
+    trainer.fit()
+    after = teacher.state_dict()
+    for key, value in before.items():
+        assert torch.equal(after[key], value), key  # BatchNorm running stats included
+    changed = [k for k, v in trainer.side.student.state_dict().items() if not torch.equal(v, student_before[k])]
+    assert changed, "the student did not train"
+
+
+def _final_params(out: Path):
+    return torch.load(out / "checkpoints" / "last.pt", weights_only=True)
+
+
+def test_resume_equals_uninterrupted_run(image_folder, tmp_path):
+    full = tiny_cfg(image_folder, tmp_path / "full", epochs=3, lr_schedule="cosine", warmup_epochs=1)
+    kd.train(full)
+    part = tiny_cfg(image_folder, tmp_path / "part", epochs=1, lr_schedule="cosine", warmup_epochs=1)
+    kd.train(part)
+    r = run_kd("train", "--out", tmp_path / "part", "--resume", "--epochs", 3)
+    assert r.returncode == 0, r.stderr
+    a, b = _final_params(tmp_path / "full"), _final_params(tmp_path / "part")
+    assert a["epoch"] == b["epoch"] == 3 and a["global_step"] == b["global_step"]
+    for key in a["student"]:
+        assert torch.equal(a["student"][key], b["student"][key]), key
+    ma = [json.loads(x) for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    mb = [json.loads(x) for x in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()]
+    assert len(mb) == 3
+    for ra, rb in zip(ma, mb):
+        for key in ("train_loss", "train_kd", "val_top1", "val_top5", "lr"):
+            assert ra[key] == rb[key], (key, ra, rb)
+
+
+def test_no_teacher_then_eval_matches_metrics(image_folder, tmp_path):
+    out = tmp_path / "base"
+    kd.train(tiny_cfg(image_folder, out, no_teacher=True, teacher=None, epochs=1))
+    rec = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert "train_kd" not in rec and "train_ce" in rec
+    r = run_kd("eval", "--model", "resnet18", "--weights", out / "checkpoints" / "last.pt", "--data", image_folder,
+               "--image-size", 32, "-b", 5, "-j", 0, "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    assert f"top-1 {rec['val_top1']:.2f}" in r.stdout
+    assert "(12 images)" in r.stdout
+
+
+def test_kd_checkpoint_as_teacher_weights(image_folder, tmp_path):
+    """A teacher trained with --no-teacher is a valid --teacher-weights file (the demo's path)."""
+    kd.train(tiny_cfg(image_folder, tmp_path / "t", no_teacher=True, teacher=None, epochs=1))
+    r = kd.train(tiny_cfg(image_folder, tmp_path / "s", teacher_weights=str(tmp_path / "t/checkpoints/best.pt"), epochs=1))
+    assert r["teacher_top1"] == pytest.approx(
+        json.loads((tmp_path / "t/metrics.jsonl").read_text().splitlines()[-1])["val_top1"])
+
+
+def test_demo_runs_through_kd_train(tmp_path):
+    r = run_kd("demo", "--out", tmp_path / "demo", "--epochs", 1)
+    assert r.returncode == 0, r.stderr
+    assert "student timm:resnet10t with KD" in r.stdout
+    for name in ("teacher", "student", "student_kd"):
+        assert (tmp_path / "demo" / name / "metrics.jsonl").is_file()
+        assert list((tmp_path / "demo" / name / "tb").iterdir())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_o1_on_cuda(image_folder, tmp_path):
+    r = kd.train(tiny_cfg(image_folder, tmp_path / "gpu", device="cuda", opt="O1", epochs=2))
+    assert r["train_loss"] == r["train_loss"]  # finite
+    assert "gpu_mem_gb" in r
