@@ -1,0 +1,122 @@
+"""Every bad input ends with one clear line on stderr, exit code 2, and no change to existing files."""
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_image_folder, run_kd
+
+BASE = ["--image-size", "32", "-b", "8", "-j", "0", "--epochs", "1", "--device", "cpu"]
+
+
+class Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /tmp/kd-pwned",))
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """Data, a finished run, and assorted broken files, shared by the cases."""
+    root = tmp_path_factory.mktemp("bad")
+    data = make_image_folder(root / "data")
+    (root / "empty" / "train").mkdir(parents=True)
+    (root / "empty" / "val").mkdir(parents=True)
+    mismatch = make_image_folder(root / "mismatch", classes=3)
+    (mismatch / "val" / "class_02").rename(mismatch / "val" / "other")
+    noimg = root / "noimg"
+    for split in ("train", "val"):
+        (noimg / split / "a").mkdir(parents=True)
+        (noimg / split / "a" / "readme.txt").write_text("not an image")
+    (root / "bad.yaml").write_text("epochs: [1, 2\n")
+    (root / "unknown.yaml").write_text("epochz: 3\n")
+    (root / "list.yaml").write_text("- 1\n- 2\n")
+    torch.save({"conv1.weight": torch.zeros(3)}, root / "wrong.pt")
+    (root / "garbage.pt").write_bytes(b"this is not a checkpoint")
+    with open(root / "evil.pt", "wb") as fh:
+        pickle.dump({"state_dict": Evil()}, fh)
+    run = root / "run"
+    r = run_kd("train", "--data", data, "--teacher", "resnet18", "--teacher-weights", "none",
+               "--student", "resnet18", "--out", run, *BASE)
+    assert r.returncode == 0, r.stderr
+    return root
+
+
+def snapshot(root: Path):
+    out = {}
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            path = Path(dirpath) / name
+            out[str(path)] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return out
+
+
+def T(*extra, data="data", out="new"):
+    return ["train", "--data", f"{{root}}/{data}", "--teacher", "resnet18", "--teacher-weights", "none",
+            "--student", "resnet18", "--out", f"{{root}}/{out}", *BASE, *extra]
+
+
+CASES = {
+    "unknown option": (T("--frobnicate"), "no such option"),
+    "unknown student": (["train", "--data", "{root}/data", "--teacher", "resnet18", "--student", "resnet1B",
+                         "--out", "{root}/new"], "did you mean"),
+    "unknown timm model": (T("--student", "timm:notamodel"), "unknown timm model"),
+    "unknown teacher": (T("--teacher", "vgg99"), "unknown torchvision model"),
+    "missing data": (T(data="nowhere"), "does not exist"),
+    "empty data": (T(data="empty"), "no class folders"),
+    "no images": (T(data="noimg"), "no images"),
+    "class mismatch": (T(data="mismatch"), "different classes"),
+    "missing student": (["train", "--data", "{root}/data", "--teacher", "resnet18", "--out", "{root}/new"], "--student is required"),
+    "bad opt level": (T("--opt", "O7"), "O7"),
+    "bad number": (T("--epochs", "many"), "many"),
+    "zero epochs": (T("--epochs", "0"), "--epochs must be at least 1"),
+    "unknown recipe": (T("--recipe", "imagenet/nope"), "no recipe"),
+    "broken recipe yaml": (T("--recipe", "{root}/bad.yaml"), "not valid YAML"),
+    "unknown recipe key": (T("--recipe", "{root}/unknown.yaml"), "unknown option 'epochz'"),
+    "recipe not a mapping": (T("--recipe", "{root}/list.yaml"), "must be a mapping"),
+    "unknown --set key": (T("--set", "lrr=0.1"), "unknown option 'lrr'"),
+    "--set without =": (T("--set", "lr"), "key=value"),
+    "unknown kd loss": (T("--kd-loss", "kdd"), "unknown KD loss"),
+    "unknown loss arg": (T("--loss-arg", "gamma=2"), "no hyper-parameter gamma"),
+    "unknown backend": (T("--backend", "horovod"), "unknown backend"),
+    "weights do not fit": (T("--teacher-weights", "{root}/wrong.pt"), "do not fit"),
+    "weights missing": (T("--teacher-weights", "{root}/nope.pt"), "does not exist"),
+    "weights garbage": (T("--teacher-weights", "{root}/garbage.pt"), "cannot read weights"),
+    "malicious pickle": (T("--teacher-weights", "{root}/evil.pt"), "refuses"),
+    "resume nothing": (T("--resume", out="fresh"), "nothing to resume"),
+    "resume garbage": (T("--resume", "{root}/garbage.pt"), "cannot load checkpoint"),
+    "out holds a run": (T(out="run"), "already holds a run"),
+    "resume and overwrite": (T("--resume", "--overwrite", out="run"), "contradict"),
+    "cuda without cuda": (T("--device", "cuda"), "CUDA"),
+    "gpus on cpu": (T("--gpus", "0"), "--gpus needs --device cuda"),
+    "alpha out of range": (T("--alpha", "1.5"), "--alpha must be between 0 and 1"),
+    "num classes mismatch": (T("--num-classes", "7"), "class folders"),
+    "no-teacher with dkd": (T("--no-teacher", "--kd-loss", "dkd"), "conflicts"),
+    "fp16 on cpu": (T("--opt", "O1", "--amp-dtype", "float16"), "float16 needs CUDA"),
+    "eval missing weights": (["eval", "--model", "resnet18", "--weights", "{root}/nope.pt", "--data", "{root}/data",
+                              "--device", "cpu"], "does not exist"),
+    "eval without val": (["eval", "--model", "resnet18", "--weights", "none", "--data", "{root}/empty/train",
+                          "--device", "cpu"], "no val/"),
+}
+if torch.cuda.is_available():
+    CASES.pop("cuda without cuda")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_one_line_exit_2_nothing_lost(world, name):
+    args, expected = CASES[name]
+    before = snapshot(world)
+    r = run_kd(*[a.format(root=world) for a in args])
+    lines = [line for line in r.stderr.splitlines() if line.strip() and "Warning" not in line
+             and not line.startswith(("backend ", "precision ", "  "))]
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert "Traceback" not in r.stderr, r.stderr
+    assert len(lines) == 1 and lines[0].startswith("kd: error: "), r.stderr
+    assert expected.lower() in lines[0].lower(), lines[0]
+    assert snapshot(world) == before, "an existing file changed"
+    assert not (world / "new").exists() or not any((world / "new").iterdir())
+    assert not Path("/tmp/kd-pwned").exists()
