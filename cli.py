@@ -156,8 +156,13 @@ def demo(out, epochs, overwrite):
 
 def main(argv=None) -> int:
     """Entry point of the ``kd`` console script: one line and exit code 2 for any user error."""
+    from kd.engine import Interrupted
+
     try:
         cli.main(args=argv, prog_name="kd", standalone_mode=False)
+    except Interrupted as exc:
+        click.echo(f"kd: {exc}", err=True)
+        return 143 if exc.signame == "SIGTERM" else 130
     except KDError as exc:
         click.echo(f"kd: error: {exc}", err=True)
         return 2

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Dict
@@ -52,6 +53,19 @@ def save_atomic(obj: Dict[str, Any], path: Path) -> None:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def copy_atomic(src: Path, dst: Path) -> None:
+    """Copy ``src`` to ``dst`` through a temporary file and a rename."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{Path(dst).name}.", suffix=".tmp", dir=Path(dst).parent)
+    os.close(fd)
+    try:
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, dst)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -2,7 +2,8 @@
 branches on which backend or opt level is in use."""
 from __future__ import annotations
 
-import shutil
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -140,6 +141,10 @@ class Trainer:
         self.global_step = 0
         self.best_top1 = -1.0
         self.bad_images = 0
+        self.meter = Meter(dev)
+        self.nonfinite_now = False
+        self.stop = StopFlag()
+        self.stop_every = min(cfg.log_every, 10)  # steps between stop checks across processes
         if resume_from is not None:
             self._restore(checkpoint.load(resume_from))
             self.logger.info(f"resumed from {resume_from} at epoch {self.epoch + 1}")
@@ -179,6 +184,8 @@ class Trainer:
         self.global_step = state["global_step"]
         self.best_top1 = state["best_top1"]
         self.bad_images = state.get("bad_images", 0)
+        if state.get("meter"):
+            self.meter.load_state_dict(state["meter"])
         rng = state.get("rng", {}).get(str(self.backend.rank))
         if rng is not None:
             checkpoint.set_rng_state(rng)
@@ -198,20 +205,35 @@ class Trainer:
             "global_step": self.global_step,
             "best_top1": self.best_top1,
             "bad_images": self.bad_images,
+            "meter": self.meter.state_dict() if self.batch_in_epoch else None,
             "rng": {str(self.backend.rank): checkpoint.rng_state()},
             "student_name": self.cfg.student,
             "num_classes": self.num_classes,
             "config": self.cfg.to_dict(),
         }
 
-    def save(self, best: bool) -> None:
-        if self.backend.is_main:
-            path = self.out / "checkpoints" / "last.pt"
-            checkpoint.save_atomic(self.state(), path)
-            if best:
-                tmp = path.with_name(".best.pt.tmp")
-                shutil.copyfile(path, tmp)
-                tmp.replace(path.with_name("best.pt"))
+    def save(self, best: bool, step_copy: bool = False) -> None:
+        """Checkpoint on the main process: last.pt (and best.pt, or a step_N.pt copy), atomically.
+
+        A state reached through a non-finite loss is not saved, so the last good one stays.
+        A failed write (disk full) keeps the previous file and stops the run with a clear error.
+        """
+        if self.backend.is_main and self.nonfinite_now:
+            self.logger.info("not checkpointing: the last loss was not finite; the previous checkpoint stays")
+        elif self.backend.is_main:
+            folder = self.out / "checkpoints"
+            path = folder / "last.pt"
+            try:
+                checkpoint.save_atomic(self.state(), path)
+                if best:
+                    checkpoint.copy_atomic(path, folder / "best.pt")
+                if step_copy:
+                    checkpoint.copy_atomic(path, folder / f"step_{self.global_step:08d}.pt")
+                    for old in sorted(folder.glob("step_*.pt"))[:-self.cfg.keep_last]:
+                        old.unlink()
+            except OSError as exc:
+                raise KDError(f"could not write a checkpoint to {folder}: {exc.strerror or exc}; "
+                              f"the previous checkpoint is intact") from None
         self.backend.barrier()
 
     # ----------------------------------------------------------------- the loop
@@ -259,17 +281,8 @@ class Trainer:
         loader.set_epoch(self.epoch, self.batch_in_epoch)
         steps = len(loader) + self.batch_in_epoch
         self.side.train()
-        dev = self.device
-        sums: Dict[str, torch.Tensor] = {}
-        count = torch.zeros((), device=dev)
-        interval: Dict[str, torch.Tensor] = {}
-        interval_n = torch.zeros((), device=dev)
-        streak = torch.zeros((), device=dev)
-        worst = torch.zeros((), device=dev)
-        skipped = torch.zeros((), device=dev)
-        bad_seen = 0
-        images_seen = 0
-        wait = 0.0
+        meter = self.meter
+        interval = Meter(self.device)
         bar = self.logger.progress(steps, f"epoch {self.epoch + 1}/{cfg.epochs}")
         bar.update(self.batch_in_epoch)
         t_interval = time.perf_counter()
@@ -277,13 +290,11 @@ class Trainer:
         while True:
             t0 = time.perf_counter()
             batch = next(it, None)
-            wait += time.perf_counter() - t0
+            meter.wait += time.perf_counter() - t0
             if batch is None:
                 break
-            if batch.bad:
-                bad_seen += len(batch.bad)
-                for path in batch.bad:
-                    self.logger.info(f"skipped unreadable image {path}")
+            for path in batch.bad:
+                self.logger.info(f"skipped unreadable image {path}")
             if len(batch) == 0:
                 raise KDError("a whole batch of images was unreadable; check the data folder")
             images = precision.input_cast(batch.images)
@@ -300,62 +311,139 @@ class Trainer:
             self.scheduler.step()
             self.global_step += 1
             self.batch_in_epoch += 1
-            n = float(len(batch))
-            images_seen += len(batch)
             with torch.no_grad():
-                for k, v in parts.items():
-                    d = v.detach()
-                    sums[k] = sums.get(k, 0.0) + d * n
-                    interval[k] = interval.get(k, 0.0) + d * n
-                count += n
-                interval_n += n
-                finite = torch.isfinite(parts["loss"].detach())
-                streak = torch.where(finite, torch.zeros_like(streak), streak + 1)
-                worst = torch.maximum(worst, streak)
-                skipped += was_skipped.float()
+                for m in (meter, interval):
+                    m.add(parts, len(batch), was_skipped, len(batch.bad))
             bar.update(1)
-            if self.global_step % cfg.log_every == 0 or self.batch_in_epoch == steps:
-                keys = sorted(interval)
-                vec = torch.stack([interval[k] for k in keys] + [interval_n, worst, skipped,
-                                                                  torch.tensor(float(bad_seen), device=dev)])
-                backend.all_reduce_sum(vec)
-                values = vec.tolist()
-                n_all = max(values[len(keys)], 1.0)
-                worst_all, skipped_all, bad_all = values[len(keys) + 1:]
-                elapsed = time.perf_counter() - t_interval
-                scalars = {k: values[i] / n_all for i, k in enumerate(keys)}
-                scalars.update(lr=self.optimizer.param_groups[0]["lr"], img_per_s=n_all / max(elapsed, 1e-9),
-                               skipped_steps=skipped_all, bad_images=self.bad_images + bad_all)
-                scale = precision.loss_scale()
-                if scale is not None:
-                    scalars["loss_scale"] = float(scale)
-                if dev.type == "cuda":
-                    scalars["gpu_mem_gb"] = torch.cuda.memory_allocated(dev) / 2**30
-                self.logger.scalars("train", scalars, self.global_step)
-                bar.set_postfix_str(f"loss {scalars['loss']:.4f} lr {scalars['lr']:.4g} img/s {scalars['img_per_s']:.0f}")
-                if worst_all >= cfg.max_nonfinite_steps:
+            end_of_epoch = self.batch_in_epoch == steps
+            stop_check = self.stop.requested if backend.world_size == 1 else self.global_step % self.stop_every == 0
+            if self.global_step % cfg.log_every == 0 or end_of_epoch or stop_check:
+                stats = interval.reduce(backend, extra=[float(self.stop.requested), meter.worst, meter.streak,
+                                                        float(meter.bad)])
+                stop_all, worst, streak, bad_epoch = stats.pop("_extra")
+                self._log_interval(stats, time.perf_counter() - t_interval, bar)
+                interval = Meter(self.device)
+                t_interval = time.perf_counter()
+                self.nonfinite_now = streak > 0
+                if worst >= cfg.max_nonfinite_steps:
                     raise KDError(
                         f"the loss was not finite for {cfg.max_nonfinite_steps} consecutive steps "
                         f"(epoch {self.epoch + 1}, step {self.global_step}); stopped, the last good checkpoint "
                         f"is {self.out / 'checkpoints' / 'last.pt'}; lower --lr or use --opt O0"
                     )
-                if self.bad_images + bad_all > cfg.max_bad_images:
-                    raise KDError(f"{int(self.bad_images + bad_all)} unreadable images, more than --max-bad-images "
-                                  f"{cfg.max_bad_images}; see the log for their names")
-                interval = {}
-                interval_n = torch.zeros((), device=dev)
-                t_interval = time.perf_counter()
+                if self.bad_images + bad_epoch > cfg.max_bad_images:
+                    raise KDError(f"{int(self.bad_images + bad_epoch)} unreadable images, more than "
+                                  f"--max-bad-images {cfg.max_bad_images}; see the log for their names")
+                if stop_all > 0 and not end_of_epoch:
+                    bar.close()
+                    self.save(best=False)
+                    raise Interrupted(self.stop.signame, self.global_step, self.out)
+            if cfg.save_every_steps and self.global_step % cfg.save_every_steps == 0 and not end_of_epoch:
+                self.save(best=False, step_copy=True)
         bar.close()
-        keys = sorted(sums)
-        vec = torch.stack([sums[k] for k in keys] + [count, skipped, torch.tensor(float(bad_seen), device=dev)])
+        totals = meter.reduce(backend)
+        self.bad_images += int(totals.pop("bad"))
+        totals.update(data_wait_s=meter.wait, bad_images=self.bad_images)
+        self.meter = Meter(self.device)
+        return totals
+
+    def _log_interval(self, stats: Dict[str, float], elapsed: float, bar) -> None:
+        scalars = {k: v for k, v in stats.items() if k not in ("images", "bad")}
+        scalars.update(lr=self.optimizer.param_groups[0]["lr"], img_per_s=stats["images"] / max(elapsed, 1e-9),
+                       bad_images=self.bad_images + self.meter.bad)
+        scale = self.precision.loss_scale()
+        if scale is not None:
+            scalars["loss_scale"] = float(scale)
+        if self.device.type == "cuda":
+            scalars["gpu_mem_gb"] = torch.cuda.memory_allocated(self.device) / 2**30
+        self.logger.scalars("train", scalars, self.global_step)
+        bar.set_postfix_str(f"loss {scalars['loss']:.4f} lr {scalars['lr']:.4g} img/s {scalars['img_per_s']:.0f}")
+
+
+class Interrupted(Exception):
+    """A stop asked for by a signal, after the checkpoint of that exact step was written."""
+
+    def __init__(self, signame: str, step: int, out: Path):
+        self.signame = signame
+        super().__init__(f"stopped by {signame} at step {step}; checkpoint written to {out / 'checkpoints' / 'last.pt'}; "
+                         f"continue with: kd train --out {out} --resume")
+
+
+class StopFlag:
+    """SIGTERM / SIGINT set a flag; the loop stops at the next step boundary it checks."""
+
+    def __init__(self):
+        self.requested = False
+        self.signame = ""
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested and signum == signal.SIGINT:  # a second Ctrl-C: stop now
+            raise KeyboardInterrupt
+        self.requested = True
+        self.signame = signal.Signals(signum).name
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+
+class Meter:
+    """Sums of the loss parts and counters, kept on the device and read only when reduced."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.sums: Dict[str, torch.Tensor] = {}
+        self.count = torch.zeros((), device=device)
+        self.skipped = torch.zeros((), device=device)
+        self.streak = torch.zeros((), device=device)
+        self.worst = torch.zeros((), device=device)
+        self.bad = 0
+        self.wait = 0.0
+
+    def add(self, parts: Dict[str, torch.Tensor], n: int, skipped: torch.Tensor, bad: int) -> None:
+        for k, v in parts.items():
+            self.sums[k] = self.sums.get(k, 0.0) + v.detach() * n
+        self.count += n
+        self.skipped += skipped.float()
+        finite = torch.isfinite(parts["loss"].detach())
+        self.streak = torch.where(finite, torch.zeros_like(self.streak), self.streak + 1)
+        self.worst = torch.maximum(self.worst, self.streak)
+        self.bad += bad
+
+    def reduce(self, backend, extra=()) -> Dict[str, float]:
+        """Means of the parts over every process, and summed counters (one collective)."""
+        keys = sorted(self.sums)
+        tail = [self.count, self.skipped, torch.tensor(float(self.bad), device=self.device)]
+        tail += [torch.as_tensor(x, dtype=torch.float32, device=self.device) for x in extra]
+        vec = torch.stack([self.sums[k] for k in keys] + tail)
         backend.all_reduce_sum(vec)
         values = vec.tolist()
-        n_all = max(values[len(keys)], 1.0)
-        out = {k: values[i] / n_all for i, k in enumerate(keys)}
-        self.bad_images += int(values[-1])
-        out.update(images=values[len(keys)], skipped_steps=values[len(keys) + 1], data_wait_s=wait,
-                   bad_images=self.bad_images)
+        n = max(values[len(keys)], 1.0)
+        out = {k: values[i] / n for i, k in enumerate(keys)}
+        count, skipped, bad = values[len(keys):len(keys) + 3]
+        out.update(images=count, skipped_steps=skipped, bad=bad)
+        if extra:
+            out["_extra"] = values[len(keys) + 3:]
         return out
+
+    def state_dict(self) -> dict:
+        return {"sums": {k: v.cpu() for k, v in self.sums.items()}, "count": self.count.cpu(),
+                "skipped": self.skipped.cpu(), "streak": self.streak.cpu(), "worst": self.worst.cpu(),
+                "bad": self.bad, "wait": self.wait}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sums = {k: v.to(self.device) for k, v in state["sums"].items()}
+        self.count = state["count"].to(self.device)
+        self.skipped = state["skipped"].to(self.device)
+        self.streak = state["streak"].to(self.device)
+        self.worst = state["worst"].to(self.device)
+        self.bad = state["bad"]
+        self.wait = state["wait"]
 
 
 def format_record(record: Dict[str, float], epochs: int) -> str:
@@ -373,8 +461,13 @@ def run_worker(cfg, out: Path, resume_from: Optional[Path] = None) -> Dict[str, 
 
     backend = backends.get(cfg.backend)(cfg)
     backend.setup()
+    trainer = None
     try:
-        return Trainer(cfg, backend, out, resume_from).fit()
+        trainer = Trainer(cfg, backend, out, resume_from)
+        return trainer.fit()
     finally:
+        if trainer is not None:
+            trainer.stop.restore()
+            trainer.logger.close()
         backend.teardown()
 
