@@ -142,7 +142,6 @@ class Trainer:
         self.best_top1 = -1.0
         self.bad_images = 0
         self.meter = Meter(dev)
-        self.nonfinite_now = False
         self.stop = StopFlag()
         self.stop_every = min(cfg.log_every, 10)  # steps between stop checks across processes
         if resume_from is not None:
@@ -218,7 +217,7 @@ class Trainer:
         A state reached through a non-finite loss is not saved, so the last good one stays.
         A failed write (disk full) keeps the previous file and stops the run with a clear error.
         """
-        if self.backend.is_main and self.nonfinite_now:
+        if self.backend.is_main and self.meter.streak.item() > 0:
             self.logger.info("not checkpointing: the last loss was not finite; the previous checkpoint stays")
         elif self.backend.is_main:
             folder = self.out / "checkpoints"
@@ -320,16 +319,17 @@ class Trainer:
             if self.global_step % cfg.log_every == 0 or end_of_epoch or stop_check:
                 stats = interval.reduce(backend, extra=[float(self.stop.requested), meter.worst, meter.streak,
                                                         float(meter.bad)])
-                stop_all, worst, streak, bad_epoch = stats.pop("_extra")
+                stop_all, worst, _, bad_epoch = stats.pop("_extra")
                 self._log_interval(stats, time.perf_counter() - t_interval, bar)
                 interval = Meter(self.device)
                 t_interval = time.perf_counter()
-                self.nonfinite_now = streak > 0
                 if worst >= cfg.max_nonfinite_steps:
+                    last = self.out / "checkpoints" / "last.pt"
+                    kept = f"the last good checkpoint is {last}" if last.exists() else "no checkpoint was written yet"
                     raise KDError(
                         f"the loss was not finite for {cfg.max_nonfinite_steps} consecutive steps "
-                        f"(epoch {self.epoch + 1}, step {self.global_step}); stopped, the last good checkpoint "
-                        f"is {self.out / 'checkpoints' / 'last.pt'}; lower --lr or use --opt O0"
+                        f"(epoch {self.epoch + 1}, step {self.global_step}); stopped, {kept}; "
+                        f"lower --lr, or use --opt O0 or --amp-dtype bfloat16"
                     )
                 if self.bad_images + bad_epoch > cfg.max_bad_images:
                     raise KDError(f"{int(self.bad_images + bad_epoch)} unreadable images, more than "
@@ -345,6 +345,7 @@ class Trainer:
         self.bad_images += int(totals.pop("bad"))
         totals.update(data_wait_s=meter.wait, bad_images=self.bad_images)
         self.meter = Meter(self.device)
+        self.meter.streak = meter.streak  # a non-finite streak spans epochs
         return totals
 
     def _log_interval(self, stats: Dict[str, float], elapsed: float, bar) -> None:

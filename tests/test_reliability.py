@@ -1,0 +1,121 @@
+"""Preemption, kills and non-finite losses lose nothing: exact mid-epoch resume, intact checkpoints."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import kd
+from kd import config as kd_config
+from conftest import ROOT, make_image_folder, run_kd
+
+ARGS = ["--teacher", "resnet18", "--teacher-weights", "none", "--student", "resnet18", "--image-size", "32",
+        "-b", "4", "--epochs", "3", "--device", "cpu", "--lr", "0.02", "--log-every", "1", "-T", "2"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_image_folder(tmp_path_factory.mktemp("rel"), classes=3, train_per_class=16, val_per_class=3)
+
+
+def start(*args):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "cli", *map(str, args)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(pred, proc, timeout=300):
+    deadline = time.time() + timeout
+    while not pred():
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def reference(data, tmp_path, workers):
+    out = tmp_path / "ref"
+    r = run_kd("train", "--data", data, *ARGS, "-j", workers, "--out", out)
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def assert_same_run(a: Path, b: Path):
+    ca = torch.load(a / "checkpoints" / "last.pt", weights_only=True)
+    cb = torch.load(b / "checkpoints" / "last.pt", weights_only=True)
+    assert ca["global_step"] == cb["global_step"]
+    for key, value in ca["student"].items():
+        assert torch.equal(value, cb["student"][key]), key
+    for sa, sb in zip(ca["optimizer"]["state"].values(), cb["optimizer"]["state"].values()):
+        assert torch.equal(sa["momentum_buffer"], sb["momentum_buffer"])
+    ma = [json.loads(x) for x in (a / "metrics.jsonl").read_text().splitlines()]
+    mb = [json.loads(x) for x in (b / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in mb] == [1, 2, 3]
+    for ra, rb in zip(ma, mb):
+        for key in ("train_loss", "train_ce", "train_kd", "train_images", "val_top1", "val_top5", "lr"):
+            assert ra[key] == pytest.approx(rb[key], rel=1e-6, abs=1e-9), (key, ra, rb)
+
+
+@pytest.mark.slow
+def test_sigterm_mid_epoch_then_resume_is_exact(data, tmp_path):
+    ref = reference(data, tmp_path, 2)
+    out = tmp_path / "run"
+    proc = start("train", "--data", data, *ARGS, "-j", 2, "--out", out)
+    wait_for(lambda: (out / "metrics.jsonl").exists(), proc)  # epoch 1 done: now in epoch 2
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 143, err
+    assert "stopped by SIGTERM" in err and f"kd train --out {out} --resume" in err
+    state = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
+    assert 0 < state["batch_in_epoch"] < 12, state["batch_in_epoch"]  # 48 images / batch 4
+    r = run_kd("train", "--out", out, "--resume")
+    assert r.returncode == 0, r.stderr
+    assert_same_run(ref, out)
+
+
+@pytest.mark.slow
+def test_kill_9_after_step_checkpoint_then_resume_is_exact(data, tmp_path):
+    ref = reference(data, tmp_path, 0)
+    out = tmp_path / "run"
+    proc = start("train", "--data", data, *ARGS, "-j", 0, "--out", out, "--save-every-steps", 5, "--keep-last", 2)
+    wait_for(lambda: (out / "checkpoints" / "step_00000015.pt").exists(), proc)  # in epoch 2 of 12 steps each
+    proc.kill()
+    proc.communicate()
+    steps = sorted((out / "checkpoints").glob("step_*.pt"))
+    assert len(steps) <= 2  # --keep-last
+    assert not list((out / "checkpoints").glob("*.tmp"))
+    r = run_kd("train", "--out", out, "--resume")
+    assert r.returncode == 0, r.stderr
+    assert_same_run(ref, out)
+
+
+def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(data, tmp_path):
+    out = tmp_path / "nan"
+    r = run_kd("train", "--data", data, *ARGS, "-j", 0, "--out", out, "--lr", "1e12", "--save-every-steps", "1",
+               "--max-nonfinite-steps", "3", "--epochs", "1")
+    assert r.returncode == 2, r.stderr
+    assert "not finite for 3 consecutive steps" in r.stderr and "Traceback" not in r.stderr
+    state = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
+    assert all(torch.isfinite(v).all() for v in state["student"].values() if v.is_floating_point())
+
+
+def test_checkpoint_write_is_atomic(tmp_path):
+    from kd.checkpoint import save_atomic
+
+    path = tmp_path / "c.pt"
+    save_atomic({"a": torch.ones(3)}, path)
+
+    class Boom:
+        def __reduce__(self):
+            raise OSError(28, "No space left on device")
+
+    with pytest.raises(Exception):
+        save_atomic({"a": torch.zeros(3), "b": Boom()}, path)
+    assert torch.equal(torch.load(path, weights_only=True)["a"], torch.ones(3))
+    assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]
