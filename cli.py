@@ -38,7 +38,7 @@ TRAIN_OPTIONS = [
     (("--alpha",), "alpha", dict(type=float, help="Weight of the label (CE) term [method default].")),
     (("--temperature", "-T"), "temperature", dict(type=float, help="Softmax temperature [method default].")),
     (("--feature-layers",), "feature_layers", dict(metavar="A,B,..", help="Modules tapped by feature methods.")),
-    (("--epochs",), "epochs", dict(type=int, help="Epochs [90].")),
+    (("--epochs",), "epochs", dict(type=int, help="Epochs [100].")),
     (("--batch-size", "-b"), "batch_size", dict(type=int, help="GLOBAL batch size, whatever the backend [256].")),
     (("--lr",), "lr", dict(type=float, help="Peak learning rate [0.1].")),
     (("--momentum",), "momentum", dict(type=float, help="SGD momentum [0.9].")),
@@ -46,7 +46,7 @@ TRAIN_OPTIONS = [
     (("--weight-decay", "--wd"), "weight_decay", dict(type=float, help="Weight decay [1e-4].")),
     (("--wd-bn-bias/--no-wd-bn-bias",), "wd_bn_bias", dict(default=None, help="Decay BatchNorm and bias too [off].")),
     (("--lr-schedule",), "lr_schedule", dict(type=click.Choice(["step", "cosine", "constant"]), help="[step]")),
-    (("--lr-milestones",), "lr_milestones", dict(metavar="E1,E2,..", help="Epochs of the step schedule [30,60,80].")),
+    (("--lr-milestones",), "lr_milestones", dict(metavar="E1,E2,..", help="Epochs of the step schedule [30,60,90].")),
     (("--lr-gamma",), "lr_gamma", dict(type=float, help="Factor at each milestone [0.1].")),
     (("--warmup-epochs",), "warmup_epochs", dict(type=float, help="Linear LR warm-up [0].")),
     (("--grad-clip",), "grad_clip", dict(type=float, help="Clip the gradient norm to this value.")),
@@ -152,6 +152,53 @@ def demo(out, epochs, overwrite):
     from kd.demo import run_demo
 
     run_demo(Path(out), epochs=epochs, overwrite=overwrite)
+
+
+@cli.group()
+def recipes():
+    """The YAML recipes shipped with kd (recipes/)."""
+
+
+@recipes.command("list")
+def recipes_list():
+    """All recipes with the paper's setting and reported top-1."""
+    from kd.recipes import table
+
+    click.echo(table())
+
+
+@recipes.command("show")
+@click.argument("name")
+def recipes_show(name):
+    """Print one recipe (use it with kd train --recipe NAME)."""
+    from kd.recipes import show
+
+    click.echo(show(name), nl=False)
+
+
+@cli.command()
+@click.argument("runs", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--csv", "csv_path", type=click.Path(path_type=Path), help="Also write the table as CSV.")
+def report(runs, csv_path):
+    """Several runs' results as one table: best/last top-1/top-5, reference, difference, wall time."""
+    from kd.report import markdown, report as collect, to_csv
+
+    rows = collect(runs)
+    click.echo(markdown(rows))
+    if csv_path:
+        csv_path.write_text(to_csv(rows))
+
+
+@cli.command("losses")
+def losses_cmd():
+    """The registered KD methods and their hyper-parameters."""
+    from kd.losses import LOSSES
+
+    for name in LOSSES.names():
+        cls = LOSSES.get(name)
+        params = ", ".join(f"{k}={v}" for k, v in cls.defaults.items()) or "-"
+        doc = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
+        click.echo(f"{name:10s} {params:50s} {doc}")
 
 
 def main(argv=None) -> int:

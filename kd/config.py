@@ -50,7 +50,7 @@ class RunConfig:
     loss_args: Dict[str, Any] = field(default_factory=dict)
     feature_layers: Optional[List[str]] = None
     # optimisation
-    epochs: int = 90
+    epochs: int = 100
     batch_size: int = 256  # the GLOBAL batch, whatever the backend
     lr: float = 0.1
     momentum: float = 0.9
@@ -58,7 +58,7 @@ class RunConfig:
     weight_decay: float = 1e-4
     wd_bn_bias: bool = False
     lr_schedule: str = "step"
-    lr_milestones: List[int] = field(default_factory=lambda: [30, 60, 80])
+    lr_milestones: List[int] = field(default_factory=lambda: [30, 60, 90])
     lr_gamma: float = 0.1
     warmup_epochs: float = 0.0
     grad_clip: Optional[float] = None
@@ -216,11 +216,35 @@ def resolve(recipe: Optional[str] = None, options: Optional[Dict[str, Any]] = No
         path = find_recipe(recipe)
         cfg = apply(cfg, load_yaml(path), f"recipe {path}")
         cfg = dataclasses.replace(cfg, recipe=str(recipe))
+    planned = cfg
+    overrides: Dict[str, Any] = {}
     if options:
         cfg = apply(cfg, options, "the command line")
+        overrides.update(options)
     if sets:
-        cfg = apply(cfg, parse_set(sets), "--set")
+        parsed = parse_set(sets)
+        cfg = apply(cfg, parsed, "--set")
+        overrides.update(parsed)
+    if base is None and "epochs" in overrides:
+        cfg = scale_schedule(cfg, planned.epochs, overrides)
     return validate(cfg)
+
+
+def scale_schedule(cfg: RunConfig, planned_epochs: int, overrides: Dict[str, Any]) -> RunConfig:
+    """A shorter (or longer) run keeps the shape of the planned LR schedule.
+
+    When ``epochs`` is overridden (``--epochs 30`` on a 100-epoch recipe, say) and the
+    milestones / warm-up are not, they are scaled by the same factor: 30/60/90 becomes 9/18/27.
+    """
+    if cfg.epochs == planned_epochs or planned_epochs <= 0:
+        return cfg
+    factor = cfg.epochs / planned_epochs
+    changes: Dict[str, Any] = {}
+    if "lr_milestones" not in overrides:
+        changes["lr_milestones"] = sorted({max(1, int(round(m * factor))) for m in cfg.lr_milestones})
+    if "warmup_epochs" not in overrides and cfg.warmup_epochs:
+        changes["warmup_epochs"] = cfg.warmup_epochs * factor
+    return dataclasses.replace(cfg, **changes)
 
 
 def validate(cfg: RunConfig) -> RunConfig:

@@ -1,0 +1,36 @@
+"""``kd recipes list|show``: the YAML recipes shipped in ``recipes/``."""
+from __future__ import annotations
+
+from typing import Dict, List
+
+from kd.config import RECIPE_DIR, find_recipe, load_yaml
+
+
+def names() -> List[str]:
+    return sorted(str(p.relative_to(RECIPE_DIR).with_suffix("")) for p in RECIPE_DIR.rglob("*.yaml"))
+
+
+def summary(name: str) -> Dict[str, object]:
+    data = load_yaml(find_recipe(name))
+    ref = data.get("reference") or {}
+    method = "baseline" if data.get("no_teacher") else data.get("kd_loss", "kd")
+    return {
+        "recipe": name, "teacher": data.get("teacher", "-") if method != "baseline" else "-",
+        "student": data.get("student", "-"), "method": method, "epochs": data.get("epochs", "-"),
+        "batch": data.get("batch_size", "-"), "lr": data.get("lr", "-"),
+        "paper_setup": f"{ref.get('gpus', '?')} GPUs x {ref.get('per_gpu_batch', '?')}" if ref else "-",
+        "reference_top1": ref.get("top1", "-"), "source": ref.get("source", "-"),
+    }
+
+
+def table() -> str:
+    """Every recipe as a markdown table."""
+    rows = [summary(n) for n in names()]
+    cols = ["recipe", "teacher", "student", "method", "epochs", "batch", "lr", "paper_setup", "reference_top1"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def show(name: str) -> str:
+    return find_recipe(name).read_text(encoding="utf-8")
