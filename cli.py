@@ -145,7 +145,7 @@ def eval_cmd(model, weights, data, batch_size, image_size, workers, num_classes,
 
 @cli.command()
 @click.option("--out", "-o", default="runs/demo", show_default=True, metavar="DIR", help="Where the demo runs go.")
-@click.option("--epochs", type=int, default=None, help="Epochs of each run (the demo's default is tuned for 2 cores).")
+@click.option("--epochs", type=int, default=None, help="Epochs of every run [teacher 20, students 6].")
 @click.option("--overwrite", is_flag=True, help="Replace an earlier demo in --out.")
 def demo(out, epochs, overwrite):
     """A real KD experiment on scikit-learn's bundled digits, offline, on the CPU."""
