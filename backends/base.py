@@ -97,6 +97,10 @@ class Backend:
             model = model.module
         return getattr(model, "_orig_mod", model)
 
+    def memory_devices(self):
+        """The CUDA devices this process allocates on (for peak-memory reports); none on the CPU."""
+        return [self.device] if self.device.type == "cuda" else []
+
     def precision(self):
         """The precision object for ``--opt`` (native torch.amp unless a backend says otherwise)."""
         from kd.precision import make_precision

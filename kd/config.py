@@ -85,6 +85,7 @@ class RunConfig:
     keep_last: int = 1
     max_nonfinite_steps: int = 20
     progress_bar: Optional[bool] = None  # None: only on a terminal
+    timing_warmup: int = 0  # > 0: time the steps after this many (kd bench), skip evaluation
     # recipe metadata (not options)
     recipe: Optional[str] = None
     description: Optional[str] = None

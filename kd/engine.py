@@ -143,6 +143,7 @@ class Trainer:
         self.bad_images = 0
         self.meter = Meter(dev)
         self.stop = StopFlag()
+        self.timer = StepTimer(cfg.timing_warmup, backend)
         self.stop_every = min(cfg.log_every, 10)  # steps between stop checks across processes
         if resume_from is not None:
             self._restore(checkpoint.load(resume_from))
@@ -239,7 +240,7 @@ class Trainer:
     def fit(self) -> Dict[str, float]:
         cfg = self.cfg
         record: Dict[str, float] = {}
-        if self.teacher is not None and self.epoch == 0 and self.batch_in_epoch == 0:
+        if self.teacher is not None and self.epoch == 0 and self.batch_in_epoch == 0 and not cfg.timing_warmup:
             teacher_val = evaluate(lambda x: self.teacher(x)[0], self.data.val, self.backend, self.precision)
             self.teacher_top1 = teacher_val["top1"]
             self.logger.info(f"teacher {cfg.teacher}: val top-1 {teacher_val['top1']:.2f}")
@@ -253,7 +254,9 @@ class Trainer:
             record = {"epoch": self.epoch + 1, **{f"train_{k}": v for k, v in train.items()},
                       "lr": self.optimizer.param_groups[0]["lr"], "seconds": seconds}
             record["img_per_s"] = train.get("images", 0) / max(seconds, 1e-9)
-            if (self.epoch + 1) % cfg.eval_every == 0 or last:
+            if self.timer.images:
+                record.update(self.timer.result(self.backend))
+            if ((self.epoch + 1) % cfg.eval_every == 0 or last) and not cfg.timing_warmup:
                 self.side.eval()
                 val = evaluate(self.eval_forward, self.data.val, self.backend, self.precision)
                 record.update(val_top1=val["top1"], val_top5=val["top5"], val_loss=val["loss"])
@@ -310,6 +313,7 @@ class Trainer:
             self.scheduler.step()
             self.global_step += 1
             self.batch_in_epoch += 1
+            self.timer.step(self.global_step, len(batch))
             with torch.no_grad():
                 for m in (meter, interval):
                     m.add(parts, len(batch), was_skipped, len(batch.bad))
@@ -359,6 +363,51 @@ class Trainer:
             scalars["gpu_mem_gb"] = torch.cuda.memory_allocated(self.device) / 2**30
         self.logger.scalars("train", scalars, self.global_step)
         bar.set_postfix_str(f"loss {scalars['loss']:.4f} lr {scalars['lr']:.4g} img/s {scalars['img_per_s']:.0f}")
+
+
+class StepTimer:
+    """Times the steps after ``warmup`` (for ``kd bench``), with device syncs only at its ends."""
+
+    def __init__(self, warmup: int, backend):
+        self.warmup = warmup
+        self.backend = backend
+        self.start = None
+        self.images = 0
+        self.steps = 0
+
+    def _sync(self) -> None:
+        if self.backend.device.type == "cuda":
+            torch.cuda.synchronize(self.backend.device)
+
+    def step(self, global_step: int, n: int) -> None:
+        if not self.warmup or global_step < self.warmup:
+            return
+        if global_step == self.warmup:
+            self._sync()
+            self.backend.barrier()
+            for dev in self.backend.memory_devices():
+                torch.cuda.reset_peak_memory_stats(dev)
+            self.start = time.perf_counter()
+            return
+        self.images += n
+        self.steps += 1
+
+    def result(self, backend) -> Dict[str, object]:
+        self._sync()
+        backend.barrier()
+        seconds = time.perf_counter() - self.start
+        images = torch.tensor(float(self.images), device=backend.device)
+        backend.all_reduce_sum(images)
+        mem = [0.0] * backend.world_size
+        mine = [torch.cuda.max_memory_allocated(d) / 2**30 for d in backend.memory_devices()]
+        slots = torch.zeros(backend.world_size, max(len(mine), 1), device=backend.device)
+        if mine:
+            slots[backend.rank, :len(mine)] = torch.tensor(mine)
+        backend.all_reduce_sum(slots)
+        mem = [round(v, 3) for row in slots.tolist() for v in row if v > 0]
+        return {"timed_steps": self.steps, "timed_seconds": seconds,
+                "timed_img_per_s": images.item() / max(seconds, 1e-9),
+                "s_per_20_iters": 20 * seconds / max(self.steps, 1), "peak_mem_gb": mem}
 
 
 class Interrupted(Exception):
