@@ -189,6 +189,38 @@ def report(runs, csv_path):
         csv_path.write_text(to_csv(rows))
 
 
+@cli.command()
+@click.option("--teacher", default="resnet101", show_default=True)
+@click.option("--student", default="resnet18", show_default=True)
+@click.option("--backends", "backend_list", default="single", show_default=True, help="Comma-separated backends.")
+@click.option("--opt", "opt_list", default="O0,O1", show_default=True, help="Comma-separated opt levels.")
+@click.option("--gpus", default=None, metavar="0,1,3")
+@click.option("--nproc", type=int, default=None, help="Processes per combination on the CPU.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--batch-size", "-b", type=int, default=256, show_default=True, help="Global batch.")
+@click.option("--image-size", type=int, default=224, show_default=True)
+@click.option("--iters", type=int, default=100, show_default=True, help="Timed iterations.")
+@click.option("--warmup", type=int, default=20, show_default=True, help="Untimed iterations first.")
+@click.option("--data", default="synthetic", show_default=True, metavar="DIR|synthetic")
+@click.option("--workers", "-j", type=int, default=None)
+@click.option("--amp-dtype", type=click.Choice(["float16", "bfloat16"]), default=None)
+@click.option("--compile/--no-compile", default=False, show_default=True)
+@click.option("--out", "-o", type=click.Path(path_type=Path), default=Path("runs/bench"), show_default=True)
+@click.option("--timeout", type=float, default=1800, show_default=True, help="Seconds per combination.")
+def bench(teacher, student, backend_list, opt_list, gpus, nproc, device, batch_size, image_size, iters, warmup,
+          data, workers, amp_dtype, compile, out, timeout):
+    """Compare backends x opt levels on this machine: s/20 iters, img/s, peak memory per GPU."""
+    from kd.bench import bench as run_bench, markdown
+
+    args = dict(teacher=teacher, student=student, gpus=gpus, nproc=nproc, device=device, batch_size=batch_size,
+                image_size=image_size, iters=iters, warmup=warmup, data=data, workers=workers,
+                amp_dtype=amp_dtype, compile=compile)
+    rows = run_bench([b for b in backend_list.split(",") if b], [o for o in opt_list.split(",") if o], args, out,
+                     timeout)
+    click.echo(markdown(rows))
+    click.echo(f"\n{out}/bench.csv, bench.json, bench.md{', bench.png' if (out / 'bench.png').exists() else ''}")
+
+
 @cli.command("losses")
 def losses_cmd():
     """The registered KD methods and their hyper-parameters."""

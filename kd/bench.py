@@ -1,0 +1,110 @@
+"""``kd bench``: backend x opt-level comparison, each combination in a fresh process set.
+
+Every combination runs ``kd train`` as a subprocess (the real launch path), times the steps
+after a warm-up, and reports seconds per 20 iterations, images/s, the peak memory of every
+GPU, and the speed-up against the first row that ran (``dp O0`` when asked for).
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+from kd.errors import KDError
+
+COLUMNS = ["backend", "opt", "s_per_20_iters", "img_per_s", "peak_mem_gb", "speedup", "note"]
+
+
+def combo_command(backend: str, opt: str, args: Dict[str, object], out: Path) -> List[str]:
+    cmd = [sys.executable, "-m", "cli", "train", "--backend", backend, "--opt", opt, "--epochs", "1",
+           "--out", str(out), "--overwrite", "--no-progress",
+           "--limit-train-batches", str(args["warmup"] + args["iters"]), "--set", f"timing_warmup={args['warmup']}"]
+    for key in ("teacher", "student", "data", "batch_size", "image_size", "device", "gpus", "nproc", "amp_dtype",
+                "workers", "loader", "compile", "kd_loss"):
+        value = args.get(key)
+        if value is None or value is False:
+            continue
+        flag = "--" + key.replace("_", "-")
+        cmd += [flag] if value is True else [flag, str(value)]
+    if args.get("teacher"):
+        cmd += ["--teacher-weights", "none"]
+    cmd += ["--student-weights", "none"]
+    return cmd
+
+
+def run_combo(backend: str, opt: str, args: Dict[str, object], out: Path, timeout: Optional[float]) -> Dict[str, object]:
+    row: Dict[str, object] = {"backend": backend, "opt": opt}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")])}
+    try:
+        proc = subprocess.run(combo_command(backend, opt, args, out), capture_output=True, text=True, env=env,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {**row, "note": f"timed out after {timeout:.0f}s"}
+    if proc.returncode != 0:
+        lines = [line for line in proc.stderr.splitlines() if line.startswith("kd: error:")]
+        why = lines[-1][len("kd: error: "):] if lines else (proc.stderr.strip().splitlines() or ["failed"])[-1]
+        return {**row, "note": why[:200]}
+    record = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    row.update(s_per_20_iters=round(record["s_per_20_iters"], 3), img_per_s=round(record["timed_img_per_s"], 1),
+               peak_mem_gb="/".join(f"{m:.2f}" for m in record.get("peak_mem_gb", [])) or "-", note="")
+    return row
+
+
+def bench(backends: Sequence[str], opts: Sequence[str], args: Dict[str, object], out: Optional[Path] = None,
+          timeout: Optional[float] = None) -> List[Dict[str, object]]:
+    """All combinations; a combination that cannot run shows why in its row."""
+    if args.get("iters", 0) < 1 or args.get("warmup", 0) < 1:
+        raise KDError("--iters and --warmup must be at least 1")
+    out = Path(out or tempfile.mkdtemp(prefix="kd-bench-"))
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for backend in backends:
+        for opt in opts:
+            print(f"kd bench: {backend} {opt} ...", file=sys.stderr, flush=True)
+            rows.append(run_combo(backend, opt, args, out / "runs" / f"{backend}_{opt}", timeout))
+    base = next((r for r in rows if r["backend"] == "dp" and r["opt"] == "O0" and "img_per_s" in r), None)
+    base = base or next((r for r in rows if "img_per_s" in r), None)
+    for r in rows:
+        r["speedup"] = round(r["img_per_s"] / base["img_per_s"], 2) if base and "img_per_s" in r else "-"
+        for c in COLUMNS:
+            r.setdefault(c, "-")
+    write_outputs(rows, out, f"{base['backend']} {base['opt']}" if base else "-")
+    return rows
+
+
+def markdown(rows: List[Dict[str, object]]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
+    lines += ["| " + " | ".join(str(r[c]) for c in COLUMNS) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_outputs(rows: List[Dict[str, object]], out: Path, baseline: str) -> None:
+    (out / "bench.json").write_text(json.dumps({"baseline": baseline, "rows": rows}, indent=2))
+    with open(out / "bench.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    (out / "bench.md").write_text(markdown(rows) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    ok = [r for r in rows if isinstance(r.get("img_per_s"), (int, float))]
+    if not ok:
+        return
+    fig, ax = plt.subplots(figsize=(max(4, 0.9 * len(ok)), 3.2))
+    ax.bar([f"{r['backend']}\n{r['opt']}" for r in ok], [r["img_per_s"] for r in ok], color="#4a7ab7")
+    ax.set_ylabel("images/s")
+    ax.set_title("kd bench")
+    fig.tight_layout()
+    fig.savefig(out / "bench.png", dpi=120)
+    plt.close(fig)
