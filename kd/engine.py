@@ -104,6 +104,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)  # the same initial student on every process
         num_replicas, rank = backend.data_shard()
         self.data = kd_data.build(cfg, num_replicas, rank, backend.local_batch(cfg.batch_size), dev, channels_last)
+        self.logger.info(self.data.train.describe())
         num_classes = cfg.num_classes or len(self.data.classes)
         if cfg.num_classes and cfg.data != "synthetic" and cfg.num_classes != len(self.data.classes):
             raise KDError(f"--num-classes {cfg.num_classes} but {cfg.data} has {len(self.data.classes)} class folders")
