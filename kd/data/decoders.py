@@ -90,6 +90,7 @@ class NvImageCodec(Decoder):
         kinds = [nvimgcodec.BackendKind.HW_GPU_ONLY, nvimgcodec.BackendKind.GPU_ONLY,
                  nvimgcodec.BackendKind.HYBRID_CPU_GPU]
         # fancy upsampling: chroma interpolated as libjpeg (PIL) does, not replicated
+        self.code_stream = nvimgcodec.CodeStream
         self.decoder = nvimgcodec.Decoder(device_id=device.index, backends=[nvimgcodec.Backend(k) for k in kinds],
                                           options=":fancy_upsampling=1")
         params = nvimgcodec.DecodeParams()
@@ -101,7 +102,11 @@ class NvImageCodec(Decoder):
     def decode(self, blobs):
         stream = torch.cuda.current_stream(self.device).cuda_stream
         arrays = [b.numpy() for b in blobs]
-        out = self.decoder.decode(arrays, params=self.params, cuda_stream=stream)
+        try:
+            out = self.decoder.decode(arrays, params=self.params, cuda_stream=stream)
+        except TypeError:  # versions without implicit array -> code stream conversion
+            arrays = [self.code_stream(a) for a in arrays]
+            out = self.decoder.decode(arrays, params=self.params, cuda_stream=stream)
         if len(out) != len(arrays):  # some versions drop failed images from the list: find them
             out = [self.decoder.decode(a, params=self.params, cuda_stream=stream) for a in arrays]
         return [None if img is None else self._tensor(img) for img in out]

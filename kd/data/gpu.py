@@ -223,6 +223,7 @@ class GpuLoader(DeviceLoader):
         self.decoder = decoder
         self.notes = list(notes)
         self.size = dataset.pil.size
+        self._stage_obj = None
         std = torch.tensor(STD).view(1, 3, 1, 1)
         self.scale = (1.0 / std).to(device)
         self.bias = (-torch.tensor(MEAN).view(1, 3, 1, 1) / std).to(device)
@@ -236,7 +237,11 @@ class GpuLoader(DeviceLoader):
         return text + (f"; skipped decoders: {'; '.join(self.notes)}" if self.notes else "")
 
     def _stages(self):
-        return _CudaStages(self.device) if self.device.type == "cuda" else _HostStages()
+        # made once: the caching allocator keeps freed memory per stream, so new streams every
+        # epoch would strand what the old ones cached
+        if self._stage_obj is None:
+            self._stage_obj = _CudaStages(self.device) if self.device.type == "cuda" else _HostStages()
+        return self._stage_obj
 
     def __iter__(self) -> Iterator[Batch]:
         remaining = len(self)
