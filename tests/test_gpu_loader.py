@@ -282,12 +282,16 @@ def test_same_batches_as_pil_loader_and_mid_epoch_skip(image_folder):
 def test_limit_and_early_stop_leave_no_thread(image_folder):
     cfg = cfg_for(image_folder, image_size=32, limit_train_batches=2)
     data = build(cfg, 1, 0, 4, CPU, False)
-    before = threading.active_count()
+    def decode_threads():
+        return [t for t in threading.enumerate() if t.name == "kd-gpu-decode"]
+
     assert len(batches(data.train)) == 2
+    assert not decode_threads()
     it = iter(data.val)
     next(it)
+    assert len(decode_threads()) == 1
     it.close()  # the consumer stops early
-    assert threading.active_count() == before
+    assert not decode_threads()
 
 
 class BrokenDecoder(CpuThread):
