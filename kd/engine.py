@@ -104,7 +104,6 @@ class Trainer:
         torch.manual_seed(cfg.seed)  # the same initial student on every process
         num_replicas, rank = backend.data_shard()
         self.data = kd_data.build(cfg, num_replicas, rank, backend.local_batch(cfg.batch_size), dev, channels_last)
-        self.logger.info(self.data.train.describe())
         num_classes = cfg.num_classes or len(self.data.classes)
         if cfg.num_classes and cfg.data != "synthetic" and cfg.num_classes != len(self.data.classes):
             raise KDError(f"--num-classes {cfg.num_classes} but {cfg.data} has {len(self.data.classes)} class folders")
@@ -139,6 +138,7 @@ class Trainer:
         if resume_from is not None:
             self._restore(checkpoint.load(resume_from))
             self.logger.info(f"resumed from {resume_from} at epoch {self.epoch + 1}")
+        self.logger.info(self.data.train.describe())  # after set-up, so a failed start stays one line
         if backend.is_main:  # written once set-up has succeeded, so a failed start leaves no run behind
             kd_config.save(cfg, self.out / "config.yaml")
 
