@@ -53,7 +53,7 @@ TRAIN_OPTIONS = [
     (("--image-size",), "image_size", dict(type=int, help="Train crop and val crop size [224].")),
     (("--val-resize",), "val_resize", dict(type=int, help="Val short-side resize [image-size * 256/224].")),
     (("--min-crop-scale",), "min_crop_scale", dict(type=float, help="Smallest crop area of RandomResizedCrop [0.08].")),
-    (("--loader",), "loader", dict(metavar="NAME", help="Input pipeline [pil].")),
+    (("--loader",), "loader", dict(metavar="NAME", help="Input pipeline: pil, or gpu (decode and crop on the GPU) [pil].")),
     (("--workers", "-j"), "workers", dict(type=int, help="DataLoader worker processes per process [8].")),
     (("--mp-context",), "mp_context", dict(type=click.Choice(["fork", "forkserver", "spawn"]), help="Worker start method [forkserver on Linux].")),
     (("--max-bad-images",), "max_bad_images", dict(type=int, help="Unreadable images tolerated before failing [10].")),

@@ -148,6 +148,7 @@ class Trainer:
         if resume_from is not None:
             self._restore(checkpoint.load(resume_from))
             self.logger.info(f"resumed from {resume_from} at epoch {self.epoch + 1}")
+        self.logger.info(self.data.train.describe())  # after set-up, so a failed start stays one line
         if backend.is_main:  # written once set-up has succeeded, so a failed start leaves no run behind
             self.out.mkdir(parents=True, exist_ok=True)
             kd_config.save(cfg, self.out / "config.yaml")

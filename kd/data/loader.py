@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 from kd.data.folder import ImageFolderPIL, collate, scan
 from kd.data.sampler import SeededSampler
 from kd.errors import KDError
+from kd.registry import suggest
 
 MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
@@ -89,6 +90,10 @@ class DeviceLoader:
         n = n if self.limit is None else min(n, self.limit)
         return max(n - self.skipped_batches, 0)
 
+    def describe(self) -> str:
+        return (f"loader pil: PIL decode and crop in {self.loader.num_workers} DataLoader worker(s), "
+                f"normalised on {self.device}")
+
     def __iter__(self) -> Iterator[Batch]:
         remaining = len(self)
         if remaining == 0:
@@ -120,6 +125,9 @@ class SyntheticLoader:
     def __len__(self) -> int:
         return max(self.steps - self.skipped_batches, 0)
 
+    def describe(self) -> str:
+        return f"loader synthetic: random images made on {self.images.device}"
+
     def __iter__(self) -> Iterator[Batch]:
         for _ in range(len(self)):
             yield Batch(self.images, self.labels)
@@ -134,6 +142,7 @@ class Data:
     num_val: int
 
 
+LOADERS = ("pil", "gpu")
 SYNTHETIC_CLASSES = 1000
 SYNTHETIC_STEPS = 100
 
@@ -146,11 +155,14 @@ def build(cfg, num_replicas: int, rank: int, local_batch: int, device: torch.dev
         train = SyntheticLoader(local_batch, cfg.image_size, n, steps, device, channels_last, cfg.seed + rank)
         val = SyntheticLoader(local_batch, cfg.image_size, n, cfg.limit_val_batches or 2, device, channels_last, cfg.seed + 999)
         return Data(train, val, [str(i) for i in range(n)], steps * local_batch * num_replicas, 0)
+    if cfg.loader not in LOADERS:
+        raise KDError(f"unknown --loader {cfg.loader!r}{suggest(cfg.loader, LOADERS)}; choose from: {', '.join(LOADERS)}")
     classes, train_samples, val_samples = scan(cfg.data)
-    if cfg.loader != "pil":
-        raise KDError(f"unknown --loader {cfg.loader!r}; choose from: pil")
-    train = make_loader(cfg, train_samples, True, num_replicas, rank, local_batch, device, channels_last)
-    val = make_loader(cfg, val_samples, False, num_replicas, rank, local_batch, device, channels_last)
+    make = make_loader
+    if cfg.loader == "gpu":
+        from kd.data.gpu import make_gpu_loader as make
+    train = make(cfg, train_samples, True, num_replicas, rank, local_batch, device, channels_last)
+    val = make(cfg, val_samples, False, num_replicas, rank, local_batch, device, channels_last)
     return Data(train, val, classes, len(train_samples), len(val_samples))
 
 
@@ -158,6 +170,14 @@ def make_loader(cfg, samples, train: bool, num_replicas: int, rank: int, local_b
                 device: torch.device, channels_last: bool) -> DeviceLoader:
     """A PIL loader over ``samples``: shuffled and padded for training, sharded exactly for val."""
     dataset = ImageFolderPIL(samples, cfg.image_size, train, cfg.val_resize, cfg.min_crop_scale)
+    loader, sampler = make_data_loader(cfg, dataset, collate, train, num_replicas, rank, local_batch, device)
+    limit = cfg.limit_train_batches if train else cfg.limit_val_batches
+    return DeviceLoader(loader, sampler, device, channels_last, limit)
+
+
+def make_data_loader(cfg, dataset, collate_fn, train: bool, num_replicas: int, rank: int, local_batch: int,
+                     device: torch.device):
+    """The DataLoader and SeededSampler over ``dataset``, with the worker settings of the module docstring."""
     sampler = SeededSampler(len(dataset), num_replicas, rank, shuffle=train, seed=cfg.seed, pad=train)
     workers = default_workers(num_replicas) if cfg.workers is None else cfg.workers
     kwargs = {}
@@ -167,6 +187,5 @@ def make_loader(cfg, samples, train: bool, num_replicas: int, rank: int, local_b
                       generator=torch.Generator().manual_seed(cfg.seed * 1000 + rank * 2 + int(train)))
     drop_last = train and len(sampler) >= local_batch
     loader = DataLoader(dataset, batch_size=local_batch, sampler=sampler, num_workers=workers,
-                        collate_fn=collate, pin_memory=device.type == "cuda", drop_last=drop_last, **kwargs)
-    limit = cfg.limit_train_batches if train else cfg.limit_val_batches
-    return DeviceLoader(loader, sampler, device, channels_last, limit)
+                        collate_fn=collate_fn, pin_memory=device.type == "cuda", drop_last=drop_last, **kwargs)
+    return loader, sampler

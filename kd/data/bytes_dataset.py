@@ -1,0 +1,189 @@
+"""The worker side of ``--loader gpu``: file bytes, crop boxes and flips, no pixels.
+
+CPU workers read each file, take the image size from the JPEG frame header (no decoding)
+and draw the crop from the sample's seed with the same generator calls as the PIL path, so
+both loaders augment a sample identically. A batch crosses to the main process as ONE uint8
+tensor of concatenated bitstreams plus lengths (one tensor per image is slow to pass between
+processes). Files the device decoders cannot take (not a JPEG, CMYK, 12-bit, arithmetic
+coded, no end-of-image marker) go through the PIL path in the worker and arrive as finished
+crops; files PIL cannot read either arrive as bad paths. Module-level and picklable.
+"""
+from __future__ import annotations
+
+from typing import List, NamedTuple, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from kd.data.folder import ImageFolderPIL, random_resized_crop_params
+
+#: Frame types a device decoder takes: baseline, extended sequential and progressive Huffman.
+DEVICE_SOF = (0xC0, 0xC1, 0xC2)
+#: How far from the end of a file the end-of-image marker is looked for.
+EOI_WINDOW = 4096
+_STANDALONE = {0x01, 0xD0, 0xD1, 0xD2, 0xD3, 0xD4, 0xD5, 0xD6, 0xD7, 0xD8}
+_NOT_SOF = {0xC4, 0xC8, 0xCC}
+
+ENCODED, PIXELS, PIL_CROP, BAD = "encoded", "pixels", "pil", "bad"
+
+
+def jpeg_size(data: bytes, frame_types: Sequence[int] = DEVICE_SOF) -> Optional[Tuple[int, int]]:
+    """(height, width) of an 8-bit, 1- or 3-component Huffman JPEG with an end marker, else None.
+
+    Reads the markers up to the frame header only; None means "let PIL decode this file".
+    """
+    n = len(data)
+    if n < 4 or data[0] != 0xFF or data[1] != 0xD8 or data.rfind(b"\xff\xd9", max(0, n - EOI_WINDOW)) < 0:
+        return None
+    pos = 2
+    while pos + 4 <= n:
+        if data[pos] != 0xFF:
+            return None
+        marker = data[pos + 1]
+        if marker == 0xFF:  # fill byte
+            pos += 1
+            continue
+        if marker in _STANDALONE:
+            pos += 2
+            continue
+        if marker in (0xD9, 0xDA):  # end of image or a scan before any frame header
+            return None
+        length = (data[pos + 2] << 8) | data[pos + 3]
+        if length < 2:
+            return None
+        if 0xC0 <= marker <= 0xCF and marker not in _NOT_SOF:
+            if marker not in frame_types or pos + 10 > n:
+                return None
+            precision, components = data[pos + 4], data[pos + 9]
+            height = (data[pos + 5] << 8) | data[pos + 6]
+            width = (data[pos + 7] << 8) | data[pos + 8]
+            if precision != 8 or components not in (1, 3) or height == 0 or width == 0:
+                return None
+            return height, width
+        pos += 2 + length
+    return None
+
+
+def train_box(height: int, width: int, seed: int, scale=(0.08, 1.0)) -> Tuple[Tuple[int, int, int, int], bool]:
+    """RandomResizedCrop box ``(x1, y1, x2, y2)`` and the flip coin, drawn exactly as the PIL path."""
+    gen = torch.Generator().manual_seed(seed)
+    top, left, h, w = random_resized_crop_params(height, width, gen, scale)
+    flip = torch.rand(1, generator=gen).item() < 0.5
+    return (left, top, left + w, top + h), flip
+
+
+def val_box(height: int, width: int, size: int, resize: int) -> Tuple[float, float, float, float]:
+    """The source box of the PIL path's val transform: short side to ``resize``, centre ``size`` crop."""
+    scale = resize / min(width, height)
+    new_w, new_h = max(size, int(round(width * scale))), max(size, int(round(height * scale)))
+    left, top = (new_w - size) // 2, (new_h - size) // 2
+    sx, sy = width / new_w, height / new_h
+    return left * sx, top * sy, (left + size) * sx, (top + size) * sy
+
+
+class Sample(NamedTuple):
+    kind: str  # ENCODED, PIXELS, PIL_CROP or BAD
+    data: Optional[np.ndarray]  # bitstream bytes, or decoded CHW pixels, or the PIL crop (CHW uint8)
+    height: int
+    width: int
+    box: Tuple[float, float, float, float]
+    flip: bool
+    label: int
+    path: str
+    index: int
+    seed: int
+
+
+class JpegBytes:
+    """``(index, seed)`` -> a :class:`Sample` for the device pipeline (see the module docstring).
+
+    ``frame_types``: the JPEG frame types the device decoder takes (others go through PIL).
+    ``decode_in_worker=True`` makes the workers decode JPEGs on the CPU (torchvision's
+    libjpeg-turbo) and send pixels instead of bitstreams: the fallback where no device decoder
+    exists; crop and resize still run batched in the main process.
+    """
+
+    def __init__(self, samples: Sequence[Tuple[str, int]], size: int, train: bool, resize: Optional[int] = None,
+                 min_scale: float = 0.08, decode_in_worker: bool = False, frame_types: Sequence[int] = DEVICE_SOF):
+        self.pil = ImageFolderPIL(samples, size, train, resize, min_scale)
+        self.decode_in_worker = decode_in_worker
+        self.frame_types = tuple(frame_types)
+
+    @property
+    def samples(self) -> List[Tuple[str, int]]:
+        return self.pil.samples
+
+    def __len__(self) -> int:
+        return len(self.pil)
+
+    def box(self, height: int, width: int, seed: int):
+        """``(box, flip)`` of one sample: its train crop, or the val centre crop."""
+        if self.pil.train:
+            return train_box(height, width, seed, self.pil.scale)
+        return val_box(height, width, self.pil.size, self.pil.resize), False
+
+    def __getitem__(self, item) -> Sample:
+        index, seed = item if isinstance(item, tuple) else (item, 0)
+        path, label = self.pil.samples[index]
+        try:
+            with open(path, "rb") as fh:
+                data = fh.read()
+        except OSError:
+            return Sample(BAD, None, 0, 0, (0, 0, 0, 0), False, label, path, index, seed)
+        size = jpeg_size(data, self.frame_types)
+        if size is not None:
+            box, flip = self.box(size[0], size[1], seed)
+            array = np.frombuffer(data, dtype=np.uint8)
+            if not self.decode_in_worker:
+                return Sample(ENCODED, array, size[0], size[1], box, flip, label, path, index, seed)
+            pixels = cpu_decode(array)
+            if pixels is not None and tuple(pixels.shape[1:]) == size:
+                return Sample(PIXELS, pixels, size[0], size[1], box, flip, label, path, index, seed)
+        return self.pil_sample(index, seed)
+
+    def pil_sample(self, index: int, seed: int) -> Sample:
+        """The PIL path's crop of one sample, or a BAD sample."""
+        img, label, path = self.pil[(index, seed)]
+        if img is None:
+            return Sample(BAD, None, 0, 0, (0, 0, 0, 0), False, label, path, index, seed)
+        return Sample(PIL_CROP, img.numpy(), img.shape[1], img.shape[2], (0, 0, 0, 0), False, label, path, index, seed)
+
+
+def cpu_decode(array: np.ndarray) -> Optional[np.ndarray]:
+    """A JPEG decoded to CHW uint8 RGB by torchvision on the CPU, or None if it fails."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    try:
+        return decode_jpeg(torch.from_numpy(array.copy()), mode=ImageReadMode.RGB).numpy()
+    except RuntimeError:
+        return None
+
+
+def collate_packed(batch: Sequence[Sample]) -> dict:
+    """One batch as a few tensors: the device samples packed into ``data`` (one uint8 tensor).
+
+    Keys: ``data``, ``lengths`` (bytes per device sample), ``shapes`` (height, width), ``boxes``
+    (x1, y1, x2, y2 in source pixels), ``flips``, ``labels``, ``index``, ``seeds``, ``paths``,
+    ``pixels`` (True when ``data`` holds decoded CHW pixels, not bitstreams); ``pil_images`` and
+    ``pil_labels``: finished crops of the PIL path; ``bad``: paths nothing could read.
+    """
+    dev = [s for s in batch if s.kind in (ENCODED, PIXELS)]
+    pil = [s for s in batch if s.kind == PIL_CROP]
+    arrays = [s.data.reshape(-1) for s in dev]
+    pil_images = (torch.from_numpy(np.stack([s.data for s in pil])) if pil
+                  else torch.empty(0, 3, 1, 1, dtype=torch.uint8))
+    return {
+        "data": torch.from_numpy(np.concatenate(arrays)) if arrays else torch.empty(0, dtype=torch.uint8),
+        "lengths": torch.tensor([a.size for a in arrays], dtype=torch.long),
+        "shapes": torch.tensor([(s.height, s.width) for s in dev], dtype=torch.long).view(-1, 2),
+        "boxes": torch.tensor([s.box for s in dev], dtype=torch.float32).view(-1, 4),
+        "flips": torch.tensor([s.flip for s in dev], dtype=torch.bool),
+        "labels": torch.tensor([s.label for s in dev], dtype=torch.long),
+        "index": torch.tensor([s.index for s in dev], dtype=torch.long),
+        "seeds": torch.tensor([s.seed for s in dev], dtype=torch.long),
+        "paths": [s.path for s in dev],
+        "pixels": bool(dev) and dev[0].kind == PIXELS,
+        "pil_images": pil_images,
+        "pil_labels": torch.tensor([s.label for s in pil], dtype=torch.long),
+        "bad": [s.path for s in batch if s.kind == BAD],
+    }

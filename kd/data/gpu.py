@@ -1,0 +1,343 @@
+"""``--loader gpu``: JPEG bytes from CPU workers, decoded, cropped and normalised on the device.
+
+Each stage works one batch ahead of the next:
+
+1. DataLoader workers read file bytes and draw each crop box from the sample's seed
+   (:mod:`kd.data.bytes_dataset`); a batch arrives as one packed uint8 tensor.
+2. A decode thread turns a packed batch into device images on the *decode* stream
+   (:mod:`kd.data.decoders`); the decoders release the GIL while they work, and the thread does
+   little else, so the training step's Python thread is not held up by it.
+3. The main thread enqueues, on the *prep* stream, one roi_align per image size (crop and
+   resize of the whole group at once), the per-sample flip and the normalisation; then it hands
+   over the batch before: the consumer's stream waits on an event and the tensors are recorded
+   on it. So batch k+1 is cropped, and k+2 decoded, while the step of batch k runs.
+
+Decoded images stay referenced until the prep stream has read them (an event per batch), so no
+decoder writes into memory a pending kernel still reads. Without CUDA the same code runs on
+CPU tensors, with no streams: that is how CI tests it. Images the device decoder refuses go
+through PIL (the workers for non-JPEGs, this module for decoder failures); files PIL cannot
+read either are reported in ``Batch.bad`` as the PIL path does.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections import deque
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torchvision.ops  # noqa: F401  (registers torch.ops.torchvision.roi_align)
+
+from kd.data.bytes_dataset import BAD, JpegBytes, collate_packed
+from kd.data.decoders import Decoder, make_decoder
+from kd.data.loader import MEAN, STD, Batch, DeviceLoader, make_data_loader
+
+#: Environment override of the decoder choice: auto, nvimgcodec, nvjpeg, cpu, cpu-thread.
+DECODER_ENV = "KD_GPU_DECODER"
+#: Largest float32 stack handed to one roi_align call (elements; 2**27 is 512 MiB).
+MAX_STACK_ELEMENTS = 1 << 27
+
+
+def crop_resize(images: Sequence[torch.Tensor], boxes: torch.Tensor, size: int,
+                max_elements: int = MAX_STACK_ELEMENTS) -> torch.Tensor:
+    """Box ``(x1, y1, x2, y2)`` of each ``(3, H, W)`` uint8 image resized to ``size`` x ``size``.
+
+    Returns ``(N, 3, size, size)`` float32 in 0..255, in the order of ``images``. Images of one
+    size are stacked and cropped by one roi_align: ``aligned=True`` puts pixel centres at +0.5
+    as PIL does, and adaptive sampling takes ceil(box / size) bilinear samples per output pixel
+    and axis, an area filter when reducing (close to PIL's antialiased bilinear). ``boxes`` is
+    an ``(N, 4)`` float32 CPU tensor.
+    """
+    n = len(images)
+    device = images[0].device
+    groups: Dict[Tuple[int, int], List[int]] = {}
+    for i, img in enumerate(images):
+        groups.setdefault((int(img.shape[-2]), int(img.shape[-1])), []).append(i)
+    chunks: List[List[int]] = []
+    for (h, w), members in groups.items():
+        step = max(1, max_elements // (3 * h * w))
+        chunks.extend(members[s:s + step] for s in range(0, len(members), step))
+    order = [i for chunk in chunks for i in chunk]
+    pin = device.type == "cuda"
+    rois = torch.empty(n, 5, pin_memory=pin)
+    rois[:, 0] = torch.cat([torch.arange(len(chunk), dtype=torch.float32) for chunk in chunks])
+    rois[:, 1:] = boxes[order]
+    rois = rois.to(device, non_blocking=True)
+    outs, start = [], 0
+    for chunk in chunks:
+        stack = images[chunk[0]].unsqueeze(0) if len(chunk) == 1 else torch.stack([images[i] for i in chunk])
+        # the op itself: torchvision.ops.roi_align swaps in a slow Python version in deterministic mode
+        outs.append(torch.ops.torchvision.roi_align(stack.float(), rois[start:start + len(chunk)], 1.0,
+                                                    size, size, -1, True))
+        start += len(chunk)
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    if order != list(range(n)):
+        inverse = torch.empty(n, dtype=torch.long, pin_memory=pin)
+        inverse[torch.tensor(order)] = torch.arange(n)
+        out = out.index_select(0, inverse.to(device, non_blocking=True))
+    return out
+
+
+class _CudaStages:
+    """The decode and prep streams, and the events between them and the consumer."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.decode = torch.cuda.Stream(device)
+        self.prep = torch.cuda.Stream(device)
+
+    def enter_decode_thread(self) -> None:
+        torch.cuda.set_device(self.device)
+        torch.cuda.set_stream(self.decode)
+
+    def decoded(self):
+        event = torch.cuda.Event()
+        event.record(self.decode)
+        return event
+
+    @contextmanager
+    def preparing(self, after):
+        with torch.cuda.stream(self.prep):
+            self.prep.wait_event(after)
+            yield
+
+    def prepared(self):
+        event = torch.cuda.Event()
+        event.record(self.prep)
+        return event
+
+    def hand_over(self, tensors: Sequence[torch.Tensor], event) -> None:
+        current = torch.cuda.current_stream(self.device)
+        current.wait_event(event)
+        for t in tensors:
+            t.record_stream(current)
+
+    @staticmethod
+    def done(event) -> bool:
+        return event.query()
+
+    def finish(self) -> None:
+        self.decode.synchronize()
+        self.prep.synchronize()
+
+
+class _HostStages:
+    """The same steps on the CPU: nothing to wait for."""
+
+    def enter_decode_thread(self) -> None:
+        pass
+
+    def decoded(self):
+        return None
+
+    def preparing(self, after):
+        return nullcontext()
+
+    def prepared(self):
+        return None
+
+    def hand_over(self, tensors, event) -> None:
+        pass
+
+    @staticmethod
+    def done(event) -> bool:
+        return True
+
+    def finish(self) -> None:
+        pass
+
+
+@dataclass
+class _Decoded:
+    host: dict
+    images: List[Optional[torch.Tensor]]  # per device sample; None: decoder failed
+    fallback: List[torch.Tensor]  # PIL crops of the failures PIL could read
+    fallback_labels: List[int]
+    bad: List[str]
+    event: object  # decode finished (on the decode stream)
+
+
+_END = object()
+
+
+class _Failed:
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+class _DecodeThread:
+    """Pulls packed batches and decodes them, ``depth`` batches ahead; exceptions reach ``get``."""
+
+    def __init__(self, batches: Iterator[dict], decode: Callable[[dict], _Decoded], stages, depth: int = 2):
+        self.batches = batches
+        self.decode = decode
+        self.stages = stages
+        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="kd-gpu-decode", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.stages.enter_decode_thread()
+            for host in self.batches:
+                if self.stopping.is_set() or not self._put(self.decode(host)):
+                    return
+            self._put(_END)
+        except BaseException as exc:  # handed to the consumer, raised there
+            self._put(_Failed(exc))
+
+    def _put(self, item) -> bool:
+        while not self.stopping.is_set():
+            try:
+                self.queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def get(self) -> Optional[_Decoded]:
+        item = self.queue.get()
+        if isinstance(item, _Failed):
+            raise item.exc
+        return None if item is _END else item
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.thread.join()
+        while not self.queue.empty():
+            self.queue.get_nowait()
+
+
+class GpuLoader(DeviceLoader):
+    """The loader of ``--loader gpu``: same interface as :class:`DeviceLoader`, batches of
+    normalised float images and labels on the device (see the module docstring)."""
+
+    def __init__(self, loader, sampler, device: torch.device, channels_last: bool, limit: Optional[int],
+                 dataset: JpegBytes, decoder: Decoder, notes: Sequence[str] = ()):
+        super().__init__(loader, sampler, device, channels_last, limit)
+        self.dataset = dataset
+        self.decoder = decoder
+        self.notes = list(notes)
+        self.size = dataset.pil.size
+        self._stage_obj = None
+        std = torch.tensor(STD).view(1, 3, 1, 1)
+        self.scale = (1.0 / std).to(device)
+        self.bias = (-torch.tensor(MEAN).view(1, 3, 1, 1) / std).to(device)
+
+    def describe(self) -> str:
+        where = ("on side CUDA streams, one batch ahead of the step" if self.device.type == "cuda"
+                 else "on the CPU (no CUDA device)")
+        text = (f"loader gpu: file bytes from {self.loader.num_workers} DataLoader worker(s); "
+                f"decoder {self.decoder.name}: {self.decoder.describe()}; "
+                f"crop+resize: one roi_align per image size, {where}")
+        return text + (f"; skipped decoders: {'; '.join(self.notes)}" if self.notes else "")
+
+    def _stages(self):
+        # made once: the caching allocator keeps freed memory per stream, so new streams every
+        # epoch would strand what the old ones cached
+        if self._stage_obj is None:
+            self._stage_obj = _CudaStages(self.device) if self.device.type == "cuda" else _HostStages()
+        return self._stage_obj
+
+    def __iter__(self) -> Iterator[Batch]:
+        remaining = len(self)
+        if remaining == 0:
+            return
+        stages = self._stages()
+        feeder = _DecodeThread(iter(self.loader), lambda host: self._decode(host, stages), stages)
+        retire: deque = deque()  # (event, decoded batch) kept until the prep stream has read it
+        pending = None
+        try:
+            while True:
+                staged = None
+                if remaining - (pending is not None) > 0:
+                    item = feeder.get()
+                    if item is not None:
+                        staged = self._prepare(item, stages)
+                        retire.append((staged[3], item))
+                if pending is not None:
+                    images, labels, bad, event = pending
+                    stages.hand_over((images, labels), event)
+                    yield Batch(images, labels, bad)
+                    remaining -= 1
+                while retire and stages.done(retire[0][0]):
+                    retire.popleft()
+                if staged is None:
+                    break
+                pending = staged
+        finally:
+            feeder.close()
+            stages.finish()
+            retire.clear()
+
+    def _decode(self, host: dict, stages) -> _Decoded:
+        """Decode-thread work for one batch: device images, plus PIL for what the decoder refused."""
+        images = self.decoder.images(host)
+        fallback, labels, bad = [], [], list(host["bad"])
+        for i, img in enumerate(images):
+            if img is None:
+                sample = self.dataset.pil_sample(int(host["index"][i]), int(host["seeds"][i]))
+                if sample.kind == BAD:
+                    bad.append(sample.path)
+                else:
+                    fallback.append(torch.from_numpy(sample.data))
+                    labels.append(sample.label)
+        return _Decoded(host, images, fallback, labels, bad, stages.decoded())
+
+    def _prepare(self, item: _Decoded, stages):
+        """Main-thread work for one batch, enqueued on the prep stream: crop, flip, normalise."""
+        host, dev = item.host, self.device
+        parts, labels = [], []
+        with stages.preparing(item.event):
+            keep = [i for i, img in enumerate(item.images) if img is not None]
+            if keep:
+                boxes, flips, kept_labels = host["boxes"], host["flips"], host["labels"]
+                if len(keep) < len(item.images):
+                    index = torch.tensor(keep)
+                    boxes, flips, kept_labels = boxes[index], flips[index], kept_labels[index]
+                crops = crop_resize([item.images[i] for i in keep], boxes, self.size)
+                flips = flips.to(dev, non_blocking=True).view(-1, 1, 1, 1)
+                parts.append(torch.where(flips, crops.flip(3), crops))
+                labels.append(kept_labels)
+            finished = [host["pil_images"]] if host["pil_labels"].numel() else []
+            if item.fallback:
+                finished.append(torch.stack(item.fallback))
+            if finished:
+                parts.append(torch.cat(finished).to(dev, non_blocking=True).float())
+                labels += [host["pil_labels"], torch.tensor(item.fallback_labels, dtype=torch.long)]
+            if parts:
+                x = parts[0] if len(parts) == 1 else torch.cat(parts)
+            else:
+                x = torch.empty(0, 3, self.size, self.size, device=dev)
+            images = torch.empty(x.shape, device=dev, memory_format=self.memory_format)
+            torch.addcmul(self.bias, x, self.scale, out=images)
+            label_host = torch.cat(labels) if labels else torch.empty(0, dtype=torch.long)
+            label_dev = label_host.to(dev, non_blocking=True)
+            event = stages.prepared()
+        return images, label_dev, item.bad, event
+
+
+_SHARED: Dict[Tuple[str, str], Tuple[Decoder, List[str]]] = {}
+
+
+def shared_decoder(device: torch.device, choice: str) -> Tuple[Decoder, List[str]]:
+    """One decoder per device and choice in a process (train and val loaders share it)."""
+    key = (str(device), choice)
+    if key not in _SHARED:
+        _SHARED[key] = make_decoder(device, choice)
+    return _SHARED[key]
+
+
+def make_gpu_loader(cfg, samples, train: bool, num_replicas: int, rank: int, local_batch: int,
+                    device: torch.device, channels_last: bool) -> GpuLoader:
+    """A ``--loader gpu`` loader over ``samples``, sampled exactly as the PIL loader."""
+    decoder, notes = shared_decoder(device, os.environ.get(DECODER_ENV, "auto").strip() or "auto")
+    dataset = JpegBytes(samples, cfg.image_size, train, cfg.val_resize, cfg.min_crop_scale,
+                        decode_in_worker=decoder.in_workers, frame_types=decoder.frame_types)
+    loader, sampler = make_data_loader(cfg, dataset, collate_packed, train, num_replicas, rank, local_batch, device)
+    limit = cfg.limit_train_batches if train else cfg.limit_val_batches
+    return GpuLoader(loader, sampler, decoder.device, channels_last, limit, dataset, decoder, notes)

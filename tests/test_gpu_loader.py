@@ -1,0 +1,408 @@
+"""--loader gpu: header parsing, crop distribution, pixel parity with the PIL path, bad files,
+mid-epoch skip, the decode thread, the CLI; device tests carry the gpu marker."""
+from __future__ import annotations
+
+import io
+import math
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torchvision.transforms import RandomResizedCrop
+
+from conftest import make_image_folder, run_kd
+from kd import config as kd_config
+from kd.data import build
+from kd.data import gpu as gpu_mod
+from kd.data.bytes_dataset import JpegBytes, collate_packed, jpeg_size, train_box, val_box
+from kd.data.decoders import BASELINE_ONLY, CpuThread, DECODERS, make_decoder, pil_rgb
+from kd.data.folder import ImageFolderPIL
+from kd.data.gpu import GpuLoader, crop_resize, make_gpu_loader
+from kd.data.loader import MEAN, STD, make_data_loader, make_loader
+from kd.data.sampler import sample_seed
+from kd.errors import KDError
+
+CPU = torch.device("cpu")
+pytestmark = pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities of TorchVision")
+
+
+def natural_image(rng, width: int, height: int) -> np.ndarray:
+    """Smooth colour regions, a few edges and texture, mild noise: JPEG-like content."""
+    coarse = Image.fromarray((rng.random((height // 24 + 2, width // 24 + 2, 3)) * 255).astype(np.uint8))
+    img = np.asarray(coarse.resize((width, height), Image.BICUBIC), dtype=np.float32)
+    y, x = np.mgrid[0:height, 0:width]
+    img = img + 25 * np.sin(x / 7.0 + y / 11.0)[..., None]
+    for _ in range(4):
+        x0, y0 = rng.integers(0, width - 10), rng.integers(0, height - 10)
+        img[y0:y0 + rng.integers(5, height // 2), x0:x0 + rng.integers(5, width // 2)] = rng.random(3) * 255
+    img += rng.normal(0, 5, img.shape)
+    return np.clip(img, 0, 255).astype(np.uint8)
+
+
+def jpeg_bytes(array: np.ndarray, **kw) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(array).save(buf, format="JPEG", quality=kw.pop("quality", 90), **kw)
+    return buf.getvalue()
+
+
+def natural_folder(root: Path, sizes=((200, 150), (150, 200), (181, 97)), per_class: int = 4, classes: int = 2) -> Path:
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        for c in range(classes):
+            folder = root / split / f"c{c}"
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(per_class):
+                w, h = sizes[(i + c) % len(sizes)]
+                (folder / f"{i}.jpg").write_bytes(jpeg_bytes(natural_image(rng, w, h)))
+    return root
+
+
+def cfg_for(data, **kw):
+    opts = dict(data=str(data), teacher="resnet18", student="resnet18", workers=0, image_size=64, batch_size=8,
+                loader="gpu", device="cpu")
+    opts.update(kw)
+    return kd_config.resolve(options=opts)
+
+
+def batches(loader, epoch=0, skip=0):
+    loader.set_epoch(epoch, skip)
+    return list(loader)
+
+
+def unnormalise(images: torch.Tensor) -> torch.Tensor:
+    return images.float().cpu() * torch.tensor(STD).view(1, 3, 1, 1) + torch.tensor(MEAN).view(1, 3, 1, 1)
+
+
+@pytest.fixture(scope="module")
+def nat_folder(tmp_path_factory):
+    return natural_folder(tmp_path_factory.mktemp("natural"))
+
+
+# ----------------------------------------------------------------------------- JPEG headers
+def test_jpeg_size_reads_the_frame_header(tmp_path):
+    rng = np.random.default_rng(1)
+    colour, grey = natural_image(rng, 61, 43), natural_image(rng, 30, 52)[..., 0]
+    assert jpeg_size(jpeg_bytes(colour)) == (43, 61)
+    assert jpeg_size(jpeg_bytes(colour, subsampling=0)) == (43, 61)  # 4:4:4
+    assert jpeg_size(jpeg_bytes(grey)) == (52, 30)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation: still the stored size (PIL's plain open does not rotate either)
+    assert jpeg_size(jpeg_bytes(colour, exif=exif.tobytes())) == (43, 61)
+    progressive = jpeg_bytes(colour, progressive=True)
+    assert jpeg_size(progressive) == (43, 61)
+    assert jpeg_size(progressive, BASELINE_ONLY) is None
+    cmyk = io.BytesIO()
+    Image.fromarray(colour).convert("CMYK").save(cmyk, format="JPEG")
+    assert jpeg_size(cmyk.getvalue()) is None  # 4 components: PIL converts those
+    png = io.BytesIO()
+    Image.fromarray(colour).save(png, format="PNG")
+    assert jpeg_size(png.getvalue()) is None
+    data = jpeg_bytes(colour)
+    assert jpeg_size(data[: len(data) // 2]) is None  # truncated: no end marker
+    assert jpeg_size(b"\xff\xd8 not really a jpeg \xff\xd9") is None
+    assert jpeg_size(b"") is None
+
+
+# ----------------------------------------------------------------------------- crop distribution
+def _ks(a: np.ndarray, b: np.ndarray) -> float:
+    """Two-sample Kolmogorov-Smirnov statistic."""
+    a, b = np.sort(a), np.sort(b)
+    grid = np.concatenate([a, b])
+    return float(np.abs(np.searchsorted(a, grid, "right") / len(a) - np.searchsorted(b, grid, "right") / len(b)).max())
+
+
+def _box_stats(top, left, h, w, height, width):
+    return h * w / (height * width), math.log(w / h), (left + w / 2) / width, (top + h / 2) / height
+
+
+@pytest.mark.parametrize("height,width", [(375, 500), (100, 1000)])
+def test_crop_distribution_matches_torchvision(height, width):
+    n = 4000
+    crit = 1.95 * math.sqrt(2 / n)  # KS at alpha = 0.001
+    ours, flips = [], 0
+    for i in range(n):
+        (x1, y1, x2, y2), flip = train_box(height, width, sample_seed(0, 3, i))
+        assert 0 <= x1 < x2 <= width and 0 <= y1 < y2 <= height
+        ours.append(_box_stats(y1, x1, y2 - y1, x2 - x1, height, width))
+        flips += flip
+    img = torch.empty(3, height, width)
+
+    def reference(scale, ratio, seed):
+        torch.manual_seed(seed)
+        return np.array([_box_stats(*RandomResizedCrop.get_params(img, scale, ratio), height, width) for _ in range(n)])
+
+    ours = np.array(ours)
+    ref = reference((0.08, 1.0), (3 / 4, 4 / 3), 1)
+    for k, what in enumerate(("area fraction", "log aspect", "centre x", "centre y")):
+        assert _ks(ours[:, k], ref[:, k]) < crit, what
+        assert abs(ours[:, k].mean() - ref[:, k].mean()) < 4 * ref[:, k].std() / math.sqrt(n) + 1e-9, what
+    assert abs(flips / n - 0.5) < 4 * math.sqrt(0.25 / n)
+    # the same test tells apart distributions only slightly wrong: it cannot pass by accident
+    assert _ks(reference((0.2, 1.0), (3 / 4, 4 / 3), 2)[:, 0], ref[:, 0]) > 3 * crit
+    assert _ks(reference((0.08, 1.0), (0.6, 1.6), 3)[:, 1], ref[:, 1]) > 3 * crit
+
+
+def test_boxes_and_flips_are_the_pil_paths(nat_folder):
+    """Same sample seed -> same crop and flip as ImageFolderPIL (the same generator calls)."""
+    from kd.data.folder import random_resized_crop_params, scan
+
+    _, train, _ = scan(str(nat_folder))
+    dataset = JpegBytes(train, 64, True)
+    for index in range(len(train)):
+        seed = sample_seed(5, 2, index)
+        sample = dataset[(index, seed)]
+        gen = torch.Generator().manual_seed(seed)
+        with Image.open(train[index][0]) as im:
+            top, left, h, w = random_resized_crop_params(im.height, im.width, gen)
+        assert sample.box == (left, top, left + w, top + h)
+        assert sample.flip == (torch.rand(1, generator=gen).item() < 0.5)
+
+
+# ----------------------------------------------------------------------------- batched crop
+def test_crop_resize_identity_and_order():
+    rng = np.random.default_rng(2)
+    images = [torch.from_numpy(natural_image(rng, w, h)).permute(2, 0, 1).contiguous()
+              for w, h in ((40, 30), (30, 40), (40, 30), (25, 25), (40, 30))]
+    boxes = torch.tensor([[0, 0, 40, 30], [0, 0, 30, 40], [3, 2, 33, 32], [0, 0, 25, 25], [10, 0, 40, 30]],
+                         dtype=torch.float32)
+    out = crop_resize(images, boxes, 24)
+    assert out.shape == (5, 3, 24, 24) and out.dtype == torch.float32
+    single = [torch.ops.torchvision.roi_align(img[None].float(), torch.cat([torch.zeros(1), b])[None], 1.0,
+                                              24, 24, -1, True) for img, b in zip(images, boxes)]
+    assert torch.allclose(out, torch.cat(single), atol=1e-4)  # grouping keeps the input order
+    assert torch.allclose(crop_resize(images, boxes, 24, max_elements=3 * 40 * 30), out, atol=1e-4)  # chunked
+    same = crop_resize([images[3]], torch.tensor([[0, 0, 25, 25]], dtype=torch.float32), 25)
+    assert torch.allclose(same[0], images[3].float(), atol=1e-3)  # full box at full size: the pixels
+
+
+# ----------------------------------------------------------------------------- pixel parity
+@pytest.mark.parametrize("decoder", ["cpu", "cpu-thread"])
+@pytest.mark.parametrize("train", [False, True])
+def test_pixels_match_the_pil_path(nat_folder, monkeypatch, decoder, train):
+    monkeypatch.setenv(gpu_mod.DECODER_ENV, decoder)
+    cfg = cfg_for(nat_folder)
+    from kd.data.folder import scan
+
+    _, train_s, val_s = scan(str(nat_folder))
+    samples = train_s if train else val_s
+    gpu = make_gpu_loader(cfg, samples, train, 1, 0, 8, CPU, False)
+    pil = make_loader(cfg, samples, train, 1, 0, 8, CPU, False)
+    assert gpu.decoder.name == decoder
+    for epoch in (0, 1):
+        for g, p in zip(batches(gpu, epoch), batches(pil, epoch), strict=True):
+            assert torch.equal(g.labels, p.labels)
+            diff = (unnormalise(g.images) - unnormalise(p.images)).abs()
+            per_image = diff.mean(dim=(1, 2, 3))
+            assert per_image.max() < (2.5 if train else 2.0), per_image  # a wrong box or flip is tens of levels
+            assert diff.mean() < 1.5
+
+
+# ----------------------------------------------------------------------------- bad and odd files
+def odd_folder(root: Path):
+    rng = np.random.default_rng(3)
+    folder = root / "val" / "c0"
+    folder.mkdir(parents=True)
+    (root / "train" / "c0").mkdir(parents=True)
+    good = jpeg_bytes(natural_image(rng, 90, 70))
+    for i in range(3):
+        (folder / f"good{i}.jpg").write_bytes(jpeg_bytes(natural_image(rng, 90 + i, 70)))
+    (root / "train" / "c0" / "a.jpg").write_bytes(good)
+    Image.fromarray(natural_image(rng, 80, 60)).save(folder / "png_named.jpg", format="PNG")
+    Image.fromarray(natural_image(rng, 80, 60)).convert("CMYK").save(folder / "cmyk.jpg", format="JPEG")
+    (folder / "progressive.jpg").write_bytes(jpeg_bytes(natural_image(rng, 77, 55), progressive=True))
+    (folder / "garbage.jpg").write_bytes(b"this is not an image" * 20)
+    (folder / "truncated.jpg").write_bytes(good[: len(good) // 2])
+    sos = good.find(b"\xff\xda")
+    (folder / "broken_scan.jpg").write_bytes(good[:sos] + b"\xff\xda\x00\x02" + good[sos + 20:])  # header fine
+    return root, {str(folder / n) for n in ("garbage.jpg", "truncated.jpg", "broken_scan.jpg")}
+
+
+@pytest.mark.parametrize("decoder", ["cpu", "cpu-thread"])
+def test_bad_images_are_counted_and_named(tmp_path, monkeypatch, decoder):
+    monkeypatch.setenv(gpu_mod.DECODER_ENV, decoder)
+    root, bad = odd_folder(tmp_path)
+    from kd.data.folder import scan
+
+    _, _, val = scan(str(root))
+    cfg = cfg_for(root)
+    gpu = make_gpu_loader(cfg, val, False, 1, 0, 4, CPU, False)
+    pil = make_loader(cfg, val, False, 1, 0, 4, CPU, False)
+    got, ref = batches(gpu), batches(pil)
+    assert {p for b in got for p in b.bad} == bad == {p for b in ref for p in b.bad}
+    g = unnormalise(torch.cat([b.images for b in got if len(b)]))
+    r = unnormalise(torch.cat([b.images for b in ref if len(b)]))
+    assert len(g) == len(r) == len(val) - len(bad)
+    # PNG, CMYK and progressive files arrive too, each as close to its PIL crop as a JPEG is
+    dist = (g[:, None] - r[None]).abs().mean(dim=(2, 3, 4))
+    assert dist.min(dim=0).values.max() < 2.0
+
+
+class FlakyDecoder(CpuThread):
+    """Fails every second image, as a device decoder failing on a file PIL still reads."""
+
+    name = "flaky"
+
+    def decode(self, blobs):
+        return [None if i % 2 else img for i, img in enumerate(super().decode(blobs))]
+
+
+def test_decoder_failures_go_through_pil(nat_folder):
+    from kd.data.folder import scan
+
+    _, _, val = scan(str(nat_folder))
+    cfg = cfg_for(nat_folder)
+    dataset = JpegBytes(val, 64, False)
+    dl, sampler = make_data_loader(cfg, dataset, collate_packed, False, 1, 0, 8, CPU)
+    flaky = GpuLoader(dl, sampler, CPU, False, None, dataset, FlakyDecoder(CPU))
+    pil = make_loader(cfg, val, False, 1, 0, 8, CPU, False)
+    for g, p in zip(batches(flaky), batches(pil), strict=True):
+        assert sorted(g.labels.tolist()) == sorted(p.labels.tolist()) and not g.bad
+        dist = (unnormalise(g.images)[:, None] - unnormalise(p.images)[None]).abs().mean(dim=(2, 3, 4))
+        assert dist.min(dim=0).values.max() < 2.0
+
+
+# ----------------------------------------------------------------------------- loader behaviour
+def test_same_batches_as_pil_loader_and_mid_epoch_skip(image_folder):
+    cfg = cfg_for(image_folder, workers=2, image_size=32)
+    gpu = build(cfg, 1, 0, 8, CPU, False)
+    pil = build(kd_config.resolve(options={**cfg.to_dict(), "loader": "pil"}), 1, 0, 8, CPU, False)
+    full = batches(gpu.train, epoch=1)
+    assert len(full) == len(gpu.train) == 3
+    assert [b.labels.tolist() for b in full] == [b.labels.tolist() for b in batches(pil.train, epoch=1)]
+    resumed = batches(gpu.train, epoch=1, skip=1)
+    assert len(gpu.train) == 2 and len(resumed) == 2
+    for a, b in zip(full[1:], resumed, strict=True):
+        assert torch.equal(a.labels, b.labels) and torch.allclose(a.images, b.images)
+    assert "loader gpu" in gpu.train.describe() and "decoder cpu" in gpu.train.describe()
+
+
+def test_limit_and_early_stop_leave_no_thread(image_folder):
+    cfg = cfg_for(image_folder, image_size=32, limit_train_batches=2)
+    data = build(cfg, 1, 0, 4, CPU, False)
+    def decode_threads():
+        return [t for t in threading.enumerate() if t.name == "kd-gpu-decode"]
+
+    assert len(batches(data.train)) == 2
+    assert not decode_threads()
+    it = iter(data.val)
+    next(it)
+    assert len(decode_threads()) == 1
+    it.close()  # the consumer stops early
+    assert not decode_threads()
+
+
+class BrokenDecoder(CpuThread):
+    name = "broken"
+
+    def decode(self, blobs):
+        raise RuntimeError("decoder exploded")
+
+
+def test_decode_thread_errors_reach_the_consumer(image_folder):
+    from kd.data.folder import scan
+
+    _, train, _ = scan(str(image_folder))
+    cfg = cfg_for(image_folder)
+    dataset = JpegBytes(train, 32, True)
+    dl, sampler = make_data_loader(cfg, dataset, collate_packed, True, 1, 0, 8, CPU)
+    with pytest.raises(RuntimeError, match="decoder exploded"):
+        list(GpuLoader(dl, sampler, CPU, False, None, dataset, BrokenDecoder(CPU)))
+
+
+def test_decoder_choice(monkeypatch):
+    decoder, notes = make_decoder(CPU)
+    assert decoder.name == "cpu" and decoder.in_workers
+    assert any("nvjpeg" in n for n in notes) and any("nvimgcodec" in n for n in notes)
+    assert set(DECODERS) == {"nvimgcodec", "nvjpeg", "cpu", "cpu-thread"}
+    if not torch.cuda.is_available():
+        with pytest.raises(KDError, match="nvjpeg cannot run"):
+            make_decoder(CPU, "nvjpeg")
+    with pytest.raises(KDError, match="choose from"):
+        make_decoder(CPU, "dali")
+    thread, _ = make_decoder(CPU, "cpu-thread")
+    assert thread.frame_types == (0xC0, 0xC1, 0xC2)  # it passed the progressive self-check too
+
+
+def test_unknown_loader_lists_the_choices(image_folder):
+    with pytest.raises(KDError, match="choose from: pil, gpu"):
+        build(cfg_for(image_folder, loader="dali"), 1, 0, 8, CPU, False)
+
+
+def test_val_box_is_the_pil_resize_and_centre_crop():
+    # 500x375 -> short side 256 -> 341x256, centre 224 crop at (58, 16) in resized pixels
+    x1, y1, x2, y2 = val_box(375, 500, 224, 256)
+    assert (x1, y1) == pytest.approx((58 * 500 / 341, 16 * 375 / 256))
+    assert (x2 - x1, y2 - y1) == pytest.approx((224 * 500 / 341, 224 * 375 / 256))
+
+
+def test_cli_train_with_gpu_loader(image_folder, tmp_path):
+    r = run_kd("train", "--data", image_folder, "--teacher", "resnet18", "--teacher-weights", "none",
+               "--student", "resnet18", "--image-size", 32, "-b", 8, "--workers", 2, "--epochs", 1,
+               "--device", "cpu", "--loader", "gpu", "--out", tmp_path / "run")
+    assert r.returncode == 0, r.stderr
+    assert "loader gpu" in r.stderr and "decoder cpu" in r.stderr, r.stderr
+    assert (tmp_path / "run" / "metrics.jsonl").is_file()
+
+
+# ----------------------------------------------------------------------------- on a GPU
+@pytest.mark.parametrize("name", ["nvjpeg", "nvimgcodec"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_device_decoders_match_pil(name):
+    device = torch.device("cuda", 0)
+    if DECODERS[name].unavailable(device):
+        pytest.skip(DECODERS[name].unavailable(device))
+    decoder, _ = make_decoder(device, name)
+    rng = np.random.default_rng(4)
+    jpegs = [jpeg_bytes(natural_image(rng, w, h)) for w, h in ((500, 375), (375, 500), (333, 500), (97, 181))]
+    jpegs.append(jpeg_bytes(natural_image(rng, 120, 90)[..., 0]))
+    out = decoder.decode([torch.frombuffer(bytearray(j), dtype=torch.uint8) for j in jpegs])
+    torch.cuda.synchronize()
+    for img, j in zip(out, jpegs, strict=True):
+        assert img.device.type == "cuda" and img.dtype == torch.uint8
+        ref = pil_rgb(j)
+        got = img.permute(1, 2, 0).cpu().numpy()
+        assert got.shape == ref.shape
+        assert np.abs(got.astype(np.float32) - ref).mean() < 3.0  # decoders differ by a level or two
+    assert decoder.describe()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("train", [False, True])
+def test_cuda_loader_matches_the_cpu_path(nat_folder, monkeypatch, train):
+    from kd.data.folder import scan
+
+    _, train_s, val_s = scan(str(nat_folder))
+    samples = train_s if train else val_s
+    cfg = cfg_for(nat_folder, device="cuda")
+    device = torch.device("cuda", 0)
+    gpu = make_gpu_loader(cfg, samples, train, 1, 0, 8, device, True)
+    assert gpu.decoder.name in ("nvimgcodec", "nvjpeg"), gpu.describe()
+    monkeypatch.setenv(gpu_mod.DECODER_ENV, "cpu")
+    cpu = make_gpu_loader(cfg, samples, train, 1, 0, 8, CPU, False)
+    quiet = batches(gpu)
+    for g, c in zip(quiet, batches(cpu), strict=True):
+        assert g.images.is_cuda and g.images.is_contiguous(memory_format=torch.channels_last)
+        assert torch.equal(g.labels.cpu(), c.labels)
+        assert (unnormalise(g.images) - unnormalise(c.images)).abs().mean() < 3.0
+    # a busy consumer stream must not change what it reads (events, record_stream)
+    gpu.set_epoch(0)
+    big = torch.randn(4096, 4096, device=device)
+    for g, q in zip(gpu, quiet, strict=True):
+        for _ in range(20):
+            big = (big @ big).tanh_()
+        assert torch.equal(g.images, q.images) and torch.equal(g.labels, q.labels)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cli_train_with_gpu_loader_on_cuda(image_folder, tmp_path):
+    r = run_kd("train", "--data", image_folder, "--teacher", "resnet18", "--teacher-weights", "none",
+               "--student", "resnet18", "--image-size", 32, "-b", 8, "--workers", 2, "--epochs", 1,
+               "--device", "cuda", "--loader", "gpu", "--out", tmp_path / "run")
+    assert r.returncode == 0, r.stderr
+    assert "loader gpu" in r.stderr and "side CUDA streams" in r.stderr, r.stderr
