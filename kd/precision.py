@@ -20,13 +20,13 @@ inf/NaN gradients (the step is skipped and counted), double after 2000 finite st
 Numerics that hold at every level:
 
 * Teacher logits enter the KD loss in float32 (the engine's TeacherSide casts them, and the
-  KD module also computes its softmaxes in float32). The dark knowledge lives in the small
-  probabilities the teacher gives the wrong classes. A log-softmax in float16, divided by a
-  low temperature, loses them: logits are rounded to ~3 significant digits (bfloat16: ~2), so
-  gaps between non-top classes smaller than that spacing disappear, and probabilities below
-  float16's ~6e-8 flush to zero, so KL's ``p_t * (log p_t - log p_s)`` terms and the gradient
-  ``p_s - p_t`` for those classes go wrong. Casting the logits up is exact; only the softmax
-  needs the range and precision, so it runs in float32.
+  KD module computes its softmaxes in float32). The dark knowledge lives in the small
+  probabilities the teacher gives the wrong classes. A log-softmax in float16 at a low
+  temperature loses them: ``logits / T`` is rounded again to ~3 significant digits (bfloat16:
+  ~2), so nearby non-top classes merge, and ``exp`` of log-probabilities below about -17
+  underflows (float16's smallest value is 6e-8), so those classes drop out of
+  ``KL(p_t || p_s)`` and of its gradient ``p_s - p_t``. The cast up is exact; the softmax,
+  which needs the range and precision, runs in float32.
 * At O2/O3 the KD loss module (and the connectors of feature methods) stays float32: a
   forward pre-hook casts its inputs (student logits, tapped features) to float32, like apex's
   cast of model outputs to float32. Under O1 it runs inside the student's autocast.

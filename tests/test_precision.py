@@ -132,6 +132,16 @@ def test_o2_checkpoint_evaluates_at_o0(runs, data):
     assert "top-1" in r.stdout and "(12 images)" in r.stdout
 
 
+@pytest.mark.parametrize("opt", LEVELS)
+def test_evaluate_model_at_each_level(runs, data, opt):
+    from kd.evaluate import evaluate_model
+
+    weights = runs["O2"][0] / "checkpoints" / "last.pt"
+    r = evaluate_model("mobilenet_v3_small", str(weights), str(data), batch_size=8, device="cpu", image_size=32,
+                       workers=0, opt=opt)
+    assert r["count"] == 12 and 0.0 <= r["top1"] <= 100.0 and math.isfinite(r["loss"])
+
+
 @pytest.mark.parametrize("opt", ["O1", "O2"])
 def test_resume_equals_uninterrupted_run(runs, data, tmp_path, opt):
     full, _ = runs[opt]
@@ -145,6 +155,17 @@ def test_resume_equals_uninterrupted_run(runs, data, tmp_path, opt):
         assert torch.equal(a["student"][key], b["student"][key]), key
     assert a["precision"] == b["precision"]
     assert [r["train_loss"] for r in records(full)] == [r["train_loss"] for r in records(part)]
+
+
+def test_a_checkpoint_resumes_at_another_level(data, tmp_path):
+    out = tmp_path / "o1_then_o2"
+    train(data, out, "--epochs", 1, "--opt", "O1")
+    r = run_kd("train", "--out", out, "--resume", "--epochs", 2, "--opt", "O2", env=ONE_THREAD)
+    assert r.returncode == 0, r.stderr
+    assert "precision O2 (native" in r.stderr
+    state = last_checkpoint(out)
+    assert state["epoch"] == 2 and state["precision"]["opt"] == "O2"
+    assert all(math.isfinite(rec["train_loss"]) for rec in records(out))
 
 
 # ----------------------------------------------------------------------------- dtypes in the Trainer
