@@ -3,7 +3,6 @@ in-process (float16 on the CPU where only the scaler is under test). GPU tests c
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import math
 import sys
@@ -97,7 +96,8 @@ def test_level_learns_through_the_cli(runs, opt):
     out, stderr = runs[opt]
     described = {"O0": "precision O0 (native, float32, no loss scaling)",
                  "O1": "precision O1 (native, float32 weights, autocast to bfloat16, no loss scaling)",
-                 "O2": "precision O2 (native, bfloat16 weights, BatchNorm float32, float32 master weights, no loss scaling)",
+                 "O2": "precision O2 (native, bfloat16 weights, BatchNorm float32, float32 master weights, "
+                       "no loss scaling)",
                  "O3": "precision O3 (native, bfloat16 weights, no loss scaling)"}[opt]
     assert described in stderr
     losses = [r["train_loss"] for r in records(out)]
@@ -399,7 +399,7 @@ def test_prefer_apex_without_apex_says_native(opt):
     assert "apex" not in make_precision(cfg, CPU).describe()
 
 
-def test_apex_on_the_cpu_or_in_bfloat16_is_refused_or_native():
+def test_amp_impl_apex_on_the_cpu_is_refused():
     from backends import apex_amp
 
     cfg = dataclasses.replace(kd_config.RunConfig(), opt="O1", amp_impl="apex")
@@ -442,7 +442,8 @@ def test_float16_levels_on_cuda(data, tmp_path, opt):
     first = records(Path(cfg.out))[0]["train_loss"]
     assert math.isfinite(record["train_loss"]) and record["train_loss"] < first * 1.2
     scale = scalars(Path(cfg.out), "train/loss_scale")
-    assert scale[-1] == (1.0 if opt == "O3" else 2.0**16 / 2 ** record["train_skipped_steps"])
+    skipped = sum(rec["train_skipped_steps"] for rec in records(Path(cfg.out)))
+    assert scale[-1] == (1.0 if opt == "O3" else 2.0**16 / 2**skipped)
     state = last_checkpoint(Path(cfg.out))
     assert all(v.dtype == torch.float32 for v in state["student"].values() if v.is_floating_point())
     if opt != "O3":
@@ -473,7 +474,8 @@ def test_skipped_step_on_cuda_float16():
 def test_real_apex_amp_levels(data, tmp_path, opt):
     out = tmp_path / opt
     args = [a if a != "cpu" else "cuda" for a in TRAIN]
-    r = run_kd("train", "--data", data, *args, "--opt", opt, "--amp-impl", "apex", "--out", out, "--epochs", 1)  # a fresh process each: amp.initialize runs once
+    # a fresh process for each run: amp.initialize can run once per process
+    r = run_kd("train", "--data", data, *args, "--opt", opt, "--amp-impl", "apex", "--out", out, "--epochs", 1)
     assert r.returncode == 0, r.stderr
     assert f"precision {opt} (apex" in r.stderr
     r = run_kd("train", "--out", out, "--resume", "--epochs", 2)
@@ -484,3 +486,16 @@ def test_real_apex_amp_levels(data, tmp_path, opt):
     assert all(math.isfinite(rec["train_loss"]) for rec in records(out))
     if opt != "O3":
         assert "loss_scaler0" in state["precision"]["amp"]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_apex
+def test_prefer_apex_picks_apex_for_float16_and_native_for_bfloat16():
+    cuda = torch.device("cuda")
+    cfg = dataclasses.replace(kd_config.RunConfig(), opt="O2")
+    assert make_precision(cfg, cuda, prefer_apex=True).impl == "apex"
+    native = make_precision(dataclasses.replace(cfg, amp_dtype="bfloat16"), cuda, prefer_apex=True)
+    assert native.impl == "native" and "not apex.amp: apex.amp does float16 only" in native.describe()
+    with pytest.raises(KDError, match="float16 only"):
+        make_precision(dataclasses.replace(cfg, amp_dtype="bfloat16", amp_impl="apex"), cuda)
