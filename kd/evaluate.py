@@ -30,6 +30,7 @@ def evaluate_model(model: str, weights: str, data: str, batch_size: int = 256, d
     channels_last = backend.device.type == "cuda"
     net = net.to(backend.device, memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     precision = backend.precision()
+    net = precision.prepare_teacher(net)  # a frozen model, cast as the opt level casts the teacher
     loader = make_loader(dataclasses.replace(cfg), samples, False, 1, 0, batch_size, backend.device, channels_last)
     result = evaluate(net, loader, backend, precision)
     return {"model": model, "weights": weights, **result}

@@ -1,25 +1,56 @@
-"""Opt levels as apex users know them, on native torch.amp.
+"""Opt levels as apex users know them, on native torch.amp (or on real apex.amp, see below).
 
 One precision object per run owns everything about reduced precision: the autocast context,
-casting of the models, the loss scaler and the step sequence (scale, backward, gradient sync,
-unscale, clip, step, update, zero). Nothing else calls ``autocast`` or ``scaler.*``.
+casting of the models and inputs, master weights, the loss scaler and the step sequence
+(scale, backward, gradient sync, unscale, clip, step, update, zero). Nothing else calls
+``autocast`` or ``scaler.*``.
 
-| level | meaning |
-|---|---|
-| O0 | float32 everywhere |
-| O1 | float32 weights, autocast, dynamic loss scaling (float16) |
+| level | student | teacher | loss scaling (float16) |
+|---|---|---|---|
+| O0 | float32 everywhere | float32 | none |
+| O1 | float32 weights; ops in reduced precision where torch.autocast deems them safe | under the same autocast | dynamic |
+| O2 | weights in reduced precision except BatchNorm (float32); float32 master weights in the optimizer | weights cast the same way (BatchNorm float32) | dynamic |
+| O3 | everything in reduced precision, no master weights: a speed ceiling, not a recipe | everything cast | none |
+
+The reduced dtype is ``--amp-dtype`` (float16 on CUDA as in apex, bfloat16 on the CPU).
+bfloat16 has float32's exponent range, so it never needs loss scaling; float16 at O1/O2 gets a
+dynamic scaler with apex's and GradScaler's schedule: start at 2**16, halve on a step with
+inf/NaN gradients (the step is skipped and counted), double after 2000 finite steps.
+
+Numerics that hold at every level:
+
+* Teacher logits enter the KD loss in float32 (the engine's TeacherSide casts them, and the
+  KD module computes its softmaxes in float32). The dark knowledge lives in the small
+  probabilities the teacher gives the wrong classes. A log-softmax in float16 at a low
+  temperature loses them: ``logits / T`` is rounded again to ~3 significant digits (bfloat16:
+  ~2), so nearby non-top classes merge, and ``exp`` of log-probabilities below about -17
+  underflows (float16's smallest value is 6e-8), so those classes drop out of
+  ``KL(p_t || p_s)`` and of its gradient ``p_s - p_t``. The cast up is exact; the softmax,
+  which needs the range and precision, runs in float32.
+* At O2/O3 the KD loss module (and the connectors of feature methods) stays float32: a
+  forward pre-hook casts its inputs (student logits, tapped features) to float32, like apex's
+  cast of model outputs to float32. Under O1 it runs inside the student's autocast.
+* Checkpoints always hold float32 tensors: the master weights at O2, upcast weights at O3.
+  So a run trained at any level resumes at any other, and ``kd eval`` reads it at O0.
+
+``make_precision`` picks the object. ``--amp-impl apex`` (or a backend's ``prefer_apex`` with
+``--amp-impl auto``) uses NVIDIA apex.amp itself, from ``backends/apex_amp.py``; ``describe()``
+always says which implementation runs and why, never falling back silently.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Dict, Iterable, Optional, Tuple
+import dataclasses
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from kd.errors import KDError
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+SCALER_ARGS = dict(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000)
 
 
 def amp_dtype(cfg, device: torch.device) -> torch.dtype:
@@ -30,20 +61,96 @@ def amp_dtype(cfg, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def make_scaler(device: torch.device) -> torch.amp.GradScaler:
+    """Dynamic loss scaling for float16, on the schedule apex users know."""
+    return torch.amp.GradScaler(device.type, **SCALER_ARGS)
+
+
+# ----------------------------------------------------------------------------- casting helpers
+def cast_module(module: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool) -> None:
+    """Cast floating parameters and buffers in place (the Parameter objects stay the same).
+
+    BatchNorm layers stay float32 with ``keep_batchnorm_fp32``: torch's batch norm takes
+    reduced-precision inputs with float32 weights and statistics (cudnn on CUDA, native on the
+    CPU) and returns the input's dtype. KD loss modules are skipped: they stay float32.
+    """
+    from kd.losses.base import DistillLoss
+
+    if isinstance(module, DistillLoss) or (keep_batchnorm_fp32 and isinstance(module, _BatchNorm)):
+        return
+    for param in module.parameters(recurse=False):
+        if param.is_floating_point():
+            param.data = param.data.to(dtype)
+    for name, buf in module.named_buffers(recurse=False):
+        if buf is not None and buf.is_floating_point():
+            setattr(module, name, buf.to(dtype))
+    for child in module.children():
+        cast_module(child, dtype, keep_batchnorm_fp32)
+
+
+def to_float32(obj):
+    """``obj`` with every floating tensor in it (also in dicts, lists and dataclasses) as float32."""
+    if isinstance(obj, torch.Tensor):
+        return obj.float() if obj.is_floating_point() else obj
+    if isinstance(obj, dict):
+        return {k: to_float32(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_float32(v) for v in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: to_float32(getattr(obj, f.name)) for f in dataclasses.fields(obj)})
+    return obj
+
+
+def _float32_inputs(_module, args, kwargs):
+    return to_float32(args), to_float32(kwargs)
+
+
+def keep_losses_float32(model: nn.Module) -> List[nn.Module]:
+    """The KD loss modules inside ``model``, each given a pre-hook that casts its inputs to float32."""
+    from kd.losses.base import DistillLoss
+
+    losses = [m for m in model.modules() if isinstance(m, DistillLoss)]
+    for loss in losses:
+        loss.register_forward_pre_hook(_float32_inputs, with_kwargs=True)
+    return losses
+
+
+def float32_state(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+
+
+# ----------------------------------------------------------------------------- O0
 class Precision:
-    """Base class: float32, no scaler. Subclasses override what their level changes."""
+    """O0 and the base class: float32, no scaler. Subclasses override what their level changes.
+
+    The engine calls, in order: ``prepare_teacher(teacher)``, then ``prepare(model, optimizer)``
+    once the optimizer is built and before the backend wraps the model; per batch
+    ``input_cast(images)``, the forwards inside ``autocast()``, then ``step(...)``.
+    """
 
     opt = "O0"
     impl = "native"
 
-    def __init__(self, device: torch.device, dtype: torch.dtype = torch.float32):
+    def __init__(self, device: torch.device, dtype: torch.dtype = torch.float32, note: Optional[str] = None):
         self.device = device
         self.dtype = dtype
-        self.scaler = None
+        self.scaler: Optional[torch.amp.GradScaler] = None
+        self.note = note  # why this implementation (say, why not apex), shown by describe()
+        self._no = torch.zeros((), dtype=torch.bool, device=device)
+        self._one = torch.ones((), device=device)
+
+    def details(self) -> List[str]:
+        return [dtype_name(self.dtype)]
 
     def describe(self) -> str:
-        dtype = str(self.dtype).replace("torch.", "")
-        return f"precision {self.opt} ({self.impl}, {dtype}{', loss scaling' if self.scaler else ''})"
+        parts = [self.impl, *self.details(), "dynamic loss scaling" if self.scaler else "no loss scaling"]
+        if self.note:
+            parts.append(self.note)
+        return f"precision {self.opt} ({', '.join(parts)})"
 
     def autocast(self):
         """Context for the forward passes of teacher and student."""
@@ -61,65 +168,214 @@ class Precision:
 
     def step(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor],
              sync: Callable[[], None], clip: Optional[float]) -> torch.Tensor:
-        """The whole update for one batch; returns a 0-dim bool tensor: was the step skipped."""
+        """The whole update for one batch; returns a 0-dim bool tensor on the device: was it skipped.
+
+        ``params`` are the model's trainable parameters (clipped unless the level keeps master
+        weights, which are clipped instead); ``sync`` reduces gradients across processes.
+        """
         scaler = self.scaler
         (scaler.scale(loss) if scaler else loss).backward()
         sync()
-        if clip:
-            if scaler:
-                scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(list(params), clip)
-        if scaler:
-            scale_before = scaler._scale.clone()
-            scaler.step(optimizer)
-            scaler.update()
-            skipped = scaler._scale < scale_before
-        else:
+        params = self._gradients_to_optimizer(params)
+        if scaler is None:
+            if clip:
+                torch.nn.utils.clip_grad_norm_(params, clip)
             optimizer.step()
-            skipped = torch.zeros((), dtype=torch.bool, device=self.device)
+            skipped = self._no
+        else:
+            if clip:
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(params, clip)
+            scale_before = scaler._scale.clone()
+            scaler.step(optimizer)  # skips optimizer.step() on inf/NaN gradients (one host sync)
+            scaler.update()
+            skipped = scaler._scale < scale_before  # the scale only ever drops on a skipped step
+        self._after_step()
         optimizer.zero_grad(set_to_none=True)
         return skipped
 
-    def loss_scale(self) -> Optional[torch.Tensor]:
-        return self.scaler._scale if self.scaler is not None and self.scaler._scale is not None else None
+    def _gradients_to_optimizer(self, params: Iterable[torch.Tensor]) -> List[torch.Tensor]:
+        """Make the gradients visible to the optimizer; returns the tensors to clip."""
+        return list(params)
+
+    def _after_step(self) -> None:
+        pass
+
+    def loss_scale(self) -> torch.Tensor:
+        """The current loss scale (1 for levels without scaling), a tensor: read without a sync."""
+        if self.scaler is None:
+            return self._one
+        scale = self.scaler._scale
+        return scale if scale is not None else torch.tensor(self.scaler.get_scale())
 
     def model_state(self, model: nn.Module) -> Dict[str, torch.Tensor]:
         """The float32 weights to checkpoint (master weights where the level keeps them)."""
-        return model.state_dict()
+        return float32_state(model.state_dict())
 
     def load_model_state(self, model: nn.Module, state: Dict[str, torch.Tensor]) -> None:
-        model.load_state_dict(state)
+        model.load_state_dict(state)  # copy_ casts float32 values to the model's dtypes
 
     def state_dict(self) -> dict:
-        return {"scaler": self.scaler.state_dict()} if self.scaler else {}
+        state = {"opt": self.opt, "impl": self.impl, "dtype": dtype_name(self.dtype)}
+        if self.scaler:
+            state["scaler"] = self.scaler.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
+        """The scaler's scale and growth tracker; a checkpoint of another level loads too."""
         if self.scaler and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
 
 
+# ----------------------------------------------------------------------------- O1
 class AutocastPrecision(Precision):
-    """O1: float32 weights, ops in reduced precision where torch.autocast deems it safe."""
+    """O1: float32 weights, ops in reduced precision where torch.autocast deems it safe.
+
+    The teacher runs under the same autocast (the engine opens it around both forwards).
+    """
 
     opt = "O1"
 
-    def __init__(self, device: torch.device, dtype: torch.dtype):
-        super().__init__(device, dtype)
+    def __init__(self, device: torch.device, dtype: torch.dtype, note: Optional[str] = None):
+        super().__init__(device, dtype, note)
         if dtype == torch.float16:
-            self.scaler = torch.amp.GradScaler(device.type)
+            self.scaler = make_scaler(device)
+
+    def details(self) -> List[str]:
+        return [f"float32 weights, autocast to {dtype_name(self.dtype)}"]
 
     def autocast(self):
         return torch.autocast(self.device.type, dtype=self.dtype)
 
 
-def make_precision(cfg, device: torch.device, prefer_apex: bool = False) -> Precision:
-    """The precision object for ``cfg.opt``: native, or real apex.amp where asked and installed.
+# ----------------------------------------------------------------------------- O3
+class CastPrecision(Precision):
+    """O3: model, teacher and inputs in the reduced dtype; the optimizer steps those weights.
 
-    ``prefer_apex`` is the backend's wish (apex_ddp); ``--amp-impl`` decides when given.
+    No master weights, no loss scaling (apex's O3 too): the fastest a model can train, and
+    the least accurate; float16 weights lose small updates to rounding.
     """
+
+    opt = "O3"
+    keep_batchnorm_fp32 = False
+
+    def details(self) -> List[str]:
+        bn = ", BatchNorm float32" if self.keep_batchnorm_fp32 else ""
+        return [f"{dtype_name(self.dtype)} weights{bn}"]
+
+    def prepare_teacher(self, teacher: nn.Module) -> nn.Module:
+        cast_module(teacher, self.dtype, self.keep_batchnorm_fp32)
+        return teacher
+
+    def prepare(self, model, optimizer):
+        keep_losses_float32(model)
+        cast_module(model, self.dtype, self.keep_batchnorm_fp32)
+        return model, optimizer
+
+    def input_cast(self, images: torch.Tensor) -> torch.Tensor:
+        return images.to(self.dtype)
+
+
+# ----------------------------------------------------------------------------- O2
+class MasterWeightPrecision(CastPrecision):
+    """O2: reduced-precision model weights (BatchNorm float32) with float32 master weights.
+
+    ``prepare`` makes a float32 copy of every parameter it casts and puts the copies in the
+    optimizer's param groups in place of the model's parameters, so the optimizer (and its
+    momentum buffers) works in float32. Each step copies the model's gradients into the
+    masters' ``.grad`` as float32, unscales and checks them (float16), clips the masters,
+    steps, and copies the masters back into the model weights. A skipped step leaves masters,
+    model weights and optimizer state as they were.
+    """
+
+    opt = "O2"
+    keep_batchnorm_fp32 = True
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, note: Optional[str] = None):
+        super().__init__(device, dtype, note)
+        if dtype == torch.float16:
+            self.scaler = make_scaler(device)
+        self._model_params: List[nn.Parameter] = []  # reduced-precision parameters ...
+        self._masters: List[torch.Tensor] = []  # ... and their float32 masters, pairwise
+        self._master_of: Dict[int, torch.Tensor] = {}
+
+    def details(self) -> List[str]:
+        return super().details() + ["float32 master weights"]
+
+    def prepare(self, model, optimizer):
+        keep_losses_float32(model)
+        float_before = {id(p) for p in model.parameters() if p.dtype == torch.float32}
+        masters = {id(p): p.detach().clone() for p in model.parameters() if id(p) in float_before}
+        cast_module(model, self.dtype, self.keep_batchnorm_fp32)
+        for p in model.parameters():
+            if id(p) in masters and p.dtype != torch.float32:
+                master = masters[id(p)].requires_grad_(p.requires_grad)
+                self._model_params.append(p)
+                self._masters.append(master)
+                self._master_of[id(p)] = master
+        for group in optimizer.param_groups:
+            group["params"] = [self._master_of.get(id(p), p) for p in group["params"]]
+        for p in list(optimizer.state):  # a fresh optimizer has none; re-key any there is
+            if id(p) in self._master_of:
+                optimizer.state[self._master_of[id(p)]] = optimizer.state.pop(p)
+        return model, optimizer
+
+    def _gradients_to_optimizer(self, params):
+        for p, master in zip(self._model_params, self._masters):
+            if p.grad is not None:
+                master.grad = p.grad.to(torch.float32)
+                p.grad = None
+        return [self._master_of.get(id(p), p) for p in params]
+
+    @torch.no_grad()
+    def _after_step(self) -> None:
+        # Unconditional, so no host sync: after a skipped step the masters are unchanged and
+        # copying them back rewrites the same rounded values.
+        if self._masters:
+            torch._foreach_copy_(self._model_params, self._masters)
+
+    def _named_masters(self, model: nn.Module) -> Dict[str, torch.Tensor]:
+        return {name: self._master_of[id(p)] for name, p in model.named_parameters(remove_duplicate=False)
+                if id(p) in self._master_of}
+
+    def model_state(self, model):
+        state = model.state_dict()
+        state.update({k: v.detach() for k, v in self._named_masters(model).items()})
+        return float32_state(state)
+
+    @torch.no_grad()
+    def load_model_state(self, model, state):
+        model.load_state_dict(state)
+        for name, master in self._named_masters(model).items():
+            master.copy_(state[name])
+
+
+# ----------------------------------------------------------------------------- the entry point
+NATIVE = {"O0": Precision, "O1": AutocastPrecision, "O2": MasterWeightPrecision, "O3": CastPrecision}
+
+
+def make_precision(cfg, device: torch.device, prefer_apex: bool = False) -> Precision:
+    """The precision object for ``cfg.opt``: native torch.amp, or real apex.amp where asked.
+
+    ``--amp-impl apex`` uses apex.amp or fails with a KDError saying why it cannot.
+    ``prefer_apex`` is a backend's wish (apex_ddp): with ``--amp-impl auto`` it uses apex.amp
+    where it can run and otherwise native, with the reason in ``describe()``.
+    """
+    impl = cfg.amp_impl
+    note = None
+    if impl == "apex" or (impl == "auto" and prefer_apex and cfg.opt != "O0"):
+        try:
+            from backends import apex_amp
+        except ImportError as exc:  # the optional module deleted: the rest keeps working
+            if getattr(exc, "name", "") != "backends.apex_amp":
+                raise
+            apex_amp = None
+        reason = apex_amp.unavailable(cfg, device) if apex_amp else "kd's backends/apex_amp.py is not installed"
+        if reason is None:
+            return apex_amp.ApexAmpPrecision(cfg, device)
+        if impl == "apex":
+            raise KDError(f"--amp-impl apex: {reason}")
+        note = f"not apex.amp: {reason.split(';')[0]}"
     if cfg.opt == "O0":
-        return Precision(device)
-    dtype = amp_dtype(cfg, device)
-    if cfg.opt == "O1":
-        return AutocastPrecision(device, dtype)
-    raise KDError(f"--opt {cfg.opt} is not available yet; use O0 or O1")
+        return Precision(device, note=note)
+    return NATIVE[cfg.opt](device, amp_dtype(cfg, device), note=note)

@@ -1,0 +1,155 @@
+"""NVIDIA apex.amp itself as kd's precision object (``--amp-impl apex``, or apex_ddp's preference).
+
+apex is imported here only, and only when asked for; deleting this file leaves the rest of kd
+working (``--amp-impl apex`` then says so). apex.amp was removed from NVIDIA apex in May 2025
+(commit cb65b8e, "remove old features: amp, ddp, and rnn"); the last release tag that has it
+is 25.05. The native opt levels in :mod:`kd.precision` mean the same O0-O3 without apex.
+
+What kd asks of apex.amp, per level:
+
+* ``amp.initialize(models, optimizer, opt_level=..., loss_scale="dynamic" at O1/O2)``, once,
+  in ``prepare()`` (after the optimizer is built, before the backend wraps the model). The
+  models handed to apex are the student side without its KD loss module, which stays float32
+  with its inputs cast up (as in the native levels), so the KD softmax never runs in float16.
+* the teacher: O1 needs nothing (apex patches torch functions globally, the teacher's forward
+  included); at O2/O3 it is cast as apex casts a model (BatchNorm float32 at O2), and its
+  inputs by ``input_cast``.
+* each step: ``amp.scale_loss(loss, optimizer)`` around backward and the gradient sync, clip
+  on ``amp.master_params(optimizer)``, ``optimizer.step()`` (apex skips it on overflow);
+* checkpoints: the float32 master weights at O2 (apex's own ``state_dict`` hook would give
+  the float16 weights upcast), and ``amp.state_dict()`` (loss scale and its counter).
+
+apex.amp does float16 only: ``--amp-impl apex --amp-dtype bfloat16`` is an error (use the
+native levels for bfloat16); apex_ddp with ``--amp-impl auto`` and bfloat16 runs native
+precision and says so in the log.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+from torch import nn
+
+from kd.precision import Precision, cast_module, float32_state, keep_losses_float32
+
+REMOVED = "apex.amp was removed from NVIDIA apex in May 2025; the last release tag with it is 25.05"
+
+
+def _import_amp():
+    """``apex.amp``, or the reason it cannot be imported."""
+    try:
+        import apex
+    except ImportError:
+        return None, (f"NVIDIA apex is not installed ({REMOVED}: install that tag, or use "
+                      f"--amp-impl native, the same opt levels on torch.amp)")
+    except Exception as exc:  # a broken build (compiled for another torch, say)
+        return None, f"importing apex failed: {type(exc).__name__}: {str(exc)[:120]}; use --amp-impl native"
+    try:
+        from apex import amp
+    except ImportError:
+        version = getattr(apex, "__version__", "")
+        return None, (f"the installed apex{' ' + version if version else ''} has no apex.amp ({REMOVED}); "
+                      f"install 25.05 or earlier, or use --amp-impl native")
+    except Exception as exc:
+        return None, f"importing apex.amp failed: {type(exc).__name__}: {str(exc)[:120]}; use --amp-impl native"
+    return amp, None
+
+
+def unavailable(cfg, device: torch.device) -> Optional[str]:
+    """Why apex.amp cannot run this config here, or None when it can."""
+    amp, reason = _import_amp()
+    if amp is None:
+        return reason
+    if device.type != "cuda":
+        return "apex.amp needs CUDA; on the CPU use --amp-impl native"
+    if cfg.amp_dtype == "bfloat16" and cfg.opt != "O0":
+        return "apex.amp does float16 only; for bfloat16 use --amp-impl native"
+    return None
+
+
+class ApexAmpPrecision(Precision):
+    """apex.amp at ``cfg.opt``; float16 at O1-O3 (float32 at O0)."""
+
+    impl = "apex"
+
+    def __init__(self, cfg, device: torch.device):
+        amp, reason = _import_amp()
+        if amp is None:  # unavailable() was asked first; this is for direct use
+            from kd.errors import KDError
+
+            raise KDError(f"--amp-impl apex: {reason}")
+        super().__init__(device, torch.float32 if cfg.opt == "O0" else torch.float16)
+        self.amp = amp
+        self.opt = cfg.opt
+        self.optimizer: Optional[torch.optim.Optimizer] = None
+
+    @property
+    def master_weights(self) -> bool:
+        return self.opt == "O2"
+
+    def details(self) -> List[str]:
+        return {"O0": ["float32"], "O1": ["float32 weights, patched torch functions in float16"],
+                "O2": ["float16 weights, BatchNorm float32, float32 master weights"],
+                "O3": ["float16 weights"]}[self.opt]
+
+    def describe(self) -> str:
+        scaling = "dynamic loss scaling" if self.opt in ("O1", "O2") else "no loss scaling"
+        return f"precision {self.opt} (apex, {', '.join(self.details())}, {scaling})"
+
+    def prepare_teacher(self, teacher: nn.Module) -> nn.Module:
+        if self.opt in ("O2", "O3"):
+            cast_module(teacher, self.dtype, keep_batchnorm_fp32=self.opt == "O2")
+        return teacher
+
+    def input_cast(self, images: torch.Tensor) -> torch.Tensor:
+        return images.to(self.dtype) if self.opt in ("O2", "O3") else images
+
+    def prepare(self, model, optimizer):
+        losses = keep_losses_float32(model)
+        models = [m for m in model.children() if m not in losses] if losses else [model]
+        kwargs = {"loss_scale": "dynamic"} if self.opt in ("O1", "O2") else {}
+        _, optimizer = self.amp.initialize(models, optimizer, opt_level=self.opt, verbosity=0, **kwargs)
+        self.optimizer = optimizer
+        return model, optimizer
+
+    def step(self, loss, optimizer, params, sync, clip):
+        with self.amp.scale_loss(loss, optimizer) as scaled:
+            scaled.backward()
+            sync()  # inside: apex unscales and checks for overflow on leaving the block
+        skipped = bool(getattr(optimizer._amp_stash, "already_patched", False))  # step() will skip
+        if clip:
+            torch.nn.utils.clip_grad_norm_(list(self.amp.master_params(optimizer)), clip)
+        optimizer.step()
+        optimizer.zero_grad()  # apex's O2 zero_grad takes no arguments
+        return torch.tensor(skipped, device=self.device)
+
+    def loss_scale(self) -> torch.Tensor:
+        scalers = getattr(self.amp._amp_state, "loss_scalers", None)
+        return torch.tensor(float(scalers[0].loss_scale()) if scalers else 1.0)
+
+    def _named_masters(self, model: nn.Module) -> Dict[str, torch.Tensor]:
+        if not self.master_weights or self.optimizer is None:
+            return {}
+        self.optimizer._amp_lazy_init()  # apex makes its masters lazily, at the first backward
+        stash = self.optimizer._amp_stash
+        master_of = {id(p): m for p, m in zip(stash.all_fp16_params, stash.all_fp32_from_fp16_params)}
+        return {name: master_of[id(p)] for name, p in model.named_parameters(remove_duplicate=False)
+                if id(p) in master_of}
+
+    def model_state(self, model):
+        state = model.state_dict()
+        state.update({k: v.detach() for k, v in self._named_masters(model).items()})
+        return float32_state(state)
+
+    @torch.no_grad()
+    def load_model_state(self, model, state):
+        model.load_state_dict(state)
+        for name, master in self._named_masters(model).items():
+            master.copy_(state[name])
+
+    def state_dict(self) -> dict:
+        return {"opt": self.opt, "impl": self.impl, "dtype": "float16", "amp": self.amp.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("amp"):
+            self.amp.load_state_dict(state["amp"])
