@@ -80,6 +80,6 @@ class FitNet(DistillLoss):
         out = {"ce": ce, "hint": hint}
         total = h["ce_weight"] * ce + h["hint_weight"] * hint
         if h["kd_weight"]:
-            out["kd"] = kd_divergence(x.student_logits, x.teacher_logits.detach(), h["temperature"])
+            out["kd"] = kd_divergence(x.student_logits, x.teacher_logits, h["temperature"])
             total = total + h["kd_weight"] * out["kd"]
         return {"loss": total, **out}
