@@ -6,6 +6,7 @@ from typing import Dict, Tuple
 import torch
 import torch.nn.functional as F
 
+from kd.errors import KDError
 from kd.losses.base import DistillInputs, DistillLoss, register
 
 # Subtracted from the target-class logit so that it drops out of the non-target softmax
@@ -25,7 +26,9 @@ def dkd_parts(student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels
     s = student_logits.float() / t
     z = teacher_logits.detach().float() / t
     batch = s.shape[0]
-    gt = torch.zeros_like(s, dtype=torch.bool).scatter_(1, labels.view(-1, 1), True)
+    if labels.dim() != 1:
+        raise KDError("KD loss 'dkd' needs class-index labels; soft labels (mixup, cutmix) have no target class")
+    gt = torch.zeros_like(s, dtype=torch.bool).scatter_(1, labels.reshape(-1, 1), True)
 
     p_t = z.softmax(dim=1)
     p_t_bin = torch.stack([(p_t * gt).sum(1), (p_t * ~gt).sum(1)], dim=1)
