@@ -1,0 +1,85 @@
+"""Romero et al. 2015, "FitNets: Hints for Thin Deep Nets" (ICLR), https://arxiv.org/abs/1412.6550."""
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kd.errors import KDError
+from kd.losses.base import DistillInputs, DistillLoss, register
+from kd.losses.features import check_maps, default_stage_layers, feature_pairs, pool_to_common
+from kd.losses.kd import kd_divergence
+
+
+class Connector(nn.Module):
+    """1x1 convolution + BatchNorm from the student's channels to the teacher's."""
+
+    def __init__(self, in_channels: int, out_channels: int):
+        super().__init__()
+        self.conv = nn.Conv2d(in_channels, out_channels, kernel_size=1, bias=False)
+        self.bn = nn.BatchNorm2d(out_channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.conv(x.to(self.conv.weight.dtype)))
+
+
+def hint_loss(student_hint: torch.Tensor, teacher_feat: torch.Tensor) -> torch.Tensor:
+    """Mean squared error between the connector's output and the teacher's feature map.
+
+    The larger of the two maps is average-pooled to the smaller spatial size first.
+    """
+    s, t = pool_to_common(student_hint.float(), teacher_feat.detach().float())
+    return F.mse_loss(s, t)
+
+
+@register("fitnet")
+class FitNet(DistillLoss):
+    """Hint training: ``ce_weight * CE + hint_weight * MSE(connector(f_s), f_t) + kd_weight * KD``.
+
+    The hint is one middle layer by default: the stride-16 stage (``layer3`` of a ResNet,
+    ``features.13`` of torchvision's MobileNetV2, ``blocks.4`` of timm's). Several layers
+    may be given; their hint losses are summed, each with its own connector. Layer specs
+    are ``name`` or ``student_name:teacher_name``, paired by position (see
+    :mod:`kd.losses.features`). Defaults follow mdistiller (``FITNET.LOSS``: CE 1, FEAT 100,
+    MSE averaged over all elements); its connector resamples by strided convolutions, here
+    the larger map is average-pooled instead. The optional Hinton KD term
+    (``kd_weight``, ``temperature``) is off by default.
+    """
+
+    uses_features = True
+    defaults = {"ce_weight": 1.0, "hint_weight": 100.0, "kd_weight": 0.0, "temperature": 4.0}
+
+    def __init__(self, num_classes: int, **hparams):
+        super().__init__(num_classes, **hparams)
+        self.connectors = nn.ModuleList()
+        self.pairs: List[Tuple[str, str]] = []
+
+    @classmethod
+    def default_layers(cls, student_layers: List[str], teacher_layers: List[str]) -> List[str]:
+        return default_stage_layers(cls.name, student_layers, teacher_layers, stages=(2,))
+
+    def setup_features(self, student_shapes: Dict[str, torch.Size], teacher_shapes: Dict[str, torch.Size]) -> None:
+        self.pairs = feature_pairs(self.name, student_shapes, teacher_shapes)
+        for s, t in self.pairs:
+            check_maps(self.name, s, student_shapes[s])
+            check_maps(self.name, t, teacher_shapes[t])
+        self.connectors = nn.ModuleList(Connector(student_shapes[s][1], teacher_shapes[t][1]) for s, t in self.pairs)
+
+    def forward(self, x: DistillInputs) -> Dict[str, torch.Tensor]:
+        h = self.hparams
+        pairs = feature_pairs(self.name, x.student_feats, x.teacher_feats)
+        if len(pairs) != len(self.connectors):
+            raise KDError(f"KD loss 'fitnet' was set up for {len(self.connectors)} layer pair(s), got {len(pairs)}")
+        hint = sum(
+            hint_loss(connector(x.student_feats[s]), x.teacher_feats[t])
+            for connector, (s, t) in zip(self.connectors, pairs)
+        )
+        ce = F.cross_entropy(x.student_logits.float(), x.labels)
+        out = {"ce": ce, "hint": hint}
+        total = h["ce_weight"] * ce + h["hint_weight"] * hint
+        if h["kd_weight"]:
+            out["kd"] = kd_divergence(x.student_logits, x.teacher_logits, h["temperature"])
+            total = total + h["kd_weight"] * out["kd"]
+        return {"loss": total, **out}
