@@ -18,7 +18,7 @@ from kd import data as kd_data
 from kd.errors import KDError
 from kd.features import check_layers, layer_names, tap
 from kd.logging import NullLogger, RunLogger
-from kd.losses import DistillInputs, build_loss
+from kd.losses import DistillInputs, build_loss, split_layers
 from kd.optim import build_optimizer, build_scheduler
 
 
@@ -39,6 +39,7 @@ class StudentSide(nn.Module):
         feats: Dict[str, torch.Tensor] = {}
         with tap(self.student, self.layers, feats):
             logits = self.student(images)
+        feats = {k: feats[k] for k in self.layers}  # spec order: the losses pair by position
         return self.loss(DistillInputs(logits, labels, teacher_logits, feats, teacher_feats or {}, progress))
 
 
@@ -54,6 +55,7 @@ class TeacherSide(nn.Module):
         feats: Dict[str, torch.Tensor] = {}
         with tap(self.teacher, self.layers, feats):
             logits = self.teacher(images)
+        feats = {k: feats[k] for k in self.layers}
         return logits.float(), feats
 
 
@@ -122,13 +124,13 @@ class Trainer:
         teacher = None
         if loss.needs_teacher:
             teacher = models.freeze(models.build(cfg.teacher, num_classes, cfg.teacher_weights))
-        layers = self._feature_layers(loss, student, teacher)
+        s_layers, t_layers = self._feature_layers(loss, student, teacher)
 
-        self.side = StudentSide(student, loss, layers).to(dev, memory_format=self.memory_format)
+        self.side = StudentSide(student, loss, s_layers).to(dev, memory_format=self.memory_format)
         self.teacher = None
         if teacher is not None:
             teacher = self.precision.prepare_teacher(teacher.to(dev, memory_format=self.memory_format))
-            self.teacher = backend.wrap_forward(TeacherSide(teacher, layers))
+            self.teacher = backend.wrap_forward(TeacherSide(teacher, t_layers))
         optimizer = build_optimizer(cfg, self.side.named_parameters())
         self.side, self.optimizer = self.precision.prepare(self.side, optimizer)
         self.model = backend.wrap(self.side)
@@ -154,24 +156,26 @@ class Trainer:
             kd_config.save(cfg, self.out / "config.yaml")
 
     # ----------------------------------------------------------------- set-up helpers
-    def _feature_layers(self, loss, student, teacher) -> List[str]:
+    def _feature_layers(self, loss, student, teacher):
+        """(student layers, teacher layers) to tap; builds the loss's connectors from a dry run."""
         if not loss.uses_features:
-            return []
-        layers = self.cfg.feature_layers or loss.default_layers(layer_names(student), layer_names(teacher))
-        check_layers(student, layers, f"student {self.cfg.student}")
-        check_layers(teacher, layers, f"teacher {self.cfg.teacher}")
+            return [], []
+        specs = self.cfg.feature_layers or loss.default_layers(layer_names(student), layer_names(teacher))
+        s_layers, t_layers = split_layers(specs)
+        check_layers(student, s_layers, f"student {self.cfg.student}")
+        check_layers(teacher, t_layers, f"teacher {self.cfg.teacher}")
         probe = torch.zeros(2, 3, self.cfg.image_size, self.cfg.image_size)
         shapes = []
-        for model in (student, teacher):
+        for model, layers in ((student, s_layers), (teacher, t_layers)):
             was_training = model.training
             model.eval()
             feats: Dict[str, torch.Tensor] = {}
             with torch.no_grad(), tap(model, layers, feats):
                 model(probe)
             model.train(was_training)
-            shapes.append({k: v.shape for k, v in feats.items()})
+            shapes.append({k: feats[k].shape for k in layers})
         loss.setup_features(*shapes)
-        return layers
+        return s_layers, t_layers
 
     def _restore(self, state: dict) -> None:
         side_state = {f"student.{k}": v for k, v in state["student"].items()}

@@ -133,3 +133,15 @@ def test_o1_on_cuda(image_folder, tmp_path):
     r = kd.train(tiny_cfg(image_folder, tmp_path / "gpu", device="cuda", opt="O1", epochs=2))
     assert r["train_loss"] == r["train_loss"]  # finite
     assert "gpu_mem_gb" in r
+
+
+@pytest.mark.parametrize("method", ["fitnet", "at"])
+def test_feature_method_connectors_are_trained_and_checkpointed(image_folder, tmp_path, method):
+    out = tmp_path / method
+    kd.train(tiny_cfg(image_folder, out, kd_loss=method, student="timm:resnet10t", epochs=1, temperature=None))
+    state = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
+    assert not any(k.startswith(("connectors", "loss.")) for k in state["student"])  # export drops them
+    if method == "fitnet":
+        assert any(k.startswith("connectors.") for k in state["loss"])
+    r = run_kd("train", "--out", out, "--resume", "--epochs", 2)
+    assert r.returncode == 0, r.stderr
