@@ -154,6 +154,15 @@ def demo(out, epochs, overwrite):
     run_demo(Path(out), epochs=epochs, overwrite=overwrite)
 
 
+@cli.command("backends")
+def backends_cmd():
+    """The parallel backends, whether each can run here, and why not."""
+    import backends
+
+    for name, ok, note in backends.report():
+        click.echo(f"{name:10s} {'yes' if ok else 'no ':3s}  {note}")
+
+
 def main(argv=None) -> int:
     """Entry point of the ``kd`` console script: one line and exit code 2 for any user error."""
     try:
