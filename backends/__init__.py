@@ -27,7 +27,8 @@ def report():
         if reason is None and callable(implementation):
             import torch
 
-            note = f"{cls.description}; here: {implementation('cuda' if torch.cuda.is_available() else 'cpu')}"
+            impl = implementation("cuda" if torch.cuda.is_available() else "cpu")
+            note = "uses real apex.parallel" if impl == "apex" else f"uses kd's native implementation ({impl[len('native: '):]})"
         rows.append((name, reason is None, note))
     return rows
 

@@ -30,7 +30,8 @@ def apex_parallel():
     try:
         import apex.parallel as parallel  # noqa: WPS433 - optional, imported only here
     except Exception as exc:  # ImportError, or an apex built against another torch
-        return None, f"apex.parallel is not importable ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return None, f"apex.parallel is not importable: {detail}"
     if not hasattr(parallel, "DistributedDataParallel"):
         return None, "the installed apex has no apex.parallel.DistributedDataParallel (removed after 25.05)"
     return parallel, None
@@ -86,12 +87,12 @@ class ApexDDP(TorchDDP):
 
     @classmethod
     def implementation(cls, device_type: str = "cuda") -> str:
-        """``'apex'`` or ``'native (why)'`` for a run on ``device_type``."""
+        """``'apex'``, or ``'native: why'``, for a run on ``device_type``."""
         parallel, why = apex_parallel()
         if parallel is None:
-            return f"native ({why})"
+            return f"native: {why}"
         if device_type != "cuda":
-            return "native (apex.parallel runs on CUDA only)"
+            return "native: apex.parallel runs on CUDA only"
         return "apex"
 
     def __init__(self, cfg):
@@ -105,7 +106,7 @@ class ApexDDP(TorchDDP):
 
     def describe(self) -> str:
         impl = "real apex.parallel.DistributedDataParallel(delay_allreduce=True)" if self.impl == "apex" \
-            else f"native delayed all-reduce, {self.impl}"
+            else f"kd's native delayed all-reduce ({self.impl[len('native: '):]})"
         return (f"backend apex_ddp: {self.world_size} process(es) over {self.group_backend}, rank {self.rank}, "
                 f"device {self.device}, {impl}{', sync_bn' if self.cfg.sync_bn else ''}")
 

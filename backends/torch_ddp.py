@@ -85,6 +85,9 @@ class TorchDDP(Backend):
 
         Raises KDError for a request this machine cannot meet, before any process starts.
         """
+        if cfg.gpus and not torch.cuda.is_available():
+            raise KDError(f"--gpus {','.join(map(str, cfg.gpus))}: no such GPU, this machine has no usable CUDA GPU; "
+                          f"on the CPU use --device cpu --nproc N")
         device = resolve_device(cfg)
         if device.type == "cpu":
             return cfg.nproc or 1

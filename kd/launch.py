@@ -192,6 +192,14 @@ def worker(cfg, out: str, resume_from: Optional[Path], error_dir: str, visible: 
         os.environ["CUDA_VISIBLE_DEVICES"] = visible
         if cfg.gpus:
             os.environ[GPUS_ENV] = ",".join(map(str, cfg.gpus))
+    if "OMP_NUM_THREADS" not in os.environ:  # share the cores instead of each process taking them all
+        import torch
+
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:  # not on Linux
+            cores = os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores // max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)))
     try:
         return run_worker(cfg, Path(out), resume_from)
     except KDError as exc:

@@ -191,7 +191,7 @@ def test_every_backend_is_registered_and_reported():
     assert rows["single"][0] and rows["torch_ddp"][0] and rows["apex_ddp"][0]
     if not torch.cuda.is_available():
         assert rows["dp"] == (False, "needs CUDA GPUs, and none is usable here")
-    assert "native" in rows["apex_ddp"][1] or "here: apex" in rows["apex_ddp"][1]
+    assert "native implementation" in rows["apex_ddp"][1] or "real apex.parallel" in rows["apex_ddp"][1]
 
 
 def test_kd_backends_command(capsys):
@@ -202,7 +202,17 @@ def test_kd_backends_command(capsys):
     for name in ("single", "dp", "torch_ddp", "apex_ddp"):
         assert name in out
     line = next(line for line in out.splitlines() if line.startswith("apex_ddp"))
-    assert "native" in line or "here: apex" in line
+    assert "native implementation" in line or "real apex.parallel" in line
+
+
+def test_single_process_backend_refuses_a_multi_process_launch(monkeypatch, tmp_path):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    cfg = tiny_cfg("synthetic", tmp_path / "run")
+    with pytest.raises(KDError, match="2 processes were started .* --backend single runs in one"):
+        kd.train(cfg)
+    assert not (tmp_path / "run").exists()
 
 
 def test_unknown_backend_lists_the_names():
