@@ -91,8 +91,12 @@ def train_options(fn):
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="kd", message="kd %(version)s")
-def cli():
+@click.option("--local_rank", "--local-rank", "local_rank", type=int, default=None, hidden=True)
+def cli(local_rank):
     """kd: knowledge-distillation training for image classification."""
+    from kd.launch import accept_legacy_local_rank
+
+    accept_legacy_local_rank(local_rank)  # torch.distributed.launch puts it before the command
 
 
 @cli.command(context_settings={"ignore_unknown_options": False})
@@ -231,6 +235,13 @@ def losses_cmd():
         params = ", ".join(f"{k}={v}" for k, v in cls.defaults.items()) or "-"
         doc = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
         click.echo(f"{name:10s} {params:50s} {doc}")
+@cli.command("backends")
+def backends_cmd():
+    """The parallel backends, whether each can run here, and why not."""
+    import backends
+
+    for name, ok, note in backends.report():
+        click.echo(f"{name:10s} {'yes' if ok else 'no ':3s}  {note}")
 
 
 def main(argv=None) -> int:

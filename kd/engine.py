@@ -102,7 +102,6 @@ class Trainer:
         channels_last = cfg.channels_last if cfg.channels_last is not None else dev.type == "cuda"
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         self.logger = RunLogger(self.out, cfg.progress_bar) if backend.is_main else NullLogger()
-        self.logger.info(backend.describe())
 
         torch.manual_seed(cfg.seed)  # the same initial student on every process
         num_replicas, rank = backend.data_shard()
@@ -134,6 +133,7 @@ class Trainer:
         optimizer = build_optimizer(cfg, self.side.named_parameters())
         self.side, self.optimizer = self.precision.prepare(self.side, optimizer)
         self.model = backend.wrap(self.side)
+        self.logger.info(backend.describe())  # after wrap: what the backend decided there (e.g. torch_ddp's detection)
         self.eval_forward = backend.wrap_forward(self.side.student)
         self.params = [p for p in self.side.parameters() if p.requires_grad]
         self.scheduler = build_scheduler(cfg, self.optimizer, len(self.data.train))

@@ -1,23 +1,35 @@
 """Processes and run folders: one process in place, or one per device through torch's launcher.
 
-Started by ``kd train`` itself, by ``torchrun``, by the deprecated
-``torch.distributed.launch`` or by Slurm's ``srun``; the environment says which.
+Who starts the processes, as the environment tells:
+
+* nobody: ``kd train`` runs in place (one process), or starts one process per ``--gpus`` entry
+  (``CUDA_VISIBLE_DEVICES`` and the count both come from that list) or ``--nproc`` CPU processes
+  itself, through torch's elastic launcher (``torch.distributed.launcher.api.elastic_launch``,
+  c10d rendezvous on 127.0.0.1 with a free port chosen by the system);
+* ``torchrun`` or the deprecated ``python -m torch.distributed.launch`` (``--local_rank`` /
+  ``--local-rank``), on one or several nodes: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+  ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` are read as they are;
+* Slurm's ``srun`` with several tasks (one per GPU): ``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS``,
+  ``SLURM_LOCALID``, ``SLURM_STEP_TASKS_PER_NODE`` and the step's node list become torchrun's
+  variables (``MASTER_ADDR``/``MASTER_PORT`` from the environment when set, else the first node
+  and a port derived from the job id), and kd starts no process of its own.
+
+A ``KDError`` in any worker reaches the user as one line and exit code 2 from the parent.
 """
 from __future__ import annotations
 
+import logging
 import os
+import re
 import shutil
+import tempfile
+import uuid
 from pathlib import Path
-from typing import Optional
+from typing import Dict, List, Mapping, Optional
 
 from kd.errors import KDError
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints", "tb")
-
-
-def in_launched_process() -> bool:
-    """True inside a process that torchrun / torch.distributed.launch / kd's launcher started."""
-    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def prepare_out(cfg, resume: Optional[str], overwrite: bool) -> Optional[Path]:
@@ -70,27 +82,202 @@ def preflight(cfg) -> None:
                 raise KDError(f"data folder {cfg.data} {what} (expected DIR/train/<class>/*.jpg and DIR/val/<class>/*.jpg)")
 
 
+
 def train(cfg, resume: Optional[str] = None, overwrite: bool = False):
-    """Run ``cfg`` to the end; returns the last epoch's metrics (on the main process)."""
+    """Run ``cfg`` to the end; returns the last epoch's metrics (those of the main process)."""
     import backends
+    from backends.dist import Place
     from kd.engine import run_worker
 
     backend_cls = backends.get(cfg.backend)
+    os.environ.update(slurm_env(os.environ))
+    place = Place.from_env()
+    if place.launched:
+        if place.world_size > 1 and not backend_cls.multiprocess:
+            raise KDError(f"{place.world_size} processes were started (torchrun / srun), but --backend {cfg.backend} "
+                          f"runs in one; use --backend torch_ddp or apex_ddp, or start one process")
+        _check_available(cfg, backend_cls)
+        preflight(cfg)
+        if place.rank == 0:
+            resume_from = prepare_out(cfg, resume, overwrite)
+        else:
+            resume_from = resume_path(cfg, resume)
+        return run_worker(cfg, Path(cfg.out), resume_from)
+    nproc = backend_cls.num_processes(cfg)  # refuses requests that cannot be met, before any work
+    _check_available(cfg, backend_cls)
+    preflight(cfg)
+    resume_from = prepare_out(cfg, resume, overwrite)
+    if nproc == 1:
+        return run_worker(cfg, Path(cfg.out), resume_from)
+    return launch_local(cfg, nproc, resume_from)
+
+
+def _check_available(cfg, backend_cls) -> None:
     reason = backend_cls.unavailable()
     if reason:
         raise KDError(f"--backend {cfg.backend} cannot run here: {reason}")
-    launched = in_launched_process()
-    is_main = not launched or os.environ.get("RANK", "0") == "0"
-    resume_from = None
-    preflight(cfg)
-    if is_main:
-        resume_from = prepare_out(cfg, resume, overwrite)
-    elif resume:
-        resume_from = Path(cfg.out) / "checkpoints" / "last.pt" if resume == "last" else Path(resume)
-    nproc = backend_cls.num_processes(cfg)
-    if launched or nproc == 1 and not backend_cls.multiprocess:
-        return run_worker(cfg, Path(cfg.out), resume_from)
-    raise KDError(f"--backend {cfg.backend} needs the multi-process launcher, which is not built yet")
+
+
+def resume_path(cfg, resume: Optional[str]) -> Optional[Path]:
+    if not resume:
+        return None
+    return Path(cfg.out) / "checkpoints" / "last.pt" if resume == "last" else Path(resume)
+
+
+def in_launched_process() -> bool:
+    """True inside a process that torchrun / torch.distributed.launch / kd's launcher / srun started."""
+    return ("LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ) or bool(slurm_env(os.environ))
+
+
+# ----------------------------------------------------------------------------- local launch
+def visible_devices(cfg, nproc: int) -> Optional[str]:
+    """``CUDA_VISIBLE_DEVICES`` for the workers: the ``--gpus`` entries (indices into what this
+    process sees), or the first ``nproc`` GPUs; None on the CPU."""
+    from backends.base import resolve_device
+
+    if resolve_device(cfg).type != "cuda":
+        return None
+    import torch
+
+    current = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [d.strip() for d in current.split(",") if d.strip()] if current else \
+        [str(i) for i in range(torch.cuda.device_count())]
+    indices = cfg.gpus or list(range(nproc))
+    if len(indices) != nproc:
+        raise KDError(f"--gpus lists {len(indices)} GPU(s) but {nproc} processes were asked for")
+    missing = [i for i in indices if i >= len(ids)]
+    if missing:
+        raise KDError(f"GPU {missing[0]} does not exist: this machine has {len(ids)} visible GPU(s)")
+    return ",".join(ids[i] for i in indices)
+
+
+def launch_local(cfg, nproc: int, resume_from: Optional[Path]):
+    """Start ``nproc`` workers on this machine through torch's elastic launcher; rank 0's result."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    try:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+    except ImportError:  # pragma: no cover - older torch
+        SignalException = KeyboardInterrupt  # noqa: N806
+
+    visible = visible_devices(cfg, nproc)
+    error_dir = tempfile.mkdtemp(prefix="kd-launch-")
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"kd-{uuid.uuid4().hex[:12]}",
+                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", local_addr="127.0.0.1",
+                          max_restarts=0, start_method="spawn")
+    previous = logging.root.manager.disable
+    logging.disable(logging.ERROR)  # the agent's own failure report; kd reports the cause below
+    try:
+        results = elastic_launch(config, worker)(cfg, str(cfg.out), resume_from, error_dir, visible)
+    except ChildFailedError:
+        message = first_error(error_dir)
+        if message is not None:
+            raise KDError(message) from None
+        raise
+    except SignalException:
+        raise KeyboardInterrupt from None
+    finally:
+        logging.disable(previous)
+        shutil.rmtree(error_dir, ignore_errors=True)
+    return results.get(0)
+
+
+def worker(cfg, out: str, resume_from: Optional[Path], error_dir: str, visible: Optional[str]):
+    """The entrypoint of each process kd's launcher starts (module level, so it pickles)."""
+    from backends.dist import GPUS_ENV
+    from kd.engine import run_worker
+
+    if visible is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible
+        if cfg.gpus:
+            os.environ[GPUS_ENV] = ",".join(map(str, cfg.gpus))
+    if "OMP_NUM_THREADS" not in os.environ:  # share the cores instead of each process taking them all
+        import torch
+
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:  # not on Linux
+            cores = os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores // max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)))
+    try:
+        return run_worker(cfg, Path(out), resume_from)
+    except KDError as exc:
+        rank = os.environ.get("RANK", "0")
+        Path(error_dir, f"rank{int(rank):05d}.txt").write_text(str(exc), encoding="utf-8")
+        raise SystemExit(2) from None
+
+
+def first_error(error_dir: str) -> Optional[str]:
+    """The message of the lowest rank that wrote one, if any."""
+    files = sorted(Path(error_dir).glob("rank*.txt"))
+    return files[0].read_text(encoding="utf-8") if files else None
+
+
+# ----------------------------------------------------------------------------- Slurm
+def slurm_env(environ: Mapping[str, str]) -> Dict[str, str]:
+    """torchrun's variables for a process that ``srun`` started as one of several tasks, else ``{}``.
+
+    A torchrun inside srun wins (its variables are already set); one task (``sbatch`` alone, or
+    ``srun -n 1``) is no launch at all, and kd may start the processes itself.
+    """
+    if "LOCAL_RANK" in environ and "WORLD_SIZE" in environ:
+        return {}
+    ntasks = _int(environ.get("SLURM_STEP_NUM_TASKS"), 1)  # set by srun only, not in a batch script
+    if "SLURM_PROCID" not in environ or ntasks <= 1:
+        return {}
+    nodes = expand_hostlist(environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
+                            or environ.get("SLURM_NODELIST") or "")
+    per_node = expand_tasks_per_node(environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE") or "")
+    host = environ.get("SLURMD_NODENAME")
+    index = nodes.index(host) if host in nodes else _int(environ.get("SLURM_NODEID"), 0)
+    local_world = per_node[index] if index < len(per_node) else (per_node[0] if per_node else ntasks)
+    return {
+        "RANK": str(_int(environ["SLURM_PROCID"], 0)),
+        "WORLD_SIZE": str(ntasks),
+        "LOCAL_RANK": str(_int(environ.get("SLURM_LOCALID"), 0)),
+        "LOCAL_WORLD_SIZE": str(local_world),
+        "MASTER_ADDR": environ.get("MASTER_ADDR") or (nodes[0] if nodes else "127.0.0.1"),
+        "MASTER_PORT": environ.get("MASTER_PORT") or str(slurm_port(environ)),
+    }
+
+
+def slurm_port(environ: Mapping[str, str]) -> int:
+    """A port every task of one job step computes alike (20000-39999)."""
+    job = _int(environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID"), 0)
+    step = _int(environ.get("SLURM_STEP_ID") or environ.get("SLURM_STEPID"), 0)
+    return 20000 + (job * 31 + step) % 20000
+
+
+def expand_hostlist(text: str) -> List[str]:
+    """``"gpu[01-03,07],login1"`` -> ``["gpu01", "gpu02", "gpu03", "gpu07", "login1"]``."""
+    hosts: List[str] = []
+    for item in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", text):
+        match = re.search(r"\[([^\]]*)\]", item)
+        if not match:
+            hosts.append(item)
+            continue
+        prefix, rest = item[:match.start()], item[match.end():]
+        for part in match.group(1).split(","):
+            lo, _, hi = part.partition("-")
+            for n in range(int(lo), int(hi or lo) + 1):
+                hosts.extend(prefix + str(n).zfill(len(lo)) + tail for tail in (expand_hostlist(rest) or [""]))
+    return hosts
+
+
+def expand_tasks_per_node(text: str) -> List[int]:
+    """``"2(x3),1"`` -> ``[2, 2, 2, 1]``."""
+    out: List[int] = []
+    for count, _, repeat in re.findall(r"(\d+)(\(x(\d+)\))?", text):
+        out.extend([int(count)] * int(repeat or 1))
+    return out
+
+
+def _int(value: Optional[str], default: int) -> int:
+    try:
+        return int(str(value).split("(")[0])
+    except (TypeError, ValueError):
+        return default
 
 
 def accept_legacy_local_rank(local_rank: Optional[int]) -> None:

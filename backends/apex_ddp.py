@@ -1,0 +1,134 @@
+"""apex's DistributedDataParallel(delay_allreduce=True): real apex where importable, else the same
+algorithm natively.
+
+The algorithm: parameters and buffers are broadcast from rank 0 once, at wrap time; after the
+whole backward pass, the gradients of every parameter that requires grad are averaged in flat
+buckets of about 25 MB, one all_reduce per bucket. A missing gradient counts as zero, so a
+parameter that a process did not use can neither hang the run nor need
+``find_unused_parameters``; a parameter that no process used keeps no gradient, as on one device.
+
+NVIDIA removed ``apex.parallel`` in May 2025 (the last tag with it is 25.05); apex is never a
+dependency of kd and is imported only here. ``apex.parallel`` runs on CUDA only, so on the CPU
+the native implementation is used. ``describe()`` and ``kd backends`` say which one runs.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from backends import dist as kd_dist
+from backends.base import Backend, register, resolve_device
+from backends.torch_ddp import TorchDDP
+from kd.errors import KDError
+
+
+def apex_parallel():
+    """``(apex.parallel module, None)`` when importable with its DistributedDataParallel, else ``(None, why)``."""
+    try:
+        import apex.parallel as parallel  # noqa: WPS433 - optional, imported only here
+    except Exception as exc:  # ImportError, or an apex built against another torch
+        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return None, f"apex.parallel is not importable: {detail}"
+    if not hasattr(parallel, "DistributedDataParallel"):
+        return None, "the installed apex has no apex.parallel.DistributedDataParallel (removed after 25.05)"
+    return parallel, None
+
+
+class GradientAverager:
+    """The native algorithm: flat buckets preallocated once, filled, all-reduced and copied back."""
+
+    def __init__(self, params: List[torch.nn.Parameter], world_size: int, cap_bytes: int = kd_dist.BUCKET_BYTES):
+        self.params = params
+        self.world_size = world_size
+        self.buckets = kd_dist.buckets(params, cap_bytes)
+        self.flats = [torch.empty(sum(params[i].numel() for i in b), dtype=params[b[0]].dtype,
+                                  device=params[b[0]].device) for b in self.buckets]
+        device = params[0].device if params else torch.device("cpu")
+        self.present = torch.empty(len(params), dtype=torch.float32, device=device)
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        if not self.params:
+            return
+        self.present.copy_(torch.tensor([p.grad is not None for p in self.params], dtype=torch.float32))
+        dist.all_reduce(self.present)
+        for bucket, flat in zip(self.buckets, self.flats):
+            offset = 0
+            for i in bucket:
+                p = self.params[i]
+                n = p.numel()
+                if p.grad is None:
+                    flat[offset:offset + n].zero_()
+                else:
+                    flat[offset:offset + n].copy_(p.grad.reshape(-1))
+                offset += n
+            dist.all_reduce(flat)
+            flat.div_(self.world_size)
+            offset = 0
+            for i in bucket:
+                p = self.params[i]
+                n = p.numel()
+                averaged = flat[offset:offset + n].view_as(p)
+                if p.grad is not None:
+                    p.grad.copy_(averaged)
+                elif self.present[i] > 0:  # used elsewhere, not here: this process's share was zero
+                    p.grad = averaged.clone()
+                offset += n
+
+
+@register("apex_ddp")
+class ApexDDP(TorchDDP):
+    description = ("apex DistributedDataParallel(delay_allreduce=True): real apex.parallel where importable, "
+                   "else the same algorithm natively")
+    multiprocess = True
+
+    @classmethod
+    def implementation(cls, device_type: str = "cuda") -> str:
+        """``'apex'``, or ``'native: why'``, for a run on ``device_type``."""
+        parallel, why = apex_parallel()
+        if parallel is None:
+            return f"native: {why}"
+        if device_type != "cuda":
+            return "native: apex.parallel runs on CUDA only"
+        return "apex"
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.impl = "native"
+        self.averager: Optional[GradientAverager] = None
+
+    def setup(self) -> None:
+        super().setup()
+        self.impl = self.implementation(self.device.type)
+
+    def describe(self) -> str:
+        impl = "real apex.parallel.DistributedDataParallel(delay_allreduce=True)" if self.impl == "apex" \
+            else f"kd's native delayed all-reduce ({self.impl[len('native: '):]})"
+        return (f"backend apex_ddp: {self.world_size} process(es) over {self.group_backend}, rank {self.rank}, "
+                f"device {self.device}, {impl}{', sync_bn' if self.cfg.sync_bn else ''}")
+
+    def precision(self):
+        from kd.precision import make_precision
+
+        return make_precision(self.cfg, self.device, prefer_apex=True)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        if self.impl == "apex":
+            parallel, why = apex_parallel()
+            if parallel is None:
+                raise KDError(f"apex_ddp: {why}")
+            if self.cfg.sync_bn:
+                model = parallel.convert_syncbn_model(model)
+            return parallel.DistributedDataParallel(model, delay_allreduce=True)
+        if self.cfg.sync_bn:
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        kd_dist.broadcast_state(model)
+        self.averager = GradientAverager([p for p in model.parameters() if p.requires_grad], self.world_size)
+        return model
+
+    def sync_gradients(self, model: nn.Module) -> None:
+        if self.averager is not None:  # real apex all-reduces in its own end-of-backward callback
+            self.averager()

@@ -1,0 +1,90 @@
+"""torch.nn.DataParallel: one process, the global batch split over ``--gpus``."""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+from torch import nn
+
+from backends.base import Backend, register
+from kd.errors import KDError
+
+
+class _DataParallel(nn.DataParallel):
+    """DataParallel whose outputs end on the backend's device, where the engine keeps its meters.
+
+    The replicas compute the loss parts themselves, so what is gathered on ``output_device`` is
+    small; moving it to the main device afterwards costs next to nothing.
+    """
+
+    def __init__(self, module: nn.Module, device_ids: List[int], output_device: int, home: torch.device):
+        super().__init__(module, device_ids=device_ids, output_device=output_device)
+        self.home = home
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        return out if self.output_device == self.home.index else _to(out, self.home)
+
+
+def _to(obj, device):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, dict):
+        return {k: _to(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to(v, device) for v in obj)
+    return obj
+
+
+@register("dp")
+class DataParallelBackend(Backend):
+    description = "torch DataParallel over --gpus in one process (global batch split across the GPUs)"
+
+    @classmethod
+    def unavailable(cls) -> Optional[str]:
+        return None if torch.cuda.is_available() else "needs CUDA GPUs, and none is usable here"
+
+    @classmethod
+    def num_processes(cls, cfg) -> int:
+        """Always one; a request for more, or for the CPU, is refused before any work."""
+        if cfg.nproc not in (None, 1):
+            raise KDError(f"--backend dp runs one process that drives all --gpus; --nproc {cfg.nproc} needs "
+                          f"--backend torch_ddp or apex_ddp")
+        if cfg.device == "cpu":
+            raise KDError("--backend dp needs CUDA GPUs; on the CPU use --backend torch_ddp --nproc N --device cpu")
+        if cfg.sync_bn:
+            raise KDError("--sync-bn needs a process group; use --backend torch_ddp or apex_ddp")
+        return 1
+
+    def setup(self) -> None:
+        self.num_processes(self.cfg)
+        if not torch.cuda.is_available():
+            raise KDError("--backend dp needs CUDA GPUs, and none is usable here")
+        count = torch.cuda.device_count()
+        gpus = self.cfg.gpus or list(range(count))
+        missing = [g for g in gpus if g >= count]
+        if missing:
+            raise KDError(f"--gpus {','.join(map(str, gpus))}: GPU {missing[0]} does not exist, "
+                          f"this machine has {count} visible GPU(s) (0..{count - 1})")
+        out = self.cfg.dp_output_device if self.cfg.dp_output_device is not None else gpus[0]
+        if out >= count:
+            raise KDError(f"--dp-output-device {out} does not exist, this machine has {count} visible GPU(s)")
+        self.gpus = gpus
+        self.output_device = out
+        self.device = torch.device("cuda", gpus[0])  # DataParallel keeps the module on the first GPU
+        torch.cuda.set_device(self.device)
+
+    def local_batch(self, global_batch: int) -> int:
+        if global_batch % len(self.gpus):
+            raise KDError(f"--batch-size {global_batch} is not divisible by the {len(self.gpus)} GPUs of --backend dp")
+        return global_batch
+
+    def describe(self) -> str:
+        return (f"backend dp: 1 process, DataParallel over GPUs {','.join(map(str, self.gpus))}, "
+                f"module on {self.device}, outputs gathered on cuda:{self.output_device}")
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return _DataParallel(model, self.gpus, self.output_device, self.device)
+
+    def wrap_forward(self, module: nn.Module) -> nn.Module:
+        return _DataParallel(module, self.gpus, self.output_device, self.device)

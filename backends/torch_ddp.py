@@ -1,0 +1,171 @@
+"""torch.nn.parallel.DistributedDataParallel: one process per GPU (nccl) or per CPU process (gloo)."""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from backends import dist as kd_dist
+from backends.base import Backend, register, resolve_device
+from kd.errors import KDError
+
+UNUSED_HINT = ("some parameters of the student (or of the loss's connectors) got no gradient in this step; "
+               "DistributedDataParallel needs --find-unused-parameters for such models "
+               "(or use --backend apex_ddp, which needs no flag)")
+
+
+class _DDP(DistributedDataParallel):
+    """DDP whose complaint about unreduced gradients says what to do, in kd's words."""
+
+    def forward(self, *args, **kwargs):
+        try:
+            return super().forward(*args, **kwargs)
+        except RuntimeError as exc:
+            text = str(exc)
+            if "Expected to have finished reduction" in text or "find_unused_parameters" in text:
+                raise KDError(UNUSED_HINT) from None
+            raise
+
+
+def parameters_without_grad(model: nn.Module, image_size: int) -> List[str]:
+    """Names of ``model``'s trainable parameters that get no gradient from a forward/backward on
+    a dummy batch; the model's state and the random number generators are left as they were."""
+    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    if not params:
+        return []
+    first = next(iter(params.values()))
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    grads = {name: p.grad for name, p in params.items()}
+    devices = [first.device.index] if first.device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            for p in params.values():
+                p.grad = None
+            images = torch.zeros(2, 3, image_size, image_size, device=first.device, dtype=first.dtype)
+            out = model(images)
+            leaves = [t for t in _tensors(out) if t.requires_grad]
+            if leaves:
+                sum(t.float().sum() for t in leaves).backward()
+            missing = [name for name, p in params.items() if p.grad is None]
+    finally:
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(buffers[name])
+        for name, p in params.items():
+            p.grad = grads[name]
+    return missing
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
+@register("torch_ddp")
+class TorchDDP(Backend):
+    description = "torch DistributedDataParallel, one process per GPU (nccl) or per CPU process (gloo)"
+    multiprocess = True
+
+    @classmethod
+    def unavailable(cls) -> Optional[str]:
+        return None if dist.is_available() else "this torch build has no torch.distributed"
+
+    @classmethod
+    def num_processes(cls, cfg) -> int:
+        """One per ``--gpus`` entry (or per visible GPU), or ``--nproc`` on the CPU.
+
+        Raises KDError for a request this machine cannot meet, before any process starts.
+        """
+        if cfg.gpus and not torch.cuda.is_available():
+            raise KDError(f"--gpus {','.join(map(str, cfg.gpus))}: no such GPU, this machine has no usable CUDA GPU; "
+                          f"on the CPU use --device cpu --nproc N")
+        device = resolve_device(cfg)
+        if device.type == "cpu":
+            return cfg.nproc or 1
+        count = torch.cuda.device_count()
+        missing = [g for g in cfg.gpus or [] if g >= count]
+        if missing:
+            raise KDError(f"--gpus {','.join(map(str, cfg.gpus))}: GPU {missing[0]} does not exist, "
+                          f"this machine has {count} visible GPU(s) (0..{count - 1})")
+        if cfg.gpus and cfg.nproc is not None and cfg.nproc != len(cfg.gpus):
+            raise KDError(f"--nproc {cfg.nproc} disagrees with --gpus, which lists {len(cfg.gpus)} GPU(s); "
+                          f"with GPUs, --gpus alone sets the process count")
+        if cfg.nproc is not None and cfg.nproc > count:
+            raise KDError(f"--nproc {cfg.nproc} on CUDA needs {cfg.nproc} GPUs, this machine has {count}")
+        return len(cfg.gpus) if cfg.gpus else (cfg.nproc or count)
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.find_unused = cfg.find_unused_parameters
+        self.find_unused_how = "given" if cfg.find_unused_parameters is not None else "not yet detected"
+        self.group_backend = "none"
+
+    def setup(self) -> None:
+        device_type = resolve_device(self.cfg).type
+        if self.cfg.sync_bn and device_type != "cuda":
+            raise KDError("--sync-bn needs CUDA (torch's SyncBatchNorm runs on GPUs only); drop it on the CPU")
+        place = kd_dist.Place.from_env()
+        self.device = kd_dist.process_device(self.cfg, place, device_type)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        kd_dist.init_group(place, self.device)
+        self.rank, self.world_size, self.local_rank = place.rank, place.world_size, place.local_rank
+        self.group_backend = dist.get_backend()
+
+    def teardown(self) -> None:
+        kd_dist.destroy_group()
+
+    def describe(self) -> str:
+        flags = [f"find_unused_parameters={self.find_unused} ({self.find_unused_how})"]
+        if self.cfg.static_graph:
+            flags.append("static_graph")
+        if self.cfg.sync_bn:
+            flags.append("sync_bn")
+        return (f"backend torch_ddp: {self.world_size} process(es) over {self.group_backend}, rank {self.rank}, "
+                f"device {self.device}, {', '.join(flags)}")
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        if self.cfg.sync_bn:
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        if self.find_unused is None:
+            self.find_unused, self.find_unused_how = self._detect_unused(model)
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return _DDP(model, device_ids=ids, output_device=ids[0] if ids else None,
+                    find_unused_parameters=self.find_unused, static_graph=self.cfg.static_graph,
+                    gradient_as_bucket_view=True)
+
+    def _detect_unused(self, model: nn.Module):
+        """On when the student has parameters a forward/backward leaves without gradient, or when the
+        loss has trainable parameters (connectors whose use depends on the inputs); off otherwise."""
+        student = getattr(model, "student", model)
+        loss = getattr(model, "loss", None)
+        missing = parameters_without_grad(student, self.cfg.image_size)
+        if missing:
+            shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+            return True, f"detected: the student leaves {len(missing)} parameter(s) without gradient: {shown}"
+        if loss is not None and any(p.requires_grad for p in loss.parameters()):
+            return True, "detected: the loss has trainable parameters"
+        return False, "detected: every student parameter gets a gradient"
+
+    def sync_gradients(self, model: nn.Module) -> None:
+        # With find_unused_parameters off, DDP would only complain at the next forward, after a step
+        # whose gradients were not all averaged; checking here stops before that step.
+        if self.find_unused or self.cfg.static_graph:
+            return
+        if any(p.grad is None for p in model.parameters() if p.requires_grad):
+            raise KDError(UNUSED_HINT)
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return kd_dist.all_reduce_sum(tensor)
+
+    def barrier(self) -> None:
+        kd_dist.barrier(self.device)

@@ -1,0 +1,332 @@
+"""Backends for real: two gloo processes on the CPU against one process, with tiny test models.
+
+The multi-process tests start two processes with torch.multiprocessing (no mocks of
+torch.distributed), give them torchrun's environment and run the engine's own entry point
+(``kd.launch.worker``) there, one job after another. The models are registered with timm, as a
+user registers their own models, so ``--student timm:kd_test_net`` works in every process.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as tmp
+from torch import nn
+
+import backends
+import kd
+from backends import dist as kd_dist
+from backends.apex_ddp import GradientAverager
+from backends.torch_ddp import parameters_without_grad
+from conftest import make_image_folder
+from kd import config as kd_config
+from kd.errors import KDError
+
+
+# ----------------------------------------------------------------------------- tiny models
+class TinyNet(nn.Module):
+    """Two convolutions and a head: no BatchNorm, no dropout, so N processes equal one exactly."""
+
+    def __init__(self, num_classes: int = 10, spare: bool = False):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, 2, 1), nn.ReLU(), nn.Conv2d(8, 8, 3, 2, 1), nn.ReLU(),
+                                  nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.fc = nn.Linear(8, num_classes)
+        self.spare = nn.Linear(8, 8) if spare else None  # never used: gets no gradient
+
+    def forward(self, x):
+        return self.fc(self.body(x))
+
+
+def _register_models():
+    import timm
+    from timm.models import register_model
+
+    if "kd_test_net" in timm.list_models():
+        return
+
+    @register_model
+    def kd_test_net(pretrained=False, num_classes=10, **kwargs):
+        return TinyNet(num_classes)
+
+    @register_model
+    def kd_test_unused(pretrained=False, num_classes=10, **kwargs):
+        return TinyNet(num_classes, spare=True)
+
+
+_register_models()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ----------------------------------------------------------------------------- two processes
+def _run_jobs(rank: int, world: int, jobs, error_root: str):
+    """One spawned process: torchrun's variables, then each job in turn."""
+    from kd.launch import worker
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", KD_DIST_TIMEOUT="120")
+    for job in jobs:
+        os.environ["MASTER_PORT"] = str(job["port"])
+        if job["kind"] == "train":
+            error_dir = Path(error_root, job["name"])
+            error_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                worker(job["cfg"], job["cfg"].out, None, str(error_dir), None)
+            except SystemExit:
+                pass  # the error file says why; the next job gets a fresh process group
+        else:
+            job["fn"](job)
+
+
+def _eval_job(job):
+    """top-1/top-5 of a fixed model over a val set whose size is odd, on torch_ddp's process group."""
+    backend = backends.get("torch_ddp")(job["cfg"])
+    backend.setup()
+    try:
+        result = evaluate_fixed(job["cfg"], backend)
+        if backend.is_main:
+            torch.save(result, job["result"])
+    finally:
+        backend.teardown()
+
+
+def _averager_job(job):
+    """Rank 1 lacks the gradient of ``b``; nobody has one for ``c``."""
+    backend = backends.get("apex_ddp")(job["cfg"])
+    backend.setup()
+    try:
+        a, b, c = (nn.Parameter(torch.zeros(3)) for _ in range(3))
+        a.grad = torch.full((3,), float(backend.rank + 1))  # 1 and 2: mean 1.5
+        if backend.rank == 0:
+            b.grad = torch.full((3,), 4.0)  # 4 and (missing) 0: mean 2
+        GradientAverager([a, b, c], backend.world_size, cap_bytes=16)()
+        torch.save({"a": a.grad, "b": b.grad, "c": c.grad}, Path(job["result"]).with_suffix(f".{backend.rank}"))
+    finally:
+        backend.teardown()
+
+
+def evaluate_fixed(cfg, backend):
+    from kd.data.folder import scan_split
+    from kd.data.loader import make_loader
+    from kd.engine import evaluate
+    from kd.precision import Precision
+
+    torch.manual_seed(123)
+    net = TinyNet(7).eval()
+    _, samples = scan_split(Path(cfg.data), "val")
+    num_replicas, rank = backend.data_shard()
+    loader = make_loader(cfg, samples, False, num_replicas, rank, 4, backend.device, False)
+    return evaluate(net, loader, backend, Precision(backend.device))
+
+
+TINY = dict(image_size=32, batch_size=8, workers=0, lr=0.2, momentum=0.9, weight_decay=1e-3,
+            lr_schedule="constant", device="cpu", log_every=1, seed=3, no_teacher=True, epochs=1,
+            progress_bar=False, student="timm:kd_test_net")
+
+
+def tiny_cfg(data, out, **kw):
+    return kd_config.resolve(options={**TINY, "data": str(data), "out": str(out), **kw})
+
+
+@pytest.fixture(scope="module")
+def data7(tmp_path_factory):
+    """7 classes: 28 train images, 21 val images (odd, so two processes get 11 and 10)."""
+    return make_image_folder(tmp_path_factory.mktemp("data7"), classes=7, train_per_class=4, val_per_class=3)
+
+
+JOBS = {  # name: (student, backend, find_unused_parameters)
+    "ddp_equal": ("timm:kd_test_net", "torch_ddp", None),
+    "apex_equal": ("timm:kd_test_net", "apex_ddp", None),
+    "ddp_unused_flag": ("timm:kd_test_unused", "torch_ddp", True),
+    "ddp_unused_detect": ("timm:kd_test_unused", "torch_ddp", None),
+    "apex_unused": ("timm:kd_test_unused", "apex_ddp", None),
+    "ddp_unused_noflag": ("timm:kd_test_unused", "torch_ddp", False),  # fails: last, as it ends mid-run
+}
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(data7, tmp_path_factory):
+    """Every job of JOBS (plus an evaluation and an averaging job) in the same two processes."""
+    root = tmp_path_factory.mktemp("two")
+    jobs = [{"kind": "eval", "fn": _eval_job, "port": free_port(), "result": str(root / "eval.pt"),
+             "cfg": tiny_cfg(data7, root / "eval", backend="torch_ddp")},
+            {"kind": "averager", "fn": _averager_job, "port": free_port(), "result": str(root / "avg"),
+             "cfg": tiny_cfg(data7, root / "avg", backend="apex_ddp")}]
+    for name, (student, backend, unused) in JOBS.items():
+        cfg = tiny_cfg(data7, root / name, student=student, backend=backend, find_unused_parameters=unused,
+                       limit_train_batches=2)
+        (root / name).mkdir()  # what the parent's prepare_out does before a launch
+        jobs.append({"kind": "train", "name": name, "cfg": cfg, "port": free_port()})
+    tmp.spawn(_run_jobs, args=(2, jobs, str(root / "errors")), nprocs=2, join=True)
+    return root
+
+
+def errors_of(root: Path, name: str):
+    return [p.read_text() for p in sorted((root / "errors" / name).glob("rank*.txt"))]
+
+
+def student_state(out: Path):
+    return torch.load(out / "checkpoints" / "last.pt", weights_only=True)["student"]
+
+
+def single_run(data, out, **kw):
+    kd.train(tiny_cfg(data, out, limit_train_batches=2, **kw))
+    return student_state(out)
+
+
+# ----------------------------------------------------------------------------- registry, cheap units
+def test_every_backend_is_registered_and_reported():
+    rows = {name: (ok, note) for name, ok, note in backends.report()}
+    assert set(rows) >= {"single", "dp", "torch_ddp", "apex_ddp"}
+    assert rows["single"][0] and rows["torch_ddp"][0] and rows["apex_ddp"][0]
+    if not torch.cuda.is_available():
+        assert rows["dp"] == (False, "needs CUDA GPUs, and none is usable here")
+    assert "native implementation" in rows["apex_ddp"][1] or "real apex.parallel" in rows["apex_ddp"][1]
+
+
+def test_kd_backends_command(capsys):
+    from cli import main
+
+    assert main(["backends"]) == 0
+    out = capsys.readouterr().out
+    for name in ("single", "dp", "torch_ddp", "apex_ddp"):
+        assert name in out
+    line = next(line for line in out.splitlines() if line.startswith("apex_ddp"))
+    assert "native implementation" in line or "real apex.parallel" in line
+
+
+def test_single_process_backend_refuses_a_multi_process_launch(monkeypatch, tmp_path):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    cfg = tiny_cfg("synthetic", tmp_path / "run")
+    with pytest.raises(KDError, match="2 processes were started .* --backend single runs in one"):
+        kd.train(cfg)
+    assert not (tmp_path / "run").exists()
+
+
+def test_unknown_backend_lists_the_names():
+    with pytest.raises(KDError, match="choose from: apex_ddp, dp, single, torch_ddp"):
+        backends.get("ddp2")
+
+
+def test_buckets_group_by_dtype_and_cap():
+    ts = [torch.zeros(4), torch.zeros(4), torch.zeros(4, dtype=torch.float64), torch.zeros(100), torch.zeros(1)]
+    assert kd_dist.buckets(ts, cap_bytes=32) == [[0, 1], [3], [4], [2]]
+
+
+def test_probe_finds_the_unused_parameter_and_leaves_the_model_alone():
+    torch.manual_seed(0)
+    net = nn.Sequential(TinyNet(3, spare=True), nn.BatchNorm1d(3)).train()
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    rng = torch.get_rng_state()
+    assert parameters_without_grad(net, 16) == ["0.spare.weight", "0.spare.bias"]
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())  # BN statistics untouched
+    assert torch.equal(rng, torch.get_rng_state())
+    assert all(p.grad is None for p in net.parameters())
+
+
+def test_process_device_refuses_nproc_that_disagrees_with_the_launcher():
+    cfg = kd_config.resolve(options={**TINY, "data": "synthetic", "out": "x", "student": "resnet18", "nproc": 3})
+    place = kd_dist.Place(rank=0, world_size=2, local_rank=0, local_world_size=2, launched=True)
+    with pytest.raises(KDError, match="started 2 process.*--nproc is 3"):
+        kd_dist.process_device(cfg, place, "cpu")
+    assert kd_dist.process_device(dataclasses.replace(cfg, nproc=2), place, "cpu") == torch.device("cpu")
+
+
+def test_dp_refuses_nproc_cpu_and_sync_bn():
+    dp = backends.get("dp")
+    base = kd_config.resolve(options={**TINY, "data": "synthetic", "out": "x", "student": "resnet18"})
+    with pytest.raises(KDError, match="--nproc 2 needs --backend torch_ddp or apex_ddp"):
+        dp.num_processes(dataclasses.replace(base, device="auto", nproc=2))
+    with pytest.raises(KDError, match="on the CPU use --backend torch_ddp --nproc N --device cpu"):
+        dp.num_processes(base)
+    with pytest.raises(KDError, match="--sync-bn needs a process group"):
+        dp.num_processes(dataclasses.replace(base, device="auto", sync_bn=True))
+
+
+# ----------------------------------------------------------------------------- two real processes
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ddp_equal", "apex_equal"])
+def test_two_processes_equal_one_after_the_same_steps(two_process_runs, data7, tmp_path, name):
+    """Same seed and global batch: after two optimizer steps (SGD, momentum, weight decay) the
+    student of torch_ddp / apex_ddp (native) equals that of one process."""
+    assert not errors_of(two_process_runs, name)
+    single = single_run(data7, tmp_path / "single", student="timm:kd_test_net")
+    multi = student_state(two_process_runs / name)
+    torch.manual_seed(TINY["seed"])  # as the Trainer does before building the student
+    init = TinyNet(7)
+    assert single.keys() == multi.keys()
+    changed = 0
+    for key in single:
+        torch.testing.assert_close(multi[key], single[key], rtol=1e-5, atol=1e-6)
+        changed += int(not torch.allclose(single[key], init.state_dict()[key]))
+    assert changed == len(single)
+    log = (two_process_runs / name / "config.yaml").read_text()
+    assert f"backend: {JOBS[name][1]}" in log
+
+
+@pytest.mark.slow
+def test_unused_parameter_trains_with_the_flag_detected_and_under_apex(two_process_runs, data7, tmp_path):
+    for name in ("ddp_unused_flag", "ddp_unused_detect", "apex_unused"):
+        assert not errors_of(two_process_runs, name), name
+        assert (two_process_runs / name / "checkpoints" / "last.pt").is_file(), name
+    # apex_ddp: a gradient nobody has stays missing, as on one device (no weight decay on it)
+    single = single_run(data7, tmp_path / "single", student="timm:kd_test_unused")
+    apex = student_state(two_process_runs / "apex_unused")
+    for key in single:
+        torch.testing.assert_close(apex[key], single[key], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_unused_parameter_without_the_flag_says_what_to_do(two_process_runs):
+    errors = errors_of(two_process_runs, "ddp_unused_noflag")
+    assert len(errors) == 2
+    assert all("--find-unused-parameters" in e and "apex_ddp" in e for e in errors)
+    assert "\n" not in errors[0]
+
+
+@pytest.mark.slow
+def test_validation_over_two_processes_equals_one_exactly(two_process_runs, data7, tmp_path):
+    single_cfg = tiny_cfg(data7, tmp_path / "e")
+    single = backends.get("single")(single_cfg)
+    single.setup()
+    expected = evaluate_fixed(single_cfg, single)
+    got = torch.load(two_process_runs / "eval.pt", weights_only=True)
+    assert expected["count"] == got["count"] == 21
+    assert got["top1"] == expected["top1"] and got["top5"] == expected["top5"]
+    assert 0 < expected["top5"] < 100  # 7 classes: top-5 is not trivially 100
+
+
+@pytest.mark.slow
+def test_native_apex_averages_missing_gradients_as_zero(two_process_runs):
+    for rank in (0, 1):
+        grads = torch.load((two_process_runs / "avg").with_suffix(f".{rank}"), weights_only=True)
+        assert torch.equal(grads["a"], torch.full((3,), 1.5))
+        assert torch.equal(grads["b"], torch.full((3,), 2.0))
+        assert grads["c"] is None
+
+
+# ----------------------------------------------------------------------------- GPUs
+def _gpus(n):
+    return pytest.mark.skipif(torch.cuda.device_count() < n, reason=f"needs {n} CUDA GPUs")
+
+
+@pytest.mark.gpu
+@_gpus(2)
+def test_dp_over_two_gpus_equals_one_gpu(data7, tmp_path):
+    one = single_run(data7, tmp_path / "one", student="timm:kd_test_net", device="cuda", gpus=[0])
+    two = single_run(data7, tmp_path / "two", student="timm:kd_test_net", device="cuda", gpus=[0, 1],
+                     backend="dp", dp_output_device=1)
+    for key in one:
+        torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-5)

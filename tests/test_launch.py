@@ -1,0 +1,193 @@
+"""Launching as users do: ``kd train --nproc 2``, torchrun, the legacy torch.distributed.launch,
+srun's environment; errors from inside workers and mismatches as one line with exit code 2."""
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, make_image_folder, run_kd
+from kd import launch
+
+STUDENT = "timm:test_convnext"  # LayerNorm, no BatchNorm: N processes equal one
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def data9(tmp_path_factory):
+    """3 classes, 24 train and 9 val images (odd: two processes get 5 and 4)."""
+    return make_image_folder(tmp_path_factory.mktemp("data9"), classes=3, train_per_class=8, val_per_class=3)
+
+
+@pytest.fixture(scope="module")
+def teacher_file(tmp_path_factory):
+    from kd import models
+
+    torch.manual_seed(7)
+    path = tmp_path_factory.mktemp("teacher") / "teacher.pt"
+    torch.save(models.build(STUDENT, 3).state_dict(), path)
+    return path
+
+
+def train_args(data, out, teacher, *extra):
+    return ["train", "--data", data, "--teacher", STUDENT, "--teacher-weights", teacher, "--student", STUDENT,
+            "--image-size", 32, "-b", 8, "--epochs", 1, "--device", "cpu", "--lr-schedule", "constant",
+            "--lr", 0.05, "--log-every", 1, "--no-progress", "--out", out, *extra]
+
+
+def run_files(out: Path):
+    return sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+
+
+def metrics(out: Path):
+    import json
+
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def one_line_error(r):
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2, r.stderr
+    assert len(lines) == 1 and lines[0].startswith("kd: error: "), r.stderr
+    assert "Traceback" not in r.stderr
+    return lines[0]
+
+
+# ----------------------------------------------------------------------------- kd's own launcher
+@pytest.mark.slow
+def test_kd_starts_two_cpu_processes_with_loader_workers_and_only_main_writes(data9, teacher_file, tmp_path):
+    multi, single = tmp_path / "multi", tmp_path / "single"
+    r = run_kd(*train_args(data9, multi, teacher_file, "--backend", "torch_ddp", "--nproc", 2, "-j", 2))
+    assert r.returncode == 0, r.stderr
+    assert "backend torch_ddp: 2 process(es) over gloo" in r.stderr
+    assert r.stderr.count("precision O0") == 1  # the other process is quiet
+    files = run_files(multi)
+    assert [f for f in files if f.startswith("tb/")] and len([f for f in files if f.startswith("tb/")]) == 1, files
+    assert [f for f in files if not f.startswith("tb/")] == [
+        "checkpoints/best.pt", "checkpoints/last.pt", "config.yaml", "metrics.jsonl"], files
+    assert len(metrics(multi)) == 1
+
+    r = run_kd(*train_args(data9, single, teacher_file, "-j", 2))
+    assert r.returncode == 0, r.stderr
+    one, two = metrics(single)[0], metrics(multi)[0]
+    assert two["teacher_top1"] == one["teacher_top1"]  # the same fixed teacher, 9 images over 2 processes
+    assert two["train_loss"] == pytest.approx(one["train_loss"], rel=1e-5)
+    a = torch.load(single / "checkpoints" / "last.pt", weights_only=True)["student"]
+    b = torch.load(multi / "checkpoints" / "last.pt", weights_only=True)["student"]
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_error_inside_a_worker_is_one_line_and_exit_2(data9, teacher_file, tmp_path):
+    r = run_kd(*train_args(data9, tmp_path / "run", teacher_file, "--backend", "torch_ddp", "--nproc", 2, "-j", 0,
+                           "--num-classes", 5))
+    assert "--num-classes 5 but" in one_line_error(r)
+    assert not (tmp_path / "run" / "config.yaml").exists()
+
+
+# ----------------------------------------------------------------------------- torchrun, legacy launch, srun
+def _run_module(args, env=None, timeout=600):
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", *map(str, args)], env=full_env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["torchrun", "legacy"])
+def test_started_by_torchrun_or_torch_distributed_launch(launcher, data9, teacher_file, tmp_path):
+    out = tmp_path / "run"
+    if launcher == "torchrun":
+        head = ["torch.distributed.run", "--standalone", "--nproc_per_node", 2]
+    else:  # passes --local-rank=N to every process
+        head = ["torch.distributed.launch", "--nproc_per_node", 2, "--master_port", free_port()]
+    r = _run_module([*head, "-m", "cli", *train_args(data9, out, teacher_file, "--backend", "torch_ddp", "-j", 0)],
+                    env={"OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "backend torch_ddp: 2 process(es) over gloo" in r.stderr
+    assert len(metrics(out)) == 1 and (out / "checkpoints" / "last.pt").is_file()
+
+
+@pytest.mark.slow
+def test_started_by_srun_apex_ddp_with_loader_workers(data9, teacher_file, tmp_path):
+    """Two tasks with srun's environment: kd starts no process of its own and uses both as ranks."""
+    out, port = tmp_path / "run", free_port()
+    procs = []
+    for rank in (0, 1):
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+               "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank),
+               "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_STEP_NODELIST": "localhost",
+               "SLURMD_NODENAME": "localhost", "MASTER_PORT": str(port)}
+        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):
+            env.pop(name, None)
+        args = train_args(data9, out, teacher_file, "--backend", "apex_ddp", "-j", 2)
+        procs.append(subprocess.Popen([sys.executable, "-m", "cli", *map(str, args)], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    results = [(p.wait(timeout=600), *p.communicate()) for p in procs]
+    assert [rc for rc, _, _ in results] == [0, 0], results[0][2][-2000:] + results[1][2][-2000:]
+    main_log, other_log = results[0][2], results[1][2]
+    assert "backend apex_ddp: 2 process(es) over gloo, rank 0" in main_log
+    assert "native" in main_log and "epoch 1/1" in main_log
+    assert "epoch 1/1" not in other_log and "precision" not in other_log
+    assert len(metrics(out)) == 1
+
+
+# ----------------------------------------------------------------------------- mismatches, before any work
+@pytest.mark.parametrize("args, message", [
+    (["--backend", "dp", "--nproc", 2], "--backend dp runs one process .* needs --backend torch_ddp or apex_ddp"),
+    (["--backend", "torch_ddp", "--device", "auto", "--gpus", "0,7"], "GPU 7 does not exist|0,7: no such GPU"),
+    (["--backend", "single", "--local_rank", 0, "--nproc", 2], "--backend single runs one process; --nproc 2 needs torch_ddp or apex_ddp"),
+    (["--backend", "dp", "--local-rank", 0, "--device", "cpu"], "dp needs CUDA GPUs"),
+])
+def test_mismatch_is_one_line_exit_2_before_any_work(args, message, data9, teacher_file, tmp_path):
+    if "--gpus" in args and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has a GPU 7")
+    out = tmp_path / "run"
+    r = run_kd(*train_args(data9, out, teacher_file, "-j", 0, *args))
+    assert re.search(message, one_line_error(r))
+    assert not out.exists() or not any(out.iterdir())
+
+
+# ----------------------------------------------------------------------------- srun's environment, unit
+def test_slurm_environment_becomes_torchrun_variables():
+    env = {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "1", "SLURM_PROCID": "3", "SLURM_LOCALID": "1",
+           "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_STEP_NODELIST": "gpu[07-08]",
+           "SLURMD_NODENAME": "gpu08"}
+    got = launch.slurm_env(env)
+    assert got == {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                   "MASTER_ADDR": "gpu07", "MASTER_PORT": str(launch.slurm_port(env))}
+    assert launch.slurm_port(env) == launch.slurm_port(dict(env, SLURM_PROCID="0"))  # the same on every task
+    assert launch.slurm_env({**env, "MASTER_ADDR": "head", "MASTER_PORT": "1234"})["MASTER_ADDR"] == "head"
+    # torchrun inside srun wins; a batch script (no step) or one task is no launch
+    assert launch.slurm_env({**env, "LOCAL_RANK": "0", "WORLD_SIZE": "8"}) == {}
+    assert launch.slurm_env({k: v for k, v in env.items() if k != "SLURM_STEP_NUM_TASKS"}) == {}
+    assert launch.slurm_env({**env, "SLURM_STEP_NUM_TASKS": "1"}) == {}
+
+
+def test_hostlists_and_tasks_per_node():
+    assert launch.expand_hostlist("gpu[01-03,07],login1,r[1-2]-ib") == [
+        "gpu01", "gpu02", "gpu03", "gpu07", "login1", "r1-ib", "r2-ib"]
+    assert launch.expand_tasks_per_node("4(x2),1") == [4, 4, 1]
+
+
+# ----------------------------------------------------------------------------- GPUs
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("backend", ["torch_ddp", "apex_ddp"])
+def test_two_gpus_nccl(backend, data9, teacher_file, tmp_path):
+    out = tmp_path / "run"
+    gpus = ",".join(str(i) for i in range(torch.cuda.device_count())[-2:])  # a subset that need not start at 0
+    r = run_kd(*train_args(data9, out, teacher_file, "--device", "cuda", "--backend", backend, "--gpus", gpus))
+    assert r.returncode == 0, r.stderr
+    assert "2 process(es) over nccl" in r.stderr
