@@ -235,6 +235,8 @@ def losses_cmd():
         params = ", ".join(f"{k}={v}" for k, v in cls.defaults.items()) or "-"
         doc = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
         click.echo(f"{name:10s} {params:50s} {doc}")
+
+
 @cli.command("backends")
 def backends_cmd():
     """The parallel backends, whether each can run here, and why not."""

@@ -83,6 +83,10 @@ class DataParallelBackend(Backend):
         return (f"backend dp: 1 process, DataParallel over GPUs {','.join(map(str, self.gpus))}, "
                 f"module on {self.device}, outputs gathered on cuda:{self.output_device}")
 
+    def memory_devices(self):
+        """Every GPU of the DataParallel group: the output GPU's extra memory shows in kd bench."""
+        return [torch.device("cuda", g) for g in self.gpus]
+
     def wrap(self, model: nn.Module) -> nn.Module:
         return _DataParallel(model, self.gpus, self.output_device, self.device)
 

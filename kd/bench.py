@@ -24,9 +24,14 @@ def combo_command(backend: str, opt: str, args: Dict[str, object], out: Path) ->
     cmd = [sys.executable, "-m", "cli", "train", "--backend", backend, "--opt", opt, "--epochs", "1",
            "--out", str(out), "--overwrite", "--no-progress",
            "--limit-train-batches", str(args["warmup"] + args["iters"]), "--set", f"timing_warmup={args['warmup']}"]
+    import backends
+
+    multiprocess = backend in backends.BACKENDS and backends.get(backend).multiprocess
     for key in ("teacher", "student", "data", "batch_size", "image_size", "device", "gpus", "nproc", "amp_dtype",
                 "workers", "loader", "compile", "kd_loss"):
         value = args.get(key)
+        if key == "nproc" and not multiprocess:
+            continue
         if value is None or value is False:
             continue
         flag = "--" + key.replace("_", "-")
