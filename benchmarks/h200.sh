@@ -9,6 +9,7 @@ case "$1" in
   tests) python -m pytest -m gpu -q -rs 2>&1 | tee "$OUT/gpu_tests.log" ;;
   step) $B --backends single --opt O0,O1,O2,O3 --amp-dtype float16 --out "$OUT/step_fp16" 2>&1 | tee "$OUT/step_fp16.log"
         $B --backends single --opt O1,O2,O3 --amp-dtype bfloat16 --out "$OUT/step_bf16" 2>&1 | tee "$OUT/step_bf16.log" ;;
+  compile) $B --backends single --opt O1 --amp-dtype bfloat16 --compile --out "$OUT/compile" 2>&1 | tee "$OUT/compile.log" ;;
   backends) $B --backends dp,torch_ddp,apex_ddp --opt O0,O1 --gpus 0 --out "$OUT/backends" 2>&1 | tee "$OUT/backends.log" ;;
   apex) (cd .apex && pip install -q --no-build-isolation --no-deps --no-index .) && python -m cli backends
         $B --backends apex_ddp --opt O1,O2 --gpus 0 --out "$OUT/apex" 2>&1 | tee "$OUT/apex.log" ;;

@@ -59,6 +59,28 @@ class TeacherSide(nn.Module):
         return logits.float(), feats
 
 
+@torch.no_grad()
+def calibrate_batchnorm(model: nn.Module, loader, batches: int = 3) -> None:
+    """Benchmarks only: BatchNorm statistics of a random-init teacher estimated on the input.
+
+    A random-init network in eval mode (running mean 0, variance 1) lets activations grow
+    layer by layer until float16 overflows, which would make an fp16 benchmark measure
+    skipped steps. Estimating the statistics on a few batches keeps them in range.
+    """
+    bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    momenta = [m.momentum for m in bns]
+    for m in bns:
+        m.reset_running_stats()
+        m.momentum = None  # cumulative average over the calibration batches
+    model.train()
+    loader.set_epoch(0)
+    for _, batch in zip(range(batches), loader):
+        model(batch.images)
+    for m, momentum in zip(bns, momenta):
+        m.momentum = momentum
+    model.eval()
+
+
 def accuracy_counts(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """[correct@1, correct@5] for a batch, on the device."""
     k = min(5, logits.shape[1])
@@ -128,13 +150,20 @@ class Trainer:
         self.side = StudentSide(student, loss, s_layers).to(dev, memory_format=self.memory_format)
         self.teacher = None
         if teacher is not None:
-            teacher = self.precision.prepare_teacher(teacher.to(dev, memory_format=self.memory_format))
+            teacher = teacher.to(dev, memory_format=self.memory_format)
+            if cfg.timing_warmup and cfg.teacher_weights == "none":
+                calibrate_batchnorm(teacher, self.data.train)
+            teacher = self.precision.prepare_teacher(teacher)
             self.teacher = backend.wrap_forward(TeacherSide(teacher, t_layers))
         optimizer = build_optimizer(cfg, self.side.named_parameters())
         self.side, self.optimizer = self.precision.prepare(self.side, optimizer)
         self.model = backend.wrap(self.side)
         self.logger.info(backend.describe())  # after wrap: what the backend decided there (e.g. torch_ddp's detection)
         self.eval_forward = backend.wrap_forward(self.side.student)
+        if cfg.compile:
+            self.model = torch.compile(self.model)
+            if self.teacher is not None:
+                self.teacher = torch.compile(self.teacher)
         self.params = [p for p in self.side.parameters() if p.requires_grad]
         self.scheduler = build_scheduler(cfg, self.optimizer, len(self.data.train))
 
