@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Sequence
 
 from kd.errors import KDError
 
-COLUMNS = ["backend", "opt", "s_per_20_iters", "img_per_s", "peak_mem_gb", "speedup", "note"]
+COLUMNS = ["backend", "opt", "s_per_20_iters", "img_per_s", "peak_mem_gb", "speedup", "impl", "note"]
 
 
 def combo_command(backend: str, opt: str, args: Dict[str, object], out: Path) -> List[str]:
@@ -56,6 +56,8 @@ def run_combo(backend: str, opt: str, args: Dict[str, object], out: Path, timeou
         why = lines[-1][len("kd: error: "):] if lines else (proc.stderr.strip().splitlines() or ["failed"])[-1]
         return {**row, "note": why[:200]}
     record = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    said = [line for line in proc.stderr.splitlines() if line.startswith(("backend ", "precision "))]
+    row["impl"] = "; ".join(said[-2:]).replace("|", "/")
     row.update(s_per_20_iters=round(record["s_per_20_iters"], 3), img_per_s=round(record["timed_img_per_s"], 1),
                peak_mem_gb="/".join(f"{m:.2f}" for m in record.get("peak_mem_gb", [])) or "-", note="")
     return row
