@@ -16,6 +16,8 @@ UNUSED_HINT = ("some parameters of the student (or of the loss's connectors) got
                "DistributedDataParallel needs --find-unused-parameters for such models "
                "(or use --backend apex_ddp, which needs no flag)")
 
+SYNC_BN_CPU = "--sync-bn needs CUDA (torch's SyncBatchNorm runs on GPUs only); drop it on the CPU"
+
 
 class _DDP(DistributedDataParallel):
     """DDP whose complaint about unreduced gradients says what to do, in kd's words."""
@@ -90,6 +92,8 @@ class TorchDDP(Backend):
                           f"on the CPU use --device cpu --nproc N")
         device = resolve_device(cfg)
         if device.type == "cpu":
+            if cfg.sync_bn:
+                raise KDError(SYNC_BN_CPU)
             return cfg.nproc or 1
         count = torch.cuda.device_count()
         missing = [g for g in cfg.gpus or [] if g >= count]
@@ -112,7 +116,7 @@ class TorchDDP(Backend):
     def setup(self) -> None:
         device_type = resolve_device(self.cfg).type
         if self.cfg.sync_bn and device_type != "cuda":
-            raise KDError("--sync-bn needs CUDA (torch's SyncBatchNorm runs on GPUs only); drop it on the CPU")
+            raise KDError(SYNC_BN_CPU)
         place = kd_dist.Place.from_env()
         self.device = kd_dist.process_device(self.cfg, place, device_type)
         if self.device.type == "cuda":

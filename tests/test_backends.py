@@ -215,6 +215,16 @@ def test_single_process_backend_refuses_a_multi_process_launch(monkeypatch, tmp_
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("name", ["torch_ddp", "apex_ddp"])
+def test_multi_process_backend_as_one_process_equals_single(name, data7, tmp_path):
+    """``--nproc 1`` (or one GPU): the backend runs in place, on a one-process group."""
+    single = single_run(data7, tmp_path / "single")
+    alone = single_run(data7, tmp_path / name, backend=name, nproc=1)
+    for key in single:
+        torch.testing.assert_close(alone[key], single[key], rtol=1e-6, atol=1e-7)
+    assert not torch.distributed.is_initialized()  # teardown destroyed the group
+
+
 def test_unknown_backend_lists_the_names():
     with pytest.raises(KDError, match="choose from: apex_ddp, dp, single, torch_ddp"):
         backends.get("ddp2")

@@ -149,6 +149,7 @@ def test_started_by_srun_apex_ddp_with_loader_workers(data9, teacher_file, tmp_p
     (["--backend", "torch_ddp", "--device", "auto", "--gpus", "0,7"], "GPU 7 does not exist|0,7: no such GPU"),
     (["--backend", "single", "--local_rank", 0, "--nproc", 2], "--backend single runs one process; --nproc 2 needs torch_ddp or apex_ddp"),
     (["--backend", "dp", "--local-rank", 0, "--device", "cpu"], "dp needs CUDA GPUs"),
+    (["--backend", "apex_ddp", "--nproc", 2, "--sync-bn"], "--sync-bn needs CUDA"),
 ])
 def test_mismatch_is_one_line_exit_2_before_any_work(args, message, data9, teacher_file, tmp_path):
     if "--gpus" in args and torch.cuda.device_count() > 7:
