@@ -79,6 +79,7 @@ TRAIN_OPTIONS = [
     (("--save-every-steps",), "save_every_steps", dict(type=int, help="Also checkpoint every N steps.")),
     (("--keep-last",), "keep_last", dict(type=int, help="Step checkpoints kept [1].")),
     (("--max-nonfinite-steps",), "max_nonfinite_steps", dict(type=int, help="Consecutive NaN/inf losses before stopping [20].")),
+    (("--max-restarts",), "max_restarts", dict(type=int, help="Restart a failed process group from the last checkpoint [0].")),
     (("--progress/--no-progress",), "progress_bar", dict(default=None, help="Progress bar [on a terminal only].")),
 ]
 

@@ -84,6 +84,7 @@ class RunConfig:
     save_every_steps: Optional[int] = None
     keep_last: int = 1
     max_nonfinite_steps: int = 20
+    max_restarts: int = 0  # torch elastic restarts of a multi-process group (from the last checkpoint)
     progress_bar: Optional[bool] = None  # None: only on a terminal
     timing_warmup: int = 0  # > 0: time the steps after this many (kd bench), skip evaluation
     # recipe metadata (not options)

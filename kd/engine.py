@@ -173,6 +173,7 @@ class Trainer:
         self.best_top1 = -1.0
         self.bad_images = 0
         self.meter = Meter(dev)
+        self._meter_state = None
         self.stop = StopFlag()
         self.timer = StepTimer(cfg.timing_warmup, backend)
         self.stop_every = min(cfg.log_every, 10)  # steps between stop checks across processes
@@ -218,7 +219,7 @@ class Trainer:
         self.global_step = state["global_step"]
         self.best_top1 = state["best_top1"]
         self.bad_images = state.get("bad_images", 0)
-        if state.get("meter"):
+        if state.get("meter") and self.backend.is_main:
             self.meter.load_state_dict(state["meter"])
         rng = state.get("rng", {}).get(str(self.backend.rank))
         if rng is not None:
@@ -239,7 +240,7 @@ class Trainer:
             "global_step": self.global_step,
             "best_top1": self.best_top1,
             "bad_images": self.bad_images,
-            "meter": self.meter.state_dict() if self.batch_in_epoch else None,
+            "meter": self._meter_state,
             "rng": {str(self.backend.rank): checkpoint.rng_state()},
             "student_name": self.cfg.student,
             "num_classes": self.num_classes,
@@ -252,6 +253,8 @@ class Trainer:
         A state reached through a non-finite loss is not saved, so the last good one stays.
         A failed write (disk full) keeps the previous file and stops the run with a clear error.
         """
+        # a mid-epoch checkpoint holds the epoch's sums over every process; rank 0 alone restores them
+        self._meter_state = self.meter.global_state(self.backend) if self.batch_in_epoch else None
         if self.backend.is_main and self.meter.streak.item() > 0:
             self.logger.info("not checkpointing: the last loss was not finite; the previous checkpoint stays")
         elif self.backend.is_main:
@@ -447,10 +450,10 @@ class StepTimer:
 class Interrupted(Exception):
     """A stop asked for by a signal, after the checkpoint of that exact step was written."""
 
-    def __init__(self, signame: str, step: int, out: Path):
+    def __init__(self, signame: str, step: int = 0, out: Optional[Path] = None, message: Optional[str] = None):
         self.signame = signame
-        super().__init__(f"stopped by {signame} at step {step}; checkpoint written to {out / 'checkpoints' / 'last.pt'}; "
-                         f"continue with: kd train --out {out} --resume")
+        super().__init__(message or f"stopped by {signame} at step {step}; checkpoint written to "
+                         f"{out / 'checkpoints' / 'last.pt'}; continue with: kd train --out {out} --resume")
 
 
 class StopFlag:
@@ -514,6 +517,18 @@ class Meter:
         if extra:
             out["_extra"] = values[len(keys) + 3:]
         return out
+
+    def global_state(self, backend) -> dict:
+        """:meth:`state_dict` with the sums and counters added up over every process (a collective)."""
+        keys = sorted(self.sums)
+        vec = torch.stack([self.sums[k] for k in keys] + [self.count, self.skipped,
+                                                          torch.tensor(float(self.bad), device=self.device)])
+        backend.all_reduce_sum(vec)
+        state = self.state_dict()
+        state["sums"] = {k: vec[i].cpu() for i, k in enumerate(keys)}
+        state["count"], state["skipped"] = vec[len(keys)].cpu(), vec[len(keys) + 1].cpu()
+        state["bad"] = int(vec[len(keys) + 2].item())
+        return state
 
     def state_dict(self) -> dict:
         return {"sums": {k: v.cpu() for k, v in self.sums.items()}, "count": self.count.cpu(),

@@ -165,18 +165,24 @@ def launch_local(cfg, nproc: int, resume_from: Optional[Path]):
     error_dir = tempfile.mkdtemp(prefix="kd-launch-")
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"kd-{uuid.uuid4().hex[:12]}",
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", local_addr="127.0.0.1",
-                          max_restarts=0, start_method="spawn")
+                          max_restarts=cfg.max_restarts, start_method="spawn")
     previous = logging.root.manager.disable
     logging.disable(logging.ERROR)  # the agent's own failure report; kd reports the cause below
     try:
         results = elastic_launch(config, worker)(cfg, str(cfg.out), resume_from, error_dir, visible)
-    except ChildFailedError:
+    except (ChildFailedError, SignalException) as exc:
+        stopped = Path(error_dir, "interrupted.txt")
+        if stopped.exists():  # the workers stopped on a signal after writing their checkpoint
+            from kd.engine import Interrupted
+
+            signame, message = stopped.read_text(encoding="utf-8").split("\n", 1)
+            raise Interrupted(signame, message=message) from None
         message = first_error(error_dir)
         if message is not None:
             raise KDError(message) from None
+        if isinstance(exc, SignalException):
+            raise KeyboardInterrupt from None
         raise
-    except SignalException:
-        raise KeyboardInterrupt from None
     finally:
         logging.disable(previous)
         shutil.rmtree(error_dir, ignore_errors=True)
@@ -200,8 +206,17 @@ def worker(cfg, out: str, resume_from: Optional[Path], error_dir: str, visible: 
         except AttributeError:  # not on Linux
             cores = os.cpu_count() or 1
         torch.set_num_threads(max(1, cores // max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)))
+    last = Path(out) / "checkpoints" / "last.pt"
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and last.is_file():
+        resume_from = last  # --max-restarts: the restarted group continues from the last checkpoint
+    from kd.engine import Interrupted
+
     try:
         return run_worker(cfg, Path(out), resume_from)
+    except Interrupted as exc:
+        if os.environ.get("RANK", "0") == "0":
+            Path(error_dir, "interrupted.txt").write_text(f"{exc.signame}\n{exc}", encoding="utf-8")
+        raise SystemExit(143 if exc.signame == "SIGTERM" else 130) from None
     except KDError as exc:
         rank = os.environ.get("RANK", "0")
         Path(error_dir, f"rank{int(rank):05d}.txt").write_text(str(exc), encoding="utf-8")

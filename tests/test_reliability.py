@@ -119,3 +119,23 @@ def test_checkpoint_write_is_atomic(tmp_path):
         save_atomic({"a": torch.zeros(3), "b": Boom()}, path)
     assert torch.equal(torch.load(path, weights_only=True)["a"], torch.ones(3))
     assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]
+
+
+@pytest.mark.slow
+def test_sigterm_under_torch_ddp_then_resume_is_exact(data, tmp_path):
+    ddp = ["--backend", "torch_ddp", "--nproc", "2", "-j", "2"]
+    ref = tmp_path / "ref"
+    r = run_kd("train", "--data", data, *ARGS, *ddp, "--out", ref)
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "run"
+    proc = start("train", "--data", data, *ARGS, *ddp, "--out", out)
+    wait_for(lambda: (out / "metrics.jsonl").exists(), proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 143, err
+    assert "stopped by SIGTERM" in err and "--resume" in err
+    state = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
+    assert 0 < state["batch_in_epoch"] < 12 or state["epoch"] == 2
+    r = run_kd("train", "--out", out, "--resume")
+    assert r.returncode == 0, r.stderr
+    assert_same_run(ref, out)
