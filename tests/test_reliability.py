@@ -139,3 +139,32 @@ def test_sigterm_under_torch_ddp_then_resume_is_exact(data, tmp_path):
     r = run_kd("train", "--out", out, "--resume")
     assert r.returncode == 0, r.stderr
     assert_same_run(ref, out)
+
+
+def _ranks(parent: int):
+    """The worker processes torch's elastic agent started for the run (children of kd's process)."""
+    out = subprocess.run(["pgrep", "-P", str(parent)], capture_output=True, text=True).stdout.split()
+    pids = []
+    for pid in map(int, out):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "spawn_main" in cmd and "resource_tracker" not in cmd:
+            pids.append(pid)
+    return pids
+
+
+@pytest.mark.slow
+def test_a_dead_rank_takes_the_group_down(data, tmp_path):
+    restarts = 0
+    out = tmp_path / "run"
+    proc = start("train", "--data", data, *ARGS, "--backend", "torch_ddp", "--nproc", "2", "-j", "0",
+                 "--out", out, "--max-restarts", restarts, "--epochs", 6)
+    wait_for(lambda: (out / "metrics.jsonl").exists() and len(_ranks(proc.pid)) == 2, proc)
+    os.kill(_ranks(proc.pid)[-1], signal.SIGKILL)
+    started = time.time()
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode != 0 and time.time() - started < 240, err
+    assert not _ranks(proc.pid)
+    assert torch.load(out / "checkpoints" / "last.pt", weights_only=True)["epoch"] >= 1  # the checkpoint survives
