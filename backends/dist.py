@@ -103,7 +103,15 @@ def init_group(place: Place, device: torch.device) -> None:
         for name in ("MASTER_ADDR", "MASTER_PORT"):
             if name not in os.environ:
                 raise KDError(f"{name} is not set; start kd with torchrun, srun or 'kd train --nproc / --gpus'")
-        kwargs.update(init_method="env://", rank=place.rank, world_size=place.world_size)
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if attempt and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+            # a restarted group (--max-restarts) must not read the dead group's addresses from the store
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), place.world_size,
+                                  is_master=False, timeout=timeout())
+            kwargs.update(store=dist.PrefixStore(f"kd/attempt_{attempt}", store), rank=place.rank,
+                          world_size=place.world_size)
+        else:
+            kwargs.update(init_method="env://", rank=place.rank, world_size=place.world_size)
     dist.init_process_group(**kwargs)
 
 
