@@ -30,7 +30,7 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
-from kd.precision import Precision, cast_module, float32_state, keep_losses_float32
+from kd.precision import MasterStateMixin, Precision, cast_module, keep_losses_float32
 
 REMOVED = "apex.amp was removed from NVIDIA apex in May 2025; the last release tag with it is 25.05"
 
@@ -67,7 +67,7 @@ def unavailable(cfg, device: torch.device) -> Optional[str]:
     return None
 
 
-class ApexAmpPrecision(Precision):
+class ApexAmpPrecision(MasterStateMixin, Precision):
     """apex.amp at ``cfg.opt``; float16 at O1-O3 (float32 at O0)."""
 
     impl = "apex"
@@ -136,16 +136,6 @@ class ApexAmpPrecision(Precision):
         return {name: master_of[id(p)] for name, p in model.named_parameters(remove_duplicate=False)
                 if id(p) in master_of}
 
-    def model_state(self, model):
-        state = model.state_dict()
-        state.update({k: v.detach() for k, v in self._named_masters(model).items()})
-        return float32_state(state)
-
-    @torch.no_grad()
-    def load_model_state(self, model, state):
-        model.load_state_dict(state)
-        for name, master in self._named_masters(model).items():
-            master.copy_(state[name])
 
     def state_dict(self) -> dict:
         return {"opt": self.opt, "impl": self.impl, "dtype": "float16", "amp": self.amp.state_dict()}

@@ -277,7 +277,25 @@ class CastPrecision(Precision):
 
 
 # ----------------------------------------------------------------------------- O2
-class MasterWeightPrecision(CastPrecision):
+class MasterStateMixin:
+    """Checkpoint state for precisions whose optimizer holds float32 master weights.
+
+    Subclasses provide ``_named_masters(model)``: parameter name -> its float32 master.
+    """
+
+    def model_state(self, model):
+        state = model.state_dict()
+        state.update({k: v.detach() for k, v in self._named_masters(model).items()})
+        return float32_state(state)
+
+    @torch.no_grad()
+    def load_model_state(self, model, state):
+        model.load_state_dict(state)
+        for name, master in self._named_masters(model).items():
+            master.copy_(state[name])
+
+
+class MasterWeightPrecision(MasterStateMixin, CastPrecision):
     """O2: reduced-precision model weights (BatchNorm float32) with float32 master weights.
 
     ``prepare`` makes a float32 copy of every parameter it casts and puts the copies in the
@@ -338,16 +356,6 @@ class MasterWeightPrecision(CastPrecision):
         return {name: self._master_of[id(p)] for name, p in model.named_parameters(remove_duplicate=False)
                 if id(p) in self._master_of}
 
-    def model_state(self, model):
-        state = model.state_dict()
-        state.update({k: v.detach() for k, v in self._named_masters(model).items()})
-        return float32_state(state)
-
-    @torch.no_grad()
-    def load_model_state(self, model, state):
-        model.load_state_dict(state)
-        for name, master in self._named_masters(model).items():
-            master.copy_(state[name])
 
 
 # ----------------------------------------------------------------------------- the entry point
