@@ -210,16 +210,22 @@ def report(runs, csv_path):
 @click.option("--workers", "-j", type=int, default=None)
 @click.option("--amp-dtype", type=click.Choice(["float16", "bfloat16"]), default=None)
 @click.option("--compile/--no-compile", default=False, show_default=True)
+@click.option("--loader", type=click.Choice(["pil", "gpu"]), default=None, help="With --data DIR (default pil).")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Passed to every combination's kd train.")
 @click.option("--out", "-o", type=click.Path(path_type=Path), default=Path("runs/bench"), show_default=True)
 @click.option("--timeout", type=float, default=1800, show_default=True, help="Seconds per combination.")
 def bench(teacher, student, backend_list, opt_list, gpus, nproc, device, batch_size, image_size, iters, warmup,
-          data, workers, amp_dtype, compile, out, timeout):
+          data, workers, amp_dtype, compile, loader, sets, out, timeout):
     """Compare backends x opt levels on this machine: s/20 iters, img/s, peak memory per GPU."""
     from kd.bench import bench as run_bench, markdown
 
     args = dict(teacher=teacher, student=student, gpus=gpus, nproc=nproc, device=device, batch_size=batch_size,
                 image_size=image_size, iters=iters, warmup=warmup, data=data, workers=workers,
-                amp_dtype=amp_dtype, compile=compile)
+                amp_dtype=amp_dtype, compile=compile, loader=loader, sets=list(sets))
+    from kd import config as kd_config
+
+    for key, value in kd_config.parse_set(list(sets)).items():  # a bad --set fails here, not in every row
+        kd_config.coerce(key, value)
     rows = run_bench([b for b in backend_list.split(",") if b], [o for o in opt_list.split(",") if o], args, out,
                      timeout)
     click.echo(markdown(rows))

@@ -71,6 +71,7 @@ class ApexAmpPrecision(MasterStateMixin, Precision):
     """apex.amp at ``cfg.opt``; float16 at O1-O3 (float32 at O0)."""
 
     impl = "apex"
+    fused_optimizer_ok = False  # amp.initialize patches the optimizer's step
 
     def __init__(self, cfg, device: torch.device):
         amp, reason = _import_amp()

@@ -36,6 +36,8 @@ def combo_command(backend: str, opt: str, args: Dict[str, object], out: Path) ->
             continue
         flag = "--" + key.replace("_", "-")
         cmd += [flag] if value is True else [flag, str(value)]
+    for item in args.get("sets") or ():
+        cmd += ["--set", item]
     if args.get("teacher"):
         cmd += ["--teacher-weights", "none"]
     cmd += ["--student-weights", "none"]

@@ -124,6 +124,8 @@ class Trainer:
         channels_last = cfg.channels_last if cfg.channels_last is not None else dev.type == "cuda"
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         self.logger = RunLogger(self.out, cfg.progress_bar) if backend.is_main else NullLogger()
+        if dev.type == "cuda":
+            torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
 
         torch.manual_seed(cfg.seed)  # the same initial student on every process
         num_replicas, rank = backend.data_shard()
@@ -153,9 +155,12 @@ class Trainer:
             teacher = teacher.to(dev, memory_format=self.memory_format)
             if cfg.timing_warmup and cfg.teacher_weights == "none":
                 calibrate_batchnorm(teacher, self.data.train)
+            if cfg.fold_teacher_bn:
+                folded = models.fold_batchnorm(teacher, keep=t_layers)
+                self.logger.info(f"teacher: {folded} BatchNorm layers folded into the convolutions before them")
             teacher = self.precision.prepare_teacher(teacher)
             self.teacher = backend.wrap_forward(TeacherSide(teacher, t_layers))
-        optimizer = build_optimizer(cfg, self.side.named_parameters())
+        optimizer = build_optimizer(cfg, self.side.named_parameters(), fused_ok=self.precision.fused_optimizer_ok)
         self.side, self.optimizer = self.precision.prepare(self.side, optimizer)
         self.model = backend.wrap(self.side)
         self.logger.info(backend.describe())  # after wrap: what the backend decided there (e.g. torch_ddp's detection)

@@ -22,10 +22,23 @@ def param_groups(named: Iterable[Tuple[str, nn.Parameter]], weight_decay: float,
     return groups
 
 
-def build_optimizer(cfg, named_params) -> torch.optim.Optimizer:
+def build_optimizer(cfg, named_params, fused_ok: bool = True) -> torch.optim.Optimizer:
+    """SGD, fused where every parameter is on CUDA (unless ``fused_optimizer`` says no), else foreach.
+
+    The fused kernel takes the GradScaler's scale and inf flag on the device, so a float16
+    step needs no host synchronisation (the foreach path reads the flag with ``.item()``).
+    ``fused_ok`` is False for precisions that patch the optimizer themselves (apex.amp).
+    """
     groups = param_groups(named_params, cfg.weight_decay, cfg.wd_bn_bias)
+    on_cuda = all(p.is_cuda for g in groups for p in g["params"])
+    fused = fused_ok and on_cuda and cfg.fused_optimizer is not False
+    if cfg.fused_optimizer and not fused:
+        from kd.errors import KDError
+
+        raise KDError("fused_optimizer=true needs every trainable parameter on CUDA and a precision other than apex.amp")
+    kind = {"fused": True} if fused else {"foreach": True}
     return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0,
-                           foreach=True)
+                           **kind)
 
 
 def lr_factor(cfg, epoch: float) -> float:

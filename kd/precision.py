@@ -134,6 +134,7 @@ class Precision:
 
     opt = "O0"
     impl = "native"
+    fused_optimizer_ok = True  # False where the precision patches the optimizer itself
 
     def __init__(self, device: torch.device, dtype: torch.dtype = torch.float32, note: Optional[str] = None):
         self.device = device
@@ -246,6 +247,20 @@ class AutocastPrecision(Precision):
 
     def autocast(self):
         return torch.autocast(self.device.type, dtype=self.dtype)
+
+    @torch.no_grad()
+    def prepare_teacher(self, teacher: nn.Module) -> nn.Module:
+        """Convolution and linear weights of the frozen teacher stored in the autocast dtype.
+
+        autocast would cast them to exactly these values in every forward; storing them once
+        removes those casts (and their memory traffic) from each step. Norm layers, which
+        autocast runs in float32, keep float32 parameters.
+        """
+        for module in teacher.modules():
+            if isinstance(module, (nn.Linear, nn.modules.conv._ConvNd)):
+                for name, param in module.named_parameters(recurse=False):
+                    param.data = param.data.to(self.dtype)
+        return teacher
 
 
 # ----------------------------------------------------------------------------- O3

@@ -177,8 +177,22 @@ def _dtypes(module: nn.Module, bn: bool):
     return {p.dtype for m in module.modules() if isinstance(m, _BatchNorm) == bn for p in m.parameters(recurse=False)}
 
 
+def test_o1_teacher_stores_the_weights_autocast_would_use(data, tmp_path):
+    """At O1 the frozen teacher's conv/linear weights are kept in the autocast dtype (BatchNorm
+    float32), and its logits equal those of the float32 teacher under autocast."""
+    import copy
+
+    t = trainer(tiny_cfg(data, tmp_path / "o1", opt="O1", fold_teacher_bn=False))
+    teacher = t.teacher.teacher
+    assert _dtypes(teacher, bn=False) == {torch.bfloat16} and _dtypes(teacher, bn=True) == {torch.float32}
+    reference = copy.deepcopy(teacher).float()  # bf16 -> float32 is exact: the weights autocast casts back
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(teacher(x), reference(x))
+
+
 def test_o2_weights_bfloat16_batchnorm_float32_masters_float32(data, tmp_path):
-    t = trainer(tiny_cfg(data, tmp_path / "o2", opt="O2"))
+    t = trainer(tiny_cfg(data, tmp_path / "o2", opt="O2", fold_teacher_bn=False))
     student, teacher = t.side.student, t.teacher.teacher
     assert _dtypes(student, bn=False) == {torch.bfloat16} and _dtypes(student, bn=True) == {torch.float32}
     assert _dtypes(teacher, bn=False) == {torch.bfloat16} and _dtypes(teacher, bn=True) == {torch.float32}
@@ -198,7 +212,8 @@ def test_o2_weights_bfloat16_batchnorm_float32_masters_float32(data, tmp_path):
 def test_o3_everything_bfloat16_no_masters(data, tmp_path):
     t = trainer(tiny_cfg(data, tmp_path / "o3", opt="O3"))
     assert {p.dtype for p in t.side.student.parameters()} == {torch.bfloat16}
-    assert {b.dtype for b in t.teacher.teacher.buffers() if b.is_floating_point()} == {torch.bfloat16}
+    teacher = t.teacher.teacher
+    assert {x.dtype for x in [*teacher.parameters(), *teacher.buffers()] if x.is_floating_point()} == {torch.bfloat16}
     opt_params = {id(p) for g in t.optimizer.param_groups for p in g["params"]}
     assert opt_params == {id(p) for p in t.side.parameters() if p.requires_grad}
 

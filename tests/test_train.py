@@ -55,7 +55,8 @@ def test_teacher_is_frozen_and_unchanged(image_folder, tmp_path):
     torch.manual_seed(1)
     torch.save(kd.models.build("resnet18", 3).state_dict(), weights)
     before = torch.load(weights, weights_only=True)
-    cfg = tiny_cfg(image_folder, tmp_path / "run", teacher_weights=str(weights))
+    # the loaded state itself is compared below, so without BatchNorm folding
+    cfg = tiny_cfg(image_folder, tmp_path / "run", teacher_weights=str(weights), fold_teacher_bn=False)
     import backends
 
     backend = backends.get("single")(cfg)
@@ -73,6 +74,33 @@ def test_teacher_is_frozen_and_unchanged(image_folder, tmp_path):
         assert torch.equal(after[key], value), key  # BatchNorm running stats included
     changed = [k for k, v in trainer.side.student.state_dict().items() if not torch.equal(v, student_before[k])]
     assert changed, "the student did not train"
+
+
+def test_folded_teacher_gives_the_same_logits_and_stays_frozen(image_folder, tmp_path, capsys):
+    weights = tmp_path / "teacher.pt"
+    torch.manual_seed(1)
+    reference = kd.models.build("resnet18", 3)
+    for m in reference.modules():  # BatchNorm statistics far from the identity, so folding matters
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 2.0)
+    torch.save(reference.state_dict(), weights)
+    reference.eval()
+    cfg = tiny_cfg(image_folder, tmp_path / "run", teacher_weights=str(weights))
+    import backends
+
+    backend = backends.get("single")(cfg)
+    backend.setup()
+    trainer = Trainer(cfg, backend, Path(cfg.out))
+    teacher = trainer.teacher.teacher
+    assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in teacher.modules())  # all 20 folded
+    x = torch.randn(4, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(teacher(x), reference(x), rtol=1e-4, atol=1e-4)
+    state = {k: v.clone() for k, v in teacher.state_dict().items()}
+    trainer.fit()
+    assert all(torch.equal(v, state[k]) for k, v in teacher.state_dict().items())
+    assert "teacher: 20 BatchNorm layers folded" in capsys.readouterr().err
 
 
 def _final_params(out: Path):

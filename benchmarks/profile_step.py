@@ -1,0 +1,168 @@
+"""Where the time of kd's KD step goes, on one GPU.
+
+    python benchmarks/profile_step.py --opt O1 --amp-dtype bfloat16
+    python benchmarks/profile_step.py --opt O1 --variant fold_teacher_bn=false --variant cudnn_benchmark=false
+
+Builds the run as ``kd train`` does (``Trainer`` on the ``single`` backend, synthetic input,
+random-init models, the teacher's BatchNorm statistics calibrated on the input), then times
+with CUDA events, each phase alone over ``--iters``: the teacher forward; the student
+forward + KD loss + backward; the optimizer step; and the whole training step as the
+engine runs it. ``--variant KEY=VALUE[,KEY=VALUE]`` (repeatable) adds a row built with those
+config overrides, for A/B comparisons. One torch.profiler pass over whole steps of the
+first configuration groups the GPU kernel time by kind. Prints markdown tables.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import backends  # noqa: E402
+from kd import config as kd_config  # noqa: E402
+from kd.engine import Trainer  # noqa: E402
+
+
+def build(args, overrides):
+    options = dict(teacher=args.teacher, student=args.student, data="synthetic", batch_size=args.batch_size,
+                   opt=args.opt, amp_dtype=args.amp_dtype, teacher_weights="none", student_weights="none",
+                   epochs=1, limit_train_batches=args.warmup + args.iters, compile=args.compile,
+                   progress_bar=False, timing_warmup=args.warmup, backend="single", device="cuda")
+    cfg = kd_config.resolve(options=options, sets=overrides)
+    backend = backends.get("single")(cfg)
+    backend.setup()
+    return Trainer(cfg, backend, Path(tempfile.mkdtemp(prefix="kd-profile-")))
+
+
+def timed(fn, iters: int, warmup: int = 3) -> float:
+    """Milliseconds per call of ``fn``, CUDA events around ``iters`` calls after ``warmup``."""
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def phases(trainer, iters: int):
+    prec = trainer.precision
+    batch = next(iter(trainer.data.train))
+    images, labels = prec.input_cast(batch.images), batch.labels
+    with torch.no_grad(), prec.autocast():
+        t_logits, t_feats = trainer.teacher(images)
+
+    def teacher():
+        with torch.no_grad(), prec.autocast():
+            trainer.teacher(images)
+
+    def student():
+        with prec.autocast():
+            parts = trainer.model(images, labels, t_logits, t_feats, 0.0)
+        loss = parts["loss"].float().mean()
+        (prec.scaler.scale(loss) if prec.scaler else loss).backward()
+        for p in trainer.params:
+            p.grad = None
+
+    def optimizer():
+        trainer.optimizer.step()
+
+    rows = {"teacher forward": timed(teacher, iters), "student fwd+loss+bwd": timed(student, iters)}
+    with prec.autocast():  # gradients to step with
+        parts = trainer.model(images, labels, t_logits, t_feats, 0.0)
+    parts["loss"].float().mean().backward()
+    prec._gradients_to_optimizer(trainer.params)
+    rows["optimizer step"] = timed(optimizer, iters)
+    trainer.optimizer.zero_grad(set_to_none=True)
+    trainer.train_epoch()  # the engine's own loop, timed by its StepTimer after the warm-up
+    result = trainer.timer.result(trainer.backend)
+    rows["whole kd step"] = 1000 * result["timed_seconds"] / max(result["timed_steps"], 1)
+    return rows
+
+
+KINDS = [("conv / matmul", r"conv|gemm|xmma|cudnn|cutlass|wgmma|sm90|sm80|implicit|winograd|fprop|dgrad|wgrad"),
+         ("batchnorm", r"batch_?norm|bn_"),
+         ("optimizer", r"sgd|adam|multi_tensor"),
+         ("softmax / reductions", r"softmax|reduce|norm|sum|topk"),
+         ("layout / copy / cast", r"copy|cast|nchw|nhwc|transpose|memcpy|memset|fill"),
+         ("compiled (triton)", r"^triton"),
+         ("elementwise", r"elementwise|vectorized|unrolled|relu|add|mul|threshold")]
+
+
+def kernel_kinds(trainer, steps: int):
+    trainer.cfg.limit_train_batches = steps
+    trainer.timer.warmup = 0
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        trainer.epoch = 0
+        trainer.train_epoch()
+        torch.cuda.synchronize()
+    totals, kernels = collections.Counter(), collections.Counter()
+    for evt in prof.key_averages():
+        us = getattr(evt, "self_device_time_total", None)
+        us = getattr(evt, "self_cuda_time_total", 0) if us is None else us
+        if not us or evt.key.startswith("ProfilerStep"):
+            continue
+        name = evt.key
+        kind = next((k for k, pat in KINDS if re.search(pat, name, re.I)), "other")
+        totals[kind] += us
+        kernels[name] += us
+    return totals, kernels
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--teacher", default="resnet101")
+    ap.add_argument("--student", default="resnet18")
+    ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--opt", default="O1")
+    ap.add_argument("--amp-dtype", default="bfloat16")
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--profile-steps", type=int, default=6)
+    ap.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]")
+    args = ap.parse_args()
+
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, {args.teacher} -> {args.student}, "
+          f"batch {args.batch_size}, {args.opt} {args.amp_dtype}{' compiled' if args.compile else ''}\n")
+    table = []
+    profile = None
+    for variant in ["", *args.variant]:
+        sets = [s for s in variant.split(",") if s]
+        trainer = build(args, sets)
+        rows = phases(trainer, args.iters)
+        table.append((variant or "default", rows))
+        if profile is None:
+            profile = kernel_kinds(trainer, args.profile_steps)
+        del trainer
+        torch.cuda.empty_cache()
+
+    names = list(table[0][1])
+    print("| config | " + " | ".join(f"{n} (ms)" for n in names) + " | images/s (whole step) |")
+    print("|---|" + "---|" * (len(names) + 1))
+    for variant, rows in table:
+        cells = " | ".join(f"{rows[n]:.2f}" for n in names)
+        print(f"| {variant} | {cells} | {1000 * args.batch_size / rows['whole kd step']:,.0f} |")
+
+    totals, kernels = profile
+    whole = sum(totals.values()) or 1.0
+    print(f"\nGPU kernel time by kind over {args.profile_steps} whole steps (default config):\n")
+    print("| kind | ms per step | share |\n|---|---|---|")
+    for kind, us in totals.most_common():
+        print(f"| {kind} | {us / 1000 / args.profile_steps:.2f} | {100 * us / whole:.0f}% |")
+    print("\n| top kernels | ms per step |\n|---|---|")
+    for name, us in kernels.most_common(12):
+        print(f"| {name[:90]} | {us / 1000 / args.profile_steps:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
