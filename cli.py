@@ -194,7 +194,7 @@ def report(runs, csv_path):
         csv_path.write_text(to_csv(rows))
 
 
-@cli.command()
+@cli.group(invoke_without_command=True)
 @click.option("--teacher", default="resnet101", show_default=True)
 @click.option("--student", default="resnet18", show_default=True)
 @click.option("--backends", "backend_list", default="single", show_default=True, help="Comma-separated backends.")
@@ -214,9 +214,15 @@ def report(runs, csv_path):
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Passed to every combination's kd train.")
 @click.option("--out", "-o", type=click.Path(path_type=Path), default=Path("runs/bench"), show_default=True)
 @click.option("--timeout", type=float, default=1800, show_default=True, help="Seconds per combination.")
-def bench(teacher, student, backend_list, opt_list, gpus, nproc, device, batch_size, image_size, iters, warmup,
+@click.pass_context
+def bench(ctx, teacher, student, backend_list, opt_list, gpus, nproc, device, batch_size, image_size, iters, warmup,
           data, workers, amp_dtype, compile, loader, sets, out, timeout):
-    """Compare backends x opt levels on this machine: s/20 iters, img/s, peak memory per GPU."""
+    """Compare backends x opt levels on this machine: s/20 iters, img/s, peak memory per GPU.
+
+    'kd bench data --data DIR' measures the input pipeline alone.
+    """
+    if ctx.invoked_subcommand:
+        return
     from kd.bench import bench as run_bench, markdown
 
     args = dict(teacher=teacher, student=student, gpus=gpus, nproc=nproc, device=device, batch_size=batch_size,
@@ -230,6 +236,24 @@ def bench(teacher, student, backend_list, opt_list, gpus, nproc, device, batch_s
                      timeout)
     click.echo(markdown(rows))
     click.echo(f"\n{out}/bench.csv, bench.json, bench.md{', bench.png' if (out / 'bench.png').exists() else ''}")
+
+
+@bench.command("data")
+@click.option("--data", required=True, metavar="DIR", help="ImageNet-layout folder (its train/ split is read).")
+@click.option("--loader", default="pil", show_default=True, metavar="pil|gpu")
+@click.option("--workers", "-j", type=int, default=None, help="DataLoader workers [min(8, CPU cores)].")
+@click.option("--batch-size", "-b", type=int, default=256, show_default=True)
+@click.option("--image-size", type=int, default=224, show_default=True)
+@click.option("--epochs", type=int, default=2, show_default=True, help="Epochs over train/ (the first starts the workers).")
+@click.option("--limit-batches", type=int, default=None, help="At most this many batches per epoch.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--mp-context", type=click.Choice(["fork", "forkserver", "spawn"]), default=None)
+def bench_data_cmd(data, loader, workers, batch_size, image_size, epochs, limit_batches, device, mp_context):
+    """Images/s of the input pipeline alone (decode, crop, flip, normalise, to the device)."""
+    from kd.bench import bench_data
+
+    bench_data(dict(data=data, loader=loader, workers=workers, batch_size=batch_size, image_size=image_size,
+                    limit_train_batches=limit_batches, device=device, mp_context=mp_context), epochs, click.echo)
 
 
 @cli.command("losses")

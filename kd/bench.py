@@ -117,3 +117,60 @@ def write_outputs(rows: List[Dict[str, object]], out: Path, baseline: str) -> No
     fig.tight_layout()
     fig.savefig(out / "bench.png", dpi=120)
     plt.close(fig)
+
+
+def bench_data(options: Dict[str, object], epochs: int, echo=print) -> List[Dict[str, float]]:
+    """``kd bench data``: images/s of the training loader alone, per epoch.
+
+    The loader is the one ``kd train`` builds (sampling, decode, crop, flip, normalisation
+    and the copy to the device, all of it); batches are consumed and dropped. Epoch 1
+    includes starting the workers; later epochs show the steady rate.
+    """
+    import time
+
+    import torch
+
+    from backends.base import resolve_device
+    from kd import config as kd_config
+    from kd.data.folder import scan
+    from kd.data.loader import make_loader
+
+    if epochs < 1:
+        raise KDError("--epochs must be at least 1")
+    # the models are not built; names only satisfy the config's validation
+    cfg = kd_config.resolve(options={"teacher": "resnet18", "student": "resnet18", **options})
+    if cfg.data == "synthetic":
+        raise KDError("kd bench data needs --data DIR (an ImageNet-layout folder), not synthetic")
+    device = resolve_device(cfg)
+    _, train, _ = scan(cfg.data)
+    make = make_loader
+    if cfg.loader == "gpu":
+        from kd.data.gpu import make_gpu_loader as make
+    elif cfg.loader != "pil":
+        raise KDError(f"unknown --loader {cfg.loader!r}; choose from: pil, gpu")
+    channels_last = cfg.channels_last if cfg.channels_last is not None else device.type == "cuda"
+    loader = make(cfg, train, True, 1, 0, cfg.batch_size, device, channels_last)
+    echo(loader.describe())
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    rows = []
+    for epoch in range(epochs):
+        loader.set_epoch(epoch)
+        sync()
+        start, first, images = time.perf_counter(), None, 0
+        for batch in loader:
+            if first is None:
+                sync()
+                first = time.perf_counter() - start
+            images += len(batch)
+        sync()
+        seconds = time.perf_counter() - start
+        row = {"epoch": epoch + 1, "images": images, "seconds": seconds, "img_per_s": images / max(seconds, 1e-9),
+               "first_batch_s": first or 0.0}
+        rows.append(row)
+        echo(f"epoch {epoch + 1}: {images} images in {seconds:.1f}s, {row['img_per_s']:,.0f} images/s "
+             f"(first batch after {row['first_batch_s']:.2f}s)")
+    return rows

@@ -25,3 +25,28 @@ def test_bench_table_csv_json_on_cpu(tmp_path):
     with open(out / "bench.csv") as fh:
         assert len(list(csv.DictReader(fh))) == 6
     assert "| torch_ddp | O1 |" in r.stdout
+
+
+def test_bench_passes_set_to_every_combination(tmp_path):
+    out = tmp_path / "bench"
+    r = run_kd("bench", "--teacher", "resnet18", "--student", "resnet18", "--device", "cpu", "--backends", "single",
+               "--opt", "O0", "-b", "4", "--image-size", "32", "--iters", "2", "--warmup", "1", "--out", out,
+               "--set", "fold_teacher_bn=false", "--set", "momentum=0.5")
+    assert r.returncode == 0, r.stderr
+    saved = (out / "runs" / "single_O0" / "config.yaml").read_text()
+    assert "fold_teacher_bn: false" in saved and "momentum: 0.5" in saved
+
+
+def test_bench_data_reports_the_loader_alone(tmp_path):
+    from conftest import make_image_folder
+
+    data = make_image_folder(tmp_path / "data", classes=2, train_per_class=6)
+    for loader in ("pil", "gpu"):  # gpu falls back to CPU decoding here, and says so
+        r = run_kd("bench", "data", "--data", data, "--loader", loader, "-b", "4", "-j", "2", "--epochs", "2",
+                   "--device", "cpu", "--image-size", "32")
+        assert r.returncode == 0, r.stderr
+        lines = [x for x in r.stdout.splitlines() if x.startswith("epoch ")]
+        assert len(lines) == 2 and all("12 images in" in x and "images/s" in x for x in lines), r.stdout
+        assert r.stdout.startswith(f"loader {loader}")
+    r = run_kd("bench", "data", "--data", tmp_path / "missing")
+    assert r.returncode == 2 and r.stderr.startswith("kd: error:") and "Traceback" not in r.stderr
