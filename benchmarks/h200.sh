@@ -1,23 +1,40 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks behind the README's tables, as run on one H200 (device tool).
-# Usage: bash benchmarks/h200.sh PART   (PART: tests | step | compile | backends | apex | loader); logs go to $OUT.
+# Usage: bash benchmarks/h200.sh PART...   (PART: env | tests | profile | step | compile | backends | apex |
+#        jpegs | data | loader); logs go to $OUT.
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/kd-h200}; mkdir -p "$OUT"
-B="python -m cli bench --teacher resnet101 --student resnet18 -b 256 --iters 60 --warmup 15"
-case "$1" in
-  tests) python -m pytest -m gpu -q -rs 2>&1 | tee "$OUT/gpu_tests.log" ;;
+PY=python3
+B="$PY -m cli bench --teacher resnet101 --student resnet18 -b 256 --iters 60 --warmup 15"
+JPEGS=/tmp/jpegs
+T="timeout -s ABRT"  # with -X faulthandler a hang prints every thread's stack before the kill
+for part in "$@"; do case "$part" in
+  env) { nvidia-smi -L; nproc; free -g | head -2; df -h /dev/shm /tmp; ulimit -n; $PY -c "import torch, torchvision; print(torch.__version__, torchvision.__version__)"; } 2>&1 | tee "$OUT/env.log" ;;
+  tests) $PY -m pytest -m gpu -q -rs 2>&1 | tee "$OUT/gpu_tests.log" ;;
+  profile) for D in bfloat16 float16; do
+             $PY benchmarks/profile_step.py --opt O1 --amp-dtype $D --variant fold_teacher_bn=false \
+               --variant cudnn_benchmark=false --variant fused_optimizer=false 2>&1 | grep -v Warning | tee -a "$OUT/profile.log"
+           done ;;
   step) $B --backends single --opt O0,O1,O2,O3 --amp-dtype float16 --out "/tmp/kdb/step_fp16" 2>&1 | tee "$OUT/step_fp16.log"
         $B --backends single --opt O1,O2,O3 --amp-dtype bfloat16 --out "/tmp/kdb/step_bf16" 2>&1 | tee "$OUT/step_bf16.log" ;;
   compile) $B --backends single --opt O1 --amp-dtype bfloat16 --compile --out "/tmp/kdb/compile" 2>&1 | tee "$OUT/compile.log" ;;
   backends) $B --backends dp,torch_ddp,apex_ddp --opt O0,O1 --gpus 0 --out "/tmp/kdb/backends" 2>&1 | tee "$OUT/backends.log" ;;
-  apex) (cd .apex && pip install -q --no-build-isolation --no-deps --no-index .) && python -m cli backends
-        $B --backends apex_ddp --opt O1,O2 --gpus 0 --out "/tmp/kdb/apex" 2>&1 | tee "$OUT/apex.log" ;;
-  loader) python benchmarks/bench_loader.py --data /tmp/jpegs --images 5000 --e2e 2>&1 | tee "$OUT/loader.log"
+  apex) (cd .apex && $PY -m pip install -q --no-build-isolation --no-deps --no-index . 2>&1 | tail -3) | tee "$OUT/apex.log"
+        $PY -m cli backends 2>&1 | tee -a "$OUT/apex.log"
+        $B --backends apex_ddp --opt O1,O2 --gpus 0 --out "/tmp/kdb/apex" 2>&1 | tee -a "$OUT/apex.log"
+        $PY -m pytest -m gpu -q -rs -k apex tests 2>&1 | tail -5 | tee -a "$OUT/apex.log" ;;
+  jpegs) $PY benchmarks/bench_loader.py --data $JPEGS --images 5000 --no-pil --decoders "" 2>&1 | head -3 | tee "$OUT/jpegs.log" ;;
+  data) for args in "--loader pil -j 15" "--loader pil -j 4" "--loader pil -j 15 --mp-context fork" "--loader gpu -j 8"; do
+          echo "== kd bench data $args" | tee -a "$OUT/data.log"
+          $T 90 $PY -X faulthandler -m cli bench data --data $JPEGS --epochs 2 $args 2>&1 | tail -25 | tee -a "$OUT/data.log"
+        done ;;
+  loader) $T 300 $PY -X faulthandler benchmarks/bench_loader.py --data $JPEGS --images 5000 --e2e 2>&1 | tee "$OUT/loader.log"
         for L in gpu pil; do
-          python -m cli train --data /tmp/jpegs --teacher resnet101 --teacher-weights none --student resnet18 \
+          $T 200 $PY -X faulthandler -m cli train --data $JPEGS --teacher resnet101 --teacher-weights none --student resnet18 \
             --opt O1 --amp-dtype bfloat16 -b 256 --epochs 1 --limit-train-batches 19 --limit-val-batches 2 --loader $L \
             -j 15 --log-every 5 --set timing_warmup=4 --out "/tmp/kdb/e2e_$L" --overwrite --no-progress 2>&1 | tail -3 | tee -a "$OUT/e2e.log"
           tail -1 "/tmp/kdb/e2e_$L/metrics.jsonl" | tee -a "$OUT/e2e.log"
         done ;;
-esac
+  *) echo "unknown part $part"; exit 2 ;;
+esac; done

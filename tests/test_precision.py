@@ -473,6 +473,25 @@ def test_float16_levels_on_cuda(data, tmp_path, opt):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("opt", ["O1", "O2"])
+def test_fused_sgd_on_cuda_matches_foreach(data, tmp_path, opt):
+    """CUDA runs use fused SGD (the scaler's inf check stays on the device); same result as foreach."""
+    states = {}
+    for fused in (True, False):
+        cfg = tiny_cfg(data, tmp_path / f"{opt}_{fused}", device="cuda", opt=opt, epochs=2, fused_optimizer=fused)
+        t = trainer(cfg)
+        assert bool(t.optimizer.defaults.get("fused")) == fused
+        t.fit()
+        states[fused] = last_checkpoint(Path(cfg.out))
+    a, b = states[True], states[False]
+    assert a["precision"]["scaler"] == b["precision"]["scaler"]
+    for key, value in a["student"].items():
+        if value.is_floating_point():
+            torch.testing.assert_close(value, b["student"][key], rtol=2e-3, atol=2e-4, msg=key)
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_skipped_step_on_cuda_float16():
     model = small_model().cuda()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
