@@ -3,7 +3,7 @@
 # Usage: bash benchmarks/h200.sh PART...   (PART: env | tests | profile | step | compile | backends | apex |
 #        jpegs | data | loader); logs go to $OUT.
 set -uo pipefail
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/kd-h200}; mkdir -p "$OUT"
 PY=python3
 B="$PY -m cli bench --teacher resnet101 --student resnet18 -b 256 --iters 60 --warmup 15"
