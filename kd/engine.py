@@ -157,6 +157,7 @@ class Trainer:
                 calibrate_batchnorm(teacher, self.data.train)
             if cfg.fold_teacher_bn:
                 folded = models.fold_batchnorm(teacher, keep=t_layers)
+                teacher = teacher.to(memory_format=self.memory_format)  # the folded weights are new tensors
                 self.logger.info(f"teacher: {folded} BatchNorm layers folded into the convolutions before them")
             teacher = self.precision.prepare_teacher(teacher)
             self.teacher = backend.wrap_forward(TeacherSide(teacher, t_layers))

@@ -95,8 +95,10 @@ class NvImageCodec(Decoder):
                                           options=":fancy_upsampling=1")
         params = nvimgcodec.DecodeParams()
         params.apply_exif_orientation = False  # as PIL's plain open(): pixels in file order
-        params.color_spec = nvimgcodec.ColorSpec.RGB
-        params.allow_any_depth = False
+        spec = nvimgcodec.ColorSpec
+        params.color_spec = spec.RGB if hasattr(spec, "RGB") else spec.SRGB  # 0.9 renamed RGB to SRGB
+        if hasattr(params, "allow_any_depth"):
+            params.allow_any_depth = False
         self.params = params
 
     def decode(self, blobs):

@@ -39,6 +39,20 @@ def default_mp_context() -> str:
     return "forkserver" if sys.platform.startswith("linux") and "forkserver" in methods else "spawn"
 
 
+def mp_context(name: str):
+    """The multiprocessing context for DataLoader workers.
+
+    forkserver's server imports torch and kd's datasets once (it never touches CUDA), so each
+    worker is a cheap fork of it: without the preload every worker imports torch itself,
+    which took 47 s before the first batch with 15 workers on a 16-core GPU machine
+    (1 s with the preload, as with fork).
+    """
+    ctx = multiprocessing.get_context(name)
+    if name == "forkserver":
+        ctx.set_forkserver_preload(["torch", "kd.data.loader", "kd.data.folder", "kd.data.bytes_dataset"])
+    return ctx
+
+
 def default_workers(processes: int) -> int:
     """min(8, the CPU cores available to each of ``processes`` processes)."""
     try:
@@ -183,7 +197,7 @@ def make_data_loader(cfg, dataset, collate_fn, train: bool, num_replicas: int, r
     kwargs = {}
     if workers > 0:
         # prefetch 2 per worker: in-flight batches live in /dev/shm, which containers often keep small
-        kwargs = dict(multiprocessing_context=cfg.mp_context or default_mp_context(), persistent_workers=True,
+        kwargs = dict(multiprocessing_context=mp_context(cfg.mp_context or default_mp_context()), persistent_workers=True,
                       prefetch_factor=2, worker_init_fn=seed_worker,
                       generator=torch.Generator().manual_seed(cfg.seed * 1000 + rank * 2 + int(train)))
     drop_last = train and len(sampler) >= local_batch
