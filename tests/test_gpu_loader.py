@@ -287,7 +287,8 @@ def test_limit_and_early_stop_leave_no_thread(image_folder):
 
     assert len(batches(data.train)) == 2
     assert not decode_threads()
-    it = iter(data.val)
+    one_by_one = build(cfg, 1, 0, 1, CPU, False)  # 12 val batches: more than the decode thread runs ahead
+    it = iter(one_by_one.val)
     next(it)
     assert len(decode_threads()) == 1
     it.close()  # the consumer stops early

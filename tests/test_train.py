@@ -86,7 +86,7 @@ def test_folded_teacher_gives_the_same_logits_and_stays_frozen(image_folder, tmp
             m.running_var.uniform_(0.5, 2.0)
     torch.save(reference.state_dict(), weights)
     reference.eval()
-    cfg = tiny_cfg(image_folder, tmp_path / "run", teacher_weights=str(weights))
+    cfg = tiny_cfg(image_folder, tmp_path / "run", teacher_weights=str(weights), fold_teacher_bn=True)
     import backends
 
     backend = backends.get("single")(cfg)
