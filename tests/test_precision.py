@@ -478,7 +478,8 @@ def test_fused_sgd_on_cuda_matches_foreach(data, tmp_path, opt):
     """CUDA runs use fused SGD (the scaler's inf check stays on the device); same result as foreach."""
     states = {}
     for fused in (True, False):
-        cfg = tiny_cfg(data, tmp_path / f"{opt}_{fused}", device="cuda", opt=opt, epochs=2, fused_optimizer=fused)
+        cfg = tiny_cfg(data, tmp_path / f"{opt}_{fused}", device="cuda", opt=opt, epochs=2, fused_optimizer=fused,
+                       cudnn_benchmark=False)  # the same convolution algorithms in both runs
         t = trainer(cfg)
         assert bool(t.optimizer.defaults.get("fused")) == fused
         t.fit()
