@@ -13,7 +13,7 @@ for part in "$@"; do case "$part" in
   env) { nvidia-smi -L; nproc; free -g | head -2; df -h /dev/shm /tmp; ulimit -n; $PY -c "import torch, torchvision; print(torch.__version__, torchvision.__version__)"; } 2>&1 | tee "$OUT/env.log" ;;
   tests) $PY -m pytest -m gpu -q -rs 2>&1 | tee "$OUT/gpu_tests.log" ;;
   profile) for D in bfloat16 float16; do
-             $PY benchmarks/profile_step.py --opt O1 --amp-dtype $D --variant fold_teacher_bn=false \
+             $PY benchmarks/profile_step.py --opt O1 --amp-dtype $D --variant fold_teacher_bn=true \
                --variant cudnn_benchmark=false --variant fused_optimizer=false 2>&1 | grep -v Warning | tee -a "$OUT/profile.log"
            done ;;
   step) $B --backends single --opt O0,O1,O2,O3 --amp-dtype float16 --out "/tmp/kdb/step_fp16" 2>&1 | tee "$OUT/step_fp16.log"

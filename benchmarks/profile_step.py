@@ -1,7 +1,7 @@
 """Where the time of kd's KD step goes, on one GPU.
 
     python benchmarks/profile_step.py --opt O1 --amp-dtype bfloat16
-    python benchmarks/profile_step.py --opt O1 --variant fold_teacher_bn=false --variant cudnn_benchmark=false
+    python benchmarks/profile_step.py --opt O1 --variant fold_teacher_bn=true --variant cudnn_benchmark=false
 
 Builds the run as ``kd train`` does (``Trainer`` on the ``single`` backend, synthetic input,
 random-init models, the teacher's BatchNorm statistics calibrated on the input), then times
