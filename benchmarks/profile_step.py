@@ -98,7 +98,8 @@ KINDS = [("conv / matmul", r"conv|gemm|xmma|cudnn|cutlass|wgmma|sm90|sm80|implic
 
 
 def kernel_kinds(trainer, steps: int):
-    trainer.cfg.limit_train_batches = steps
+    trainer.data.train.steps = steps  # the synthetic loader's length
+    trainer.batch_in_epoch = 0  # phases() left the position at the end of its epoch
     trainer.timer.warmup = 0
     activities = [torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:

@@ -132,8 +132,7 @@ def bench_data(options: Dict[str, object], epochs: int, echo=print) -> List[Dict
 
     from backends.base import resolve_device
     from kd import config as kd_config
-    from kd.data.folder import scan
-    from kd.data.loader import make_loader
+    from kd.data.loader import build
 
     if epochs < 1:
         raise KDError("--epochs must be at least 1")
@@ -142,14 +141,8 @@ def bench_data(options: Dict[str, object], epochs: int, echo=print) -> List[Dict
     if cfg.data == "synthetic":
         raise KDError("kd bench data needs --data DIR (an ImageNet-layout folder), not synthetic")
     device = resolve_device(cfg)
-    _, train, _ = scan(cfg.data)
-    make = make_loader
-    if cfg.loader == "gpu":
-        from kd.data.gpu import make_gpu_loader as make
-    elif cfg.loader != "pil":
-        raise KDError(f"unknown --loader {cfg.loader!r}; choose from: pil, gpu")
     channels_last = cfg.channels_last if cfg.channels_last is not None else device.type == "cuda"
-    loader = make(cfg, train, True, 1, 0, cfg.batch_size, device, channels_last)
+    loader = build(cfg, 1, 0, cfg.batch_size, device, channels_last).train  # kd train's own choice of loader
     echo(loader.describe())
 
     def sync():

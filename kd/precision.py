@@ -258,7 +258,7 @@ class AutocastPrecision(Precision):
         """
         for module in teacher.modules():
             if isinstance(module, (nn.Linear, nn.modules.conv._ConvNd)):
-                for name, param in module.named_parameters(recurse=False):
+                for param in module.parameters(recurse=False):
                     param.data = param.data.to(self.dtype)
         return teacher
 
