@@ -13,12 +13,14 @@ for part in "$@"; do case "$part" in
   env) { nvidia-smi -L; nproc; free -g | head -2; df -h /dev/shm /tmp; ulimit -n; $PY -c "import torch, torchvision; print(torch.__version__, torchvision.__version__)"; } 2>&1 | tee "$OUT/env.log" ;;
   tests) $PY -m pytest -m gpu -q -rs 2>&1 | tee "$OUT/gpu_tests.log" ;;
   profile) for D in bfloat16 float16; do
-             $PY benchmarks/profile_step.py --opt O1 --amp-dtype $D --variant fold_teacher_bn=true \
-               --variant cudnn_benchmark=false --variant fused_optimizer=false 2>&1 | grep -v Warning | tee -a "$OUT/profile.log"
+             $PY benchmarks/profile_step.py --opt O1 --amp-dtype $D --variant fuse_teacher=false 2>&1 \
+               | grep -v Warning | tee -a "$OUT/profile.log"
            done ;;
   step) $B --backends single --opt O0,O1,O2,O3 --amp-dtype float16 --out "/tmp/kdb/step_fp16" 2>&1 | tee "$OUT/step_fp16.log"
         $B --backends single --opt O1,O2,O3 --amp-dtype bfloat16 --out "/tmp/kdb/step_bf16" 2>&1 | tee "$OUT/step_bf16.log" ;;
-  compile) $B --backends single --opt O1 --amp-dtype bfloat16 --compile --out "/tmp/kdb/compile" 2>&1 | tee "$OUT/compile.log" ;;
+  compile) for D in bfloat16 float16; do
+             $B --backends single --opt O1 --amp-dtype $D --compile --out "/tmp/kdb/compile_$D" 2>&1 | tee -a "$OUT/compile.log"
+           done ;;
   backends) $B --backends dp,torch_ddp,apex_ddp --opt O0,O1 --gpus 0 --out "/tmp/kdb/backends" 2>&1 | tee "$OUT/backends.log" ;;
   apex) (cd .apex && $PY -m pip install -q --no-build-isolation --no-deps --no-index . 2>&1 | tail -3) | tee "$OUT/apex.log"
         $PY -m cli backends 2>&1 | tee -a "$OUT/apex.log"

@@ -1,7 +1,7 @@
 """Where the time of kd's KD step goes, on one GPU.
 
     python benchmarks/profile_step.py --opt O1 --amp-dtype bfloat16
-    python benchmarks/profile_step.py --opt O1 --variant fold_teacher_bn=true --variant cudnn_benchmark=false
+    python benchmarks/profile_step.py --opt O1 --variant fuse_teacher=false --variant cudnn_benchmark=false
 
 Builds the run as ``kd train`` does (``Trainer`` on the ``single`` backend, synthetic input,
 random-init models, the teacher's BatchNorm statistics calibrated on the input), then times
@@ -91,6 +91,7 @@ def phases(trainer, iters: int):
 KINDS = [("conv / matmul", r"conv|gemm|xmma|cudnn|cutlass|wgmma|sm90|sm80|implicit|winograd|fprop|dgrad|wgrad"),
          ("batchnorm", r"batch_?norm|bn_"),
          ("optimizer", r"sgd|adam|multi_tensor"),
+         ("pooling", r"pool"),
          ("softmax / reductions", r"softmax|reduce|norm|sum|topk"),
          ("layout / copy / cast", r"copy|cast|nchw|nhwc|transpose|memcpy|memset|fill"),
          ("compiled (triton)", r"^triton"),
@@ -161,7 +162,7 @@ def main() -> None:
     for kind, us in totals.most_common():
         print(f"| {kind} | {us / 1000 / args.profile_steps:.2f} | {100 * us / whole:.0f}% |")
     print("\n| top kernels | ms per step |\n|---|---|")
-    for name, us in kernels.most_common(12):
+    for name, us in kernels.most_common(20):
         print(f"| {name[:90]} | {us / 1000 / args.profile_steps:.2f} |")
 
 

@@ -76,8 +76,9 @@ class RunConfig:
     amp_impl: str = "auto"
     channels_last: Optional[bool] = None  # None: on for CUDA
     compile: bool = False
+    compile_mode: str = "default"  # torch.compile mode; reduce-overhead adds CUDA graphs (the eager step is host-bound)
     cudnn_benchmark: bool = True  # let cuDNN time its algorithms for the (fixed) input shapes
-    fold_teacher_bn: bool = False  # fold the frozen teacher's BatchNorm into its convolutions (slower with cuDNN bf16 on an H200)
+    fuse_teacher: Optional[bool] = None  # None: on for CUDA; BatchNorm folded, conv+bias(+add)+ReLU as one cuDNN call
     fused_optimizer: Optional[bool] = None  # None: fused SGD on CUDA (no host sync with loss scaling), foreach elsewhere
     # run
     seed: int = 0
@@ -252,6 +253,9 @@ def scale_schedule(cfg: RunConfig, planned_epochs: int, overrides: Dict[str, Any
     return dataclasses.replace(cfg, **changes)
 
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
 def validate(cfg: RunConfig) -> RunConfig:
     """Checks that need no data, models or devices; returns ``cfg`` unchanged."""
     def need(cond: bool, msg: str) -> None:
@@ -265,6 +269,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     need(cfg.device in ("auto", "cpu", "cuda"), f"--device must be auto, cpu or cuda, got {cfg.device!r}")
     need(cfg.amp_dtype in (None, "float16", "bfloat16"), f"--amp-dtype must be float16 or bfloat16, got {cfg.amp_dtype!r}")
     need(cfg.amp_impl in ("auto", "native", "apex"), f"--amp-impl must be auto, native or apex, got {cfg.amp_impl!r}")
+    need(cfg.compile_mode in COMPILE_MODES, f"compile_mode must be one of {', '.join(COMPILE_MODES)}, got {cfg.compile_mode!r}")
     need(cfg.lr_schedule in ("step", "cosine", "constant"), f"--lr-schedule must be step, cosine or constant, got {cfg.lr_schedule!r}")
     need(cfg.epochs >= 1, "--epochs must be at least 1")
     need(cfg.batch_size >= 1, "--batch-size must be at least 1")

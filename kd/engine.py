@@ -2,6 +2,7 @@
 branches on which backend or opt level is in use."""
 from __future__ import annotations
 
+import copy
 import signal
 import threading
 import time
@@ -17,6 +18,7 @@ from kd import config as kd_config
 from kd import data as kd_data
 from kd.errors import KDError
 from kd.features import check_layers, layer_names, tap
+from kd.fuse import fuse_teacher
 from kd.logging import NullLogger, RunLogger
 from kd.losses import DistillInputs, build_loss, split_layers
 from kd.optim import build_optimizer, build_scheduler
@@ -155,21 +157,19 @@ class Trainer:
             teacher = teacher.to(dev, memory_format=self.memory_format)
             if cfg.timing_warmup and cfg.teacher_weights == "none":
                 calibrate_batchnorm(teacher, self.data.train)
-            if cfg.fold_teacher_bn:
-                folded = models.fold_batchnorm(teacher, keep=t_layers)
-                teacher = teacher.to(memory_format=self.memory_format)  # the folded weights are new tensors
-                self.logger.info(f"teacher: {folded} BatchNorm layers folded into the convolutions before them")
-            teacher = self.precision.prepare_teacher(teacher)
+            teacher = self._prepare_teacher(teacher, t_layers)
             self.teacher = backend.wrap_forward(TeacherSide(teacher, t_layers))
         optimizer = build_optimizer(cfg, self.side.named_parameters(), fused_ok=self.precision.fused_optimizer_ok)
         self.side, self.optimizer = self.precision.prepare(self.side, optimizer)
         self.model = backend.wrap(self.side)
         self.logger.info(backend.describe())  # after wrap: what the backend decided there (e.g. torch_ddp's detection)
         self.eval_forward = backend.wrap_forward(self.side.student)
+        # CUDA-graph modes: each step starts a new graph generation (the last step's outputs are dead)
+        self.graph_step = cfg.compile and cfg.compile_mode in ("reduce-overhead", "max-autotune")
         if cfg.compile:
-            self.model = torch.compile(self.model)
+            self.model = torch.compile(self.model, mode=cfg.compile_mode)
             if self.teacher is not None:
-                self.teacher = torch.compile(self.teacher)
+                self.teacher = torch.compile(self.teacher, mode=cfg.compile_mode)
         self.params = [p for p in self.side.parameters() if p.requires_grad]
         self.scheduler = build_scheduler(cfg, self.optimizer, len(self.data.train))
 
@@ -212,6 +212,28 @@ class Trainer:
             shapes.append({k: feats[k].shape for k in layers})
         loss.setup_features(*shapes)
         return s_layers, t_layers
+
+    def _prepare_teacher(self, teacher: nn.Module, layers: List[str]) -> nn.Module:
+        """The frozen teacher in the run's precision, fused for inference (kd.fuse) where asked.
+
+        The fused model runs once on a probe batch first; where the device refuses a fused call
+        (a cuDNN without runtime fusion, say), the plain teacher is used and the log says why.
+        """
+        fuse = self.cfg.fuse_teacher if self.cfg.fuse_teacher is not None else self.device.type == "cuda"
+        if fuse:
+            fused, note = fuse_teacher(copy.deepcopy(teacher), keep=layers)
+            fused = self.precision.prepare_teacher(fused.to(memory_format=self.memory_format))
+            probe = torch.zeros(2, 3, self.cfg.image_size, self.cfg.image_size, device=self.device)
+            try:
+                with torch.no_grad(), self.precision.autocast():
+                    fused(self.precision.input_cast(probe.contiguous(memory_format=self.memory_format)))
+            except RuntimeError as exc:
+                self.logger.info(f"teacher: not fused, the fused model failed on {self.device} "
+                                 f"({str(exc).splitlines()[0][:160]})")
+            else:
+                self.logger.info(f"teacher: {note}")
+                return fused
+        return self.precision.prepare_teacher(teacher)
 
     def _restore(self, state: dict) -> None:
         side_state = {f"student.{k}": v for k, v in state["student"].items()}
@@ -342,6 +364,8 @@ class Trainer:
                 self.logger.info(f"skipped unreadable image {path}")
             if len(batch) == 0:
                 raise KDError("a whole batch of images was unreadable; check the data folder")
+            if self.graph_step:
+                torch.compiler.cudagraph_mark_step_begin()
             images = precision.input_cast(batch.images)
             progress = self.epoch + self.batch_in_epoch / max(steps, 1)
             t_logits = t_feats = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 import functools
 import pickle
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -173,50 +173,3 @@ def freeze(model: nn.Module) -> nn.Module:
     for p in model.parameters():
         p.requires_grad_(False)
     return model
-
-
-@torch.no_grad()
-def fold_batchnorm(model: nn.Module, keep: Iterable[str] = ()) -> int:
-    """Fold each eval-mode BatchNorm that only follows a convolution into that convolution.
-
-    For the frozen teacher: ``y = bn(conv(x))`` becomes one convolution with adjusted weight
-    and bias, and the BatchNorm module becomes ``nn.Identity`` (so forward hooks on its name
-    still see the same tensor). The pairs come from a torch.fx trace of the model; the model
-    itself keeps its modules and code. A convolution named in ``keep`` (a tapped feature
-    layer, whose pre-BatchNorm output is wanted) is left alone, as is any module called more
-    than once. Returns the number of folded pairs; 0 where the model does not trace.
-    """
-    from torch.fx import Node, symbolic_trace
-    from torch.nn.utils.fusion import fuse_conv_bn_weights
-
-    if model.training:
-        raise ValueError("fold_batchnorm needs a model in eval mode")
-    try:
-        graph = symbolic_trace(model).graph
-    except Exception:  # dynamic control flow: leave the model as it is
-        return 0
-    modules = dict(model.named_modules())
-    calls: Dict[str, int] = {}
-    for node in graph.nodes:
-        if node.op == "call_module":
-            calls[node.target] = calls.get(node.target, 0) + 1
-    keep = set(keep)
-    folded = 0
-    for node in graph.nodes:
-        bn = modules.get(node.target) if node.op == "call_module" else None
-        if not isinstance(bn, nn.modules.batchnorm._BatchNorm) or bn.running_mean is None:
-            continue
-        src = node.args[0] if node.args else None
-        if not isinstance(src, Node) or src.op != "call_module" or len(src.users) != 1:
-            continue
-        conv = modules.get(src.target)
-        if (not isinstance(conv, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) or src.target in keep
-                or calls[src.target] != 1 or calls[node.target] != 1):
-            continue
-        weight, bias = fuse_conv_bn_weights(conv.weight, conv.bias, bn.running_mean, bn.running_var, bn.eps,
-                                            bn.weight, bn.bias)
-        conv.weight, conv.bias = weight.requires_grad_(False), bias.requires_grad_(False)
-        parent, _, leaf = node.target.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, leaf, nn.Identity())
-        folded += 1
-    return folded

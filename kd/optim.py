@@ -37,8 +37,40 @@ def build_optimizer(cfg, named_params, fused_ok: bool = True) -> torch.optim.Opt
 
         raise KDError("fused_optimizer=true needs every trainable parameter on CUDA and a precision other than apex.amp")
     kind = {"fused": True} if fused else {"foreach": True}
-    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0,
-                           **kind)
+    optimizer = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum,
+                                nesterov=cfg.nesterov and cfg.momentum > 0, **kind)
+    if fused:
+        zero_momentum_buffers(optimizer)
+    return optimizer
+
+
+def zero_momentum_buffers(optimizer: torch.optim.SGD) -> None:
+    """Give every parameter a zero momentum buffer just before the first step (for fused SGD).
+
+    torch's fused SGD creates its buffers with ``empty_like`` inside its first step and fills
+    them in the same kernel, which does nothing when the GradScaler reports inf gradients. A
+    skipped first step (the usual case: float16 loss scaling starts at 2**16) therefore leaves
+    uninitialised memory that the next step reads as momentum, and the weights become NaN.
+    Zero buffers give the same first update (``buf = momentum * 0 + grad``; only without
+    dampening) and are harmless to skip. They are made by a step pre-hook, so they take the
+    dtype the parameters have by then (O3 casts them after the optimizer is built) and a
+    resumed optimizer state is kept.
+    """
+    if not all(g["momentum"] and not g["dampening"] for g in optimizer.param_groups):
+        return
+    done = []
+
+    @torch.no_grad()
+    def before_step(opt, args, kwargs):
+        if done:
+            return
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if "momentum_buffer" not in opt.state[p]:
+                    opt.state[p]["momentum_buffer"] = torch.zeros_like(p)
+        done.append(True)
+
+    optimizer.register_step_pre_hook(before_step)
 
 
 def lr_factor(cfg, epoch: float) -> float:

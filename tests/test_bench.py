@@ -31,10 +31,10 @@ def test_bench_passes_set_to_every_combination(tmp_path):
     out = tmp_path / "bench"
     r = run_kd("bench", "--teacher", "resnet18", "--student", "resnet18", "--device", "cpu", "--backends", "single",
                "--opt", "O0", "-b", "4", "--image-size", "32", "--iters", "2", "--warmup", "1", "--out", out,
-               "--set", "fold_teacher_bn=false", "--set", "momentum=0.5")
+               "--set", "fuse_teacher=false", "--set", "momentum=0.5")
     assert r.returncode == 0, r.stderr
     saved = (out / "runs" / "single_O0" / "config.yaml").read_text()
-    assert "fold_teacher_bn: false" in saved and "momentum: 0.5" in saved
+    assert "fuse_teacher: false" in saved and "momentum: 0.5" in saved
 
 
 def test_bench_data_reports_the_loader_alone(tmp_path):

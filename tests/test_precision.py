@@ -182,7 +182,7 @@ def test_o1_teacher_stores_the_weights_autocast_would_use(data, tmp_path):
     float32), and its logits equal those of the float32 teacher under autocast."""
     import copy
 
-    t = trainer(tiny_cfg(data, tmp_path / "o1", opt="O1", fold_teacher_bn=False))
+    t = trainer(tiny_cfg(data, tmp_path / "o1", opt="O1", fuse_teacher=False))
     teacher = t.teacher.teacher
     assert _dtypes(teacher, bn=False) == {torch.bfloat16} and _dtypes(teacher, bn=True) == {torch.float32}
     reference = copy.deepcopy(teacher).float()  # bf16 -> float32 is exact: the weights autocast casts back
@@ -192,7 +192,7 @@ def test_o1_teacher_stores_the_weights_autocast_would_use(data, tmp_path):
 
 
 def test_o2_weights_bfloat16_batchnorm_float32_masters_float32(data, tmp_path):
-    t = trainer(tiny_cfg(data, tmp_path / "o2", opt="O2", fold_teacher_bn=False))
+    t = trainer(tiny_cfg(data, tmp_path / "o2", opt="O2", fuse_teacher=False))
     student, teacher = t.side.student, t.teacher.teacher
     assert _dtypes(student, bn=False) == {torch.bfloat16} and _dtypes(student, bn=True) == {torch.float32}
     assert _dtypes(teacher, bn=False) == {torch.bfloat16} and _dtypes(teacher, bn=True) == {torch.float32}

@@ -55,8 +55,8 @@ def test_teacher_is_frozen_and_unchanged(image_folder, tmp_path):
     torch.manual_seed(1)
     torch.save(kd.models.build("resnet18", 3).state_dict(), weights)
     before = torch.load(weights, weights_only=True)
-    # the loaded state itself is compared below, so without BatchNorm folding
-    cfg = tiny_cfg(image_folder, tmp_path / "run", teacher_weights=str(weights), fold_teacher_bn=False)
+    # the loaded state itself is compared below, so without fusion (which folds BatchNorm)
+    cfg = tiny_cfg(image_folder, tmp_path / "run", teacher_weights=str(weights), fuse_teacher=False)
     import backends
 
     backend = backends.get("single")(cfg)
@@ -76,7 +76,7 @@ def test_teacher_is_frozen_and_unchanged(image_folder, tmp_path):
     assert changed, "the student did not train"
 
 
-def test_folded_teacher_gives_the_same_logits_and_stays_frozen(image_folder, tmp_path, capsys):
+def test_fused_teacher_gives_the_same_logits_and_stays_frozen(image_folder, tmp_path, capsys):
     weights = tmp_path / "teacher.pt"
     torch.manual_seed(1)
     reference = kd.models.build("resnet18", 3)
@@ -86,7 +86,7 @@ def test_folded_teacher_gives_the_same_logits_and_stays_frozen(image_folder, tmp
             m.running_var.uniform_(0.5, 2.0)
     torch.save(reference.state_dict(), weights)
     reference.eval()
-    cfg = tiny_cfg(image_folder, tmp_path / "run", teacher_weights=str(weights), fold_teacher_bn=True)
+    cfg = tiny_cfg(image_folder, tmp_path / "run", teacher_weights=str(weights), fuse_teacher=True)
     import backends
 
     backend = backends.get("single")(cfg)
@@ -94,13 +94,14 @@ def test_folded_teacher_gives_the_same_logits_and_stays_frozen(image_folder, tmp
     trainer = Trainer(cfg, backend, Path(cfg.out))
     teacher = trainer.teacher.teacher
     assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in teacher.modules())  # all 20 folded
+    assert all(not p.requires_grad for p in teacher.parameters())
     x = torch.randn(4, 3, 32, 32)
     with torch.no_grad():
         torch.testing.assert_close(teacher(x), reference(x), rtol=1e-4, atol=1e-4)
     state = {k: v.clone() for k, v in teacher.state_dict().items()}
     trainer.fit()
     assert all(torch.equal(v, state[k]) for k, v in teacher.state_dict().items())
-    assert "teacher: 20 BatchNorm layers folded" in capsys.readouterr().err
+    assert "teacher: 20 BatchNorm layers folded, 9 conv+ReLU and 8 conv+add+ReLU fused" in capsys.readouterr().err
 
 
 def _final_params(out: Path):
@@ -153,6 +154,21 @@ def test_demo_runs_through_kd_train(tmp_path):
     for name in ("teacher", "student", "student_kd"):
         assert (tmp_path / "demo" / name / "metrics.jsonl").is_file()
         assert list((tmp_path / "demo" / name / "tb").iterdir())
+
+
+@pytest.mark.slow
+def test_compiled_run_trains_like_the_eager_one(image_folder, tmp_path):
+    """--compile (torch.compile of teacher and student; inductor's C++ backend on the CPU)."""
+    common = ("train", "--data", image_folder, "--teacher", "resnet18", "--teacher-weights", "none",
+              "--student", "resnet18", "--image-size", 32, "-b", 8, "-j", 0, "--epochs", 1, "--device", "cpu",
+              "--no-progress")
+    runs = {}
+    for name, extra in (("eager", ()), ("compiled", ("--compile",))):
+        r = run_kd(*common, *extra, "--out", tmp_path / name)
+        assert r.returncode == 0, r.stderr
+        runs[name] = json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[-1])
+    assert runs["compiled"]["train_loss"] == pytest.approx(runs["eager"]["train_loss"], rel=1e-3)
+    assert runs["compiled"]["val_top1"] == pytest.approx(runs["eager"]["val_top1"])
 
 
 @pytest.mark.gpu

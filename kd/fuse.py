@@ -1,0 +1,176 @@
+"""Inference fusion of the frozen teacher: fewer passes over its activations in every step.
+
+A frozen teacher in eval mode computes ``relu(bn(conv(x)))`` and ``relu(bn(conv(x)) + z)``
+over and over. Done op by op, each BatchNorm, addition and ReLU reads and writes the whole
+activation tensor again; at ImageNet batch sizes these memory-bound passes cost as much as the
+convolutions. :func:`fuse_teacher` rewrites the model's torch.fx graph:
+
+* each BatchNorm that only follows a convolution is folded into that convolution's weight
+  and bias (exact up to rounding);
+* ``relu(conv(x) + bias)`` becomes one :func:`conv_bias_relu` call and
+  ``relu(conv(x) + bias + z)`` one :func:`conv_bias_add_relu` call, which on CUDA are cuDNN's
+  fused convolutions (the bias, residual and ReLU applied in the convolution's epilogue) and
+  elsewhere the plain ops, so the rewrite is tested on the CPU.
+
+The fused calls run in the weights' dtype: the precision object stores the teacher's weights
+in the reduced dtype at O1-O3 (after fusion), and the calls cast their inputs to it, which is
+what autocast would do. Modules named in ``keep`` (tapped feature layers) are called as they
+are, so their forward hooks still see their outputs; nothing inside them is fused.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Iterable, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+RELUS = (F.relu, torch.relu, torch.relu_)
+ADDS = (operator.add, operator.iadd, torch.add)
+
+
+def conv_bias_relu(x, weight, bias, stride, padding, dilation, groups: int):
+    """``relu(conv2d(x, weight) + bias)``: one cuDNN call on CUDA."""
+    x = x.to(weight.dtype)
+    if x.is_cuda:
+        return torch.cudnn_convolution_relu(x, weight, bias, stride, padding, dilation, groups)
+    return F.relu(F.conv2d(x, weight, bias, stride, padding, dilation, groups))
+
+
+def conv_bias_add_relu(x, weight, z, bias, stride, padding, dilation, groups: int):
+    """``relu(conv2d(x, weight) + bias + z)``: one cuDNN call on CUDA."""
+    x, z = x.to(weight.dtype), z.to(weight.dtype)
+    if x.is_cuda:
+        return torch.cudnn_convolution_add_relu(x, weight, z, 1.0, bias, stride, padding, dilation, groups)
+    return F.relu(F.conv2d(x, weight, bias, stride, padding, dilation, groups) + z)
+
+
+class _Tracer(fx.Tracer):
+    def __init__(self, keep: Iterable[str]):
+        super().__init__()
+        self.keep = set(keep)
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return qualname in self.keep or super().is_leaf_module(m, qualname)
+
+
+def _module(gm: fx.GraphModule, node, kinds) -> Optional[nn.Module]:
+    if isinstance(node, fx.Node) and node.op == "call_module":
+        mod = gm.get_submodule(node.target)
+        if isinstance(mod, kinds):
+            return mod
+    return None
+
+
+def _is_relu(gm: fx.GraphModule, node: fx.Node) -> bool:
+    if node.op == "call_function" and node.target in RELUS:
+        return True
+    if node.op == "call_method" and node.target in ("relu", "relu_"):
+        return True
+    return _module(gm, node, nn.ReLU) is not None
+
+
+def _is_add(node: fx.Node) -> bool:
+    return (node.op == "call_function" and node.target in ADDS and len(node.args) == 2 and not node.kwargs
+            and all(isinstance(a, fx.Node) for a in node.args))
+
+
+def _fusable_conv(gm: fx.GraphModule, node, calls) -> Optional[nn.Conv2d]:
+    """The Conv2d this node calls, if its output has no other use and it is called only here."""
+    conv = _module(gm, node, nn.Conv2d)
+    if conv is None or conv.padding_mode != "zeros" or isinstance(conv.padding, str):
+        return None
+    if len(node.users) != 1 or calls[node.target] != 1:
+        return None
+    return conv
+
+
+def _fold_batchnorms(gm: fx.GraphModule, calls) -> int:
+    from torch.nn.utils.fusion import fuse_conv_bn_weights
+
+    folded = 0
+    for node in list(gm.graph.nodes):
+        bn = _module(gm, node, nn.modules.batchnorm._BatchNorm)
+        if bn is None or bn.running_mean is None or calls[node.target] != 1 or not node.args:
+            continue
+        src = node.args[0]
+        conv = _module(gm, src, (nn.Conv1d, nn.Conv2d, nn.Conv3d))
+        if conv is None or len(src.users) != 1 or calls[src.target] != 1:
+            continue
+        weight, bias = fuse_conv_bn_weights(conv.weight, conv.bias, bn.running_mean, bn.running_var, bn.eps,
+                                            bn.weight, bn.bias)
+        conv.weight, conv.bias = weight.requires_grad_(False), bias.requires_grad_(False)
+        node.replace_all_uses_with(src)
+        gm.graph.erase_node(node)
+        folded += 1
+    return folded
+
+
+def _conv_args(gm: fx.GraphModule, conv_node: fx.Node, conv: nn.Conv2d) -> Tuple:
+    weight = gm.graph.get_attr(f"{conv_node.target}.weight")
+    bias = gm.graph.get_attr(f"{conv_node.target}.bias") if conv.bias is not None else None
+    return weight, bias, tuple(conv.stride), tuple(conv.padding), tuple(conv.dilation), conv.groups
+
+
+def _fuse_relus(gm: fx.GraphModule, calls) -> Tuple[int, int]:
+    convs = adds = 0
+    for node in list(gm.graph.nodes):
+        if not _is_relu(gm, node) or not node.args:
+            continue
+        src = node.args[0]
+        if not isinstance(src, fx.Node):
+            continue
+        conv = _fusable_conv(gm, src, calls)
+        with gm.graph.inserting_before(node):
+            if conv is not None:
+                w, b, *rest = _conv_args(gm, src, conv)
+                fused = gm.graph.call_function(conv_bias_relu, (src.args[0], w, b, *rest))
+                convs += 1
+            elif _is_add(src) and len(src.users) == 1:
+                pick = [(a, o) for a, o in (src.args, src.args[::-1]) if _fusable_conv(gm, a, calls) is not None]
+                if not pick:
+                    continue
+                conv_node, z = pick[0]
+                conv = gm.get_submodule(conv_node.target)
+                w, b, *rest = _conv_args(gm, conv_node, conv)
+                fused = gm.graph.call_function(conv_bias_add_relu, (conv_node.args[0], w, z, b, *rest))
+                adds += 1
+            else:
+                continue
+        node.replace_all_uses_with(fused)
+    gm.graph.eliminate_dead_code()
+    return convs, adds
+
+
+def fuse_teacher(model: nn.Module, keep: Iterable[str] = ()) -> Tuple[nn.Module, str]:
+    """The eval-mode ``model`` with BatchNorms folded and conv+bias(+add)+ReLU fused.
+
+    Returns the new module (a torch.fx GraphModule that reuses ``model``'s submodules and
+    changes the folded convolutions in place: use it, not ``model``, afterwards) and a one-line
+    account of what was done. A model torch.fx cannot
+    trace is returned unchanged, and the account says so.
+    """
+    if model.training:
+        raise ValueError("fuse_teacher needs a model in eval mode")
+    try:
+        graph = _Tracer(keep).trace(model)
+    except Exception as exc:  # dynamic control flow and the like: run the model as it is
+        return model, f"not fused (torch.fx cannot trace it: {type(exc).__name__})"
+    gm = fx.GraphModule(model, graph, class_name=type(model).__name__ + "Fused")
+    calls: dict = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            calls[node.target] = calls.get(node.target, 0) + 1
+    for node in list(gm.graph.nodes):  # Identity modules (folded away by their authors) are no-ops
+        if _module(gm, node, nn.Identity) is not None and len(node.args) == 1:
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+    folded = _fold_batchnorms(gm, calls)
+    convs, adds = _fuse_relus(gm, calls)
+    gm.delete_all_unused_submodules()
+    gm.graph.lint()
+    gm.recompile()
+    on_cuda = any(p.is_cuda for p in gm.parameters())
+    return gm, (f"{folded} BatchNorm layers folded, {convs} conv+ReLU and {adds} conv+add+ReLU fused "
+                f"({'cuDNN fused convolutions' if on_cuda else 'plain ops off CUDA'})")

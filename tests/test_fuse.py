@@ -1,0 +1,137 @@
+"""kd.fuse: the frozen teacher's inference rewrite gives the same outputs with fewer ops."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+
+from kd.features import tap
+from kd.fuse import conv_bias_add_relu, conv_bias_relu, fuse_teacher
+
+
+def scrambled(name: str, seed: int = 0) -> nn.Module:
+    """A torchvision model in eval mode with BatchNorm statistics and affines far from the identity."""
+    torch.manual_seed(seed)
+    model = torchvision.models.get_model(name, num_classes=10)
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 2.0)
+            m.weight.data.uniform_(0.5, 1.5)
+            m.bias.data.uniform_(-0.2, 0.2)
+    return model.eval()
+
+
+def fused_calls(gm) -> dict:
+    counts = {"relu": 0, "add_relu": 0, "bn": 0}
+    for node in gm.graph.nodes:
+        counts["relu"] += node.target is conv_bias_relu
+        counts["add_relu"] += node.target is conv_bias_add_relu
+        counts["bn"] += node.op == "call_module" and isinstance(gm.get_submodule(node.target), nn.BatchNorm2d)
+    return counts
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("resnet18", (20, 9, 8)),  # the 3 downsample convs have no ReLU of their own
+    ("resnet50", (53, 33, 16)),
+    ("regnet_y_400mf", (53, 49, 16)),
+    ("mobilenet_v2", (52, 0, 0)),  # ReLU6: folded only
+])
+def test_fused_model_matches_the_original(name, expected):
+    model = scrambled(name)
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        ref = model(x)
+        fused, note = fuse_teacher(copy.deepcopy(model))
+        out = fused(x)
+    folded, relus, adds = expected
+    assert note.startswith(f"{folded} BatchNorm layers folded, {relus} conv+ReLU and {adds} conv+add+ReLU fused")
+    assert fused_calls(fused) == {"relu": relus, "add_relu": adds, "bn": 0}
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
+def test_tapped_layers_keep_their_outputs():
+    model = scrambled("resnet18", seed=1)
+    x = torch.randn(2, 3, 64, 64)
+    ref_feats, feats = {}, {}
+    with torch.no_grad(), tap(model, ["layer2", "layer3"], ref_feats):
+        ref = model(x)
+    fused, _ = fuse_teacher(copy.deepcopy(model), keep=["layer2", "layer3"])
+    with torch.no_grad(), tap(fused, ["layer2", "layer3"], feats):
+        out = fused(x)
+    for name in ("layer2", "layer3"):
+        torch.testing.assert_close(feats[name], ref_feats[name], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    # layer2 and layer3 are called whole (their BatchNorms stay); layer1 and layer4 are fused
+    assert isinstance(fused.get_submodule("layer3.0.bn1"), nn.BatchNorm2d)
+    assert not any(isinstance(m, nn.BatchNorm2d) for m in fused.get_submodule("layer1").modules())
+
+
+class Shared(nn.Module):
+    """A convolution whose output has two users, and one called twice: neither may be fused."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.b = nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x):
+        y = self.a(x)
+        z = torch.relu(y) + y  # y is used twice
+        return torch.relu(self.b(torch.relu(self.b(self.bn(z)))))  # b is called twice
+
+
+def test_shared_outputs_and_modules_are_left_alone():
+    model = Shared().eval()
+    model.bn.running_mean.uniform_(-1, 1)
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        ref = model(x)
+        fused, note = fuse_teacher(copy.deepcopy(model))
+        out = fused(x)
+    assert note.startswith("0 BatchNorm layers folded, 0 conv+ReLU and 0 conv+add+ReLU fused"), note
+    torch.testing.assert_close(out, ref)
+
+
+class Dynamic(nn.Module):
+    def forward(self, x):
+        return x * 2 if x.sum() > 0 else x  # data-dependent control flow: torch.fx cannot trace it
+
+
+def test_untraceable_model_is_returned_unchanged():
+    model = Dynamic().eval()
+    same, note = fuse_teacher(model)
+    assert same is model and note.startswith("not fused (torch.fx cannot trace it")
+
+
+def test_training_mode_is_refused():
+    with pytest.raises(ValueError, match="eval mode"):
+        fuse_teacher(torchvision.models.resnet18())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_cudnn_fused_convolutions_match_the_plain_ops(dtype):
+    """On CUDA the fused calls are cuDNN's fused kernels: same logits as the unfused teacher
+    run as kd's O1 runs it (conv weights in the dtype, channels_last)."""
+    model = scrambled("resnet50").cuda().to(memory_format=torch.channels_last)
+    x = torch.randn(16, 3, 128, 128, device="cuda").contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        ref = model(x).float()  # float32 reference
+        fused, note = fuse_teacher(copy.deepcopy(model))
+        assert "cuDNN fused convolutions" in note
+        fused = fused.to(memory_format=torch.channels_last)
+        for m in fused.modules():
+            if isinstance(m, (nn.Conv2d, nn.Linear)):
+                for p in m.parameters(recurse=False):
+                    p.data = p.data.to(dtype)
+        with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+            out = fused(x).float()
+    tol = {torch.float32: 2e-3, torch.float16: 2e-2, torch.bfloat16: 6e-2}[dtype]  # TF32 / half rounding
+    assert (out - ref).abs().max().item() <= tol * ref.abs().max().item()
+    assert (out.argmax(1) == ref.argmax(1)).float().mean().item() >= 0.9
