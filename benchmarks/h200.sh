@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks behind the README's tables, as run on one H200 (device tool).
-# Usage: bash benchmarks/h200.sh PART...   (PART: env | tests | profile | step | compile | backends | apex |
-#        jpegs | data | loader); logs go to $OUT.
+# Usage: bash benchmarks/h200.sh PART...   (PART: env | tests | profile | step | compile | graphs | host |
+#        backends | apex | jpegs | data | decoders | loader | stages); logs go to $OUT.
+# nvImageCodec rows need its wheels installed first (nvidia-nvimgcodec-cu13, nvidia-nvjpeg).
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/kd-h200}; mkdir -p "$OUT"
@@ -31,12 +32,18 @@ for part in "$@"; do case "$part" in
           echo "== kd bench data $args" | tee -a "$OUT/data.log"
           $T 90 $PY -X faulthandler -m cli bench data --data $JPEGS --epochs 2 $args 2>&1 | tail -25 | tee -a "$OUT/data.log"
         done ;;
-  loader) $T 300 $PY -X faulthandler benchmarks/bench_loader.py --data $JPEGS --images 5000 --e2e 2>&1 | tee "$OUT/loader.log"
-        for L in gpu pil; do
-          $T 200 $PY -X faulthandler -m cli train --data $JPEGS --teacher resnet101 --teacher-weights none --student resnet18 \
-            --opt O1 --amp-dtype bfloat16 -b 256 --epochs 1 --limit-train-batches 19 --limit-val-batches 2 --loader $L \
-            -j 15 --log-every 5 --set timing_warmup=4 --out "/tmp/kdb/e2e_$L" --overwrite --no-progress 2>&1 | tail -3 | tee -a "$OUT/e2e.log"
-          tail -1 "/tmp/kdb/e2e_$L/metrics.jsonl" | tee -a "$OUT/e2e.log"
-        done ;;
+  stages) $T 300 $PY -X faulthandler benchmarks/bench_loader.py --data $JPEGS --images 5000 --e2e 2>&1 | tee "$OUT/stages.log" ;;
+  decoders) $T 120 $PY benchmarks/bench_decoders.py --data $JPEGS 2>&1 | grep -v Warn | tee "$OUT/decoders.log" ;;
+  loader) for L in "pil auto bfloat16" "gpu nvjpeg bfloat16" "gpu nvimgcodec bfloat16" "gpu nvjpeg float16 --compile"; do
+            set -- $L
+            KD_GPU_DECODER=$2 $T 150 $PY -X faulthandler -m cli train --data $JPEGS --teacher resnet101 --teacher-weights none \
+              --student resnet18 --opt O1 --amp-dtype $3 ${4:-} -b 256 --epochs 4 --limit-val-batches 1 --loader $1 -j 15 \
+              --log-every 19 --set timing_warmup=19 --out "/tmp/kdb/e2e_$1$2$3" --overwrite --no-progress 2>&1 \
+              | grep "^epoch\|error" | tee -a "$OUT/e2e.log"
+            echo "== $L" >> "$OUT/e2e.log"; tail -1 "/tmp/kdb/e2e_$1$2$3/metrics.jsonl" | tee -a "$OUT/e2e.log"
+          done ;;
+  graphs) $PY -m cli bench --teacher resnet101 --student resnet18 -b 256 --iters 40 --warmup 15 --backends single --opt O1 \
+            --amp-dtype float16 --compile --set compile_mode=reduce-overhead --out /tmp/kdb/graphs 2>&1 | tee "$OUT/graphs.log" ;;
+  host) $T 200 $PY benchmarks/host_overhead.py 2>&1 | grep -v Warn | tee "$OUT/host.log" ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac; done

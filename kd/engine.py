@@ -302,11 +302,20 @@ class Trainer:
         self.backend.barrier()
 
     # ----------------------------------------------------------------- the loop
+    def _graph_step_begin(self) -> None:
+        """Under CUDA graphs (compile_mode), a new call may overwrite the last call's outputs."""
+        if self.graph_step:
+            torch.compiler.cudagraph_mark_step_begin()
+
+    def _teacher_logits(self, images: torch.Tensor) -> torch.Tensor:
+        self._graph_step_begin()
+        return self.teacher(images)[0]
+
     def fit(self) -> Dict[str, float]:
         cfg = self.cfg
         record: Dict[str, float] = {}
         if self.teacher is not None and self.epoch == 0 and self.batch_in_epoch == 0 and not cfg.timing_warmup:
-            teacher_val = evaluate(lambda x: self.teacher(x)[0], self.data.val, self.backend, self.precision)
+            teacher_val = evaluate(self._teacher_logits, self.data.val, self.backend, self.precision)
             self.teacher_top1 = teacher_val["top1"]
             self.logger.info(f"teacher {cfg.teacher}: val top-1 {teacher_val['top1']:.2f}")
         else:
@@ -364,8 +373,7 @@ class Trainer:
                 self.logger.info(f"skipped unreadable image {path}")
             if len(batch) == 0:
                 raise KDError("a whole batch of images was unreadable; check the data folder")
-            if self.graph_step:
-                torch.compiler.cudagraph_mark_step_begin()
+            self._graph_step_begin()
             images = precision.input_cast(batch.images)
             progress = self.epoch + self.batch_in_epoch / max(steps, 1)
             t_logits = t_feats = None

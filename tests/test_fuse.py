@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import operator
 
 import pytest
 import torch
@@ -26,19 +27,24 @@ def scrambled(name: str, seed: int = 0) -> nn.Module:
 
 
 def fused_calls(gm) -> dict:
-    counts = {"relu": 0, "add_relu": 0, "bn": 0}
+    """What the graph calls: fused convolutions, and the plain ops that are left."""
+    counts = {"relu": 0, "add_relu": 0, "bn": 0, "conv": 0, "plain relu/add": 0}
     for node in gm.graph.nodes:
         counts["relu"] += node.target is conv_bias_relu
         counts["add_relu"] += node.target is conv_bias_add_relu
-        counts["bn"] += node.op == "call_module" and isinstance(gm.get_submodule(node.target), nn.BatchNorm2d)
+        module = gm.get_submodule(node.target) if node.op == "call_module" else None
+        counts["bn"] += isinstance(module, nn.BatchNorm2d)
+        counts["conv"] += isinstance(module, nn.Conv2d)
+        counts["plain relu/add"] += isinstance(module, nn.ReLU) or node.target in (
+            torch.relu, torch.nn.functional.relu, operator.add, operator.iadd)
     return counts
 
 
 @pytest.mark.parametrize("name, expected", [
-    ("resnet18", (20, 9, 8)),  # the 3 downsample convs have no ReLU of their own
-    ("resnet50", (53, 33, 16)),
-    ("regnet_y_400mf", (53, 49, 16)),
-    ("mobilenet_v2", (52, 0, 0)),  # ReLU6: folded only
+    ("resnet18", (20, 9, 8, 3)),  # the 3 downsample convs have no ReLU of their own
+    ("resnet50", (53, 33, 16, 4)),
+    ("regnet_y_400mf", (53, 49, 16, 20)),  # squeeze-excitation convs end in a sigmoid
+    ("mobilenet_v2", (52, 0, 0, 52)),  # ReLU6: folded only
 ])
 def test_fused_model_matches_the_original(name, expected):
     model = scrambled(name)
@@ -47,9 +53,10 @@ def test_fused_model_matches_the_original(name, expected):
         ref = model(x)
         fused, note = fuse_teacher(copy.deepcopy(model))
         out = fused(x)
-    folded, relus, adds = expected
+    folded, relus, adds, convs = expected
     assert note.startswith(f"{folded} BatchNorm layers folded, {relus} conv+ReLU and {adds} conv+add+ReLU fused")
-    assert fused_calls(fused) == {"relu": relus, "add_relu": adds, "bn": 0}
+    plain = 0 if name.startswith("resnet") else fused_calls(fused)["plain relu/add"]  # no dead ops left behind
+    assert fused_calls(fused) == {"relu": relus, "add_relu": adds, "bn": 0, "conv": convs, "plain relu/add": plain}
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
 
