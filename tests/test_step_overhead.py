@@ -1,0 +1,79 @@
+"""The step's host side: no host-device synchronisation per step, and its cost on the CPU (timm's
+tiny test_resnet, 8 px, batch 2: the time is mostly the loop's own Python and dispatch).
+
+A read of a device value (``.item()``, ``.tolist()``, ``bool(t)``, ``float(t)``, ``.cpu()``)
+stalls the host until the GPU has caught up, which serialises launch and execution. The
+engine reads its metrics only at log intervals and epoch ends; this counts such reads over
+epochs of different lengths with the real loop, so a per-step read added anywhere in the
+step (engine, precision, loss, optimizer glue) fails here, on the CPU, without a GPU.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import backends
+from kd import config as kd_config
+from kd.engine import Trainer
+
+READS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy")
+
+
+def tiny_trainer(out: Path, steps: int, **kw) -> Trainer:
+    options = dict(data="synthetic", teacher="timm:test_resnet", student="timm:test_resnet", teacher_weights="none",
+                   num_classes=10, image_size=8, batch_size=2, epochs=1, limit_train_batches=steps,
+                   device="cpu", log_every=1000, progress_bar=False, out=str(out), **kw)
+    cfg = kd_config.resolve(options=options)
+    backend = backends.get("single")(cfg)
+    backend.setup()
+    return Trainer(cfg, backend, out)
+
+
+@pytest.fixture
+def count_reads(monkeypatch):
+    counts = {name: 0 for name in READS}
+    for name in READS:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, __name=name, __original=original, **kwargs):
+            counts[__name] += 1
+            return __original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return counts
+
+
+@pytest.mark.parametrize("opt", ["O0", "O1", "O2"])
+def test_no_device_reads_per_step(tmp_path, count_reads, opt):
+    reads = []
+    for steps in (3, 9):
+        trainer = tiny_trainer(tmp_path / f"{opt}_{steps}", steps, opt=opt)
+        trainer.train_epoch()  # warms up lazily built state first
+        trainer.batch_in_epoch = 0
+        before = dict(count_reads)
+        trainer.train_epoch()
+        reads.append({k: count_reads[k] - before[k] for k in READS})
+    assert reads[0] == reads[1], f"device reads grow with the number of steps: {reads}"
+    assert sum(reads[0].values()) > 0  # the epoch-end reduction is seen: the counter works
+
+
+def test_step_host_time(benchmark, tmp_path):
+    """pytest-benchmark: one engine step of a tiny KD run on the CPU (timed, not asserted)."""
+    trainer = tiny_trainer(tmp_path / "bench", 10_000)
+    trainer.side.train()
+    loader = trainer.data.train
+    loader.set_epoch(0)
+    batch = next(iter(loader))
+    prec = trainer.precision
+
+    def step():
+        with torch.no_grad(), prec.autocast():
+            t_logits, t_feats = trainer.teacher(batch.images)
+        with prec.autocast():
+            parts = trainer.model(batch.images, batch.labels, t_logits, t_feats, 0.0)
+        prec.step(parts["loss"].float().mean(), trainer.optimizer, trainer.params, lambda: None, None)
+        trainer.scheduler.step()
+
+    benchmark(step)
