@@ -76,7 +76,7 @@ class RunConfig:
     amp_impl: str = "auto"
     channels_last: Optional[bool] = None  # None: on for CUDA
     compile: bool = False
-    compile_mode: str = "default"  # torch.compile mode; reduce-overhead adds CUDA graphs (the eager step is host-bound)
+    compile_mode: str = "default"  # torch.compile mode; reduce-overhead adds CUDA graphs (the compiled step is host-bound)
     cudnn_benchmark: bool = True  # let cuDNN time its algorithms for the (fixed) input shapes
     fuse_teacher: Optional[bool] = None  # None: on for CUDA; BatchNorm folded, conv+bias(+add)+ReLU as one cuDNN call
     fused_optimizer: Optional[bool] = None  # None: fused SGD on CUDA (no host sync with loss scaling), foreach elsewhere

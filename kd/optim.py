@@ -58,17 +58,17 @@ def zero_momentum_buffers(optimizer: torch.optim.SGD) -> None:
     """
     if not all(g["momentum"] and not g["dampening"] for g in optimizer.param_groups):
         return
-    done = []
+    first = True
 
     @torch.no_grad()
     def before_step(opt, args, kwargs):
-        if done:
-            return
-        for group in opt.param_groups:
-            for p in group["params"]:
-                if "momentum_buffer" not in opt.state[p]:
-                    opt.state[p]["momentum_buffer"] = torch.zeros_like(p)
-        done.append(True)
+        nonlocal first
+        if first:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    if "momentum_buffer" not in opt.state[p]:
+                        opt.state[p]["momentum_buffer"] = torch.zeros_like(p)
+            first = False
 
     optimizer.register_step_pre_hook(before_step)
 

@@ -20,6 +20,9 @@ from kd.engine import Trainer
 
 READS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy")
 
+pytestmark = pytest.mark.skipif("test_resnet" not in __import__("timm").list_models("test_*"),
+                                reason="needs a timm with its tiny test_resnet (1.0.x)")
+
 
 def tiny_trainer(out: Path, steps: int, **kw) -> Trainer:
     options = dict(data="synthetic", teacher="timm:test_resnet", student="timm:test_resnet", teacher_weights="none",
