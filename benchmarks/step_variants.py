@@ -25,22 +25,14 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.profile_step import timed as profile_timed  # noqa: E402
 from kd.fuse import fuse_teacher  # noqa: E402
 
-DEV, BATCH, CL, BF16 = torch.device("cuda"), 256, torch.channels_last, torch.bfloat16
+DEV, BATCH, CL, BF16, ITERS = torch.device("cuda"), 256, torch.channels_last, torch.bfloat16, 20
 
 
-def timed(fn, iters: int = 20, warmup: int = 5) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
+def timed(fn, warmup: int = 5) -> float:
+    return profile_timed(fn, ITERS, warmup)
 
 
 def calibrated_teacher(x: torch.Tensor) -> nn.Module:
