@@ -11,9 +11,10 @@ What kd asks of apex.amp, per level:
   in ``prepare()`` (after the optimizer is built, before the backend wraps the model). The
   models handed to apex are the student side without its KD loss module, which stays float32
   with its inputs cast up (as in the native levels), so the KD softmax never runs in float16.
-* the teacher: O1 needs nothing (apex patches torch functions globally, the teacher's forward
-  included); at O2/O3 it is cast as apex casts a model (BatchNorm float32 at O2), and its
-  inputs by ``input_cast``.
+* the teacher: at O1 apex's globally patched torch functions run its forward in float16, and
+  its conv/linear weights are stored in float16 once (the values those functions would cast
+  them to, and the dtype kd.fuse's fused convolutions run in); at O2/O3 it is cast as apex
+  casts a model (BatchNorm float32 at O2), and its inputs by ``input_cast``.
 * each step: ``amp.scale_loss(loss, optimizer)`` around backward and the gradient sync, clip
   on ``amp.master_params(optimizer)``, ``optimizer.step()`` (apex skips it on overflow);
 * checkpoints: the float32 master weights at O2 (apex's own ``state_dict`` hook would give
@@ -30,7 +31,7 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
-from kd.precision import MasterStateMixin, Precision, cast_module, keep_losses_float32
+from kd.precision import MasterStateMixin, Precision, cast_module, keep_losses_float32, store_teacher_weights
 
 REMOVED = "apex.amp was removed from NVIDIA apex in May 2025; the last release tag with it is 25.05"
 
@@ -98,6 +99,8 @@ class ApexAmpPrecision(MasterStateMixin, Precision):
         return f"precision {self.opt} (apex, {', '.join(self.details())}, {scaling})"
 
     def prepare_teacher(self, teacher: nn.Module) -> nn.Module:
+        if self.opt == "O1":
+            return store_teacher_weights(teacher, self.dtype)
         if self.opt in ("O2", "O3"):
             cast_module(teacher, self.dtype, keep_batchnorm_fp32=self.opt == "O2")
         return teacher

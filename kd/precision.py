@@ -92,6 +92,22 @@ def cast_module(module: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool
         cast_module(child, dtype, keep_batchnorm_fp32)
 
 
+@torch.no_grad()
+def store_teacher_weights(teacher: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Convolution and linear weights of the frozen teacher stored in ``dtype`` (O1).
+
+    autocast (or apex O1's patched functions) would cast them to exactly these values in every
+    forward; storing them once removes those casts and their memory traffic from each step, and
+    gives kd.fuse's fused convolutions, which run in the weights' dtype, the reduced precision.
+    Norm layers, which autocast runs in float32, keep float32 parameters.
+    """
+    for module in teacher.modules():
+        if isinstance(module, (nn.Linear, nn.modules.conv._ConvNd)):
+            for param in module.parameters(recurse=False):
+                param.data = param.data.to(dtype)
+    return teacher
+
+
 def to_float32(obj):
     """``obj`` with every floating tensor in it (also in dicts, lists and dataclasses) as float32."""
     if isinstance(obj, torch.Tensor):
@@ -248,19 +264,8 @@ class AutocastPrecision(Precision):
     def autocast(self):
         return torch.autocast(self.device.type, dtype=self.dtype)
 
-    @torch.no_grad()
     def prepare_teacher(self, teacher: nn.Module) -> nn.Module:
-        """Convolution and linear weights of the frozen teacher stored in the autocast dtype.
-
-        autocast would cast them to exactly these values in every forward; storing them once
-        removes those casts (and their memory traffic) from each step. Norm layers, which
-        autocast runs in float32, keep float32 parameters.
-        """
-        for module in teacher.modules():
-            if isinstance(module, (nn.Linear, nn.modules.conv._ConvNd)):
-                for param in module.parameters(recurse=False):
-                    param.data = param.data.to(self.dtype)
-        return teacher
+        return store_teacher_weights(teacher, self.dtype)
 
 
 # ----------------------------------------------------------------------------- O3
