@@ -4,6 +4,7 @@ Every user error ends with one line on stderr and exit code 2.
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -30,6 +31,7 @@ TRAIN_OPTIONS = [
     (("--data",), "data", dict(metavar="DIR", help="ImageNet-layout folder (train/ and val/ ImageFolders), or 'synthetic'.")),
     (("--teacher",), "teacher", dict(metavar="NAME", help="Teacher: torchvision model name or timm:NAME.")),
     (("--teacher-weights",), "teacher_weights", dict(metavar="pretrained|none|PATH", help="Teacher weights [pretrained].")),
+    (("--teacher-precision",), "teacher_precision", dict(type=click.Choice(["auto", "float16", "bfloat16", "float32"]), help="The frozen teacher's precision [auto: the run's, checked on val batches, falling back to bfloat16/float32].")),
     (("--student",), "student", dict(metavar="NAME", help="Student: torchvision model name or timm:NAME.")),
     (("--student-weights",), "student_weights", dict(metavar="pretrained|none|PATH", help="Student initial weights [none].")),
     (("--num-classes",), "num_classes", dict(type=int, help="Classes [the number of class folders].")),
@@ -280,7 +282,9 @@ def backends_cmd():
 def main(argv=None) -> int:
     """Entry point of the ``kd`` console script: one line and exit code 2 for any user error."""
     from kd.engine import Interrupted
+    from kd.logging import START_ENV, mark_command_start
 
+    mark_command_start()  # processes that kd launches inherit it
     try:
         cli.main(args=argv, prog_name="kd", standalone_mode=False)
     except Interrupted as exc:
@@ -304,6 +308,8 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         click.echo("kd: interrupted", err=True)
         return 130
+    finally:
+        os.environ.pop(START_ENV, None)
     return 0
 
 

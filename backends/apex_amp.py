@@ -11,10 +11,9 @@ What kd asks of apex.amp, per level:
   in ``prepare()`` (after the optimizer is built, before the backend wraps the model). The
   models handed to apex are the student side without its KD loss module, which stays float32
   with its inputs cast up (as in the native levels), so the KD softmax never runs in float16.
-* the teacher: at O1 apex's globally patched torch functions run its forward in float16, and
-  its conv/linear weights are stored in float16 once (the values those functions would cast
-  them to, and the dtype kd.fuse's fused convolutions run in); at O2/O3 it is cast as apex
-  casts a model (BatchNorm float32 at O2), and its inputs by ``input_cast``.
+* the teacher: it has its own precision (:mod:`kd.teacher`) on torch.autocast; at O1 apex's
+  globally patched torch functions are switched off around its forward
+  (``amp.disable_casts()``), so a teacher that kd runs in bfloat16 or float32 stays so.
 * each step: ``amp.scale_loss(loss, optimizer)`` around backward and the gradient sync, clip
   on ``amp.master_params(optimizer)``, ``optimizer.step()`` (apex skips it on overflow);
 * checkpoints: the float32 master weights at O2 (apex's own ``state_dict`` hook would give
@@ -31,7 +30,7 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
-from kd.precision import MasterStateMixin, Precision, cast_module, keep_losses_float32, store_teacher_weights
+from kd.precision import MasterStateMixin, Precision, keep_losses_float32
 
 REMOVED = "apex.amp was removed from NVIDIA apex in May 2025; the last release tag with it is 25.05"
 
@@ -98,12 +97,11 @@ class ApexAmpPrecision(MasterStateMixin, Precision):
         scaling = "dynamic loss scaling" if self.opt in ("O1", "O2") else "no loss scaling"
         return f"precision {self.opt} (apex, {', '.join(self.details())}, {scaling})"
 
-    def prepare_teacher(self, teacher: nn.Module) -> nn.Module:
-        if self.opt == "O1":
-            return store_teacher_weights(teacher, self.dtype)
-        if self.opt in ("O2", "O3"):
-            cast_module(teacher, self.dtype, keep_batchnorm_fp32=self.opt == "O2")
-        return teacher
+    def other_model_context(self):
+        """At O1 (once amp.initialize has patched torch's functions), those patches off."""
+        if self.opt == "O1" and getattr(self.amp._amp_state, "handle", None) is not None:
+            return self.amp.disable_casts()
+        return super().other_model_context()
 
     def input_cast(self, images: torch.Tensor) -> torch.Tensor:
         return images.to(self.dtype) if self.opt in ("O2", "O3") else images

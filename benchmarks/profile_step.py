@@ -57,12 +57,10 @@ def phases(trainer, iters: int):
     prec = trainer.precision
     batch = next(iter(trainer.data.train))
     images, labels = prec.input_cast(batch.images), batch.labels
-    with torch.no_grad(), prec.autocast():
-        t_logits, t_feats = trainer.teacher(images)
+    t_logits, t_feats = trainer.teacher_forward(images)
 
     def teacher():
-        with torch.no_grad(), prec.autocast():
-            trainer.teacher(images)
+        trainer.teacher_forward(images)
 
     def student():
         with prec.autocast():

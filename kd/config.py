@@ -19,6 +19,7 @@ from kd.registry import suggest
 
 RECIPE_DIR = Path(__file__).resolve().parent.parent / "recipes"
 OPT_LEVELS = ("O0", "O1", "O2", "O3")
+TEACHER_PRECISIONS = ("auto", "float16", "bfloat16", "float32")
 
 
 @dataclass
@@ -39,6 +40,7 @@ class RunConfig:
     # models
     teacher: Optional[str] = None
     teacher_weights: str = "pretrained"
+    teacher_precision: str = "auto"  # auto: the run's dtype, checked before training, with a fallback (kd.teacher)
     student: Optional[str] = None
     student_weights: str = "none"
     num_classes: Optional[int] = None
@@ -79,7 +81,7 @@ class RunConfig:
     compile_mode: str = "default"  # torch.compile mode; reduce-overhead adds CUDA graphs (the compiled step is host-bound)
     cudnn_benchmark: bool = True  # let cuDNN time its algorithms for the (fixed) input shapes
     fuse_teacher: Optional[bool] = None  # None: on for CUDA; BatchNorm folded, conv+bias(+add)+ReLU as one cuDNN call
-    fused_optimizer: Optional[bool] = None  # None: fused SGD on CUDA (no host sync with loss scaling), foreach elsewhere
+    fused_optimizer: Optional[bool] = None  # None: fused SGD where torch has it (CUDA, CPU): skipped steps without a host sync
     # run
     seed: int = 0
     out: str = "runs/kd"
@@ -269,6 +271,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     need(cfg.device in ("auto", "cpu", "cuda"), f"--device must be auto, cpu or cuda, got {cfg.device!r}")
     need(cfg.amp_dtype in (None, "float16", "bfloat16"), f"--amp-dtype must be float16 or bfloat16, got {cfg.amp_dtype!r}")
     need(cfg.amp_impl in ("auto", "native", "apex"), f"--amp-impl must be auto, native or apex, got {cfg.amp_impl!r}")
+    need(cfg.teacher_precision in TEACHER_PRECISIONS,
+         f"--teacher-precision must be one of {', '.join(TEACHER_PRECISIONS)}, got {cfg.teacher_precision!r}")
     need(cfg.compile_mode in COMPILE_MODES, f"compile_mode must be one of {', '.join(COMPILE_MODES)}, got {cfg.compile_mode!r}")
     need(cfg.lr_schedule in ("step", "cosine", "constant"), f"--lr-schedule must be step, cosine or constant, got {cfg.lr_schedule!r}")
     need(cfg.epochs >= 1, "--epochs must be at least 1")
@@ -291,9 +295,12 @@ def validate(cfg: RunConfig) -> RunConfig:
     return cfg
 
 
-def save(cfg: RunConfig, path: Union[str, Path]) -> None:
+def save(cfg: RunConfig, path: Union[str, Path], notes: List[str] = ()) -> None:
+    """``cfg`` as YAML; ``notes`` (what kd chose, and why) follow as comments."""
     with open(path, "w", encoding="utf-8") as fh:
         yaml.safe_dump(cfg.to_dict(), fh, sort_keys=False)
+        for note in notes:
+            fh.write(f"# {note}\n")
 
 
 def load(path: Union[str, Path]) -> RunConfig:

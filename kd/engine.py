@@ -3,6 +3,7 @@ branches on which backend or opt level is in use."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import signal
 import threading
 import time
@@ -14,14 +15,18 @@ from torch import nn
 
 import kd
 from kd import checkpoint, models
+from kd import teacher as kd_teacher
 from kd import config as kd_config
 from kd import data as kd_data
 from kd.errors import KDError
 from kd.features import check_layers, layer_names, tap
 from kd.fuse import fuse_teacher
-from kd.logging import NullLogger, RunLogger
+from kd.logging import NullLogger, RunLogger, command_start
 from kd.losses import DistillInputs, build_loss, split_layers
 from kd.optim import build_optimizer, build_scheduler
+
+
+LOGITS_SUM = "_student_logits_sum"
 
 
 class StudentSide(nn.Module):
@@ -42,7 +47,9 @@ class StudentSide(nn.Module):
         with tap(self.student, self.layers, feats):
             logits = self.student(images)
         feats = {k: feats[k] for k in self.layers}  # spec order: the losses pair by position
-        return self.loss(DistillInputs(logits, labels, teacher_logits, feats, teacher_feats or {}, progress))
+        parts = self.loss(DistillInputs(logits, labels, teacher_logits, feats, teacher_feats or {}, progress))
+        parts[LOGITS_SUM] = logits.detach().float().sum()  # finite iff every logit is: names a non-finite loss's source
+        return parts
 
 
 class TeacherSide(nn.Module):
@@ -92,14 +99,18 @@ def accuracy_counts(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(forward, loader, backend, precision) -> Dict[str, float]:
-    """top-1/top-5 (percent) and loss of ``forward(images) -> logits`` over the whole val split.
+def evaluate(forward, loader, backend, precision, limit: Optional[int] = None) -> Dict[str, float]:
+    """top-1/top-5 (percent), loss and non-finite count of ``forward(images) -> logits`` over the
+    val split (its first ``limit`` batches per process, where given).
 
+    ``precision`` gives ``autocast()`` and ``input_cast()`` (a run's or a teacher's precision).
     Exact across processes: the val sampler shards without padding and the counts are summed.
     The caller puts the model in eval mode.
     """
-    sums = torch.zeros(4, device=backend.device)  # correct1, correct5, n, loss*n
-    for batch in loader:
+    sums = torch.zeros(5, device=backend.device)  # correct1, correct5, n, loss*n, rows with non-finite logits
+    for index, batch in enumerate(loader):
+        if limit is not None and index >= limit:
+            break
         if len(batch) == 0:
             continue
         with precision.autocast():
@@ -108,16 +119,21 @@ def evaluate(forward, loader, backend, precision) -> Dict[str, float]:
         sums[:2] += accuracy_counts(logits, batch.labels)
         sums[2] += len(batch)
         sums[3] += torch.nn.functional.cross_entropy(logits, batch.labels, reduction="sum")
+        sums[4] += (~torch.isfinite(logits).all(dim=1)).sum()
     backend.all_reduce_sum(sums)
-    c1, c5, n, loss = sums.tolist()
+    c1, c5, n, loss, nonfinite = sums.tolist()
     n = max(n, 1.0)
-    return {"top1": 100.0 * c1 / n, "top5": 100.0 * c5 / n, "loss": loss / n, "count": int(sums[2].item())}
+    return {"top1": 100.0 * c1 / n, "top5": 100.0 * c5 / n, "loss": loss / n, "count": int(sums[2].item()),
+            "nonfinite": int(nonfinite)}
 
 
 class Trainer:
     """One process's part of a run: built from a config, a set-up backend and the run folder."""
 
     def __init__(self, cfg, backend, out: Path, resume_from: Optional[Path] = None):
+        self.started = command_start(default=time.time())
+        self.first_step: Optional[Dict[str, float]] = None  # seconds to the first step, once taken
+        self.nonfinite_sources: List[str] = []
         self.cfg = cfg
         self.backend = backend
         self.out = Path(out)
@@ -153,12 +169,15 @@ class Trainer:
 
         self.side = StudentSide(student, loss, s_layers).to(dev, memory_format=self.memory_format)
         self.teacher = None
+        self.teacher_precision: Optional[kd_teacher.TeacherPrecision] = None
+        self.notes: List[str] = []  # what kd chose for the user, kept as comments in config.yaml
         if teacher is not None:
             teacher = teacher.to(dev, memory_format=self.memory_format)
             if cfg.timing_warmup and cfg.teacher_weights == "none":
                 calibrate_batchnorm(teacher, self.data.train)
             teacher = self._prepare_teacher(teacher, t_layers)
             self.teacher = backend.wrap_forward(TeacherSide(teacher, t_layers))
+            self.cfg = cfg = dataclasses.replace(cfg, teacher_precision=kd_teacher.dtype_name(self.teacher_precision.dtype))
         optimizer = build_optimizer(cfg, self.side.named_parameters(), fused_ok=self.precision.fused_optimizer_ok)
         self.side, self.optimizer = self.precision.prepare(self.side, optimizer)
         self.model = backend.wrap(self.side)
@@ -186,10 +205,12 @@ class Trainer:
         if resume_from is not None:
             self._restore(checkpoint.load(resume_from))
             self.logger.info(f"resumed from {resume_from} at epoch {self.epoch + 1}")
+        self._resumed_step = self.global_step
         self.logger.info(self.data.train.describe())  # after set-up, so a failed start stays one line
         if backend.is_main:  # written once set-up has succeeded, so a failed start leaves no run behind
             self.out.mkdir(parents=True, exist_ok=True)
-            kd_config.save(cfg, self.out / "config.yaml")
+            kd_config.save(cfg, self.out / "config.yaml", notes=self.notes)
+        self._setup_seconds = time.time() - self.started
 
     # ----------------------------------------------------------------- set-up helpers
     def _feature_layers(self, loss, student, teacher):
@@ -214,26 +235,39 @@ class Trainer:
         return s_layers, t_layers
 
     def _prepare_teacher(self, teacher: nn.Module, layers: List[str]) -> nn.Module:
-        """The frozen teacher in the run's precision, fused for inference (kd.fuse) where asked.
+        """The frozen teacher, fused for inference (kd.fuse) where asked, in the precision that
+        :func:`kd.teacher.choose` finds it runs well in (sets ``self.teacher_precision``).
 
-        The fused model runs once on a probe batch first; where the device refuses a fused call
-        (a cuDNN without runtime fusion, say), the plain teacher is used and the log says why.
+        The choice runs the teacher on a few validation batches; where the device refuses a
+        fused call there (a cuDNN without runtime fusion, say), the plain teacher is used and
+        the log says why.
         """
         fuse = self.cfg.fuse_teacher if self.cfg.fuse_teacher is not None else self.device.type == "cuda"
         if fuse:
             fused, note = fuse_teacher(copy.deepcopy(teacher), keep=layers)
-            fused = self.precision.prepare_teacher(fused.to(memory_format=self.memory_format))
-            probe = torch.zeros(2, 3, self.cfg.image_size, self.cfg.image_size, device=self.device)
             try:
-                with torch.no_grad(), self.precision.autocast():
-                    fused(self.precision.input_cast(probe.contiguous(memory_format=self.memory_format)))
+                chosen = self._choose_teacher_precision(fused.to(memory_format=self.memory_format), layers)
             except RuntimeError as exc:
                 self.logger.info(f"teacher: not fused, the fused model failed on {self.device} "
                                  f"({str(exc).splitlines()[0][:160]})")
             else:
                 self.logger.info(f"teacher: {note}")
-                return fused
-        return self.precision.prepare_teacher(teacher)
+                return chosen
+        return self._choose_teacher_precision(teacher, layers)
+
+    def _choose_teacher_precision(self, teacher: nn.Module, layers: List[str]) -> nn.Module:
+        def probe(model, precision):
+            side = self.backend.wrap_forward(TeacherSide(model, layers))
+            return evaluate(lambda images: side(images)[0], self.data.val, self.backend, precision,
+                            limit=kd_teacher.PROBE_BATCHES)
+
+        self.teacher_precision, model, line = kd_teacher.choose(
+            teacher, probe, self.cfg.teacher_precision, self.precision.dtype, self.device, self.cfg.teacher,
+            outer=self.precision.other_model_context)
+        self.logger.info(line)
+        if self.cfg.teacher_precision == "auto":
+            self.notes.append(line)
+        return model
 
     def _restore(self, state: dict) -> None:
         side_state = {f"student.{k}": v for k, v in state["student"].items()}
@@ -311,13 +345,20 @@ class Trainer:
         self._graph_step_begin()
         return self.teacher(images)[0]
 
+    def teacher_forward(self, images: torch.Tensor):
+        """The frozen teacher's float32 logits and tapped features for a batch, in its own precision."""
+        precision = self.teacher_precision
+        with torch.no_grad(), precision.autocast():
+            return self.teacher(precision.input_cast(images))
+
     def fit(self) -> Dict[str, float]:
         cfg = self.cfg
         record: Dict[str, float] = {}
         if self.teacher is not None and self.epoch == 0 and self.batch_in_epoch == 0 and not cfg.timing_warmup:
-            teacher_val = evaluate(self._teacher_logits, self.data.val, self.backend, self.precision)
+            teacher_val = evaluate(self._teacher_logits, self.data.val, self.backend, self.teacher_precision)
             self.teacher_top1 = teacher_val["top1"]
-            self.logger.info(f"teacher {cfg.teacher}: val top-1 {teacher_val['top1']:.2f}")
+            self.logger.info(f"teacher {cfg.teacher}: val top-1 {teacher_val['top1']:.2f} "
+                             f"(in {kd_teacher.dtype_name(self.teacher_precision.dtype)})")
         else:
             self.teacher_top1 = None
         while self.epoch < cfg.epochs:
@@ -343,11 +384,18 @@ class Trainer:
             if best:
                 self.best_top1 = record["val_top1"]
             record["best_top1"] = self.best_top1
+            if self.first_step is not None:
+                record.update(self.first_step)
+                self.first_step = None
             self.logger.epoch(record)
             self.logger.info(format_record(record, cfg.epochs))
             self.epoch += 1
             self.batch_in_epoch = 0
             self.save(best)
+        ended_nonfinite = self.meter.streak.clone()
+        self.backend.all_reduce_sum(ended_nonfinite)
+        if ended_nonfinite.item() > 0:  # a run is not done on weights that the last steps could not train
+            raise KDError(self._nonfinite_message(f"in its last {int(self.meter.streak.item())} step(s)"))
         self.logger.close()
         return record
 
@@ -366,7 +414,8 @@ class Trainer:
         while True:
             t0 = time.perf_counter()
             batch = next(it, None)
-            meter.wait += time.perf_counter() - t0
+            waited = time.perf_counter() - t0
+            meter.wait += waited
             if batch is None:
                 break
             for path in batch.bad:
@@ -378,11 +427,11 @@ class Trainer:
             progress = self.epoch + self.batch_in_epoch / max(steps, 1)
             t_logits = t_feats = None
             if self.teacher is not None:
-                with torch.no_grad(), precision.autocast():
-                    t_logits, t_feats = self.teacher(images)
+                t_logits, t_feats = self.teacher_forward(images)
             with precision.autocast():
                 parts = self.model(images, batch.labels, t_logits, t_feats, progress)
             parts = {k: v.float().mean() for k, v in parts.items()}
+            flags = self._nonfinite_flags(parts, t_logits)
             was_skipped = precision.step(parts["loss"], self.optimizer, self.params,
                                          lambda: backend.sync_gradients(self.model), cfg.grad_clip)
             self.scheduler.step()
@@ -391,8 +440,10 @@ class Trainer:
             self.timer.step(self.global_step, len(batch))
             with torch.no_grad():
                 for m in (meter, interval):
-                    m.add(parts, len(batch), was_skipped, len(batch.bad))
+                    m.add(parts, len(batch), was_skipped, len(batch.bad), flags)
             bar.update(1)
+            if self.first_step is None and self.global_step == self._resumed_step + 1:
+                self._log_first_step(t0, waited)
             end_of_epoch = self.batch_in_epoch == steps
             stop_check = self.stop.requested if backend.world_size == 1 else self.global_step % self.stop_every == 0
             if self.global_step % cfg.log_every == 0 or end_of_epoch or stop_check:
@@ -403,13 +454,7 @@ class Trainer:
                 interval = Meter(self.device)
                 t_interval = time.perf_counter()
                 if worst >= cfg.max_nonfinite_steps:
-                    last = self.out / "checkpoints" / "last.pt"
-                    kept = f"the last good checkpoint is {last}" if last.exists() else "no checkpoint was written yet"
-                    raise KDError(
-                        f"the loss was not finite for {cfg.max_nonfinite_steps} consecutive steps "
-                        f"(epoch {self.epoch + 1}, step {self.global_step}); stopped, {kept}; "
-                        f"lower --lr, or use --opt O0 or --amp-dtype bfloat16"
-                    )
+                    raise KDError(self._nonfinite_message(f"for {cfg.max_nonfinite_steps} consecutive steps"))
                 if self.bad_images + bad_epoch > cfg.max_bad_images:
                     raise KDError(f"{int(self.bad_images + bad_epoch)} unreadable images, more than "
                                   f"--max-bad-images {cfg.max_bad_images}; see the log for their names")
@@ -424,8 +469,46 @@ class Trainer:
         self.bad_images += int(totals.pop("bad"))
         totals.update(data_wait_s=meter.wait, bad_images=self.bad_images)
         self.meter = Meter(self.device)
-        self.meter.streak = meter.streak  # a non-finite streak spans epochs
+        self.meter.streak, self.meter.sources = meter.streak, meter.sources  # a non-finite streak spans epochs
         return totals
+
+    def _log_first_step(self, batch_asked: float, waited: float) -> None:
+        """Seconds from the command to this process's first step, logged and kept for metrics.jsonl
+        (one device sync, once)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        step = time.perf_counter() - batch_asked - waited
+        total = time.time() - self.started
+        self.first_step = {"startup_s": total, "startup_setup_s": self._setup_seconds, "startup_first_batch_s": waited}
+        self.logger.info(f"first step done {total:.1f} s after the command (set-up {self._setup_seconds:.1f} s, "
+                         f"then the first batch {waited:.1f} s and the step {step:.1f} s)")
+
+    def _nonfinite_flags(self, parts: Dict[str, torch.Tensor], t_logits: Optional[torch.Tensor]) -> torch.Tensor:
+        """1 for each source (:attr:`nonfinite_sources`) that is not finite in this step, on the device."""
+        terms = sorted(k for k in parts if k not in ("loss", LOGITS_SUM))
+        if not self.nonfinite_sources:
+            self.nonfinite_sources = ["the teacher's logits", "the student's logits"] + [f"the loss term {k!r}" for k in terms]
+        teacher = t_logits.sum() if t_logits is not None else torch.zeros((), device=self.device)
+        values = torch.stack([teacher, parts.pop(LOGITS_SUM), *[parts[k] for k in terms]])
+        return (~torch.isfinite(values)).float()
+
+    def _nonfinite_message(self, how_long: str) -> str:
+        """The error for a run whose loss stayed non-finite: where it came from and what to do (a collective)."""
+        sources = self.meter.sources.clone()
+        self.backend.all_reduce_sum(sources)
+        found = [name for name, hit in zip(self.nonfinite_sources, sources.tolist()) if hit > 0]
+        if found and found[0] == "the teacher's logits":
+            hint = (f"the teacher {self.cfg.teacher} runs in {kd_teacher.dtype_name(self.teacher_precision.dtype)}: "
+                    f"try --teacher-precision float32, and check --teacher-weights")
+        elif found and found[0] == "the student's logits":
+            hint = "lower --lr, add --warmup-epochs or --grad-clip, or use --opt O0 or --amp-dtype bfloat16"
+        else:
+            hint = "check the method's hyper-parameters (--loss-arg) and lower --lr"
+        source = f"{' and '.join(found)} {'was' if len(found) == 1 else 'were'} not finite" if found else "source unknown"
+        last = self.out / "checkpoints" / "last.pt"
+        kept = f"the last good checkpoint is {last}" if last.exists() else "no checkpoint was written"
+        return (f"the loss was not finite {how_long} (epoch {self.epoch + 1}, step {self.global_step}): {source}; "
+                f"those steps were skipped and the run stopped, {kept}; {hint}")
 
     def _log_interval(self, stats: Dict[str, float], elapsed: float, bar) -> None:
         scalars = {k: v for k, v in stats.items() if k not in ("images", "bad")}
@@ -523,59 +606,67 @@ class Meter:
     def __init__(self, device: torch.device):
         self.device = device
         self.sums: Dict[str, torch.Tensor] = {}
-        self.count = torch.zeros((), device=device)
+        self.count = torch.zeros((), device=device)  # images
+        self.finite = torch.zeros((), device=device)  # images of steps with a finite loss: the means' weight
         self.skipped = torch.zeros((), device=device)
         self.streak = torch.zeros((), device=device)
         self.worst = torch.zeros((), device=device)
+        self.sources = torch.zeros((), device=device)  # non-finite flags seen during the current streak
         self.bad = 0
         self.wait = 0.0
 
-    def add(self, parts: Dict[str, torch.Tensor], n: int, skipped: torch.Tensor, bad: int) -> None:
-        for k, v in parts.items():
-            self.sums[k] = self.sums.get(k, 0.0) + v.detach() * n
-        self.count += n
-        self.skipped += skipped.float()
+    def add(self, parts: Dict[str, torch.Tensor], n: int, skipped: torch.Tensor, bad: int,
+            flags: Optional[torch.Tensor] = None) -> None:
+        """One step: its loss parts (0-dim), images, skipped flag, unreadable images and non-finite flags."""
         finite = torch.isfinite(parts["loss"].detach())
+        for k, v in parts.items():  # the means are over the steps with a finite loss
+            self.sums[k] = self.sums.get(k, 0.0) + torch.where(finite, v.detach() * n, 0.0)
+        self.count += n
+        self.finite += finite * n
+        self.skipped += skipped.float()
         self.streak = torch.where(finite, torch.zeros_like(self.streak), self.streak + 1)
         self.worst = torch.maximum(self.worst, self.streak)
+        if flags is not None:
+            self.sources = torch.where(finite, torch.zeros_like(flags), torch.maximum(self.sources, flags))
         self.bad += bad
 
     def reduce(self, backend, extra=()) -> Dict[str, float]:
         """Means of the parts over every process, and summed counters (one collective)."""
         keys = sorted(self.sums)
-        tail = [self.count, self.skipped, torch.tensor(float(self.bad), device=self.device)]
+        tail = [self.count, self.finite, self.skipped, torch.tensor(float(self.bad), device=self.device)]
         tail += [torch.as_tensor(x, dtype=torch.float32, device=self.device) for x in extra]
         vec = torch.stack([self.sums[k] for k in keys] + tail)
         backend.all_reduce_sum(vec)
         values = vec.tolist()
-        n = max(values[len(keys)], 1.0)
-        out = {k: values[i] / n for i, k in enumerate(keys)}
-        count, skipped, bad = values[len(keys):len(keys) + 3]
+        count, finite, skipped, bad = values[len(keys):len(keys) + 4]
+        out = {k: values[i] / finite if finite else float("nan") for i, k in enumerate(keys)}
         out.update(images=count, skipped_steps=skipped, bad=bad)
         if extra:
-            out["_extra"] = values[len(keys) + 3:]
+            out["_extra"] = values[len(keys) + 4:]
         return out
 
     def global_state(self, backend) -> dict:
         """:meth:`state_dict` with the sums and counters added up over every process (a collective)."""
         keys = sorted(self.sums)
-        vec = torch.stack([self.sums[k] for k in keys] + [self.count, self.skipped,
+        vec = torch.stack([self.sums[k] for k in keys] + [self.count, self.finite, self.skipped,
                                                           torch.tensor(float(self.bad), device=self.device)])
         backend.all_reduce_sum(vec)
         state = self.state_dict()
         state["sums"] = {k: vec[i].cpu() for i, k in enumerate(keys)}
-        state["count"], state["skipped"] = vec[len(keys)].cpu(), vec[len(keys) + 1].cpu()
-        state["bad"] = int(vec[len(keys) + 2].item())
+        state["count"], state["finite"], state["skipped"] = (vec[len(keys) + i].cpu() for i in range(3))
+        state["bad"] = int(vec[len(keys) + 3].item())
         return state
 
     def state_dict(self) -> dict:
         return {"sums": {k: v.cpu() for k, v in self.sums.items()}, "count": self.count.cpu(),
-                "skipped": self.skipped.cpu(), "streak": self.streak.cpu(), "worst": self.worst.cpu(),
-                "bad": self.bad, "wait": self.wait}
+                "finite": self.finite.cpu(), "skipped": self.skipped.cpu(), "streak": self.streak.cpu(),
+                "worst": self.worst.cpu(), "sources": self.sources.cpu(), "bad": self.bad, "wait": self.wait}
 
     def load_state_dict(self, state: dict) -> None:
         self.sums = {k: v.to(self.device) for k, v in state["sums"].items()}
         self.count = state["count"].to(self.device)
+        self.finite = state.get("finite", state["count"]).to(self.device)
+        self.sources = state.get("sources", torch.zeros(())).to(self.device)
         self.skipped = state["skipped"].to(self.device)
         self.streak = state["streak"].to(self.device)
         self.worst = state["worst"].to(self.device)

@@ -12,6 +12,7 @@ from kd.config import RunConfig
 from kd.data.folder import scan_split
 from kd.data.loader import make_loader
 from kd.engine import evaluate
+from kd.teacher import TeacherPrecision
 
 
 def evaluate_model(model: str, weights: str, data: str, batch_size: int = 256, device: str = "auto",
@@ -29,8 +30,8 @@ def evaluate_model(model: str, weights: str, data: str, batch_size: int = 256, d
     net = models.freeze(models.build(model, n, weights))
     channels_last = backend.device.type == "cuda"
     net = net.to(backend.device, memory_format=torch.channels_last if channels_last else torch.contiguous_format)
-    precision = backend.precision()
-    net = precision.prepare_teacher(net)  # a frozen model, cast as the opt level casts the teacher
+    precision = TeacherPrecision(backend.device, backend.precision().dtype)  # a frozen model, as kd runs a teacher
+    net = precision.prepare(net)
     loader = make_loader(dataclasses.replace(cfg), samples, False, 1, 0, batch_size, backend.device, channels_last)
     result = evaluate(net, loader, backend, precision)
     return {"model": model, "weights": weights, **result}

@@ -5,7 +5,9 @@ Other processes get a :class:`NullLogger`: quiet by design, nothing patched.
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 from pathlib import Path
 from typing import Dict, Optional
 
@@ -13,6 +15,35 @@ try:
     from tqdm import tqdm
 except ImportError:  # pragma: no cover - tqdm is a dependency
     tqdm = None
+
+
+#: The wall-clock time the ``kd`` command started, handed to the processes it launches.
+START_ENV = "KD_START_TIME"
+
+
+def process_age() -> float:
+    """Seconds since this process started (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as fh:
+            start_ticks = float(fh.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        with open("/proc/uptime", encoding="ascii") as fh:
+            uptime = float(fh.read().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, AttributeError):
+        return 0.0
+
+
+def command_start(default: float) -> float:
+    """When the ``kd`` command started (set by the CLI), else ``default`` (a call from Python)."""
+    try:
+        return float(os.environ[START_ENV])
+    except (KeyError, ValueError):
+        return default
+
+
+def mark_command_start() -> None:
+    """Called first by the CLI: the command starts when its process did (interpreter start included)."""
+    os.environ[START_ENV] = repr(time.time() - process_age())
 
 
 class NullLogger:

@@ -23,25 +23,38 @@ def param_groups(named: Iterable[Tuple[str, nn.Parameter]], weight_decay: float,
 
 
 def build_optimizer(cfg, named_params, fused_ok: bool = True) -> torch.optim.Optimizer:
-    """SGD, fused where every parameter is on CUDA (unless ``fused_optimizer`` says no), else foreach.
+    """SGD, fused where torch has fused kernels for the parameters' device (CUDA, and the CPU
+    since torch 2.4) unless ``fused_optimizer`` says no, else foreach.
 
-    The fused kernel takes the GradScaler's scale and inf flag on the device, so a float16
-    step needs no host synchronisation (the foreach path reads the flag with ``.item()``).
-    ``fused_ok`` is False for precisions that patch the optimizer themselves (apex.amp).
+    The fused kernel takes an inf flag on the device (the GradScaler's, or kd's own check at
+    levels without one), so a skipped step needs no host synchronisation (the foreach path
+    reads the flag with ``.item()``). ``fused_ok`` is False for precisions that patch the
+    optimizer themselves (apex.amp).
     """
     groups = param_groups(named_params, cfg.weight_decay, cfg.wd_bn_bias)
-    on_cuda = all(p.is_cuda for g in groups for p in g["params"])
-    fused = fused_ok and on_cuda and cfg.fused_optimizer is not False
+    supported = fused_devices()
+    on_fused_device = all(p.device.type in supported for g in groups for p in g["params"])
+    fused = fused_ok and on_fused_device and cfg.fused_optimizer is not False
     if cfg.fused_optimizer and not fused:
         from kd.errors import KDError
 
-        raise KDError("fused_optimizer=true needs every trainable parameter on CUDA and a precision other than apex.amp")
+        raise KDError(f"fused_optimizer=true needs every trainable parameter on a device with fused SGD "
+                      f"({', '.join(sorted(supported))}) and a precision other than apex.amp")
     kind = {"fused": True} if fused else {"foreach": True}
     optimizer = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum,
                                 nesterov=cfg.nesterov and cfg.momentum > 0, **kind)
     if fused:
         zero_momentum_buffers(optimizer)
     return optimizer
+
+
+def fused_devices() -> set:
+    """Device types with torch's fused SGD kernels."""
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+    except ImportError:  # pragma: no cover - a torch that moved it
+        return {"cuda"}
+    return set(_get_fused_kernels_supported_devices())
 
 
 def zero_momentum_buffers(optimizer: torch.optim.SGD) -> None:

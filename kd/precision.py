@@ -5,12 +5,16 @@ casting of the models and inputs, master weights, the loss scaler and the step s
 (scale, backward, gradient sync, unscale, clip, step, update, zero). Nothing else calls
 ``autocast`` or ``scaler.*``.
 
-| level | student | teacher | loss scaling (float16) |
-|---|---|---|---|
-| O0 | float32 everywhere | float32 | none |
-| O1 | float32 weights; ops in reduced precision where torch.autocast deems them safe | under the same autocast | dynamic |
-| O2 | weights in reduced precision except BatchNorm (float32); float32 master weights in the optimizer | weights cast the same way (BatchNorm float32) | dynamic |
-| O3 | everything in reduced precision, no master weights: a speed ceiling, not a recipe | everything cast | none |
+| level | student | loss scaling (float16) |
+|---|---|---|
+| O0 | float32 everywhere | none |
+| O1 | float32 weights; ops in reduced precision where torch.autocast deems them safe | dynamic |
+| O2 | weights in reduced precision except BatchNorm (float32); float32 master weights in the optimizer | dynamic |
+| O3 | everything in reduced precision, no master weights: a speed ceiling, not a recipe | none |
+
+The frozen teacher has a precision of its own (:mod:`kd.teacher`, ``--teacher-precision``): by
+default the run's dtype (float32 at O0), its conv/linear weights stored in that dtype under
+autocast at every level, with a fallback checked on validation batches before training.
 
 The reduced dtype is ``--amp-dtype`` (float16 on CUDA as in apex, bfloat16 on the CPU).
 bfloat16 has float32's exponent range, so it never needs loss scaling; float16 at O1/O2 gets a
@@ -92,22 +96,6 @@ def cast_module(module: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool
         cast_module(child, dtype, keep_batchnorm_fp32)
 
 
-@torch.no_grad()
-def store_teacher_weights(teacher: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """Convolution and linear weights of the frozen teacher stored in ``dtype`` (O1).
-
-    autocast (or apex O1's patched functions) would cast them to exactly these values in every
-    forward; storing them once removes those casts and their memory traffic from each step, and
-    gives kd.fuse's fused convolutions, which run in the weights' dtype, the reduced precision.
-    Norm layers, which autocast runs in float32, keep float32 parameters.
-    """
-    for module in teacher.modules():
-        if isinstance(module, (nn.Linear, nn.modules.conv._ConvNd)):
-            for param in module.parameters(recurse=False):
-                param.data = param.data.to(dtype)
-    return teacher
-
-
 def to_float32(obj):
     """``obj`` with every floating tensor in it (also in dicts, lists and dataclasses) as float32."""
     if isinstance(obj, torch.Tensor):
@@ -139,13 +127,39 @@ def float32_state(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
 
 
+def nonfinite_gradients(params: Iterable[torch.Tensor], found: torch.Tensor, one: torch.Tensor) -> torch.Tensor:
+    """``found`` (0-dim float32, on the device) set to 1 where a gradient of ``params`` holds inf
+    or NaN, else 0; no host sync (the loss scaler's own check, at scale 1)."""
+    found.zero_()
+    groups: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+    for grads in groups.values():
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
+    return found
+
+
+def step_unless(optimizer: torch.optim.Optimizer, found: torch.Tensor) -> None:
+    """``optimizer.step()`` unless ``found``: on the device for optimizers that take the scaler's
+    inf flag (fused SGD), else after one host read of the flag."""
+    if getattr(optimizer, "_step_supports_amp_scaling", False):
+        optimizer.grad_scale, optimizer.found_inf = None, found
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.grad_scale, optimizer.found_inf
+    elif not found.item():
+        optimizer.step()
+
+
 # ----------------------------------------------------------------------------- O0
 class Precision:
     """O0 and the base class: float32, no scaler. Subclasses override what their level changes.
 
-    The engine calls, in order: ``prepare_teacher(teacher)``, then ``prepare(model, optimizer)``
-    once the optimizer is built and before the backend wraps the model; per batch
-    ``input_cast(images)``, the forwards inside ``autocast()``, then ``step(...)``.
+    The engine calls ``prepare(model, optimizer)`` once the optimizer is built and before the
+    backend wraps the model; per batch ``input_cast(images)``, the student's forward inside
+    ``autocast()``, then ``step(...)``. The teacher runs inside ``other_model_context()``.
     """
 
     opt = "O0"
@@ -157,7 +171,7 @@ class Precision:
         self.dtype = dtype
         self.scaler: Optional[torch.amp.GradScaler] = None
         self.note = note  # why this implementation (say, why not apex), shown by describe()
-        self._no = torch.zeros((), dtype=torch.bool, device=device)
+        self._found = torch.zeros((), device=device)
         self._one = torch.ones((), device=device)
 
     def details(self) -> List[str]:
@@ -173,8 +187,9 @@ class Precision:
         """Context for the forward passes of teacher and student."""
         return contextlib.nullcontext()
 
-    def prepare_teacher(self, teacher: nn.Module) -> nn.Module:
-        return teacher
+    def other_model_context(self):
+        """Context for the forward of a model this precision does not own (the frozen teacher)."""
+        return contextlib.nullcontext()
 
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Tuple[nn.Module, torch.optim.Optimizer]:
         """Called once, after the optimizer is built and before the backend wraps the model."""
@@ -187,6 +202,11 @@ class Precision:
              sync: Callable[[], None], clip: Optional[float]) -> torch.Tensor:
         """The whole update for one batch; returns a 0-dim bool tensor on the device: was it skipped.
 
+        A step whose gradients hold inf or NaN is skipped at every level: by the loss scaler
+        where there is one (float16), else by the same check here, so a non-finite loss never
+        reaches the weights. The check reads the gradients after their sync, so every process
+        decides alike.
+
         ``params`` are the model's trainable parameters (clipped unless the level keeps master
         weights, which are clipped instead); ``sync`` reduces gradients across processes.
         """
@@ -194,11 +214,12 @@ class Precision:
         (scaler.scale(loss) if scaler else loss).backward()
         sync()
         params = self._gradients_to_optimizer(params)
-        if scaler is None:
+        if scaler is None:  # no scaler to skip a step with inf/NaN gradients: the same skip here
+            found = nonfinite_gradients(params, self._found, self._one)
             if clip:
                 torch.nn.utils.clip_grad_norm_(params, clip)
-            optimizer.step()
-            skipped = self._no
+            step_unless(optimizer, found)
+            skipped = found > 0
         else:
             if clip:
                 scaler.unscale_(optimizer)
@@ -246,10 +267,7 @@ class Precision:
 
 # ----------------------------------------------------------------------------- O1
 class AutocastPrecision(Precision):
-    """O1: float32 weights, ops in reduced precision where torch.autocast deems it safe.
-
-    The teacher runs under the same autocast (the engine opens it around both forwards).
-    """
+    """O1: float32 weights, ops in reduced precision where torch.autocast deems it safe."""
 
     opt = "O1"
 
@@ -264,13 +282,10 @@ class AutocastPrecision(Precision):
     def autocast(self):
         return torch.autocast(self.device.type, dtype=self.dtype)
 
-    def prepare_teacher(self, teacher: nn.Module) -> nn.Module:
-        return store_teacher_weights(teacher, self.dtype)
-
 
 # ----------------------------------------------------------------------------- O3
 class CastPrecision(Precision):
-    """O3: model, teacher and inputs in the reduced dtype; the optimizer steps those weights.
+    """O3: model and inputs in the reduced dtype; the optimizer steps those weights.
 
     No master weights, no loss scaling (apex's O3 too): the fastest a model can train, and
     the least accurate; float16 weights lose small updates to rounding.
@@ -282,10 +297,6 @@ class CastPrecision(Precision):
     def details(self) -> List[str]:
         bn = ", BatchNorm float32" if self.keep_batchnorm_fp32 else ""
         return [f"{dtype_name(self.dtype)} weights{bn}"]
-
-    def prepare_teacher(self, teacher: nn.Module) -> nn.Module:
-        cast_module(teacher, self.dtype, self.keep_batchnorm_fp32)
-        return teacher
 
     def prepare(self, model, optimizer):
         keep_losses_float32(model)

@@ -72,8 +72,7 @@ def test_step_host_time(benchmark, tmp_path):
     prec = trainer.precision
 
     def step():
-        with torch.no_grad(), prec.autocast():
-            t_logits, t_feats = trainer.teacher(batch.images)
+        t_logits, t_feats = trainer.teacher_forward(batch.images)
         with prec.autocast():
             parts = trainer.model(batch.images, batch.labels, t_logits, t_feats, 0.0)
         prec.step(parts["loss"].float().mean(), trainer.optimizer, trainer.params, lambda: None, None)
