@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from pathlib import Path
 
 import click
@@ -313,5 +314,31 @@ def main(argv=None) -> int:
     return 0
 
 
+EXIT_GRACE_S = 30.0
+
+
+def run() -> None:
+    """The console script: :func:`main`, then an exit that cannot hang.
+
+    kd stops its own workers and threads before ``main`` returns; should anything else (a
+    library's thread, a child process) keep the interpreter from exiting, a watchdog ends the
+    process with ``main``'s exit code after EXIT_GRACE_S seconds and names what was left.
+    """
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+    def force_exit():
+        left = [t.name for t in threading.enumerate() if t is not threading.current_thread() and t.is_alive()]
+        sys.stderr.write(f"kd: exiting after {EXIT_GRACE_S:.0f} s of shutdown; still running: {', '.join(left) or '-'}\n")
+        sys.stderr.flush()
+        os._exit(code)
+
+    timer = threading.Timer(EXIT_GRACE_S, force_exit)
+    timer.daemon = True
+    timer.start()
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import queue
+import sys
 import threading
 from collections import deque
 from contextlib import contextmanager, nullcontext
@@ -207,7 +208,8 @@ class _DecodeThread:
 
     def close(self) -> None:
         self.stopping.set()
-        self.thread.join()
+        if not sys.is_finalizing():  # at interpreter exit a daemon thread is frozen: a join would never return
+            self.thread.join()
         while not self.queue.empty():
             self.queue.get_nowait()
 

@@ -108,6 +108,13 @@ class DeviceLoader:
         return (f"loader pil: PIL decode and crop in {self.loader.num_workers} DataLoader worker(s), "
                 f"normalised on {self.device}")
 
+    def close(self) -> None:
+        """Stop the persistent worker processes now rather than at interpreter exit."""
+        iterator = getattr(self.loader, "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+        self.loader._iterator = None
+
     def __iter__(self) -> Iterator[Batch]:
         remaining = len(self)
         if remaining == 0:
@@ -142,6 +149,9 @@ class SyntheticLoader:
     def describe(self) -> str:
         return f"loader synthetic: random images made on {self.images.device}"
 
+    def close(self) -> None:
+        pass
+
     def __iter__(self) -> Iterator[Batch]:
         for _ in range(len(self)):
             yield Batch(self.images, self.labels)
@@ -154,6 +164,10 @@ class Data:
     classes: List[str]
     num_train: int
     num_val: int
+
+    def close(self) -> None:
+        for loader in (self.train, self.val):
+            loader.close()
 
 
 LOADERS = ("pil", "gpu")

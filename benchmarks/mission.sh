@@ -1,0 +1,120 @@
+#!/usr/bin/env bash
+# The mission's own command, as a user runs it on one GPU (the checks behind docs/benchmarks.md):
+# a learnable 100-class JPEG folder, a resnet101 teacher trained by kd itself, then
+# 'kd train --teacher resnet101 --teacher-weights best.pt --student resnet18 --opt O1' in float16
+# under each backend, a teacher made to overflow float16, and stops (a non-finite loss, SIGTERM)
+# with apex where it is installed. Every run reports its exit code, wall time, first-step time,
+# teacher precision, losses and skipped steps.
+# Usage: bash benchmarks/mission.sh PART...  (PART: data | teacher | backends | overflow | stops | apex)
+set -uo pipefail
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+OUT=${OUT:-/tmp/kd-mission}; mkdir -p "$OUT"
+PY=python3
+DATA=${DATA:-/tmp/jpegs100}
+RUNS=/tmp/mission
+TEACHER=$RUNS/teacher/checkpoints/best.pt
+T="timeout -s ABRT"  # with -X faulthandler a hang prints every thread's stack before the kill
+KD="$PY -X faulthandler -m cli"
+COMMON="--data $DATA --loader gpu -j 15 -b 256 --no-progress --overwrite"
+
+report() {  # NAME RC SECONDS: one line from the run's log and metrics.jsonl
+  local name=$1 rc=$2 secs=$3 out=$RUNS/$1
+  $PY - "$name" "$rc" "$secs" "$out" <<'EOF' | tee -a "$OUT/summary.txt"
+import json, sys
+from pathlib import Path
+name, rc, secs, out = sys.argv[1], sys.argv[2], float(sys.argv[3]), Path(sys.argv[4])
+recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()] if (out / "metrics.jsonl").exists() else []
+cfg = (out / "config.yaml").read_text() if (out / "config.yaml").exists() else ""
+tp = next((l.split(":", 1)[1].strip() for l in cfg.splitlines() if l.startswith("teacher_precision:")), "-")
+first = recs[0].get("startup_s") if recs else None
+rows = "; ".join(f"e{r['epoch']} loss {r.get('train_loss', float('nan')):.3f} kd {r.get('train_kd', float('nan')):.3f} "
+                 f"skipped {r.get('train_skipped_steps', 0):.0f} val {r.get('val_top1', float('nan')):.2f} "
+                 f"{r.get('img_per_s', 0):.0f} img/s" for r in recs)
+print(f"{name}: exit {rc}, {secs:.1f} s, first step {first if first is None else round(first, 1)} s, "
+      f"teacher {tp}; {rows or 'no epoch'}")
+EOF
+}
+
+run() {  # NAME LIMIT ARGS...: one kd train, timed
+  local name=$1 limit=$2; shift 2
+  local start=$(date +%s%N)
+  $T "$limit" $KD train "$@" --out "$RUNS/$name" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  report "$name" $rc "$(( ($(date +%s%N) - start) / 1000000 ))e-3"
+  grep -h "teacher\|first step\|^kd:\|error\|Thread\|File " "$OUT/$name.log" | head -12 | sed "s/^/    /" | tee -a "$OUT/summary.txt"
+}
+
+for part in "$@"; do case "$part" in
+  data) $PY - "$DATA" <<'EOF' 2>&1 | tee "$OUT/data.log"
+import io, os, sys
+from multiprocessing import Pool
+from pathlib import Path
+import numpy as np
+from PIL import Image
+
+root = Path(sys.argv[1])
+CLASSES, TRAIN, VAL = 100, 50, 10
+
+def write(job):
+    path, c, seed = job
+    rng = np.random.default_rng(seed)
+    w, h = (int(rng.integers(300, 500)), int(rng.integers(240, 400)))
+    if rng.random() < 0.3:
+        w, h = h, w  # portrait
+    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+    hue = np.array([np.cos(2 * np.pi * c / CLASSES), np.cos(2 * np.pi * (c / CLASSES + 1 / 3)),
+                    np.cos(2 * np.pi * (c / CLASSES + 2 / 3))])
+    angle, period = np.pi * (c % 10) / 10, 6 + 2 * (c // 10)
+    stripes = np.sin((x * np.cos(angle) + y * np.sin(angle)) * 2 * np.pi / period)
+    img = 128 + 70 * hue[None, None] + 45 * stripes[..., None] + rng.normal(0, 18, (h, w, 3))
+    mode = "L" if rng.random() < 0.02 else "RGB"
+    Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).convert(mode).save(
+        path, quality=int(rng.integers(75, 95)), progressive=bool(rng.random() < 0.1))
+
+if not (root / "val").is_dir():
+    jobs = []
+    for split, n, off in (("train", TRAIN, 0), ("val", VAL, 10**6)):
+        for c in range(CLASSES):
+            (root / split / f"c{c:03d}").mkdir(parents=True, exist_ok=True)
+            jobs += [(root / split / f"c{c:03d}" / f"{i:04d}.jpg", c, off + c * 1000 + i) for i in range(n)]
+    with Pool(os.cpu_count()) as pool:
+        pool.map(write, jobs, chunksize=32)
+print(f"{sum(1 for _ in root.rglob('*.jpg'))} JPEGs in {root}")
+EOF
+  ;;
+  teacher) run teacher 300 $COMMON --no-teacher --student resnet101 --opt O1 --amp-dtype bfloat16 --epochs ${TEACHER_EPOCHS:-5} --lr 0.2 \
+             --lr-schedule cosine --warmup-epochs 1 --limit-val-batches 2 ;;
+  backends) for b in single torch_ddp apex_ddp; do
+              run "kd_$b" 240 $COMMON --teacher resnet101 --teacher-weights "$TEACHER" --student resnet18 --backend $b \
+                --opt O1 --amp-dtype float16 --gpus 0 --epochs 2 --lr 0.2
+            done ;;
+  overflow) $PY - "$TEACHER" "$RUNS/overflow.pt" <<'EOF'
+import sys, torch
+state = torch.load(sys.argv[1], weights_only=True)
+state["student"]["fc.weight"] *= 2000.0  # logits far past float16's 65504, fine in bfloat16 and float32
+torch.save(state, sys.argv[2])
+EOF
+            run overflow_auto 240 $COMMON --teacher resnet101 --teacher-weights "$RUNS/overflow.pt" --student resnet18 \
+              --opt O1 --amp-dtype float16 --epochs 1
+            [ -n "${OVERFLOW_EXPLICIT:-1}" ] && run overflow_fp16 240 $COMMON --teacher resnet101 --teacher-weights "$RUNS/overflow.pt" --student resnet18 \
+              --opt O1 --amp-dtype float16 --teacher-precision float16 --epochs 1 ;;
+  stops) for b in ${STOP_BACKENDS:-single apex_ddp}; do  # a non-finite stop, then SIGTERM mid-epoch
+           run "nan_$b" 240 $COMMON --teacher resnet101 --teacher-weights "$TEACHER" --student resnet18 --backend $b \
+             --opt O1 --amp-dtype float16 --gpus 0 --epochs 2 --lr 1e6 --max-nonfinite-steps 3 --log-every 1
+           $KD train $COMMON --teacher resnet101 --teacher-weights "$TEACHER" --student resnet18 --backend $b --opt O1 \
+             --gpus 0 --epochs 3 --out "$RUNS/term_$b" > "$OUT/term_$b.log" 2>&1 &
+           pid=$!
+           for _ in $(seq 120); do grep -q "first step" "$OUT/term_$b.log" && break; sleep 0.5; done
+           sleep 2; kill -TERM $pid; t0=$(date +%s%N)
+           for _ in $(seq 120); do kill -0 $pid 2>/dev/null || break; sleep 0.5; done
+           if kill -0 $pid 2>/dev/null; then pkill -ABRT -f "term_$b"; sleep 2; echo "term_$b: STILL ALIVE 60 s after SIGTERM" | tee -a "$OUT/summary.txt"; fi
+           wait $pid; rc=$?
+           echo "term_$b: exit $rc, $(( ($(date +%s%N) - t0) / 1000000 )) ms after SIGTERM; left: $(pgrep -fc "term_$b" || true) processes" | tee -a "$OUT/summary.txt"
+           tail -2 "$OUT/term_$b.log" | sed "s/^/    /" | tee -a "$OUT/summary.txt"
+         done ;;
+  apex) for opt in O1; do
+          run "apexamp_single" 240 $COMMON --teacher resnet101 --teacher-weights "$TEACHER" --student resnet18 \
+            --amp-impl apex --opt $opt --gpus 0 --epochs 2 --lr 0.2
+        done ;;
+  *) echo "unknown part $part"; exit 2 ;;
+esac; done
