@@ -72,6 +72,7 @@ def bench(backends: Sequence[str], opts: Sequence[str], args: Dict[str, object],
         raise KDError("--iters and --warmup must be at least 1")
     out = Path(out or tempfile.mkdtemp(prefix="kd-bench-"))
     out.mkdir(parents=True, exist_ok=True)
+    warn_slow_cpu_precision(opts, args)
     rows = []
     for backend in backends:
         for opt in opts:
@@ -85,6 +86,20 @@ def bench(backends: Sequence[str], opts: Sequence[str], args: Dict[str, object],
             r.setdefault(c, "-")
     write_outputs(rows, out, f"{base['backend']} {base['opt']}" if base else "-")
     return rows
+
+
+def warn_slow_cpu_precision(opts: Sequence[str], args: Dict[str, object]) -> None:
+    """The slow-bfloat16 warning of a CPU run, once (each row's own log is not shown)."""
+    import torch
+
+    from kd.cpu import slow_precision_warning
+
+    if args.get("device") == "cpu" or (args.get("device") in (None, "auto") and not torch.cuda.is_available()):
+        for opt in opts:
+            warning = slow_precision_warning(opt, torch.float32 if opt == "O0" else torch.bfloat16, torch.device("cpu"))
+            if warning:
+                print(f"kd bench: {warning}", file=sys.stderr, flush=True)
+                return
 
 
 def markdown(rows: List[Dict[str, object]]) -> str:

@@ -1,37 +1,132 @@
-"""``kd eval``: top-1/top-5 of one model with local weights on ``DATA/val``."""
+"""``kd eval``: top-1/top-5 of one model with local weights on ``DATA/val``.
+
+A kd checkpoint names its model and holds its run's config: the model, the number of classes,
+the image size and the val resize come from there unless given, so a checkpoint evaluates as
+its run validated it. Other weights (plain state dicts, ``pretrained``) need the model's name.
+"""
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict
+from typing import Any, Dict, Optional
 
 import torch
 
 from kd import models
 from kd.config import RunConfig
 from kd.data.folder import scan_split
-from kd.data.loader import make_loader
-from kd.engine import evaluate
-from kd.teacher import TeacherPrecision
+from kd.data.loader import default_workers, make_loader
+from kd.errors import KDError
+
+DEFAULT_IMAGE_SIZE = 224
 
 
-def evaluate_model(model: str, weights: str, data: str, batch_size: int = 256, device: str = "auto",
-                   image_size: int = 224, workers: int = 8, num_classes=None, opt: str = "O0",
-                   amp_dtype=None) -> Dict[str, float]:
-    """Evaluate ``model`` with ``weights`` (a file, or pretrained) on the ``val/`` split of ``data``."""
+def default_val_resize(image_size: int) -> int:
+    """The short side before the centre crop when none is given (as ``ImageFolderPIL``)."""
+    return int(round(image_size * 256 / 224))
+
+
+def run_settings(weights: str) -> Dict[str, Any]:
+    """``model``, ``num_classes`` and ``config`` (the run's RunConfig as a dict) of a kd checkpoint;
+    an empty dict for any other weights. Reading problems are left to :func:`kd.models.build`."""
+    path = Path(weights)
+    if weights in ("pretrained", "none") or not path.is_file():
+        return {}
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # not a file kd can read: models.build reads it again and says why
+        return {}
+    if not (isinstance(obj, dict) and "kd_version" in obj and isinstance(obj.get("student"), dict)):
+        return {}
+    config = obj.get("config") if isinstance(obj.get("config"), dict) else {}
+    return {"model": obj.get("student_name") or config.get("student"),
+            "num_classes": obj.get("num_classes") or config.get("num_classes"), "config": config}
+
+
+@dataclass
+class EvalSettings:
+    """What an evaluation uses, and where each setting came from (option, checkpoint, default)."""
+
+    model: str
+    num_classes: Optional[int]  # None: the number of class folders in val/
+    image_size: int
+    val_resize: int
+    workers: int
+    sources: Dict[str, str]
+
+    def describe(self, num_classes: int) -> str:
+        return ", ".join([
+            f"model {self.model} ({self.sources['model']})",
+            f"{num_classes} classes ({self.sources['classes']})",
+            f"image size {self.image_size} ({self.sources['image size']})",
+            f"val resize {self.val_resize} ({self.sources['val resize']})",
+            f"workers {self.workers} ({self.sources['workers']})",
+        ])
+
+
+def resolve(model: Optional[str], weights: str, image_size: Optional[int] = None, val_resize: Optional[int] = None,
+            num_classes: Optional[int] = None, workers: Optional[int] = None) -> EvalSettings:
+    """The settings of an evaluation: what is given, else the checkpoint's run, else the defaults."""
+    run = run_settings(weights)
+    cfg = run.get("config", {})
+    sources: Dict[str, str] = {}
+
+    def pick(key, given, from_run, default, default_source="default"):
+        if given is not None:
+            sources[key] = "option"
+            return given
+        if from_run is not None:
+            sources[key] = "checkpoint"
+            return from_run
+        sources[key] = default_source
+        return default
+
+    model = pick("model", model, run.get("model"), None)
+    if model is None:
+        what = "with --weights pretrained" if weights == "pretrained" else f"for {weights}: not a kd checkpoint"
+        raise KDError(f"--model NAME is required {what} (a kd checkpoint names its model)")
+    num_classes = pick("classes", num_classes, run.get("num_classes"), None, "class folders of val/")
+    image_size = pick("image size", image_size, cfg.get("image_size"), DEFAULT_IMAGE_SIZE)
+    same_size = bool(run) and image_size == cfg.get("image_size")  # the run's resize belongs to the run's size
+    val_resize = pick("val resize", val_resize, (cfg.get("val_resize") or default_val_resize(image_size)) if same_size
+                      else None, default_val_resize(image_size), "default: image size * 256/224")
+    workers = pick("workers", workers, None, default_workers(1), "default: min(8, CPU cores)")
+    return EvalSettings(model, num_classes, image_size, val_resize, workers, sources)
+
+
+def evaluate_model(model: Optional[str], weights: str, data: str, batch_size: int = 256, device: str = "auto",
+                   image_size: Optional[int] = None, workers: Optional[int] = None, num_classes: Optional[int] = None,
+                   opt: str = "O0", amp_dtype=None, val_resize: Optional[int] = None) -> Dict[str, Any]:
+    """Evaluate ``model`` with ``weights`` (a file, or pretrained) on the ``val/`` split of ``data``.
+
+    None means: from the kd checkpoint ``weights`` where it is one (see :func:`resolve`), else the
+    default. The result holds the metrics, the settings used and ``settings``, a line saying so.
+    """
     import backends
+    from kd.engine import evaluate
+    from kd.teacher import TeacherPrecision
 
-    cfg = RunConfig(data=data, student=model, teacher=model, batch_size=batch_size, device=device,
-                    image_size=image_size, workers=workers, num_classes=num_classes, opt=opt, amp_dtype=amp_dtype)
+    s = resolve(model, weights, image_size, val_resize, num_classes, workers)
+    classes, samples = scan_split(Path(data), "val")
+    n = s.num_classes or len(classes)
+    if n != len(classes):
+        raise KDError(f"{s.model} from {weights} has {n} classes ({s.sources['classes']}) but {data}/val has "
+                      f"{len(classes)} class folders; evaluate it on data with its own classes")
+    cfg = RunConfig(data=data, student=s.model, teacher=s.model, batch_size=batch_size, device=device,
+                    image_size=s.image_size, val_resize=s.val_resize, workers=s.workers, num_classes=n, opt=opt,
+                    amp_dtype=amp_dtype)
     backend = backends.get("single")(cfg)
     backend.setup()
-    classes, samples = scan_split(Path(data), "val")
-    n = num_classes or len(classes)
-    net = models.freeze(models.build(model, n, weights))
+    net = models.freeze(models.build(s.model, n, weights))
     channels_last = backend.device.type == "cuda"
     net = net.to(backend.device, memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     precision = TeacherPrecision(backend.device, backend.precision().dtype)  # a frozen model, as kd runs a teacher
     net = precision.prepare(net)
     loader = make_loader(dataclasses.replace(cfg), samples, False, 1, 0, batch_size, backend.device, channels_last)
-    result = evaluate(net, loader, backend, precision)
-    return {"model": model, "weights": weights, **result}
+    try:
+        result = evaluate(net, loader, backend, precision)
+    finally:
+        loader.close()
+    return {"model": s.model, "weights": weights, **result, "num_classes": n, "image_size": s.image_size,
+            "val_resize": s.val_resize, "workers": s.workers, "settings": s.describe(n)}

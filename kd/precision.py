@@ -414,7 +414,7 @@ def make_precision(cfg, device: torch.device, prefer_apex: bool = False) -> Prec
             return apex_amp.ApexAmpPrecision(cfg, device)
         if impl == "apex":
             raise KDError(f"--amp-impl apex: {reason}")
-        note = f"not apex.amp: {reason.split(';')[0]}"
+        note = f"not apex.amp: {reason.split(';')[0].split(' (')[0]}"
     if cfg.opt == "O0":
         return Precision(device, note=note)
     return NATIVE[cfg.opt](device, amp_dtype(cfg, device), note=note)

@@ -19,8 +19,15 @@ def summary(name: str) -> Dict[str, object]:
         "student": data.get("student", "-"), "method": method, "epochs": data.get("epochs", "-"),
         "batch": data.get("batch_size", "-"), "lr": data.get("lr", "-"),
         "paper_setup": f"{ref.get('gpus', '?')} GPUs x {ref.get('per_gpu_batch', '?')}" if ref else "-",
-        "reference_top1": ref.get("top1", "-"), "source": ref.get("source", "-"),
+        "reference_top1": top1(ref.get("top1")), "source": ref.get("source", "-"),
     }
+
+
+def top1(value: object) -> str:
+    """A paper's top-1 as it prints it, with two decimals (YAML reads 71.70 as 71.7); '-' where none."""
+    if value is None:
+        return "-"
+    return f"{value:.2f}" if isinstance(value, (int, float)) else str(value)
 
 
 def table() -> str:

@@ -1,18 +1,34 @@
-"""``kd report OUT...``: several runs' metrics.jsonl as one table (markdown and CSV)."""
+"""``kd report OUT...``: several runs' metrics.jsonl as one table (markdown and CSV).
+
+A path is a run folder (it holds ``metrics.jsonl``) or a folder of runs, searched below.
+"""
 from __future__ import annotations
 
 import csv
 import io
 import json
+import os
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import yaml
 
 from kd.errors import KDError
 
 COLUMNS = ["run", "method", "teacher", "student", "epochs", "best_top1", "best_top5", "last_top1", "last_top5",
-           "reference_top1", "diff", "wall_h"]
+           "reference_top1", "diff", "wall"]
+CSV_COLUMNS = COLUMNS[:-1] + ["wall_s"]  # seconds for programs, as the markdown's "12m" is for people
+
+
+def duration(seconds: float) -> str:
+    """A duration a person reads: 42s, 4.5m, 12m, 3.4h."""
+    if seconds < 60:
+        return f"{seconds:.0f}s"
+    if seconds < 600:
+        return f"{seconds / 60:.1f}m"
+    if seconds < 3600:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.1f}h"
 
 
 def collect(run: Path) -> Dict[str, object]:
@@ -30,6 +46,7 @@ def collect(run: Path) -> Dict[str, object]:
     if (run / "config.yaml").is_file():
         cfg = yaml.safe_load((run / "config.yaml").read_text()) or {}
     best = max(evals, key=lambda r: r["val_top1"])
+    wall = sum(r.get("seconds", 0.0) for r in records)
     last = evals[-1]
     ref = (cfg.get("reference") or {}).get("top1")
     return {
@@ -40,12 +57,54 @@ def collect(run: Path) -> Dict[str, object]:
         "last_top1": round(last["val_top1"], 2), "last_top5": round(last["val_top5"], 2),
         "reference_top1": ref if ref is not None else "-",
         "diff": round(best["val_top1"] - ref, 2) if ref is not None else "-",
-        "wall_h": round(sum(r.get("seconds", 0.0) for r in records) / 3600, 2),
+        "wall": duration(wall), "wall_s": round(wall, 1),
     }
 
 
-def report(runs: Sequence[Path]) -> List[Dict[str, object]]:
-    return [collect(Path(r)) for r in runs]
+MAX_DEPTH = 3  # folder levels searched below a path (runs/<group>/<run>/ is 2): a dataset beside the runs is not walked
+
+
+def _runs_below(path: Path, depth: int = 0) -> List[Path]:
+    if (path / "metrics.jsonl").is_file():
+        return [path]
+    if depth >= MAX_DEPTH or not path.is_dir():
+        return []
+    with os.scandir(path) as entries:  # DirEntry.is_dir() needs no stat per file
+        children = sorted(Path(e.path) for e in entries if e.is_dir() and not e.name.startswith("."))
+    return [run for child in children for run in _runs_below(child, depth + 1)]
+
+
+def find_runs(path: Path, note: Callable[[str], None]) -> List[Path]:
+    """``path`` if it is a run folder (it holds metrics.jsonl), else the run folders below it;
+    ``note`` hears about each entry of ``path`` that holds no run."""
+    if not path.exists():
+        raise KDError(f"{path} does not exist")
+    found = _runs_below(path)
+    if not found:
+        what = "not a run folder" if not path.is_dir() else "no metrics.jsonl in it or below it (not a kd run)"
+        note(f"skipped {path}: {what}")
+    elif found != [path]:
+        for child in sorted(p for p in path.iterdir() if not p.name.startswith(".")):
+            if not any(run == child or child in run.parents for run in found):
+                note(f"skipped {child}: {'no run in it' if child.is_dir() else 'not a run folder'}")
+    return found
+
+
+def report(runs: Sequence[Path], note: Optional[Callable[[str], None]] = None) -> List[Dict[str, object]]:
+    """One row per run found in ``runs`` (run folders or folders of runs); ``note`` hears what was skipped."""
+    skipped: List[str] = []
+    rows = []
+    for run in [run for path in runs for run in find_runs(Path(path), skipped.append)]:
+        try:
+            rows.append(collect(run))
+        except KDError as exc:  # a run that has not evaluated yet, a broken metrics.jsonl
+            skipped.append(f"skipped {run}: {exc}")
+    if not rows:
+        reasons = "; ".join(s[len("skipped "):] for s in skipped[:3]) or "no path given"
+        raise KDError(f"no kd run to report: {reasons}{' ...' if len(skipped) > 3 else ''}")
+    for line in skipped if note else ():
+        note(line)
+    return rows
 
 
 def markdown(rows: List[Dict[str, object]]) -> str:
@@ -56,7 +115,7 @@ def markdown(rows: List[Dict[str, object]]) -> str:
 
 def to_csv(rows: List[Dict[str, object]]) -> str:
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=COLUMNS)
+    writer = csv.DictWriter(buf, fieldnames=CSV_COLUMNS, extrasaction="ignore")
     writer.writeheader()
     writer.writerows(rows)
     return buf.getvalue()

@@ -48,7 +48,7 @@ def test_recipes_cli_and_report(tmp_path):
     (run / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in rows) + "\n")
     r = run_kd("report", run, "--csv", tmp_path / "t.csv")
     assert r.returncode == 0, r.stderr
-    assert "| dkd | resnet34 | resnet18 | 3/3 | 70.5 | 90.5 | 70.1 | 90.1 | 71.7 | -1.2 | 1.5 |" in r.stdout
+    assert "| dkd | resnet34 | resnet18 | 3/3 | 70.5 | 90.5 | 70.1 | 90.1 | 71.7 | -1.2 | 1.5h |" in r.stdout
     assert (tmp_path / "t.csv").read_text().startswith("run,method")
     r = run_kd("report", tmp_path / "nothing")
-    assert r.returncode == 2 and "no metrics.jsonl" in r.stderr
+    assert r.returncode == 2 and "does not exist" in r.stderr

@@ -20,8 +20,8 @@ from kd.errors import KDError
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
 
-def scan_split(root: Path, split: str) -> Tuple[List[str], List[Tuple[str, int]]]:
-    """Class names and (path, label) pairs of ``root/split/<class>/*``; KDError if unusable."""
+def _scan_split(root: Path, split: str) -> Tuple[List[str], List[Tuple[str, int]], List[str]]:
+    """Classes, (path, label) pairs and the ``split/<class>`` folders that hold no image."""
     folder = root / split
     if not folder.is_dir():
         raise KDError(f"data folder {root} has no {split}/ subfolder (expected {root}/{split}/<class>/*.jpg)")
@@ -29,13 +29,33 @@ def scan_split(root: Path, split: str) -> Tuple[List[str], List[Tuple[str, int]]
     if not classes:
         raise KDError(f"{folder} has no class folders (expected {folder}/<class>/*.jpg)")
     samples = []
+    empty = []
     for label, cls in enumerate(classes):
+        count = len(samples)
         for dirpath, _, files in sorted(os.walk(folder / cls, followlinks=True)):
             for fname in sorted(files):
                 if fname.lower().endswith(IMG_EXTENSIONS):
                     samples.append((os.path.join(dirpath, fname), label))
+        if len(samples) == count:
+            empty.append(f"{split}/{cls}")
     if not samples:
         raise KDError(f"{folder} has class folders but no images ({', '.join(IMG_EXTENSIONS[:3])}, ...)")
+    return classes, samples, empty
+
+
+def _refuse_empty(root: Path, empty: List[str]) -> None:
+    """A class folder without images would still get a label and an output of the model: refuse it."""
+    if empty:
+        shown = ", ".join(empty[:6]) + (f" and {len(empty) - 6} more" if len(empty) > 6 else "")
+        raise KDError(f"class folder{'s' if len(empty) > 1 else ''} with no image ({', '.join(IMG_EXTENSIONS[:3])}, "
+                      f"...) in {root}: {shown}; add images, or remove the class from both train/ and val/")
+
+
+def scan_split(root: Path, split: str) -> Tuple[List[str], List[Tuple[str, int]]]:
+    """Class names and (path, label) pairs of ``root/split/<class>/*``; KDError if unusable,
+    a class folder without images included."""
+    classes, samples, empty = _scan_split(root, split)
+    _refuse_empty(root, empty)
     return classes, samples
 
 
@@ -44,8 +64,9 @@ def scan(root: str) -> Tuple[List[str], List[Tuple[str, int]], List[Tuple[str, i
     path = Path(root)
     if not path.is_dir():
         raise KDError(f"data folder {root} does not exist")
-    classes, train = scan_split(path, "train")
-    val_classes, val = scan_split(path, "val")
+    classes, train, empty_train = _scan_split(path, "train")
+    val_classes, val, empty_val = _scan_split(path, "val")
+    _refuse_empty(path, empty_train + empty_val)
     if val_classes != classes:
         only_train = sorted(set(classes) - set(val_classes))
         only_val = sorted(set(val_classes) - set(classes))
