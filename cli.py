@@ -57,7 +57,7 @@ TRAIN_OPTIONS = [
     (("--val-resize",), "val_resize", dict(type=int, help="Val short-side resize [image-size * 256/224].")),
     (("--min-crop-scale",), "min_crop_scale", dict(type=float, help="Smallest crop area of RandomResizedCrop [0.08].")),
     (("--loader",), "loader", dict(metavar="NAME", help="Input pipeline: pil, or gpu (decode and crop on the GPU) [pil].")),
-    (("--workers", "-j"), "workers", dict(type=int, help="DataLoader worker processes per process [8].")),
+    (("--workers", "-j"), "workers", dict(type=int, help="DataLoader worker processes per process [min(8, CPU cores per process)].")),
     (("--mp-context",), "mp_context", dict(type=click.Choice(["fork", "forkserver", "spawn"]), help="Worker start method [forkserver on Linux].")),
     (("--max-bad-images",), "max_bad_images", dict(type=int, help="Unreadable images tolerated before failing [10].")),
     (("--limit-train-batches",), "limit_train_batches", dict(type=int, help="At most this many steps per epoch.")),
@@ -135,20 +135,25 @@ def train(ctx, recipe, sets, loss_arg, resume, overwrite, local_rank, **options)
 
 
 @cli.command("eval")
-@click.option("--model", required=True, metavar="NAME", help="torchvision model name or timm:NAME.")
+@click.option("--model", default=None, metavar="NAME",
+              help="torchvision model name or timm:NAME [a kd checkpoint's own; required for other weights].")
 @click.option("--weights", required=True, metavar="PATH|pretrained", help="Weights file (kd checkpoints too).")
 @click.option("--data", required=True, metavar="DIR", help="Folder with a val/ ImageFolder.")
 @click.option("--batch-size", "-b", type=int, default=256, show_default=True)
-@click.option("--image-size", type=int, default=224, show_default=True)
-@click.option("--workers", "-j", type=int, default=8, show_default=True)
-@click.option("--num-classes", type=int, default=None)
+@click.option("--image-size", type=int, default=None, help="Val crop size [a kd checkpoint's run's, else 224].")
+@click.option("--val-resize", type=int, default=None,
+              help="Short-side resize before the crop [the run's at its image size, else image-size * 256/224].")
+@click.option("--workers", "-j", type=int, default=None, help="DataLoader worker processes [min(8, CPU cores)].")
+@click.option("--num-classes", type=int, default=None, help="[a kd checkpoint's, else the class folders of val/]")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
-def eval_cmd(model, weights, data, batch_size, image_size, workers, num_classes, device):
-    """Top-1/top-5 of a model on DATA/val."""
+def eval_cmd(model, weights, data, batch_size, image_size, val_resize, workers, num_classes, device):
+    """Top-1/top-5 of a model on DATA/val; a kd checkpoint evaluates with its run's settings."""
     from kd.evaluate import evaluate_model
 
-    r = evaluate_model(model, weights, data, batch_size, device, image_size, workers, num_classes)
-    click.echo(f"{model} {weights}: top-1 {r['top1']:.2f}  top-5 {r['top5']:.2f}  ({r['count']} images)")
+    r = evaluate_model(model, weights, data, batch_size, device, image_size, workers, num_classes,
+                       val_resize=val_resize)
+    click.echo(f"settings: {r['settings']}")
+    click.echo(f"{r['model']} {weights}: top-1 {r['top1']:.2f}  top-5 {r['top5']:.2f}  ({r['count']} images)")
 
 
 @cli.command()
@@ -188,10 +193,13 @@ def recipes_show(name):
 @click.argument("runs", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--csv", "csv_path", type=click.Path(path_type=Path), help="Also write the table as CSV.")
 def report(runs, csv_path):
-    """Several runs' results as one table: best/last top-1/top-5, reference, difference, wall time."""
+    """Several runs' results as one table: best/last top-1/top-5, reference, difference, wall time.
+
+    RUNS are run folders or folders of runs (kd report runs/demo); what is not a run is skipped with a note.
+    """
     from kd.report import markdown, report as collect, to_csv
 
-    rows = collect(runs)
+    rows = collect(runs, note=lambda line: click.echo(f"kd report: {line}", err=True))
     click.echo(markdown(rows))
     if csv_path:
         csv_path.write_text(to_csv(rows))
@@ -264,11 +272,16 @@ def losses_cmd():
     """The registered KD methods and their hyper-parameters."""
     from kd.losses import LOSSES
 
+    rows = []
     for name in LOSSES.names():
         cls = LOSSES.get(name)
         params = ", ".join(f"{k}={v}" for k, v in cls.defaults.items()) or "-"
         doc = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
-        click.echo(f"{name:10s} {params:50s} {doc}")
+        rows.append((name, params, doc))
+    name_width = max(len(r[0]) for r in rows)
+    params_width = max(len(r[1]) for r in rows)
+    for name, params, doc in rows:
+        click.echo(f"{name:{name_width}s}  {params:{params_width}s}  {doc}".rstrip())
 
 
 @cli.command("backends")
