@@ -1,5 +1,5 @@
-"""apex's DistributedDataParallel(delay_allreduce=True): real apex where importable, else the same
-algorithm natively.
+"""apex's DistributedDataParallel(delay_allreduce=True): real apex where importable and right for
+the run, else the same algorithm natively.
 
 The algorithm: parameters and buffers are broadcast from rank 0 once, at wrap time; after the
 whole backward pass, the gradients of every parameter that requires grad are averaged in flat
@@ -7,9 +7,24 @@ buckets of about 25 MB, one all_reduce per bucket. A missing gradient counts as 
 parameter that a process did not use can neither hang the run nor need
 ``find_unused_parameters``; a parameter that no process used keeps no gradient, as on one device.
 
+Real apex.parallel (25.04) is wrong for some runs; ``prepare_model`` decides, before the optimizer
+and precision are built, and ``describe()`` says what it chose and why:
+
+* bfloat16 weights (O2/O3 with ``--amp-dtype bfloat16``): apex all-reduces half, float and double
+  gradients only (``split_half_float_double``), so the native averager runs;
+* parameters that may get no gradient (``--find-unused-parameters``, or found as torch_ddp finds
+  them, or trainable parameters in the loss): apex buckets only the gradients present, which can
+  differ between processes (a hang, or averages of the wrong tensors), so the native averager runs;
+* channels_last: with its ``amp_C`` extension built, apex copies the averaged gradients back
+  through raw memory (``multi_tensor_scale``), which permutes those of channels_last convolution
+  weights; under real apex the student's parameters stay contiguous (activations may stay
+  channels_last);
+* ``--sync-bn``: apex's conversion makes new Parameters, so it runs in ``prepare_model``, before
+  the optimizer holds them.
+
 NVIDIA removed ``apex.parallel`` in May 2025 (the last tag with it is 25.05); apex is never a
 dependency of kd and is imported only here. ``apex.parallel`` runs on CUDA only, so on the CPU
-the native implementation is used. ``describe()`` and ``kd backends`` say which one runs.
+the native implementation is used.
 """
 from __future__ import annotations
 
@@ -20,9 +35,8 @@ import torch.distributed as dist
 from torch import nn
 
 from backends import dist as kd_dist
-from backends.base import Backend, register, resolve_device
+from backends.base import register
 from backends.torch_ddp import TorchDDP
-from kd.errors import KDError
 
 
 def apex_parallel():
@@ -81,8 +95,8 @@ class GradientAverager:
 
 @register("apex_ddp")
 class ApexDDP(TorchDDP):
-    description = ("apex DistributedDataParallel(delay_allreduce=True): real apex.parallel where importable, "
-                   "else the same algorithm natively")
+    description = ("apex DistributedDataParallel(delay_allreduce=True): real apex.parallel where importable "
+                   "and right for the run, else the same algorithm natively")
     multiprocess = True
 
     @classmethod
@@ -98,6 +112,7 @@ class ApexDDP(TorchDDP):
     def __init__(self, cfg):
         super().__init__(cfg)
         self.impl = "native"
+        self.layout_note = ""
         self.averager: Optional[GradientAverager] = None
 
     def setup(self) -> None:
@@ -107,24 +122,49 @@ class ApexDDP(TorchDDP):
     def describe(self) -> str:
         impl = "real apex.parallel.DistributedDataParallel(delay_allreduce=True)" if self.impl == "apex" \
             else f"kd's native delayed all-reduce ({self.impl[len('native: '):]})"
-        return (f"backend apex_ddp: {self.world_size} process(es) over {self.group_backend}, rank {self.rank}, "
-                f"device {self.device}, {impl}{', sync_bn' if self.cfg.sync_bn else ''}")
+        return (f"backend apex_ddp: {self.world_size} process(es) over {self.group()}, rank {self.rank}, "
+                f"device {self.device}, {impl}{self.layout_note}{', sync_bn' if self.cfg.sync_bn else ''}")
 
     def precision(self):
         from kd.precision import make_precision
 
         return make_precision(self.cfg, self.device, prefer_apex=True)
 
+    def native_reason(self, model: nn.Module) -> Optional[str]:
+        """Why real apex.parallel would average ``model``'s gradients wrongly, or None where it would not:
+        bfloat16 weights (those the opt level will cast to, or already there), or parameters that may
+        get no gradient."""
+        from kd.precision import amp_dtype
+
+        cast = self.cfg.opt in ("O2", "O3") and amp_dtype(self.cfg, self.device) == torch.bfloat16
+        if cast or any(p.dtype == torch.bfloat16 for p in model.parameters() if p.requires_grad):
+            return "bfloat16 weights, whose gradients apex.parallel never all-reduces (half, float and double only)"
+        unused, how = (self.find_unused, self.find_unused_how) if self.find_unused is not None \
+            else self._detect_unused(model)
+        if unused:
+            return (f"find_unused_parameters ({how}); apex.parallel buckets only the gradients present, "
+                    f"which may differ between processes")
+        return None
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """Real apex or native (see the module docstring); then, under real apex, contiguous parameters
+        and apex's SyncBatchNorm, else torch's."""
+        why = self.native_reason(model) if self.impl == "apex" else None
+        if why:
+            self.impl = f"native: {why}"
+        if self.impl != "apex":
+            return super().prepare_model(model)
+        if any(not p.is_contiguous() for p in model.parameters()):
+            model = model.to(memory_format=torch.contiguous_format)
+            self.layout_note = (", parameters contiguous (apex copies averaged gradients back through raw memory, "
+                                "which permutes channels_last ones; activations stay channels_last)")
+        if self.cfg.sync_bn:
+            model = apex_parallel()[0].convert_syncbn_model(model)
+        return model
+
     def wrap(self, model: nn.Module) -> nn.Module:
         if self.impl == "apex":
-            parallel, why = apex_parallel()
-            if parallel is None:
-                raise KDError(f"apex_ddp: {why}")
-            if self.cfg.sync_bn:
-                model = parallel.convert_syncbn_model(model)
-            return parallel.DistributedDataParallel(model, delay_allreduce=True)
-        if self.cfg.sync_bn:
-            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+            return apex_parallel()[0].DistributedDataParallel(model, delay_allreduce=True)
         kd_dist.broadcast_state(model)
         self.averager = GradientAverager([p for p in model.parameters() if p.requires_grad], self.world_size)
         return model

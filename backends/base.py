@@ -6,11 +6,13 @@ actions:
 * roles: ``rank``, ``world_size``, ``is_main`` (the only process that writes ``--out``);
 * placement: ``device``; ``local_batch(global_batch)``, the per-process share of the batch;
 * data: ``data_shard()`` -> ``(num_replicas, rank)`` for the samplers;
-* models: ``wrap(student_side)`` for gradient sync, ``wrap_forward(module)`` for the teacher
+* models: ``prepare_model(student_side)`` before the optimizer exists (layers replaced, parameter
+  layout), ``wrap(student_side)`` for gradient sync, ``wrap_forward(module)`` for the teacher
   and evaluation (forward only, never for gradient sync), ``unwrap(model)``;
 * the step: ``precision()`` picks the precision object, ``sync_gradients(model)`` runs after
   backward (a no-op where the wrapper syncs during backward);
-* reductions: ``all_reduce_sum(tensor)`` and ``barrier()``.
+* reductions: ``all_reduce_sum(tensor)``, ``sync_buffers(module)`` before evaluation and
+  checkpoints, and ``barrier()``.
 
 A backend registers itself with ``@register("name")``; third-party backends can also be
 registered through the Python entry point group ``kd.backends``.
@@ -84,6 +86,11 @@ class Backend:
     def data_shard(self) -> Tuple[int, int]:
         return self.world_size, self.rank
 
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """Called once on the student side, on its device, before the optimizer and precision are
+        built from its parameters; returns the module to build them from (layers may be replaced)."""
+        return model
+
     def wrap(self, model: nn.Module) -> nn.Module:
         return model
 
@@ -112,6 +119,14 @@ class Backend:
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
+
+    def all_gather_object(self, obj) -> list:
+        """``obj`` of every process, in rank order (a collective)."""
+        return [obj]
+
+    def sync_buffers(self, module: nn.Module) -> None:
+        """Give every process the same buffers (BatchNorm statistics), those the checkpoint holds;
+        called on every process before evaluation and before a checkpoint is written."""
 
     def barrier(self) -> None:
         """Wait for every process (a no-op for one process)."""

@@ -25,6 +25,23 @@ class _DataParallel(nn.DataParallel):
         out = super().forward(*args, **kwargs)
         return out if self.output_device == self.home.index else _to(out, self.home)
 
+    def parallel_apply(self, replicas, inputs, kwargs):
+        """Each replica under the caller's autocast dtype: torch re-enters autocast in every replica's
+        thread without one, and the dtype is thread-local (float16 by default), so bfloat16 would
+        silently run as float16, without a loss scaler."""
+        if not torch.is_autocast_enabled("cuda"):
+            return super().parallel_apply(replicas, inputs, kwargs)
+        dtype = torch.get_autocast_dtype("cuda")
+        return super().parallel_apply([_under_autocast(r, dtype) for r in replicas], inputs, kwargs)
+
+
+def _under_autocast(module: nn.Module, dtype: torch.dtype):
+    """``module`` as a callable that runs it under ``torch.autocast('cuda', dtype)``, in any thread."""
+    def run(*args, **kwargs):
+        with torch.autocast("cuda", dtype=dtype):
+            return module(*args, **kwargs)
+    return run
+
 
 def _to(obj, device):
     if isinstance(obj, torch.Tensor):
@@ -50,6 +67,10 @@ class DataParallelBackend(Backend):
         if cfg.nproc not in (None, 1):
             raise KDError(f"--backend dp runs one process that drives all --gpus; --nproc {cfg.nproc} needs "
                           f"--backend torch_ddp or apex_ddp")
+        if cfg.amp_impl == "apex" and cfg.opt in ("O2", "O3"):
+            raise KDError(f"--backend dp cannot run --amp-impl apex at {cfg.opt}: apex.amp patches the forward of the "
+                          f"module on the first GPU, and every replica would run that one (apex issue #227); "
+                          f"use --amp-impl native, or --backend torch_ddp or apex_ddp")
         if cfg.device == "cpu":
             raise KDError("--backend dp needs CUDA GPUs; on the CPU use --backend torch_ddp --nproc N --device cpu")
         if cfg.sync_bn:

@@ -1,4 +1,5 @@
-"""torch.nn.parallel.DistributedDataParallel: one process per GPU (nccl) or per CPU process (gloo)."""
+"""torch.nn.parallel.DistributedDataParallel: one process per GPU (nccl), or per CPU process or
+processes sharing GPUs (gloo)."""
 from __future__ import annotations
 
 from typing import List, Optional
@@ -14,7 +15,7 @@ from kd.errors import KDError
 
 UNUSED_HINT = ("some parameters of the student (or of the loss's connectors) got no gradient in this step; "
                "DistributedDataParallel needs --find-unused-parameters for such models "
-               "(or use --backend apex_ddp, which needs no flag)")
+               "(or use --backend apex_ddp --find-unused-parameters: kd's native averager counts a missing gradient as zero)")
 
 SYNC_BN_CPU = "--sync-bn needs CUDA (torch's SyncBatchNorm runs on GPUs only); drop it on the CPU"
 
@@ -83,7 +84,8 @@ class TorchDDP(Backend):
 
     @classmethod
     def num_processes(cls, cfg) -> int:
-        """One per ``--gpus`` entry (or per visible GPU), or ``--nproc`` on the CPU.
+        """One per ``--gpus`` entry (or per visible GPU), or ``--nproc``: on the CPU, or more processes
+        than GPUs, which then share them over gloo.
 
         Raises KDError for a request this machine cannot meet, before any process starts.
         """
@@ -94,24 +96,27 @@ class TorchDDP(Backend):
         if device.type == "cpu":
             if cfg.sync_bn:
                 raise KDError(SYNC_BN_CPU)
+            kd_dist.group_backend(cfg, "cpu", cfg.nproc or 1, None)
             return cfg.nproc or 1
         count = torch.cuda.device_count()
         missing = [g for g in cfg.gpus or [] if g >= count]
         if missing:
             raise KDError(f"--gpus {','.join(map(str, cfg.gpus))}: GPU {missing[0]} does not exist, "
                           f"this machine has {count} visible GPU(s) (0..{count - 1})")
-        if cfg.gpus and cfg.nproc is not None and cfg.nproc != len(cfg.gpus):
-            raise KDError(f"--nproc {cfg.nproc} disagrees with --gpus, which lists {len(cfg.gpus)} GPU(s); "
-                          f"with GPUs, --gpus alone sets the process count")
-        if cfg.nproc is not None and cfg.nproc > count:
-            raise KDError(f"--nproc {cfg.nproc} on CUDA needs {cfg.nproc} GPUs, this machine has {count}")
-        return len(cfg.gpus) if cfg.gpus else (cfg.nproc or count)
+        gpus = cfg.gpus or list(range(min(cfg.nproc or count, count)))
+        nproc = cfg.nproc or len(gpus)
+        if nproc < len(gpus):
+            raise KDError(f"--nproc {nproc} is fewer than the {len(gpus)} GPUs of --gpus; give --gpus alone "
+                          f"(one process per GPU), or list fewer GPUs")
+        kd_dist.group_backend(cfg, "cuda", nproc, len(gpus))  # refuses nccl on shared GPUs
+        return nproc
 
     def __init__(self, cfg):
         super().__init__(cfg)
         self.find_unused = cfg.find_unused_parameters
         self.find_unused_how = "given" if cfg.find_unused_parameters is not None else "not yet detected"
         self.group_backend = "none"
+        self.group_note = ""
 
     def setup(self) -> None:
         device_type = resolve_device(self.cfg).type
@@ -121,9 +126,11 @@ class TorchDDP(Backend):
         self.device = kd_dist.process_device(self.cfg, place, device_type)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        kd_dist.init_group(place, self.device)
+        gpus = kd_dist.given_gpus(self.cfg) if self.device.type == "cuda" else None
+        self.group_backend, self.group_note = kd_dist.group_backend(self.cfg, self.device.type, place.local_world_size,
+                                                                    len(gpus) if gpus else None)
+        kd_dist.init_group(place, self.device, self.group_backend)
         self.rank, self.world_size, self.local_rank = place.rank, place.world_size, place.local_rank
-        self.group_backend = dist.get_backend()
 
     def teardown(self) -> None:
         kd_dist.destroy_group()
@@ -134,12 +141,18 @@ class TorchDDP(Backend):
             flags.append("static_graph")
         if self.cfg.sync_bn:
             flags.append("sync_bn")
-        return (f"backend torch_ddp: {self.world_size} process(es) over {self.group_backend}, rank {self.rank}, "
+        return (f"backend torch_ddp: {self.world_size} process(es) over {self.group()}, rank {self.rank}, "
                 f"device {self.device}, {', '.join(flags)}")
 
+    def group(self) -> str:
+        """The process group's backend, and why where it is not the usual one."""
+        return f"{self.group_backend} ({self.group_note})" if self.group_note else self.group_backend
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """``--sync-bn``: torch's SyncBatchNorm layers, made before the optimizer holds the parameters."""
+        return nn.SyncBatchNorm.convert_sync_batchnorm(model) if self.cfg.sync_bn else model
+
     def wrap(self, model: nn.Module) -> nn.Module:
-        if self.cfg.sync_bn:
-            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         if self.find_unused is None:
             self.find_unused, self.find_unused_how = self._detect_unused(model)
         ids = [self.device.index] if self.device.type == "cuda" else None
@@ -170,6 +183,19 @@ class TorchDDP(Backend):
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return kd_dist.all_reduce_sum(tensor)
+
+    def all_gather_object(self, obj) -> list:
+        gathered = [None] * self.world_size
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
+    def sync_buffers(self, module: nn.Module) -> None:
+        """Rank 0's buffers on every process, broadcast rather than averaged: the checkpoint holds
+        rank 0's, so evaluation scores the saved model; it is what torch DDP's forward does at each
+        step (an average would change statistics torch_ddp trains with); integer counters stay exact.
+        apex_ddp's processes, whose statistics follow their own shards, all start again from rank 0's."""
+        if self.world_size > 1:
+            kd_dist.broadcast(list(module.buffers()))
 
     def barrier(self) -> None:
         kd_dist.barrier(self.device)

@@ -17,21 +17,30 @@ FORMAT_VERSION = 1
 
 
 def rng_state() -> Dict[str, Any]:
+    """This process's generators: torch's, Python's, NumPy's and its own current GPU's (not every visible GPU's)."""
     state = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]),
              "python_pos": random.getstate()[2],
              "numpy": torch.from_numpy(np.random.get_state()[1].astype(np.int64)),
              "numpy_pos": int(np.random.get_state()[2])}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
 def set_rng_state(state: Dict[str, Any]) -> None:
+    """Restore :func:`rng_state`; the GPU state goes to the current GPU. An older checkpoint's list of
+    every GPU's state gives the entry of the current GPU, where it has one."""
     torch.set_rng_state(state["torch"])
     random.setstate((3, tuple(state["python"]), state["python_pos"]))
     np.random.set_state(("MT19937", state["numpy"].numpy().astype(np.uint32), state["numpy_pos"], 0, 0.0))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if cuda is None or not torch.cuda.is_available():
+        return
+    if isinstance(cuda, (list, tuple)):
+        index = torch.cuda.current_device()
+        cuda = cuda[index] if index < len(cuda) else None
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda)
 
 
 def save_atomic(obj: Dict[str, Any], path: Path) -> None:

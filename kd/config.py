@@ -69,6 +69,7 @@ class RunConfig:
     backend: str = "single"
     gpus: Optional[List[int]] = None
     nproc: Optional[int] = None
+    dist_backend: str = "auto"  # process group: auto (nccl on GPUs, gloo on the CPU or where processes share a GPU), nccl, gloo
     dp_output_device: Optional[int] = None
     find_unused_parameters: Optional[bool] = None  # None: detect
     static_graph: bool = False

@@ -20,6 +20,7 @@ from kd import config as kd_config
 from kd import data as kd_data
 from kd.errors import KDError
 from kd.features import check_layers, layer_names, tap
+from kd.cpu import slow_precision_warning
 from kd.fuse import fuse_teacher
 from kd.logging import NullLogger, RunLogger, command_start
 from kd.losses import DistillInputs, build_loss, split_layers
@@ -155,6 +156,9 @@ class Trainer:
 
         self.precision = backend.precision()
         self.logger.info(self.precision.describe())
+        warning = slow_precision_warning(cfg.opt, self.precision.dtype, dev)
+        if warning:
+            self.logger.info(warning)
         loss_args = cfg.loss_kwargs()
         if cfg.no_teacher:  # KD hyper-parameters (from a recipe, say) mean nothing without a teacher
             from kd.losses.kd import CrossEntropy
@@ -168,6 +172,7 @@ class Trainer:
         s_layers, t_layers = self._feature_layers(loss, student, teacher)
 
         self.side = StudentSide(student, loss, s_layers).to(dev, memory_format=self.memory_format)
+        self.side = backend.prepare_model(self.side)  # before the optimizer: sync-BN layers, parameter layout
         self.teacher = None
         self.teacher_precision: Optional[kd_teacher.TeacherPrecision] = None
         self.notes: List[str] = []  # what kd chose for the user, kept as comments in config.yaml
@@ -181,6 +186,7 @@ class Trainer:
         optimizer = build_optimizer(cfg, self.side.named_parameters(), fused_ok=self.precision.fused_optimizer_ok)
         self.side, self.optimizer = self.precision.prepare(self.side, optimizer)
         self.model = backend.wrap(self.side)
+        torch.manual_seed(cfg.seed + backend.rank)  # each process its own dropout / drop-path masks
         self.logger.info(backend.describe())  # after wrap: what the backend decided there (e.g. torch_ddp's detection)
         self.eval_forward = backend.wrap_forward(self.side.student)
         # CUDA-graph modes: each step starts a new graph generation (the last step's outputs are dead)
@@ -211,6 +217,12 @@ class Trainer:
             self.out.mkdir(parents=True, exist_ok=True)
             kd_config.save(cfg, self.out / "config.yaml", notes=self.notes)
         self._setup_seconds = time.time() - self.started
+
+    def close(self) -> None:
+        """Signal handlers back, logs closed, loader workers and threads stopped: nothing outlives the run."""
+        self.stop.restore()
+        self.logger.close()
+        self.data.close()
 
     # ----------------------------------------------------------------- set-up helpers
     def _feature_layers(self, loss, student, teacher):
@@ -303,7 +315,7 @@ class Trainer:
             "best_top1": self.best_top1,
             "bad_images": self.bad_images,
             "meter": self._meter_state,
-            "rng": {str(self.backend.rank): checkpoint.rng_state()},
+            "rng": self._rng_states,
             "student_name": self.cfg.student,
             "num_classes": self.num_classes,
             "config": self.cfg.to_dict(),
@@ -315,6 +327,9 @@ class Trainer:
         A state reached through a non-finite loss is not saved, so the last good one stays.
         A failed write (disk full) keeps the previous file and stops the run with a clear error.
         """
+        self.backend.sync_buffers(self.side)
+        # every process's generators (each draws its own dropout masks), restored rank by rank
+        self._rng_states = {str(rank): rng for rank, rng in enumerate(self.backend.all_gather_object(checkpoint.rng_state()))}
         # a mid-epoch checkpoint holds the epoch's sums over every process; rank 0 alone restores them
         self._meter_state = self.meter.global_state(self.backend) if self.batch_in_epoch else None
         if self.backend.is_main and self.meter.streak.item() > 0:
@@ -359,6 +374,9 @@ class Trainer:
             self.teacher_top1 = teacher_val["top1"]
             self.logger.info(f"teacher {cfg.teacher}: val top-1 {teacher_val['top1']:.2f} "
                              f"(in {kd_teacher.dtype_name(self.teacher_precision.dtype)})")
+            note = teacher_preprocessing_note(cfg)
+            if note:
+                self.logger.info(note)
         else:
             self.teacher_top1 = None
         while self.epoch < cfg.epochs:
@@ -373,6 +391,7 @@ class Trainer:
                 record.update(self.timer.result(self.backend))
             if ((self.epoch + 1) % cfg.eval_every == 0 or last) and not cfg.timing_warmup:
                 self.side.eval()
+                self.backend.sync_buffers(self.side)  # evaluate the model the checkpoint holds
                 val = evaluate(self.eval_forward, self.data.val, self.backend, self.precision)
                 record.update(val_top1=val["top1"], val_top5=val["top5"], val_loss=val["loss"])
             if self.teacher_top1 is not None:
@@ -400,17 +419,24 @@ class Trainer:
         return record
 
     def train_epoch(self) -> Dict[str, float]:
-        cfg, backend, precision = self.cfg, self.backend, self.precision
         loader = self.data.train
         loader.set_epoch(self.epoch, self.batch_in_epoch)
-        steps = len(loader) + self.batch_in_epoch
+        it = iter(loader)
+        try:
+            return self._train_steps(it, len(loader) + self.batch_in_epoch)
+        finally:
+            close = getattr(it, "close", None)  # a generator stopped early (error, signal): its thread stops now
+            if close is not None:
+                close()
+
+    def _train_steps(self, it, steps: int) -> Dict[str, float]:
+        cfg, backend, precision = self.cfg, self.backend, self.precision
         self.side.train()
         meter = self.meter
         interval = Meter(self.device)
         bar = self.logger.progress(steps, f"epoch {self.epoch + 1}/{cfg.epochs}")
         bar.update(self.batch_in_epoch)
         t_interval = time.perf_counter()
-        it = iter(loader)
         while True:
             t0 = time.perf_counter()
             batch = next(it, None)
@@ -674,6 +700,21 @@ class Meter:
         self.wait = state["wait"]
 
 
+def teacher_preprocessing_note(cfg) -> Optional[str]:
+    """Where a kd-trained teacher was validated at other sizes than this run: why its top-1 differs."""
+    from kd.evaluate import default_val_resize, run_settings  # kd.evaluate imports this module
+
+    trained = run_settings(cfg.teacher_weights).get("config") or {}
+    if not trained.get("image_size"):
+        return None
+    theirs = (trained["image_size"], trained.get("val_resize") or default_val_resize(trained["image_size"]))
+    ours = (cfg.image_size, cfg.val_resize or default_val_resize(cfg.image_size))
+    if theirs == ours:
+        return None
+    return (f"teacher {cfg.teacher}: trained and validated at image size {theirs[0]}, val resize {theirs[1]}; this run "
+            f"validates at {ours[0]}, {ours[1]}, so its top-1 here differs from its own run's")
+
+
 def format_record(record: Dict[str, float], epochs: int) -> str:
     parts = [f"epoch {record['epoch']}/{epochs}", f"loss {record.get('train_loss', float('nan')):.4f}"]
     if "val_top1" in record:
@@ -695,7 +736,6 @@ def run_worker(cfg, out: Path, resume_from: Optional[Path] = None) -> Dict[str, 
         return trainer.fit()
     finally:
         if trainer is not None:
-            trainer.stop.restore()
-            trainer.logger.close()
+            trainer.close()
         backend.teardown()
 

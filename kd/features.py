@@ -1,7 +1,8 @@
 """Feature taps: intermediate outputs through forward hooks, without changing model code.
 
-Hooks are registered for the duration of one forward call on the module that runs it, so
-DataParallel replicas (each with its own copies of the submodules) tap their own outputs.
+Hooks are registered for the duration of one forward call on the module that runs it.
+DataParallel replicas copy each module's ``__dict__`` shallowly, so they share its hook dict: a
+replica's hook fires for every replica's module, and keeps the output of its own module only.
 """
 from __future__ import annotations
 
@@ -35,8 +36,9 @@ def tap(model: nn.Module, layers: List[str], store: Dict[str, torch.Tensor]):
     modules = dict(model.named_modules())
     handles = []
     for layer in layers:
-        def hook(_module, _inputs, output, layer=layer):
-            store[layer] = output
+        def hook(module, _inputs, output, layer=layer, mine=modules[layer]):
+            if module is mine:
+                store[layer] = output
         handles.append(modules[layer].register_forward_hook(hook))
     try:
         yield store

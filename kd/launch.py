@@ -3,9 +3,10 @@
 Who starts the processes, as the environment tells:
 
 * nobody: ``kd train`` runs in place (one process), or starts one process per ``--gpus`` entry
-  (``CUDA_VISIBLE_DEVICES`` and the count both come from that list) or ``--nproc`` CPU processes
-  itself, through torch's elastic launcher (``torch.distributed.launcher.api.elastic_launch``,
-  c10d rendezvous on 127.0.0.1 with a free port chosen by the system);
+  (``CUDA_VISIBLE_DEVICES`` and the count both come from that list), ``--nproc`` processes on
+  the CPU, or ``--nproc`` processes sharing fewer GPUs (``--gpus 0 --nproc 2``: over gloo), itself,
+  through torch's elastic launcher (``torch.distributed.launcher.api.elastic_launch``, c10d
+  rendezvous on 127.0.0.1 with a free port chosen by the system);
 * ``torchrun`` or the deprecated ``python -m torch.distributed.launch`` (``--local_rank`` /
   ``--local-rank``), on one or several nodes: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
   ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` are read as they are;
@@ -18,6 +19,7 @@ A ``KDError`` in any worker reaches the user as one line and exit code 2 from th
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -32,11 +34,12 @@ from kd.errors import KDError
 RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints", "tb")
 
 
-def prepare_out(cfg, resume: Optional[str], overwrite: bool) -> Optional[Path]:
+def prepare_out(cfg, resume: Optional[str], overwrite: bool, create: bool = True) -> Optional[Path]:
     """Check ``--out`` before any work; returns the checkpoint to resume from, if any.
 
     A folder that holds a run is refused unless ``--resume`` or ``--overwrite`` is given, so
-    nothing already written is lost by mistake.
+    nothing already written is lost by mistake. Every process of a launch checks, so none waits
+    for one that refused; only the one that ``create``s (rank 0) makes the folder or empties it.
     """
     out = Path(cfg.out)
     if resume and overwrite:
@@ -52,6 +55,11 @@ def prepare_out(cfg, resume: Optional[str], overwrite: bool) -> Optional[Path]:
     if held and not overwrite:
         raise KDError(f"--out {out} already holds a run ({', '.join(held)}); "
                       f"continue it with --resume or replace it with --overwrite")
+    if not create:
+        folder = next(p for p in (out, *out.absolute().parents) if p.exists())
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise KDError(f"--out {out} is not writable: {os.strerror(errno.EACCES)}")
+        return None
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / ".kd-write-test"
@@ -98,10 +106,7 @@ def train(cfg, resume: Optional[str] = None, overwrite: bool = False):
                           f"runs in one; use --backend torch_ddp or apex_ddp, or start one process")
         _check_available(cfg, backend_cls)
         preflight(cfg)
-        if place.rank == 0:
-            resume_from = prepare_out(cfg, resume, overwrite)
-        else:
-            resume_from = resume_path(cfg, resume)
+        resume_from = prepare_out(cfg, resume, overwrite, create=place.rank == 0)
         return run_worker(cfg, Path(cfg.out), resume_from)
     nproc = backend_cls.num_processes(cfg)  # refuses requests that cannot be met, before any work
     _check_available(cfg, backend_cls)
@@ -118,12 +123,6 @@ def _check_available(cfg, backend_cls) -> None:
         raise KDError(f"--backend {cfg.backend} cannot run here: {reason}")
 
 
-def resume_path(cfg, resume: Optional[str]) -> Optional[Path]:
-    if not resume:
-        return None
-    return Path(cfg.out) / "checkpoints" / "last.pt" if resume == "last" else Path(resume)
-
-
 def in_launched_process() -> bool:
     """True inside a process that torchrun / torch.distributed.launch / kd's launcher / srun started."""
     return ("LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ) or bool(slurm_env(os.environ))
@@ -132,7 +131,7 @@ def in_launched_process() -> bool:
 # ----------------------------------------------------------------------------- local launch
 def visible_devices(cfg, nproc: int) -> Optional[str]:
     """``CUDA_VISIBLE_DEVICES`` for the workers: the ``--gpus`` entries (indices into what this
-    process sees), or the first ``nproc`` GPUs; None on the CPU."""
+    process sees), or the first ``nproc`` GPUs (all of them, shared, for more processes); None on the CPU."""
     from backends.base import resolve_device
 
     if resolve_device(cfg).type != "cuda":
@@ -142,8 +141,8 @@ def visible_devices(cfg, nproc: int) -> Optional[str]:
     current = os.environ.get("CUDA_VISIBLE_DEVICES")
     ids = [d.strip() for d in current.split(",") if d.strip()] if current else \
         [str(i) for i in range(torch.cuda.device_count())]
-    indices = cfg.gpus or list(range(nproc))
-    if len(indices) != nproc:
+    indices = cfg.gpus or list(range(min(nproc, len(ids))))
+    if len(indices) > nproc:
         raise KDError(f"--gpus lists {len(indices)} GPU(s) but {nproc} processes were asked for")
     missing = [i for i in indices if i >= len(ids)]
     if missing:
@@ -196,8 +195,7 @@ def worker(cfg, out: str, resume_from: Optional[Path], error_dir: str, visible: 
 
     if visible is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible
-        if cfg.gpus:
-            os.environ[GPUS_ENV] = ",".join(map(str, cfg.gpus))
+        os.environ[GPUS_ENV] = ",".join(map(str, cfg.gpus or range(len(visible.split(",")))))
     if "OMP_NUM_THREADS" not in os.environ:  # share the cores instead of each process taking them all
         import torch
 

@@ -8,8 +8,10 @@ user registers their own models, so ``--student timm:kd_test_net`` works in ever
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import socket
+import threading
 from pathlib import Path
 
 import pytest
@@ -42,6 +44,20 @@ class TinyNet(nn.Module):
         return self.fc(self.body(x))
 
 
+class BnNet(nn.Module):
+    """TinyNet with BatchNorm: each process's running statistics follow its own shard."""
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, 2, 1), nn.BatchNorm2d(8), nn.ReLU(),
+                                  nn.Conv2d(8, 8, 3, 2, 1), nn.BatchNorm2d(8), nn.ReLU(),
+                                  nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.fc = nn.Linear(8, num_classes)
+
+    def forward(self, x):
+        return self.fc(self.body(x))
+
+
 def _register_models():
     import timm
     from timm.models import register_model
@@ -56,6 +72,10 @@ def _register_models():
     @register_model
     def kd_test_unused(pretrained=False, num_classes=10, **kwargs):
         return TinyNet(num_classes, spare=True)
+
+    @register_model
+    def kd_test_bn(pretrained=False, num_classes=10, **kwargs):
+        return BnNet(num_classes)
 
 
 _register_models()
@@ -115,6 +135,23 @@ def _averager_job(job):
         backend.teardown()
 
 
+def _rng_job(job):
+    """The Trainer's set-up on torch_ddp, then a draw from torch's generator (the one dropout uses)."""
+    from kd.engine import Trainer
+
+    backend = backends.get("torch_ddp")(job["cfg"])
+    backend.setup()
+    trainer = None
+    try:
+        trainer = Trainer(job["cfg"], backend, Path(job["cfg"].out))
+        torch.save(torch.rand(8), Path(job["result"]).with_suffix(f".{backend.rank}"))
+    finally:
+        if trainer is not None:
+            trainer.stop.restore()
+            trainer.logger.close()
+        backend.teardown()
+
+
 def evaluate_fixed(cfg, backend):
     from kd.data.folder import scan_split
     from kd.data.loader import make_loader
@@ -150,6 +187,8 @@ JOBS = {  # name: (student, backend, find_unused_parameters)
     "ddp_unused_flag": ("timm:kd_test_unused", "torch_ddp", True),
     "ddp_unused_detect": ("timm:kd_test_unused", "torch_ddp", None),
     "apex_unused": ("timm:kd_test_unused", "apex_ddp", None),
+    "apex_bn": ("timm:kd_test_bn", "apex_ddp", None),
+    "ddp_bn": ("timm:kd_test_bn", "torch_ddp", None),
     "ddp_unused_noflag": ("timm:kd_test_unused", "torch_ddp", False),  # fails: last, as it ends mid-run
 }
 
@@ -161,7 +200,9 @@ def two_process_runs(data7, tmp_path_factory):
     jobs = [{"kind": "eval", "fn": _eval_job, "port": free_port(), "result": str(root / "eval.pt"),
              "cfg": tiny_cfg(data7, root / "eval", backend="torch_ddp")},
             {"kind": "averager", "fn": _averager_job, "port": free_port(), "result": str(root / "avg"),
-             "cfg": tiny_cfg(data7, root / "avg", backend="apex_ddp")}]
+             "cfg": tiny_cfg(data7, root / "avg", backend="apex_ddp")},
+            {"kind": "rng", "fn": _rng_job, "port": free_port(), "result": str(root / "rng"),
+             "cfg": tiny_cfg(data7, root / "rng", backend="torch_ddp")}]
     for name, (student, backend, unused) in JOBS.items():
         cfg = tiny_cfg(data7, root / name, student=student, backend=backend, find_unused_parameters=unused,
                        limit_train_batches=2)
@@ -265,6 +306,92 @@ def test_dp_refuses_nproc_cpu_and_sync_bn():
         dp.num_processes(dataclasses.replace(base, device="auto", sync_bn=True))
 
 
+def test_dist_backend_is_gloo_where_processes_share_a_gpu():
+    cfg = kd_config.resolve(options={**TINY, "data": "synthetic", "out": "x", "student": "resnet18"})
+    assert kd_dist.group_backend(cfg, "cuda", 2, 2) == ("nccl", "")
+    assert kd_dist.group_backend(cfg, "cuda", 2, 1) == ("gloo", "2 processes share 1 GPU(s)")
+    assert kd_dist.group_backend(cfg, "cuda", 1, None) == ("nccl", "")
+    assert kd_dist.group_backend(cfg, "cpu", 2, None) == ("gloo", "")
+    gloo = kd_config.resolve(sets=["dist_backend=gloo"], base=cfg)
+    assert kd_dist.group_backend(gloo, "cuda", 2, 2) == ("gloo", "")
+    nccl = kd_config.resolve(sets=["dist_backend=nccl"], base=cfg)
+    with pytest.raises(KDError, match="dist_backend=nccl runs one process per GPU, and 2 processes share 1 GPU"):
+        kd_dist.group_backend(nccl, "cuda", 2, 1)
+    with pytest.raises(KDError, match="dist_backend=nccl needs CUDA"):
+        kd_dist.group_backend(nccl, "cpu", 2, None)
+    with pytest.raises(KDError, match="dist_backend must be auto, nccl or gloo, got 'mpi'"):
+        kd_dist.group_backend(dataclasses.replace(cfg, dist_backend="mpi"), "cpu", 1, None)
+
+
+def test_apex_ddp_takes_the_native_averager_where_real_apex_would_be_wrong(tmp_path):
+    """Real apex.parallel drops bfloat16 gradients and buckets only the gradients present; apex_ddp
+    then uses kd's averager (decided on a real one-process group, before the optimizer exists)."""
+    backend = backends.get("apex_ddp")(tiny_cfg("synthetic", tmp_path / "a", backend="apex_ddp", nproc=1))
+    backend.setup()
+    try:
+        assert backend.native_reason(TinyNet(7)) is None
+        why = backend.native_reason(TinyNet(7, spare=True))
+        assert "2 parameter(s) without gradient: spare.weight, spare.bias" in why
+    finally:
+        backend.teardown()
+    given = backends.get("apex_ddp")(tiny_cfg("synthetic", tmp_path / "b", backend="apex_ddp",
+                                              find_unused_parameters=True))
+    assert "find_unused_parameters (given)" in given.native_reason(TinyNet(7))
+    bf16 = backends.get("apex_ddp")(tiny_cfg("synthetic", tmp_path / "c", backend="apex_ddp", opt="O2",
+                                             amp_dtype="bfloat16"))
+    assert "bfloat16" in bf16.native_reason(TinyNet(7))
+
+
+class _Meet(nn.Module):
+    """Holds each thread until the other arrives, so both replicas run with both taps in place."""
+
+    def __init__(self, barrier: threading.Barrier):
+        super().__init__()
+        self.barrier = barrier
+
+    def forward(self, x):
+        self.barrier.wait(timeout=60)
+        return x
+
+
+def replicate_in_place(module: nn.Module) -> nn.Module:
+    """torch.nn.parallel.replicate minus the copies to other GPUs: every module's own
+    ``_replicate_for_data_parallel()`` (a shallow copy of its ``__dict__``), children and parameters set anew."""
+    copies = {m: m._replicate_for_data_parallel() for m in module.modules()}
+    for m, replica in copies.items():
+        for name, child in m._modules.items():
+            setattr(replica, name, copies[child])
+        for name, p in m._parameters.items():
+            setattr(replica, name, p.view_as(p))  # a non-leaf, as torch's broadcast copies are
+    return copies[module]
+
+
+def test_feature_taps_of_data_parallel_replicas_stay_apart():
+    """Replicas share their modules' hook dicts; each tap keeps the output of its own replica only."""
+    from kd.features import tap
+
+    torch.manual_seed(0)
+    meet = threading.Barrier(2)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), _Meet(meet), nn.ReLU(), _Meet(meet))
+    replicas = [replicate_in_place(net) for _ in range(2)]
+    inputs = [torch.randn(2, 3, 8, 8) for _ in range(2)]
+    stores = [{}, {}]
+
+    def run(i):
+        with tap(replicas[i], ["2"], stores[i]):
+            replicas[i](inputs[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    with torch.no_grad():
+        for store, x in zip(stores, inputs):
+            torch.testing.assert_close(store["2"], torch.relu(net[0](x)))
+    assert not net[2]._forward_hooks  # every tap removed its hook
+
+
 # ----------------------------------------------------------------------------- two real processes
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["ddp_equal", "apex_equal"])
@@ -325,6 +452,28 @@ def test_native_apex_averages_missing_gradients_as_zero(two_process_runs):
         assert torch.equal(grads["a"], torch.full((3,), 1.5))
         assert torch.equal(grads["b"], torch.full((3,), 2.0))
         assert grads["c"] is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["apex_bn", "ddp_bn"])
+def test_validation_is_that_of_the_saved_model_with_batchnorm(two_process_runs, data7, name):
+    """Every process evaluates with rank 0's BatchNorm statistics, those of the checkpoint: the
+    logged val loss is what one process computes from last.pt."""
+    from kd.evaluate import evaluate_model
+
+    assert not errors_of(two_process_runs, name)
+    logged = json.loads((two_process_runs / name / "metrics.jsonl").read_text().splitlines()[-1])
+    saved = evaluate_model("timm:kd_test_bn", str(two_process_runs / name / "checkpoints" / "last.pt"), str(data7),
+                           batch_size=4, device="cpu", image_size=32, workers=0)
+    assert saved["count"] == 21
+    assert saved["loss"] == pytest.approx(logged["val_loss"], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_each_process_draws_its_own_random_numbers(two_process_runs):
+    """Reseeded per rank after set-up: dropout and drop-path masks differ across processes."""
+    draws = [torch.load((two_process_runs / "rng").with_suffix(f".{rank}"), weights_only=True) for rank in (0, 1)]
+    assert not torch.equal(draws[0], draws[1])
 
 
 # ----------------------------------------------------------------------------- GPUs

@@ -119,21 +119,24 @@ def test_started_by_torchrun_or_torch_distributed_launch(launcher, data9, teache
     assert len(metrics(out)) == 1 and (out / "checkpoints" / "last.pt").is_file()
 
 
+def srun_env(rank: int, port: int, **extra):
+    """The environment srun gives task ``rank`` of two on this node (torchrun's variables removed)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+           "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank),
+           "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_STEP_NODELIST": "localhost",
+           "SLURMD_NODENAME": "localhost", "MASTER_PORT": str(port), **extra}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):
+        env.pop(name, None)
+    return env
+
+
 @pytest.mark.slow
 def test_started_by_srun_apex_ddp_with_loader_workers(data9, teacher_file, tmp_path):
     """Two tasks with srun's environment: kd starts no process of its own and uses both as ranks."""
     out, port = tmp_path / "run", free_port()
-    procs = []
-    for rank in (0, 1):
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-               "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank),
-               "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_STEP_NODELIST": "localhost",
-               "SLURMD_NODENAME": "localhost", "MASTER_PORT": str(port)}
-        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):
-            env.pop(name, None)
-        args = train_args(data9, out, teacher_file, "--backend", "apex_ddp", "-j", 2)
-        procs.append(subprocess.Popen([sys.executable, "-m", "cli", *map(str, args)], env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    args = train_args(data9, out, teacher_file, "--backend", "apex_ddp", "-j", 2)
+    procs = [subprocess.Popen([sys.executable, "-m", "cli", *map(str, args)], env=srun_env(rank, port), text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for rank in (0, 1)]
     results = [(p.wait(timeout=600), *p.communicate()) for p in procs]
     assert [rc for rc, _, _ in results] == [0, 0], results[0][2][-2000:] + results[1][2][-2000:]
     main_log, other_log = results[0][2], results[1][2]
@@ -143,6 +146,29 @@ def test_started_by_srun_apex_ddp_with_loader_workers(data9, teacher_file, tmp_p
     assert len(metrics(out)) == 1
 
 
+@pytest.mark.slow
+def test_started_by_srun_every_task_refuses_a_used_out_at_once(data9, teacher_file, tmp_path):
+    """Every rank checks --out (read-only): none waits KD_DIST_TIMEOUT for a rank 0 that refused."""
+    out, port = tmp_path / "run", free_port()
+    out.mkdir()
+    (out / "config.yaml").write_text("epochs: 1\n")
+    args = train_args(data9, out, teacher_file, "--backend", "torch_ddp", "-j", 0)
+    procs = [subprocess.Popen([sys.executable, "-m", "cli", *map(str, args)], text=True,
+                              env=srun_env(rank, port, KD_DIST_TIMEOUT="120"),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for rank in (0, 1)]
+    try:
+        results = [p.communicate(timeout=60) for p in procs]  # liveness, not speed
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, (_, err) in zip(procs, results):
+        assert p.returncode == 2, err[-2000:]
+        assert "already holds a run (config.yaml)" in err and "Traceback" not in err
+    assert sorted(p.name for p in out.iterdir()) == ["config.yaml"]
+
+
 # ----------------------------------------------------------------------------- mismatches, before any work
 @pytest.mark.parametrize("args, message", [
     (["--backend", "dp", "--nproc", 2], "--backend dp runs one process .* needs --backend torch_ddp or apex_ddp"),
@@ -150,6 +176,9 @@ def test_started_by_srun_apex_ddp_with_loader_workers(data9, teacher_file, tmp_p
     (["--backend", "single", "--local_rank", 0, "--nproc", 2], "--backend single runs one process; --nproc 2 needs torch_ddp or apex_ddp"),
     (["--backend", "dp", "--local-rank", 0, "--device", "cpu"], "dp needs CUDA GPUs"),
     (["--backend", "apex_ddp", "--nproc", 2, "--sync-bn"], "--sync-bn needs CUDA"),
+    (["--backend", "dp", "--device", "cpu", "--amp-impl", "apex", "--opt", "O2"],
+     "--backend dp cannot run --amp-impl apex at O2: .* every replica"),
+    (["--backend", "torch_ddp", "--nproc", 2, "--set", "dist_backend=nccl"], "dist_backend=nccl needs CUDA"),
 ])
 def test_mismatch_is_one_line_exit_2_before_any_work(args, message, data9, teacher_file, tmp_path):
     if "--gpus" in args and torch.cuda.device_count() > 7:
