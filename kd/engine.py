@@ -22,6 +22,7 @@ from kd.errors import KDError
 from kd.features import check_layers, layer_names, tap
 from kd.cpu import slow_precision_warning
 from kd.fuse import fuse_teacher
+from kd.launch import start_run_folder
 from kd.logging import NullLogger, RunLogger, command_start
 from kd.losses import DistillInputs, build_loss, split_layers
 from kd.optim import build_optimizer, build_scheduler
@@ -135,6 +136,7 @@ class Trainer:
         self.started = command_start(default=time.time())
         self.first_step: Optional[Dict[str, float]] = None  # seconds to the first step, once taken
         self.nonfinite_sources: List[str] = []
+        resumed = checkpoint.load(resume_from) if resume_from is not None else None  # a broken file fails first
         self.cfg = cfg
         self.backend = backend
         self.out = Path(out)
@@ -208,13 +210,16 @@ class Trainer:
         self.stop = StopFlag()
         self.timer = StepTimer(cfg.timing_warmup, backend)
         self.stop_every = min(cfg.log_every, 10)  # steps between stop checks across processes
-        if resume_from is not None:
-            self._restore(checkpoint.load(resume_from))
+        if resumed is not None:
+            self._restore(resumed)
             self.logger.info(f"resumed from {resume_from} at epoch {self.epoch + 1}")
         self._resumed_step = self.global_step
         self.logger.info(self.data.train.describe())  # after set-up, so a failed start stays one line
         if backend.is_main:  # written once set-up has succeeded, so a failed start leaves no run behind
-            self.out.mkdir(parents=True, exist_ok=True)
+            if resume_from is None:
+                start_run_folder(self.out)
+            else:
+                self.out.mkdir(parents=True, exist_ok=True)
             kd_config.save(cfg, self.out / "config.yaml", notes=self.notes)
         self._setup_seconds = time.time() - self.started
 

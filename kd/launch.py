@@ -34,12 +34,13 @@ from kd.errors import KDError
 RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints", "tb")
 
 
-def prepare_out(cfg, resume: Optional[str], overwrite: bool, create: bool = True) -> Optional[Path]:
-    """Check ``--out`` before any work; returns the checkpoint to resume from, if any.
+def prepare_out(cfg, resume: Optional[str], overwrite: bool) -> Optional[Path]:
+    """Check ``--out`` before any work, writing nothing; returns the checkpoint to resume from, if any.
 
     A folder that holds a run is refused unless ``--resume`` or ``--overwrite`` is given, so
     nothing already written is lost by mistake. Every process of a launch checks, so none waits
-    for one that refused; only the one that ``create``s (rank 0) makes the folder or empties it.
+    for one that refused. The folder is made (and an overwritten run removed) only once the run
+    has set up without error (:func:`start_run_folder`), so a failed start leaves the disk as it was.
     """
     out = Path(cfg.out)
     if resume and overwrite:
@@ -55,23 +56,22 @@ def prepare_out(cfg, resume: Optional[str], overwrite: bool, create: bool = True
     if held and not overwrite:
         raise KDError(f"--out {out} already holds a run ({', '.join(held)}); "
                       f"continue it with --resume or replace it with --overwrite")
-    if not create:
-        folder = next(p for p in (out, *out.absolute().parents) if p.exists())
-        if not os.access(folder, os.W_OK | os.X_OK):
-            raise KDError(f"--out {out} is not writable: {os.strerror(errno.EACCES)}")
-        return None
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".kd-write-test"
-        probe.write_bytes(b"ok")
-        probe.unlink()
-    except OSError as exc:
-        raise KDError(f"--out {out} is not writable: {exc.strerror}") from None
-    if overwrite:
-        for name in held:
-            target = out / name
-            shutil.rmtree(target) if target.is_dir() else target.unlink()
+    folder = next(p for p in (out, *out.absolute().parents) if p.exists())
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise KDError(f"--out {out} is not writable: {os.strerror(errno.EACCES)}")
     return None
+
+
+def start_run_folder(out: Path) -> None:
+    """Make ``out`` for a new run, removing the files of a run it held (``--overwrite``, checked by
+    :func:`prepare_out`). Called by the main process once set-up has succeeded."""
+    for name in RUN_FILES:
+        target = out / name
+        if target.is_dir():
+            shutil.rmtree(target)
+        elif target.exists():
+            target.unlink()
+    out.mkdir(parents=True, exist_ok=True)
 
 
 def preflight(cfg) -> None:
@@ -106,7 +106,7 @@ def train(cfg, resume: Optional[str] = None, overwrite: bool = False):
                           f"runs in one; use --backend torch_ddp or apex_ddp, or start one process")
         _check_available(cfg, backend_cls)
         preflight(cfg)
-        resume_from = prepare_out(cfg, resume, overwrite, create=place.rank == 0)
+        resume_from = prepare_out(cfg, resume, overwrite)
         return run_worker(cfg, Path(cfg.out), resume_from)
     nproc = backend_cls.num_processes(cfg)  # refuses requests that cannot be met, before any work
     _check_available(cfg, backend_cls)
