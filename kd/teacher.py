@@ -139,9 +139,10 @@ def choose(teacher: nn.Module, run: Callable[[nn.Module, TeacherPrecision], Dict
             raise KDError("--teacher-precision bfloat16: this GPU has no bfloat16; use float16 or float32")
     probes: Dict[torch.dtype, Probe] = {}
 
-    def probe_in(dtype: torch.dtype, model: nn.Module) -> Probe:
+    def probe_in(dtype: torch.dtype, model: nn.Module, autotune: bool = True) -> Probe:
         if dtype not in probes:
-            probes[dtype] = _probe(model, TeacherPrecision(device, dtype, outer), run)
+            with contextlib.nullcontext() if autotune else no_cudnn_autotune():
+                probes[dtype] = _probe(model, TeacherPrecision(device, dtype, outer), run)
         return probes[dtype]
 
     tried: List[str] = []
@@ -149,7 +150,8 @@ def choose(teacher: nn.Module, run: Callable[[nn.Module, TeacherPrecision], Dict
         precision = TeacherPrecision(device, dtype, outer)
         model = precision.prepare(copy.deepcopy(teacher)) if precision.reduced else teacher
         probe = probe_in(dtype, model)
-        problem = _problem(probe, lambda: probe_in(torch.float32, teacher))
+        # float32 as the reference only: cuDNN's heuristics, not timed trials of shapes no step will run
+        problem = _problem(probe, lambda: probe_in(torch.float32, teacher, autotune=False))
         if problem is None:
             why = f"; {'; '.join(tried)}" if tried else ""
             how = "as given" if explicit else "auto"
@@ -163,6 +165,16 @@ def choose(teacher: nn.Module, run: Callable[[nn.Module, TeacherPrecision], Dict
         tried.append(f"{dtype_name(dtype)} was refused: {problem}")
         del model
     raise AssertionError("float32 ends the fallbacks")  # pragma: no cover
+
+
+@contextlib.contextmanager
+def no_cudnn_autotune():
+    saved = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = saved
 
 
 def _probe(model: nn.Module, precision: TeacherPrecision, run) -> Probe:
