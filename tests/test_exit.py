@@ -78,22 +78,29 @@ def assert_gone(proc, marker: str, grace: float = 60.0) -> str:
     return out
 
 
-def stops(data, out, extra=()):
-    return [("sigterm", [*TINY, "--epochs", 50, *extra]),
-            ("error", [*TINY, "--epochs", 50, "--lr", "1e38", "--max-nonfinite-steps", 2, *extra])]
+SIGNALS = {"sigterm": (signal.SIGTERM, 143), "ctrl-c": (signal.SIGINT, 130)}
 
 
-@pytest.mark.parametrize("how", ["sigterm", "error"])
+def stops(extra=()):
+    run = [*TINY, "--epochs", 50, *extra]
+    return {"sigterm": run, "ctrl-c": run,
+            "error": [*TINY, "--epochs", 50, "--lr", "1e38", "--max-nonfinite-steps", 2, *extra]}
+
+
+def stop(proc, how: str) -> None:
+    wait_line(proc, "first step done")
+    if how in SIGNALS:
+        proc.send_signal(SIGNALS[how][0])
+
+
+@pytest.mark.parametrize("how", ["sigterm", "ctrl-c", "error"])
 def test_a_stop_exits_promptly_and_leaves_nothing_running(data, tmp_path, how):
     marker = uuid.uuid4().hex
-    args = dict(stops(data, tmp_path))[how]
-    proc = start(marker, "--data", data, "--device", "cpu", *args, "--out", tmp_path / how)
-    wait_line(proc, "first step done")
-    if how == "sigterm":
-        proc.send_signal(signal.SIGTERM)
+    proc = start(marker, "--data", data, "--device", "cpu", *stops()[how], "--out", tmp_path / how)
+    stop(proc, how)
     out = assert_gone(proc, marker)
-    if how == "sigterm":
-        assert proc.returncode == 143 and "continue with: kd train" in out, out
+    if how in SIGNALS:
+        assert proc.returncode == SIGNALS[how][1] and "continue with: kd train" in out, out
     else:
         assert proc.returncode == 2 and "not finite for 2 consecutive steps" in out, out
 
@@ -112,10 +119,8 @@ def _has_apex_amp() -> bool:
 @pytest.mark.parametrize("backend", ["single", "apex_ddp"])
 def test_apex_runs_stop_promptly_too(data, tmp_path, how, backend):
     marker = uuid.uuid4().hex
-    args = dict(stops(data, tmp_path, ["--opt", "O1", "--amp-impl", "apex", "--backend", backend, "--gpus", "0"]))[how]
+    args = stops(["--opt", "O1", "--amp-impl", "apex", "--backend", backend, "--gpus", "0"])[how]
     proc = start(marker, "--data", data, *args, "--out", tmp_path / how)
-    wait_line(proc, "first step done")
-    if how == "sigterm":
-        proc.send_signal(signal.SIGTERM)
+    stop(proc, how)
     out = assert_gone(proc, marker)
-    assert proc.returncode == (143 if how == "sigterm" else 2), out
+    assert proc.returncode == (SIGNALS[how][1] if how in SIGNALS else 2), out
