@@ -34,9 +34,10 @@ def process_age() -> float:
 
 
 def command_start(default: float) -> float:
-    """When the ``kd`` command started (set by the CLI), else ``default`` (a call from Python)."""
+    """When the ``kd`` command started (set by the CLI), for the first run of this process only;
+    else ``default`` (a later run in the same process, as in ``kd demo``, or a call from Python)."""
     try:
-        return float(os.environ[START_ENV])
+        return float(os.environ.pop(START_ENV))
     except (KeyError, ValueError):
         return default
 

@@ -35,6 +35,9 @@ def test_cli_run_writes_metrics_tensorboard_checkpoints(image_folder, tmp_path):
     for key in ("epoch", "train_loss", "train_ce", "train_kd", "val_top1", "val_top5", "lr", "img_per_s", "seconds"):
         assert key in records[-1]
     assert 0.0 <= records[-1]["val_top1"] <= 100.0
+    # the time from the command (its process start, interpreter and imports included) to the first step
+    assert records[0]["startup_s"] > records[0]["startup_setup_s"] > 0 and "startup_s" not in records[1]
+    assert "first step done" in r.stderr
     assert (out / "checkpoints" / "last.pt").is_file() and (out / "checkpoints" / "best.pt").is_file()
     saved = yaml.safe_load((out / "config.yaml").read_text())
     assert saved["student"] == "resnet18" and saved["batch_size"] == 8 and saved["epochs"] == 2
