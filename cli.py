@@ -65,7 +65,7 @@ TRAIN_OPTIONS = [
     (("--device",), "device", dict(type=click.Choice(["auto", "cpu", "cuda"]), help="[auto: cuda where available]")),
     (("--backend",), "backend", dict(metavar="NAME", help="Parallel backend [single]; see 'kd backends'.")),
     (("--gpus",), "gpus", dict(metavar="0,1,3", help="GPU indices to use (any subset).")),
-    (("--nproc",), "nproc", dict(type=int, help="Processes for a multi-process backend on the CPU.")),
+    (("--nproc",), "nproc", dict(type=int, help="Processes for a multi-process backend: on the CPU, or sharing the --gpus (over gloo).")),
     (("--dp-output-device",), "dp_output_device", dict(type=int, help="dp: GPU that gathers outputs [first of --gpus].")),
     (("--find-unused-parameters/--no-find-unused-parameters",), "find_unused_parameters", dict(default=None, help="torch_ddp [detect].")),
     (("--static-graph",), "static_graph", dict(is_flag=True, default=None, help="torch_ddp static graph.")),

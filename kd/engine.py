@@ -419,7 +419,7 @@ class Trainer:
         ended_nonfinite = self.meter.streak.clone()
         self.backend.all_reduce_sum(ended_nonfinite)
         if ended_nonfinite.item() > 0:  # a run is not done on weights that the last steps could not train
-            raise KDError(self._nonfinite_message(f"in its last {int(self.meter.streak.item())} step(s)"))
+            raise KDError(self._nonfinite_message(f"in its last {int(self.meter.streak.item())} step(s)", self.epoch))
         self.logger.close()
         return record
 
@@ -523,8 +523,9 @@ class Trainer:
         values = torch.stack([teacher, parts.pop(LOGITS_SUM), *[parts[k] for k in terms]])
         return (~torch.isfinite(values)).float()
 
-    def _nonfinite_message(self, how_long: str) -> str:
-        """The error for a run whose loss stayed non-finite: where it came from and what to do (a collective)."""
+    def _nonfinite_message(self, how_long: str, epoch: Optional[int] = None) -> str:
+        """The error for a run whose loss stayed non-finite: where it came from and what to do (a collective).
+        ``epoch`` (1-based) defaults to the current one."""
         sources = self.meter.sources.clone()
         self.backend.all_reduce_sum(sources)
         found = [name for name, hit in zip(self.nonfinite_sources, sources.tolist()) if hit > 0]
@@ -538,7 +539,7 @@ class Trainer:
         source = f"{' and '.join(found)} {'was' if len(found) == 1 else 'were'} not finite" if found else "source unknown"
         last = self.out / "checkpoints" / "last.pt"
         kept = f"the last good checkpoint is {last}" if last.exists() else "no checkpoint was written"
-        return (f"the loss was not finite {how_long} (epoch {self.epoch + 1}, step {self.global_step}): {source}; "
+        return (f"the loss was not finite {how_long} (epoch {epoch or self.epoch + 1}, step {self.global_step}): {source}; "
                 f"those steps were skipped and the run stopped, {kept}; {hint}")
 
     def _log_interval(self, stats: Dict[str, float], elapsed: float, bar) -> None:

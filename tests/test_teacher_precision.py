@@ -150,7 +150,7 @@ def test_a_run_ending_on_nonfinite_steps_does_not_succeed(data, tmp_path, monkey
 
     monkeypatch.setattr(kd.engine, "build_loss", lambda name, n, args: KdTermNanFrom(n, bad_from=5))
     cfg = cfg_for(data, tmp_path / "end", no_teacher=True, teacher=None, epochs=2, max_nonfinite_steps=100)
-    with pytest.raises(KDError, match=r"in its last 2 step\(s\)"):
+    with pytest.raises(KDError, match=r"in its last 2 step\(s\) \(epoch 2, step 6\)"):
         kd.train(cfg)
     rec = records(tmp_path / "end")
     assert rec[-1]["train_skipped_steps"] == 2 and math.isfinite(rec[-1]["train_loss"])  # means over finite steps
