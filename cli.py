@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
+from kd.config import TEACHER_PRECISIONS
 from kd.errors import KDError
 
 
@@ -32,7 +33,7 @@ TRAIN_OPTIONS = [
     (("--data",), "data", dict(metavar="DIR", help="ImageNet-layout folder (train/ and val/ ImageFolders), or 'synthetic'.")),
     (("--teacher",), "teacher", dict(metavar="NAME", help="Teacher: torchvision model name or timm:NAME.")),
     (("--teacher-weights",), "teacher_weights", dict(metavar="pretrained|none|PATH", help="Teacher weights [pretrained].")),
-    (("--teacher-precision",), "teacher_precision", dict(type=click.Choice(["auto", "float16", "bfloat16", "float32"]), help="The frozen teacher's precision [auto: the run's, checked on val batches, falling back to bfloat16/float32].")),
+    (("--teacher-precision",), "teacher_precision", dict(type=click.Choice(TEACHER_PRECISIONS), help="The frozen teacher's precision [auto: the run's, checked on val batches, falling back to bfloat16/float32].")),
     (("--student",), "student", dict(metavar="NAME", help="Student: torchvision model name or timm:NAME.")),
     (("--student-weights",), "student_weights", dict(metavar="pretrained|none|PATH", help="Student initial weights [none].")),
     (("--num-classes",), "num_classes", dict(type=int, help="Classes [the number of class folders].")),

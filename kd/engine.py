@@ -19,6 +19,7 @@ from kd import teacher as kd_teacher
 from kd import config as kd_config
 from kd import data as kd_data
 from kd.errors import KDError
+from kd.data.folder import default_val_resize
 from kd.features import check_layers, layer_names, tap
 from kd.cpu import slow_precision_warning
 from kd.fuse import fuse_teacher
@@ -135,7 +136,7 @@ class Trainer:
     def __init__(self, cfg, backend, out: Path, resume_from: Optional[Path] = None):
         self.started = command_start(default=time.time())
         self.first_step: Optional[Dict[str, float]] = None  # seconds to the first step, once taken
-        self.nonfinite_sources: List[str] = []
+        self.loss_terms: List[str] = []  # the loss parts besides the total, in the order of the non-finite flags
         resumed = checkpoint.load(resume_from) if resume_from is not None else None  # a broken file fails first
         self.cfg = cfg
         self.backend = backend
@@ -515,12 +516,11 @@ class Trainer:
                          f"then the first batch {waited:.1f} s and the step {step:.1f} s)")
 
     def _nonfinite_flags(self, parts: Dict[str, torch.Tensor], t_logits: Optional[torch.Tensor]) -> torch.Tensor:
-        """1 for each source (:attr:`nonfinite_sources`) that is not finite in this step, on the device."""
-        terms = sorted(k for k in parts if k not in ("loss", LOGITS_SUM))
-        if not self.nonfinite_sources:
-            self.nonfinite_sources = ["the teacher's logits", "the student's logits"] + [f"the loss term {k!r}" for k in terms]
+        """1 for each source (the teacher's logits, the student's, each loss term) not finite in this step, on the device."""
+        if not self.loss_terms:
+            self.loss_terms = sorted(k for k in parts if k not in ("loss", LOGITS_SUM))
         teacher = t_logits.sum() if t_logits is not None else torch.zeros((), device=self.device)
-        values = torch.stack([teacher, parts.pop(LOGITS_SUM), *[parts[k] for k in terms]])
+        values = torch.stack([teacher, parts.pop(LOGITS_SUM), *[parts[k] for k in self.loss_terms]])
         return (~torch.isfinite(values)).float()
 
     def _nonfinite_message(self, how_long: str, epoch: Optional[int] = None) -> str:
@@ -528,7 +528,8 @@ class Trainer:
         ``epoch`` (1-based) defaults to the current one."""
         sources = self.meter.sources.clone()
         self.backend.all_reduce_sum(sources)
-        found = [name for name, hit in zip(self.nonfinite_sources, sources.tolist()) if hit > 0]
+        names = ["the teacher's logits", "the student's logits"] + [f"the loss term {k!r}" for k in self.loss_terms]
+        found = [name for name, hit in zip(names, sources.tolist()) if hit > 0]
         if found and found[0] == "the teacher's logits":
             hint = (f"the teacher {self.cfg.teacher} runs in {kd_teacher.dtype_name(self.teacher_precision.dtype)}: "
                     f"try --teacher-precision float32, and check --teacher-weights")
@@ -708,7 +709,7 @@ class Meter:
 
 def teacher_preprocessing_note(cfg) -> Optional[str]:
     """Where a kd-trained teacher was validated at other sizes than this run: why its top-1 differs."""
-    from kd.evaluate import default_val_resize, run_settings  # kd.evaluate imports this module
+    from kd.evaluate import run_settings  # kd.evaluate imports this module
 
     trained = run_settings(cfg.teacher_weights).get("config") or {}
     if not trained.get("image_size"):

@@ -15,16 +15,11 @@ import torch
 
 from kd import models
 from kd.config import RunConfig
-from kd.data.folder import scan_split
+from kd.data.folder import default_val_resize, scan_split
 from kd.data.loader import default_workers, make_loader
 from kd.errors import KDError
 
 DEFAULT_IMAGE_SIZE = 224
-
-
-def default_val_resize(image_size: int) -> int:
-    """The short side before the centre crop when none is given (as ``ImageFolderPIL``)."""
-    return int(round(image_size * 256 / 224))
 
 
 def run_settings(weights: str) -> Dict[str, Any]:

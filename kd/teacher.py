@@ -33,14 +33,11 @@ import torch
 from torch import nn
 
 from kd.errors import KDError
+from kd.precision import DTYPES as REDUCED, dtype_name
 
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+DTYPES = {**REDUCED, "float32": torch.float32}
 PROBE_BATCHES = 2  # validation batches per process
 MAX_TOP1_DROP = 2.0  # points of top-1 (at least two probe images) below float32 that count as broken
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 @torch.no_grad()

@@ -102,6 +102,11 @@ def random_resized_crop_params(height: int, width: int, gen: torch.Generator,
     return (height - h) // 2, (width - w) // 2, h, w
 
 
+def default_val_resize(image_size: int) -> int:
+    """The short side before the validation centre crop when none is given (as for ImageNet: 256 for 224)."""
+    return int(round(image_size * 256 / 224))
+
+
 def to_uint8_chw(img: Image.Image) -> torch.Tensor:
     return torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1).contiguous()
 
@@ -120,7 +125,7 @@ class ImageFolderPIL:
         self.scale = (min_scale, 1.0)
         self.size = size
         self.train = train
-        self.resize = resize or int(round(size * 256 / 224))
+        self.resize = resize or default_val_resize(size)
 
     def __len__(self) -> int:
         return len(self.samples)
