@@ -1,0 +1,60 @@
+"""The files of one run folder (``--out``), named in one place.
+
+::
+
+    RUN/config.yaml             the resolved config (with notes on what was chosen and why)
+    RUN/metrics.jsonl           one JSON record per epoch (and the bench's timed steps)
+    RUN/checkpoints/last.pt     the latest full state (model, optimizer, scaler, RNG, loader position)
+    RUN/checkpoints/best.pt     a copy of the checkpoint with the best validation top-1
+    RUN/tb/                     TensorBoard event files
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Tuple, Union
+
+
+@dataclass(frozen=True)
+class RunFolder:
+    """The paths of a run folder; nothing is created or read by building one."""
+
+    root: Path
+
+    def __init__(self, root: Union[str, Path]):
+        object.__setattr__(self, "root", Path(root))
+
+    #: The names whose presence means the folder holds a run.
+    RUN_FILES: Tuple[str, ...] = ("config.yaml", "metrics.jsonl", "checkpoints", "tb")
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.yaml"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def last(self) -> Path:
+        return self.checkpoints / "last.pt"
+
+    @property
+    def best(self) -> Path:
+        return self.checkpoints / "best.pt"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / "tb"
+
+    def held(self) -> Tuple[str, ...]:
+        """The run files already present (empty for a new or empty folder)."""
+        return tuple(name for name in self.RUN_FILES if (self.root / name).exists())
+
+    def is_run(self) -> bool:
+        """True when the folder holds a run's metrics."""
+        return self.metrics.is_file()
