@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Tuple, Union
+from typing import ClassVar, Tuple, Union
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class RunFolder:
         object.__setattr__(self, "root", Path(root))
 
     #: The names whose presence means the folder holds a run.
-    RUN_FILES: Tuple[str, ...] = ("config.yaml", "metrics.jsonl", "checkpoints", "tb")
+    RUN_FILES: ClassVar[Tuple[str, ...]] = ("config.yaml", "metrics.jsonl", "checkpoints", "tb")
 
     @property
     def config(self) -> Path:
