@@ -385,6 +385,7 @@ class Trainer:
                 self.logger.info(note)
         else:
             self.teacher_top1 = None
+        previous_end = None
         while self.epoch < cfg.epochs:
             start = time.perf_counter()
             train = self.train_epoch()
@@ -393,13 +394,17 @@ class Trainer:
             record = {"epoch": self.epoch + 1, **{f"train_{k}": v for k, v in train.items()},
                       "lr": self.optimizer.param_groups[0]["lr"], "seconds": seconds}
             record["img_per_s"] = train.get("images", 0) / max(seconds, 1e-9)
+            if previous_end is not None:  # the last epoch's checkpoint and logging, this epoch's loader start
+                record["between_epochs_s"] = start - previous_end
             if self.timer.images:
                 record.update(self.timer.result(self.backend))
             if ((self.epoch + 1) % cfg.eval_every == 0 or last) and not cfg.timing_warmup:
                 self.side.eval()
                 self.backend.sync_buffers(self.side)  # evaluate the model the checkpoint holds
+                t_val = time.perf_counter()
                 val = evaluate(self.eval_forward, self.data.val, self.backend, self.precision)
-                record.update(val_top1=val["top1"], val_top5=val["top5"], val_loss=val["loss"])
+                record.update(val_top1=val["top1"], val_top5=val["top5"], val_loss=val["loss"],
+                              val_s=time.perf_counter() - t_val)
             if self.teacher_top1 is not None:
                 record["teacher_top1"] = self.teacher_top1
                 self.teacher_top1 = None
@@ -412,6 +417,7 @@ class Trainer:
             if self.first_step is not None:
                 record.update(self.first_step)
                 self.first_step = None
+            previous_end = time.perf_counter()
             self.logger.epoch(record)
             self.logger.info(format_record(record, cfg.epochs))
             self.epoch += 1
@@ -443,11 +449,13 @@ class Trainer:
         bar = self.logger.progress(steps, f"epoch {self.epoch + 1}/{cfg.epochs}")
         bar.update(self.batch_in_epoch)
         t_interval = time.perf_counter()
+        first_wait = None
         while True:
             t0 = time.perf_counter()
             batch = next(it, None)
             waited = time.perf_counter() - t0
             meter.wait += waited
+            first_wait = waited if first_wait is None else first_wait
             if batch is None:
                 break
             for path in batch.bad:
@@ -499,7 +507,7 @@ class Trainer:
         bar.close()
         totals = meter.reduce(backend)
         self.bad_images += int(totals.pop("bad"))
-        totals.update(data_wait_s=meter.wait, bad_images=self.bad_images)
+        totals.update(data_wait_s=meter.wait, first_batch_s=first_wait or 0.0, bad_images=self.bad_images)
         self.meter = Meter(self.device)
         self.meter.streak, self.meter.sources = meter.streak, meter.sources  # a non-finite streak spans epochs
         return totals
