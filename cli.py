@@ -296,7 +296,7 @@ def backends_cmd():
 
 def main(argv=None) -> int:
     """Entry point of the ``kd`` console script: one line and exit code 2 for any user error."""
-    from kd.engine import Interrupted
+    from kd.signals import Interrupted
     from kd.logging import START_ENV, mark_command_start
 
     mark_command_start()  # processes that kd launches inherit it

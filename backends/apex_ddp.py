@@ -98,6 +98,7 @@ class ApexDDP(TorchDDP):
     description = ("apex DistributedDataParallel(delay_allreduce=True): real apex.parallel where importable "
                    "and right for the run, else the same algorithm natively")
     multiprocess = True
+    prefers_apex_amp = True
 
     @classmethod
     def implementation(cls, device_type: str = "cuda") -> str:
@@ -124,11 +125,6 @@ class ApexDDP(TorchDDP):
             else f"kd's native delayed all-reduce ({self.impl[len('native: '):]})"
         return (f"backend apex_ddp: {self.world_size} process(es) over {self.group()}, rank {self.rank}, "
                 f"device {self.device}, {impl}{self.layout_note}{', sync_bn' if self.cfg.sync_bn else ''}")
-
-    def precision(self):
-        from kd.precision import make_precision
-
-        return make_precision(self.cfg, self.device, prefer_apex=True)
 
     def native_reason(self, model: nn.Module) -> Optional[str]:
         """Why real apex.parallel would average ``model``'s gradients wrongly, or None where it would not:

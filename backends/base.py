@@ -9,8 +9,8 @@ actions:
 * models: ``prepare_model(student_side)`` before the optimizer exists (layers replaced, parameter
   layout), ``wrap(student_side)`` for gradient sync, ``wrap_forward(module)`` for the teacher
   and evaluation (forward only, never for gradient sync), ``unwrap(model)``;
-* the step: ``precision()`` picks the precision object, ``sync_gradients(model)`` runs after
-  backward (a no-op where the wrapper syncs during backward);
+* the step: ``prefers_apex_amp`` (a wish the run's precision choice honours where it can),
+  ``sync_gradients(model)`` runs after backward (a no-op where the wrapper syncs during backward);
 * reductions: ``all_reduce_sum(tensor)``, ``sync_buffers(module)`` before evaluation and
   checkpoints, and ``barrier()``.
 
@@ -47,6 +47,9 @@ class Backend:
     description: ClassVar[str] = ""
     #: True when the backend runs one process per device, started by the launcher.
     multiprocess: ClassVar[bool] = False
+    #: True when the backend would rather run real apex.amp (with ``--amp-impl auto``, where it can
+    #: run); the precision itself is chosen in one place, :func:`kd.precision.make_precision`.
+    prefers_apex_amp: ClassVar[bool] = False
 
     @classmethod
     def unavailable(cls) -> Optional[str]:
@@ -107,12 +110,6 @@ class Backend:
     def memory_devices(self):
         """The CUDA devices this process allocates on (for peak-memory reports); none on the CPU."""
         return [self.device] if self.device.type == "cuda" else []
-
-    def precision(self):
-        """The precision object for ``--opt`` (native torch.amp unless a backend says otherwise)."""
-        from kd.precision import make_precision
-
-        return make_precision(self.cfg, self.device)
 
     def sync_gradients(self, model: nn.Module) -> None:
         """Called after backward, before unscale/clip/step."""

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kd import config as kd_config  # noqa: E402
 from kd.data import gpu as gpu_loader  # noqa: E402
-from kd.data.decoders import AUTO_ORDER, DECODERS  # noqa: E402
+from kd.data.decoders import DECODERS  # noqa: E402
 from kd.data.folder import scan  # noqa: E402
 from kd.data.loader import make_loader  # noqa: E402
 

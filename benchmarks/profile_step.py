@@ -27,17 +27,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import backends  # noqa: E402
 from kd import config as kd_config  # noqa: E402
 from kd.engine import Trainer  # noqa: E402
+from kd.timing import StepTimer  # noqa: E402
 
 
 def build(args, overrides):
     options = dict(teacher=args.teacher, student=args.student, data="synthetic", batch_size=args.batch_size,
                    opt=args.opt, amp_dtype=args.amp_dtype, teacher_weights="none", student_weights="none",
                    epochs=1, limit_train_batches=args.warmup + args.iters, compile=args.compile,
-                   progress_bar=False, timing_warmup=args.warmup, backend="single", device="cuda")
+                   progress_bar=False, backend="single", device="cuda")
     cfg = kd_config.resolve(options=options, sets=overrides)
     backend = backends.get("single")(cfg)
     backend.setup()
-    return Trainer(cfg, backend, Path(tempfile.mkdtemp(prefix="kd-profile-")))
+    timer = StepTimer(args.warmup, backend)
+    return Trainer(cfg, backend, Path(tempfile.mkdtemp(prefix="kd-profile-")), hooks=[timer], validate=False), timer
 
 
 def timed(fn, iters: int, warmup: int = 3) -> float:
@@ -53,7 +55,7 @@ def timed(fn, iters: int, warmup: int = 3) -> float:
     return start.elapsed_time(end) / iters
 
 
-def phases(trainer, iters: int):
+def phases(trainer, timer, iters: int):
     prec = trainer.precision
     batch = next(iter(trainer.data.train))
     images, labels = prec.input_cast(batch.images), batch.labels
@@ -80,8 +82,8 @@ def phases(trainer, iters: int):
     prec._gradients_to_optimizer(trainer.params)
     rows["optimizer step"] = timed(optimizer, iters)
     trainer.optimizer.zero_grad(set_to_none=True)
-    trainer.train_epoch()  # the engine's own loop, timed by its StepTimer after the warm-up
-    result = trainer.timer.result(trainer.backend)
+    trainer.train_epoch()  # the engine's own loop, timed by the StepTimer hook after the warm-up
+    result = timer.result(trainer.backend)
     rows["whole kd step"] = 1000 * result["timed_seconds"] / max(result["timed_steps"], 1)
     return rows
 
@@ -96,10 +98,10 @@ KINDS = [("conv / matmul", r"conv|gemm|xmma|cudnn|cutlass|wgmma|sm90|sm80|implic
          ("elementwise", r"elementwise|vectorized|unrolled|relu|add|mul|threshold")]
 
 
-def kernel_kinds(trainer, steps: int):
+def kernel_kinds(trainer, timer, steps: int):
     trainer.data.train.steps = steps  # the synthetic loader's length
     trainer.batch_in_epoch = 0  # phases() left the position at the end of its epoch
-    trainer.timer.warmup = 0
+    timer.warmup = 0
     activities = [torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         trainer.epoch = 0
@@ -138,11 +140,11 @@ def main() -> None:
     profile = None
     for variant in ["", *args.variant]:
         sets = [s for s in variant.split(",") if s]
-        trainer = build(args, sets)
-        rows = phases(trainer, args.iters)
+        trainer, timer = build(args, sets)
+        rows = phases(trainer, timer, args.iters)
         table.append((variant or "default", rows))
         if profile is None:
-            profile = kernel_kinds(trainer, args.profile_steps)
+            profile = kernel_kinds(trainer, timer, args.profile_steps)
         del trainer
         torch.cuda.empty_cache()
 

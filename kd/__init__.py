@@ -3,7 +3,9 @@
 ``kd.train(config)`` runs a training (a :class:`kd.config.RunConfig`, or a dict of options);
 the ``kd`` command line is a thin layer over it.
 """
-__version__ = "0.1.0"
+from kd.version import __version__
+
+__all__ = ["__version__", "train"]
 
 
 def train(config, resume=None, overwrite=False):

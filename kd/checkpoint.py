@@ -6,12 +6,14 @@ import random
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import numpy as np
 import torch
 
 from kd.errors import KDError
+from kd.runfolder import RunFolder
+from kd.version import __version__
 
 FORMAT_VERSION = 1
 
@@ -93,3 +95,81 @@ def load(path: Path) -> Dict[str, Any]:
     if not isinstance(obj, dict) or obj.get("format") != FORMAT_VERSION or "student" not in obj:
         raise KDError(f"{path} is not a kd checkpoint")
     return obj
+
+
+# ----------------------------------------------------------------- a trainer's state
+def restore_run(t, state: dict) -> None:
+    """Put ``state`` (a :func:`run_state`) back into the trainer ``t``: weights, optimizer, schedule,
+    scaler, position, counters and this rank's generators."""
+    side_state = {f"student.{k}": v for k, v in state["student"].items()}
+    side_state.update({f"loss.{k}": v for k, v in state.get("loss", {}).items()})
+    t.precision.load_model_state(t.side, side_state)
+    t.optimizer.load_state_dict(state["optimizer"])
+    t.scheduler.load_state_dict(state["scheduler"])
+    t.precision.load_state_dict(state.get("precision", {}))
+    t.epoch = state["epoch"]
+    t.batch_in_epoch = state.get("batch_in_epoch", 0)
+    t.global_step = state["global_step"]
+    t.best_top1 = state["best_top1"]
+    t.bad_images = state.get("bad_images", 0)
+    if state.get("meter") and t.backend.is_main:
+        t.meter.load_state_dict(state["meter"])
+    rng = state.get("rng", {}).get(str(t.backend.rank))
+    if rng is not None:
+        set_rng_state(rng)
+
+
+def run_state(t, rng: Optional[Dict[str, Any]] = None, meter: Optional[dict] = None) -> dict:
+    """The trainer ``t``'s full state for ``last.pt``: float32 weights, optimizer, schedule, scaler,
+    position in the epoch, counters, the run's config, and (from :func:`save_run`) every rank's
+    generators and a mid-epoch meter."""
+    side = t.precision.model_state(t.side)
+    return {
+        "format": FORMAT_VERSION,
+        "kd_version": __version__,
+        "student": {k[len("student."):]: v for k, v in side.items() if k.startswith("student.")},
+        "loss": {k[len("loss."):]: v for k, v in side.items() if k.startswith("loss.")},
+        "optimizer": t.optimizer.state_dict(),
+        "scheduler": t.scheduler.state_dict(),
+        "precision": t.precision.state_dict(),
+        "epoch": t.epoch,
+        "batch_in_epoch": t.batch_in_epoch,
+        "global_step": t.global_step,
+        "best_top1": t.best_top1,
+        "bad_images": t.bad_images,
+        "meter": meter,
+        "rng": rng or {},
+        "student_name": t.cfg.student,
+        "num_classes": t.num_classes,
+        "config": t.cfg.to_dict(),
+    }
+
+
+def save_run(t, best: bool, step_copy: bool = False) -> None:
+    """Checkpoint on the main process: last.pt (and best.pt, or a step_N.pt copy), atomically.
+
+    A state reached through a non-finite loss is not saved, so the last good one stays.
+    A failed write (disk full) keeps the previous file and stops the run with a clear error.
+    """
+    t.backend.sync_buffers(t.side)
+    # every process's generators (each draws its own dropout masks), restored rank by rank
+    rng = {str(rank): state for rank, state in enumerate(t.backend.all_gather_object(rng_state()))}
+    # a mid-epoch checkpoint holds the epoch's sums over every process; rank 0 alone restores them
+    meter = t.meter.global_state(t.backend) if t.batch_in_epoch else None
+    if t.backend.is_main and t.meter.streak.item() > 0:
+        t.logger.info("not checkpointing: the last loss was not finite; the previous checkpoint stays")
+    elif t.backend.is_main:
+        run = RunFolder(t.out)
+        folder, path = run.checkpoints, run.last
+        try:
+            save_atomic(run_state(t, rng, meter), path)
+            if best:
+                copy_atomic(path, run.best)
+            if step_copy:
+                copy_atomic(path, folder / f"step_{t.global_step:08d}.pt")
+                for old in sorted(folder.glob("step_*.pt"))[:-t.cfg.keep_last]:
+                    old.unlink()
+        except OSError as exc:
+            raise KDError(f"could not write a checkpoint to {folder}: {exc.strerror or exc}; "
+                          f"the previous checkpoint is intact") from None
+    t.backend.barrier()

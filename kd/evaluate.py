@@ -18,6 +18,9 @@ from kd.config import RunConfig
 from kd.data.folder import default_val_resize, scan_split
 from kd.data.loader import default_workers, make_loader
 from kd.errors import KDError
+from kd.precision import make_precision
+from kd.runtime import resolve as resolve_runtime
+from kd.validation import evaluate
 
 DEFAULT_IMAGE_SIZE = 224
 
@@ -99,7 +102,6 @@ def evaluate_model(model: Optional[str], weights: str, data: str, batch_size: in
     default. The result holds the metrics, the settings used and ``settings``, a line saying so.
     """
     import backends
-    from kd.engine import evaluate
     from kd.teacher import TeacherPrecision
 
     s = resolve(model, weights, image_size, val_resize, num_classes, workers)
@@ -114,9 +116,10 @@ def evaluate_model(model: Optional[str], weights: str, data: str, batch_size: in
     backend = backends.get("single")(cfg)
     backend.setup()
     net = models.freeze(models.build(s.model, n, weights))
-    channels_last = backend.device.type == "cuda"
-    net = net.to(backend.device, memory_format=torch.channels_last if channels_last else torch.contiguous_format)
-    precision = TeacherPrecision(backend.device, backend.precision().dtype)  # a frozen model, as kd runs a teacher
+    runtime = resolve_runtime(cfg, backend.device)
+    channels_last = runtime.channels_last
+    net = net.to(backend.device, memory_format=runtime.memory_format)
+    precision = TeacherPrecision(backend.device, make_precision(cfg, backend.device).dtype)  # frozen, as kd runs a teacher
     net = precision.prepare(net)
     loader = make_loader(dataclasses.replace(cfg), samples, False, 1, 0, batch_size, backend.device, channels_last)
     try:
@@ -125,3 +128,16 @@ def evaluate_model(model: Optional[str], weights: str, data: str, batch_size: in
         loader.close()
     return {"model": s.model, "weights": weights, **result, "num_classes": n, "image_size": s.image_size,
             "val_resize": s.val_resize, "workers": s.workers, "settings": s.describe(n)}
+
+
+def teacher_preprocessing_note(cfg) -> Optional[str]:
+    """Where a kd-trained teacher was validated at other sizes than this run: why its top-1 differs."""
+    trained = run_settings(cfg.teacher_weights).get("config") or {}
+    if not trained.get("image_size"):
+        return None
+    theirs = (trained["image_size"], trained.get("val_resize") or default_val_resize(trained["image_size"]))
+    ours = (cfg.image_size, cfg.val_resize or default_val_resize(cfg.image_size))
+    if theirs == ours:
+        return None
+    return (f"teacher {cfg.teacher}: trained and validated at image size {theirs[0]}, val resize {theirs[1]}; this run "
+            f"validates at {ours[0]}, {ours[1]}, so its top-1 here differs from its own run's")

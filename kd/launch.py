@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Dict, List, Mapping, Optional
 
 from kd.errors import KDError
+from kd.runfolder import RunFolder
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints", "tb")
 
@@ -63,15 +64,8 @@ def prepare_out(cfg, resume: Optional[str], overwrite: bool) -> Optional[Path]:
 
 
 def start_run_folder(out: Path) -> None:
-    """Make ``out`` for a new run, removing the files of a run it held (``--overwrite``, checked by
-    :func:`prepare_out`). Called by the main process once set-up has succeeded."""
-    for name in RUN_FILES:
-        target = out / name
-        if target.is_dir():
-            shutil.rmtree(target)
-        elif target.exists():
-            target.unlink()
-    out.mkdir(parents=True, exist_ok=True)
+    """See :meth:`kd.runfolder.RunFolder.start`."""
+    RunFolder(out).start()
 
 
 def preflight(cfg) -> None:
@@ -95,7 +89,6 @@ def train(cfg, resume: Optional[str] = None, overwrite: bool = False):
     """Run ``cfg`` to the end; returns the last epoch's metrics (those of the main process)."""
     import backends
     from backends.dist import Place
-    from kd.engine import run_worker
 
     backend_cls = backends.get(cfg.backend)
     os.environ.update(slurm_env(os.environ))
@@ -172,7 +165,7 @@ def launch_local(cfg, nproc: int, resume_from: Optional[Path]):
     except (ChildFailedError, SignalException) as exc:
         stopped = Path(error_dir, "interrupted.txt")
         if stopped.exists():  # the workers stopped on a signal after writing their checkpoint
-            from kd.engine import Interrupted
+            from kd.signals import Interrupted
 
             signame, message = stopped.read_text(encoding="utf-8").split("\n", 1)
             raise Interrupted(signame, message=message) from None
@@ -191,7 +184,6 @@ def launch_local(cfg, nproc: int, resume_from: Optional[Path]):
 def worker(cfg, out: str, resume_from: Optional[Path], error_dir: str, visible: Optional[str]):
     """The entrypoint of each process kd's launcher starts (module level, so it pickles)."""
     from backends.dist import GPUS_ENV
-    from kd.engine import run_worker
 
     if visible is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible
@@ -207,7 +199,7 @@ def worker(cfg, out: str, resume_from: Optional[Path], error_dir: str, visible: 
     last = Path(out) / "checkpoints" / "last.pt"
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and last.is_file():
         resume_from = last  # --max-restarts: the restarted group continues from the last checkpoint
-    from kd.engine import Interrupted
+    from kd.signals import Interrupted
 
     try:
         return run_worker(cfg, Path(out), resume_from)
@@ -297,3 +289,26 @@ def accept_legacy_local_rank(local_rank: Optional[int]) -> None:
     """``python -m torch.distributed.launch`` passes ``--local_rank N``; treat it as LOCAL_RANK."""
     if local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(local_rank))
+
+
+def run_worker(cfg, out: Path, resume_from: Optional[Path] = None) -> Dict[str, float]:
+    """Everything one process does for a run, from backend set-up to teardown. ``timing_warmup``
+    (``kd bench``) adds the step timer and skips validation."""
+    import backends
+    from kd.engine import Trainer
+
+    backend = backends.get(cfg.backend)(cfg)
+    backend.setup()
+    trainer = None
+    hooks = []
+    if cfg.timing_warmup:
+        from kd.timing import StepTimer
+
+        hooks.append(StepTimer(cfg.timing_warmup, backend))
+    try:
+        trainer = Trainer(cfg, backend, out, resume_from, hooks=hooks, validate=not hooks)
+        return trainer.fit()
+    finally:
+        if trainer is not None:
+            trainer.close()
+        backend.teardown()

@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Tuple, Union
@@ -58,3 +59,14 @@ class RunFolder:
     def is_run(self) -> bool:
         """True when the folder holds a run's metrics."""
         return self.metrics.is_file()
+
+    def start(self) -> None:
+        """Make the folder for a new run, removing the files of a run it held (``--overwrite``, checked
+        before set-up). Called by the main process once set-up has succeeded."""
+        for name in self.RUN_FILES:
+            target = self.root / name
+            if target.is_dir():
+                shutil.rmtree(target)
+            elif target.exists():
+                target.unlink()
+        self.root.mkdir(parents=True, exist_ok=True)

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from kd.errors import KDError
+from kd.fuse import fuse_teacher
 from kd.precision import DTYPES as REDUCED, dtype_name
 
 DTYPES = {**REDUCED, "float32": torch.float32}
@@ -192,3 +193,22 @@ def _problem(probe: Probe, float32: Callable[[], Probe]) -> Optional[str]:
     if probe.top1 < reference.top1 - allowed:
         return f"top-1 {probe.top1:.2f} against {reference.top1:.2f} in float32 on {probe.count} probe images"
     return None
+
+
+def prepare(teacher: nn.Module, layers: List[str], fuse: bool, memory_format: torch.memory_format,
+            choose: Callable[[nn.Module], nn.Module], log: Callable[[str], None]) -> nn.Module:
+    """The frozen teacher, fused for inference (:mod:`kd.fuse`) where ``fuse``, then passed to
+    ``choose`` (which picks its precision on a few validation batches). Where the device refuses
+    the fused model there (a cuDNN without runtime fusion, say), the plain teacher is used and
+    ``log`` says why. Tapped ``layers`` are kept whole."""
+    if fuse:
+        fused, note = fuse_teacher(copy.deepcopy(teacher), keep=layers)
+        try:
+            chosen = choose(fused.to(memory_format=memory_format))
+        except RuntimeError as exc:
+            log(f"teacher: not fused, the fused model failed on {next(teacher.parameters()).device} "
+                f"({str(exc).splitlines()[0][:160]})")
+        else:
+            log(f"teacher: {note}")
+            return chosen
+    return choose(teacher)

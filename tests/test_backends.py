@@ -155,7 +155,7 @@ def _rng_job(job):
 def evaluate_fixed(cfg, backend):
     from kd.data.folder import scan_split
     from kd.data.loader import make_loader
-    from kd.engine import evaluate
+    from kd.validation import evaluate
     from kd.precision import Precision
 
     torch.manual_seed(123)

@@ -22,6 +22,7 @@ from torch import nn
 
 import backends
 import kd
+from kd.precision import make_precision
 import test_backends as tb  # the tiny models (registered with timm) and configs
 from backends.apex_ddp import apex_parallel
 from conftest import ROOT, make_image_folder, run_kd
@@ -70,7 +71,7 @@ def _averaged_gradients(cfg):
         model = model.to(backend.device, memory_format=torch.channels_last)  # kd's default on CUDA
         reference = copy.deepcopy(model)
         model = backend.prepare_model(model)
-        precision = backend.precision()
+        precision = make_precision(cfg, backend.device, prefer_apex=backend.prefers_apex_amp)
         model, _ = precision.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
         wrapped = backend.wrap(model)
         with precision.autocast():

@@ -16,7 +16,8 @@ from torch import nn
 import backends
 import kd
 from kd import config as kd_config
-from kd.engine import StudentSide, Trainer
+from kd.engine import Trainer
+from kd.sides import StudentSide
 from kd.errors import KDError
 from kd.losses import DistillInputs, DistillLoss
 from kd.precision import AutocastPrecision, MasterWeightPrecision, Precision, make_precision

@@ -69,13 +69,22 @@ def test_step_host_time(benchmark, tmp_path):
     loader = trainer.data.train
     loader.set_epoch(0)
     batch = next(iter(loader))
-    prec = trainer.precision
+    benchmark(trainer.step, batch)
 
-    def step():
-        t_logits, t_feats = trainer.teacher_forward(batch.images)
-        with prec.autocast():
-            parts = trainer.model(batch.images, batch.labels, t_logits, t_feats, 0.0)
-        prec.step(parts["loss"].float().mean(), trainer.optimizer, trainer.params, lambda: None, None)
-        trainer.scheduler.step()
 
-    benchmark(step)
+@pytest.mark.parametrize("opt", ["O0", "O1"])
+def test_public_step_reads_nothing_from_the_device(tmp_path, count_reads, opt):
+    """Trainer.step (what benchmarks and the loop call) trains and leaves its results on the device."""
+    trainer = tiny_trainer(tmp_path / opt, 10, opt=opt)
+    trainer.side.train()
+    trainer.data.train.set_epoch(0)
+    batch = next(iter(trainer.data.train))
+    before_weights = [p.detach().clone() for p in trainer.params]
+    trainer.step(batch)  # lazily built state first
+    before = dict(count_reads)
+    out = trainer.step(batch)
+    assert {k: count_reads[k] - before[k] for k in READS} == {k: 0 for k in READS}
+    assert trainer.global_step == 2 and out.images == len(batch)
+    assert set(out.parts) >= {"loss", "ce", "kd"} and all(v.dim() == 0 for v in out.parts.values())
+    assert not bool(out.skipped) and not bool(out.flags.any())
+    assert any(not torch.equal(a, b) for a, b in zip(before_weights, trainer.params))  # it trained

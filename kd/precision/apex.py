@@ -3,7 +3,7 @@
 apex is imported here only, and only when asked for; deleting this file leaves the rest of kd
 working (``--amp-impl apex`` then says so). apex.amp was removed from NVIDIA apex in May 2025
 (commit cb65b8e, "remove old features: amp, ddp, and rnn"); the last release tag that has it
-is 25.05. The native opt levels in :mod:`kd.precision` mean the same O0-O3 without apex.
+is 25.05. The native opt levels in :mod:`kd.precision.native` mean the same O0-O3 without apex.
 
 What kd asks of apex.amp, per level:
 
@@ -30,7 +30,7 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
-from kd.precision import MasterStateMixin, Precision, keep_losses_float32
+from kd.precision.native import MasterStateMixin, Precision, keep_losses_float32
 
 REMOVED = "apex.amp was removed from NVIDIA apex in May 2025; the last release tag with it is 25.05"
 

@@ -1,0 +1,109 @@
+"""Loss and counter sums kept on the device, read only when reduced; the epoch line of the log."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+class Meter:
+    """Sums of the loss parts and counters, kept on the device and read only when reduced."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.sums: Dict[str, torch.Tensor] = {}
+        self.count = torch.zeros((), device=device)  # images
+        self.finite = torch.zeros((), device=device)  # images of steps with a finite loss: the means' weight
+        self.skipped = torch.zeros((), device=device)
+        self.streak = torch.zeros((), device=device)
+        self.worst = torch.zeros((), device=device)
+        self.sources = torch.zeros((), device=device)  # non-finite flags seen during the current streak
+        self.bad = 0
+        self.wait = 0.0
+
+    def add(self, parts: Dict[str, torch.Tensor], n: int, skipped: torch.Tensor, bad: int,
+            flags: Optional[torch.Tensor] = None) -> None:
+        """One step: its loss parts (0-dim), images, skipped flag, unreadable images and non-finite flags."""
+        finite = torch.isfinite(parts["loss"].detach())
+        for k, v in parts.items():  # the means are over the steps with a finite loss
+            self.sums[k] = self.sums.get(k, 0.0) + torch.where(finite, v.detach() * n, 0.0)
+        self.count += n
+        self.finite += finite * n
+        self.skipped += skipped.float()
+        self.streak = torch.where(finite, torch.zeros_like(self.streak), self.streak + 1)
+        self.worst = torch.maximum(self.worst, self.streak)
+        if flags is not None:
+            self.sources = torch.where(finite, torch.zeros_like(flags), torch.maximum(self.sources, flags))
+        self.bad += bad
+
+    def reduce(self, backend, extra=()) -> Dict[str, float]:
+        """Means of the parts over every process, and summed counters (one collective)."""
+        keys = sorted(self.sums)
+        tail = [self.count, self.finite, self.skipped, torch.tensor(float(self.bad), device=self.device)]
+        tail += [torch.as_tensor(x, dtype=torch.float32, device=self.device) for x in extra]
+        vec = torch.stack([self.sums[k] for k in keys] + tail)
+        backend.all_reduce_sum(vec)
+        values = vec.tolist()
+        count, finite, skipped, bad = values[len(keys):len(keys) + 4]
+        out = {k: values[i] / finite if finite else float("nan") for i, k in enumerate(keys)}
+        out.update(images=count, skipped_steps=skipped, bad=bad)
+        if extra:
+            out["_extra"] = values[len(keys) + 4:]
+        return out
+
+    def global_state(self, backend) -> dict:
+        """:meth:`state_dict` with the sums and counters added up over every process (a collective)."""
+        keys = sorted(self.sums)
+        vec = torch.stack([self.sums[k] for k in keys] + [self.count, self.finite, self.skipped,
+                                                          torch.tensor(float(self.bad), device=self.device)])
+        backend.all_reduce_sum(vec)
+        state = self.state_dict()
+        state["sums"] = {k: vec[i].cpu() for i, k in enumerate(keys)}
+        state["count"], state["finite"], state["skipped"] = (vec[len(keys) + i].cpu() for i in range(3))
+        state["bad"] = int(vec[len(keys) + 3].item())
+        return state
+
+    def state_dict(self) -> dict:
+        return {"sums": {k: v.cpu() for k, v in self.sums.items()}, "count": self.count.cpu(),
+                "finite": self.finite.cpu(), "skipped": self.skipped.cpu(), "streak": self.streak.cpu(),
+                "worst": self.worst.cpu(), "sources": self.sources.cpu(), "bad": self.bad, "wait": self.wait}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sums = {k: v.to(self.device) for k, v in state["sums"].items()}
+        self.count = state["count"].to(self.device)
+        self.finite = state.get("finite", state["count"]).to(self.device)
+        self.sources = state.get("sources", torch.zeros(())).to(self.device)
+        self.skipped = state["skipped"].to(self.device)
+        self.streak = state["streak"].to(self.device)
+        self.worst = state["worst"].to(self.device)
+        self.bad = state["bad"]
+        self.wait = state["wait"]
+
+
+
+def format_record(record: Dict[str, float], epochs: int) -> str:
+    parts = [f"epoch {record['epoch']}/{epochs}", f"loss {record.get('train_loss', float('nan')):.4f}"]
+    if "val_top1" in record:
+        parts.append(f"val top-1 {record['val_top1']:.2f} top-5 {record['val_top5']:.2f}")
+    parts.append(f"{record['img_per_s']:.0f} img/s")
+    parts.append(f"{record['seconds']:.1f}s")
+    return " | ".join(parts)
+
+
+def nonfinite_message(how_long: str, hits: List[float], loss_terms: List[str], epoch: int, step: int,
+                      teacher: Optional[Tuple[str, str]], last: Path) -> str:
+    """The error for a run whose loss stayed non-finite: which sources were (``hits``, in the order of
+    the teacher's logits, the student's, then ``loss_terms``), and what to do. ``teacher`` is its
+    (name, dtype) or None."""
+    names = ["the teacher's logits", "the student's logits"] + [f"the loss term {k!r}" for k in loss_terms]
+    found = [name for name, hit in zip(names, hits) if hit > 0]
+    if found and found[0] == "the teacher's logits" and teacher:
+        hint = f"the teacher {teacher[0]} runs in {teacher[1]}: try --teacher-precision float32, and check --teacher-weights"
+    elif found and found[0] == "the student's logits":
+        hint = "lower --lr, add --warmup-epochs or --grad-clip, or use --opt O0 or --amp-dtype bfloat16"
+    else:
+        hint = "check the method's hyper-parameters (--loss-arg) and lower --lr"
+    source = f"{' and '.join(found)} {'was' if len(found) == 1 else 'were'} not finite" if found else "source unknown"
+    kept = f"the last good checkpoint is {last}" if last.exists() else "no checkpoint was written"
+    return (f"the loss was not finite {how_long} (epoch {epoch}, step {step}): {source}; "
+            f"those steps were skipped and the run stopped, {kept}; {hint}")

@@ -1,0 +1,40 @@
+"""The run's facts that depend on the machine, resolved once per process.
+
+Options whose default is "auto" (``None`` in the config) get their value here, from the
+config and the device the backend chose, and nowhere else: the engine, the teacher, the
+bench and ``kd eval`` read the resolved :class:`Runtime`. (The DataLoader's worker count is
+resolved by :func:`kd.data.loader.default_workers`, the one owner of the loader's settings.)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kd.precision import amp_dtype
+
+
+@dataclass(frozen=True)
+class Runtime:
+    device: torch.device
+    #: images and models in channels_last memory format (``--channels-last``; auto: on CUDA)
+    channels_last: bool
+    #: the reduced dtype of the opt levels O1-O3 (``--amp-dtype``; auto: float16 on CUDA, bfloat16 on the CPU)
+    amp_dtype: torch.dtype
+    #: the frozen teacher fused for inference (``--set fuse_teacher``; auto: on CUDA)
+    fuse_teacher: bool
+
+    @property
+    def memory_format(self) -> torch.memory_format:
+        return torch.channels_last if self.channels_last else torch.contiguous_format
+
+
+def resolve(cfg, device: torch.device) -> Runtime:
+    """The :class:`Runtime` of ``cfg`` on ``device``."""
+    cuda = device.type == "cuda"
+    return Runtime(
+        device=device,
+        channels_last=cfg.channels_last if cfg.channels_last is not None else cuda,
+        amp_dtype=amp_dtype(cfg, device),
+        fuse_teacher=cfg.fuse_teacher if cfg.fuse_teacher is not None else cuda,
+    )

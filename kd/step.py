@@ -1,0 +1,34 @@
+"""What one training step hands back, and the hooks the loop calls around its steps."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict
+
+import torch
+from torch import nn
+
+
+@dataclass
+class StepOutput:
+    """What :meth:`Trainer.step` leaves on the device: the loss parts (0-dim float32: ``loss``, the
+    method's terms), whether the optimizer step was skipped, the non-finite flags per source, and
+    the number of images."""
+
+    parts: Dict[str, torch.Tensor]
+    skipped: torch.Tensor
+    flags: torch.Tensor
+    images: int
+
+
+class StepHook:
+    """Called by the loop: after every :meth:`Trainer.step`, and at each epoch's end with the epoch's
+    record before it is logged (``kd bench``'s timer is one). ``trainer`` is the :class:`kd.engine.Trainer`."""
+
+    def on_teacher(self, trainer: Any, teacher: nn.Module) -> None:
+        """The frozen teacher on its device, before it is fused and its precision chosen."""
+
+    def on_step(self, trainer: Any, out: StepOutput) -> None:
+        pass
+
+    def on_epoch_end(self, trainer: Any, record: Dict[str, object]) -> None:
+        pass

@@ -1,0 +1,42 @@
+"""Top-1/top-5 over the val split, exact across processes (used by the loop, the teacher probe and kd eval)."""
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+
+def accuracy_counts(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """[correct@1, correct@5] for a batch, on the device."""
+    k = min(5, logits.shape[1])
+    top = logits.topk(k, dim=1).indices
+    hit = top.eq(labels.view(-1, 1))
+    return torch.stack([hit[:, :1].any(dim=1).sum(), hit.any(dim=1).sum()]).float()
+
+
+@torch.no_grad()
+def evaluate(forward, loader, backend, precision, limit: Optional[int] = None) -> Dict[str, float]:
+    """top-1/top-5 (percent), loss and non-finite count of ``forward(images) -> logits`` over the
+    val split (its first ``limit`` batches per process, where given).
+
+    ``precision`` gives ``autocast()`` and ``input_cast()`` (a run's or a teacher's precision).
+    Exact across processes: the val sampler shards without padding and the counts are summed.
+    The caller puts the model in eval mode.
+    """
+    sums = torch.zeros(5, device=backend.device)  # correct1, correct5, n, loss*n, rows with non-finite logits
+    for index, batch in enumerate(loader):
+        if limit is not None and index >= limit:
+            break
+        if len(batch) == 0:
+            continue
+        with precision.autocast():
+            logits = forward(precision.input_cast(batch.images))
+        logits = logits.float()
+        sums[:2] += accuracy_counts(logits, batch.labels)
+        sums[2] += len(batch)
+        sums[3] += torch.nn.functional.cross_entropy(logits, batch.labels, reduction="sum")
+        sums[4] += (~torch.isfinite(logits).all(dim=1)).sum()
+    backend.all_reduce_sum(sums)
+    c1, c5, n, loss, nonfinite = sums.tolist()
+    n = max(n, 1.0)
+    return {"top1": 100.0 * c1 / n, "top5": 100.0 * c5 / n, "loss": loss / n, "count": int(sums[2].item()),
+            "nonfinite": int(nonfinite)}
