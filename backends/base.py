@@ -11,8 +11,8 @@ actions:
   and evaluation (forward only, never for gradient sync);
 * the step: ``precision()`` picks the precision object, ``sync_gradients(model)`` runs after
   backward (a no-op where the wrapper syncs during backward);
-* reductions: ``all_reduce_sum(tensor)``, ``sync_buffers(module)`` before evaluation and
-  checkpoints, and ``barrier()``.
+* reductions: ``all_reduce_sum(tensor)``, ``all_gather_object(obj)``, ``sync_buffers(module)``
+  before evaluation and checkpoints, and ``barrier()``.
 
 A backend is made with the run's config and its :class:`~kd.placement.Placement` (where this
 process sits, as the launcher said; read from the environment when not given). The
