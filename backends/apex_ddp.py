@@ -36,7 +36,8 @@ from torch import nn
 
 from backends import dist as kd_dist
 from backends.base import register
-from backends.torch_ddp import TorchDDP
+from backends.process_group import ProcessGroupBackend
+from kd.placement import Placement
 
 
 def apex_parallel():
@@ -94,10 +95,9 @@ class GradientAverager:
 
 
 @register("apex_ddp")
-class ApexDDP(TorchDDP):
+class ApexDDP(ProcessGroupBackend):
     description = ("apex DistributedDataParallel(delay_allreduce=True): real apex.parallel where importable "
                    "and right for the run, else the same algorithm natively")
-    multiprocess = True
     prefers_apex_amp = True
 
     @classmethod
@@ -110,8 +110,8 @@ class ApexDDP(TorchDDP):
             return "native: apex.parallel runs on CUDA only"
         return "apex"
 
-    def __init__(self, cfg):
-        super().__init__(cfg)
+    def __init__(self, cfg, placement: Optional[Placement] = None):
+        super().__init__(cfg, placement)
         self.impl = "native"
         self.layout_note = ""
         self.averager: Optional[GradientAverager] = None
@@ -123,8 +123,7 @@ class ApexDDP(TorchDDP):
     def describe(self) -> str:
         impl = "real apex.parallel.DistributedDataParallel(delay_allreduce=True)" if self.impl == "apex" \
             else f"kd's native delayed all-reduce ({self.impl[len('native: '):]})"
-        return (f"backend apex_ddp: {self.world_size} process(es) over {self.group()}, rank {self.rank}, "
-                f"device {self.device}, {impl}{self.layout_note}{', sync_bn' if self.cfg.sync_bn else ''}")
+        return super().describe(f"{impl}{self.layout_note}{', sync_bn' if self.cfg.sync_bn else ''}")
 
     def native_reason(self, model: nn.Module) -> Optional[str]:
         """Why real apex.parallel would average ``model``'s gradients wrongly, or None where it would not:
@@ -136,7 +135,7 @@ class ApexDDP(TorchDDP):
         if cast or any(p.dtype == torch.bfloat16 for p in model.parameters() if p.requires_grad):
             return "bfloat16 weights, whose gradients apex.parallel never all-reduces (half, float and double only)"
         unused, how = (self.find_unused, self.find_unused_how) if self.find_unused is not None \
-            else self._detect_unused(model)
+            else self.detect_unused(model)
         if unused:
             return (f"find_unused_parameters ({how}); apex.parallel buckets only the gradients present, "
                     f"which may differ between processes")

@@ -8,23 +8,28 @@ actions:
 * data: ``data_shard()`` -> ``(num_replicas, rank)`` for the samplers;
 * models: ``prepare_model(student_side)`` before the optimizer exists (layers replaced, parameter
   layout), ``wrap(student_side)`` for gradient sync, ``wrap_forward(module)`` for the teacher
-  and evaluation (forward only, never for gradient sync), ``unwrap(model)``;
+  and evaluation (forward only, never for gradient sync);
 * the step: ``prefers_apex_amp`` (a wish the run's precision choice honours where it can),
   ``sync_gradients(model)`` runs after backward (a no-op where the wrapper syncs during backward);
-* reductions: ``all_reduce_sum(tensor)``, ``sync_buffers(module)`` before evaluation and
-  checkpoints, and ``barrier()``.
+* reductions: ``all_reduce_sum(tensor)``, ``all_gather_object(obj)``, ``sync_buffers(module)``
+  before evaluation and checkpoints, and ``barrier()``.
+
+A backend is made with the run's config and its :class:`~kd.placement.Placement` (where this
+process sits, as the launcher said; read from the environment when not given). The
+multi-process backends derive from :class:`backends.process_group.ProcessGroupBackend`.
 
 A backend registers itself with ``@register("name")``; third-party backends can also be
 registered through the Python entry point group ``kd.backends``.
 """
 from __future__ import annotations
 
-from typing import ClassVar, Optional, Tuple
+from typing import ClassVar, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from kd.errors import KDError
+from kd.placement import Placement
 from kd.registry import Registry
 
 BACKENDS: Registry = Registry("backend", entry_point_group="kd.backends")
@@ -38,6 +43,14 @@ def resolve_device(cfg) -> torch.device:
             raise KDError("--device cuda (or --gpus) asked for CUDA, but no CUDA GPU is usable here; use --device cpu")
         return torch.device("cuda")
     return torch.device("cpu")
+
+
+def check_gpu_indices(gpus: Sequence[int], count: int) -> None:
+    """KDError unless every one of ``gpus`` (``--gpus``) is one of the ``count`` visible GPUs."""
+    missing = [g for g in gpus if g >= count]
+    if missing:
+        raise KDError(f"--gpus {','.join(map(str, gpus))}: GPU {missing[0]} does not exist, "
+                      f"this machine has {count} visible GPU(s)" + (f" (0..{count - 1})" if count else ""))
 
 
 class Backend:
@@ -61,8 +74,9 @@ class Backend:
         """How many processes the launcher starts on this node."""
         return 1
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, placement: Optional[Placement] = None):
         self.cfg = cfg
+        self.placement = placement if placement is not None else Placement.from_environment(cfg.gpus)
         self.rank = 0
         self.world_size = 1
         self.local_rank = 0
@@ -100,12 +114,6 @@ class Backend:
     def wrap_forward(self, module: nn.Module) -> nn.Module:
         """A forward-only wrapper (teacher, evaluation); never synchronises gradients."""
         return module
-
-    @staticmethod
-    def unwrap(model: nn.Module) -> nn.Module:
-        while hasattr(model, "module") and isinstance(model.module, nn.Module):
-            model = model.module
-        return getattr(model, "_orig_mod", model)
 
     def memory_devices(self):
         """The CUDA devices this process allocates on (for peak-memory reports); none on the CPU."""

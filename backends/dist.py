@@ -1,8 +1,7 @@
 """Process-group helpers shared by the multi-process backends (torch_ddp, apex_ddp).
 
-A process learns its place from torchrun's environment variables (``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``); :mod:`kd.launch`
-sets them for processes that kd or Slurm started. A process nobody launched is rank 0 of 1.
+A process learns its place from a :class:`kd.placement.Placement` (read from torchrun's, Slurm's
+or kd's launcher's environment); a process nobody launched is rank 0 of 1.
 
 Several processes may share a GPU (``--gpus`` lists fewer GPUs than there are processes on the
 node, local rank r taking entry r modulo its length): NCCL refuses two ranks on one GPU, so such
@@ -11,9 +10,6 @@ one-GPU workstation run and debug multi-rank code.
 """
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-from datetime import timedelta
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -21,60 +17,13 @@ import torch.distributed as dist
 from torch import nn
 
 from kd.errors import KDError
+from kd.placement import Placement
 
-#: Seconds a collective may wait for the other processes before the run fails (default 10 min).
-TIMEOUT_ENV = "KD_DIST_TIMEOUT"
-#: Set by kd's launcher: the GPUs (``--gpus``, or the first ones) it made visible as ``CUDA_VISIBLE_DEVICES``.
-GPUS_ENV = "KD_GPUS"
 DIST_BACKENDS = ("auto", "nccl", "gloo")
 BUCKET_BYTES = 25 * 2**20
 
 
-@dataclass(frozen=True)
-class Place:
-    """Where this process sits among all of them."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    local_world_size: int = 1
-    launched: bool = False
-
-    @classmethod
-    def from_env(cls) -> "Place":
-        env = os.environ
-        if "WORLD_SIZE" not in env or "LOCAL_RANK" not in env:
-            return cls()
-        try:
-            world = int(env["WORLD_SIZE"])
-            local_rank = int(env["LOCAL_RANK"])
-            return cls(int(env.get("RANK", local_rank)), world, local_rank,
-                       int(env.get("LOCAL_WORLD_SIZE", world)), True)
-        except ValueError:
-            raise KDError("RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE must be integers "
-                          f"(got {env.get('RANK')!r}, {env.get('WORLD_SIZE')!r}, {env.get('LOCAL_RANK')!r}, "
-                          f"{env.get('LOCAL_WORLD_SIZE')!r})") from None
-
-
-def timeout() -> timedelta:
-    value = os.environ.get(TIMEOUT_ENV, "600")
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise KDError(f"{TIMEOUT_ENV}={value!r} is not a number of seconds") from None
-    return timedelta(seconds=seconds)
-
-
-def given_gpus(cfg) -> Optional[List[int]]:
-    """The GPUs this node's processes were given, as this process sees them, or None where nobody
-    said (one GPU per process by local rank): what kd's launcher made visible, else ``--gpus``."""
-    launched = os.environ.get(GPUS_ENV)
-    if launched and (not cfg.gpus or launched == ",".join(map(str, cfg.gpus))):
-        return list(range(len(launched.split(","))))  # exactly these are visible, in order
-    return list(cfg.gpus) if cfg.gpus else None
-
-
-def process_device(cfg, place: Place, device_type: str) -> torch.device:
+def process_device(cfg, place: Placement, device_type: str) -> torch.device:
     """This process's device: the CPU, or its GPU among ``--gpus`` (or among all visible ones).
 
     With fewer ``--gpus`` than processes on the node, local rank r takes entry r modulo their
@@ -86,7 +35,7 @@ def process_device(cfg, place: Place, device_type: str) -> torch.device:
                           f"{cfg.nproc}; give one of them (drop --nproc under torchrun / srun)")
         return torch.device("cpu")
     count = torch.cuda.device_count()
-    gpus = given_gpus(cfg)
+    gpus = place.gpus
     if gpus:
         if len(gpus) > place.local_world_size:
             raise KDError(f"--gpus lists {len(gpus)} GPU(s) but the launcher started {place.local_world_size} "
@@ -126,44 +75,26 @@ def group_backend(cfg, device_type: str, processes: int, gpus: Optional[int]) ->
     return choice, note
 
 
-def init_group(place: Place, device: torch.device, backend: str) -> None:
+def init_group(place: Placement, device: torch.device, backend: str) -> None:
     """A process group over ``backend``; a one-process group needs no address or port."""
-    kwargs = dict(backend=backend, timeout=timeout())
+    kwargs = dict(backend=backend, timeout=place.timeout)
     if backend == "nccl":
         kwargs["device_id"] = device
     if not place.launched:
         kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
     else:
-        for name in ("MASTER_ADDR", "MASTER_PORT"):
-            if name not in os.environ:
+        for name, value in (("MASTER_ADDR", place.master_addr), ("MASTER_PORT", place.master_port)):
+            if value is None:
                 raise KDError(f"{name} is not set; start kd with torchrun, srun or 'kd train --nproc / --gpus'")
-        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        if attempt and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        if place.restart and place.agent_store:
             # a restarted group (--max-restarts) must not read the dead group's addresses from the store
-            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), place.world_size,
-                                  is_master=False, timeout=timeout())
-            kwargs.update(store=dist.PrefixStore(f"kd/attempt_{attempt}", store), rank=place.rank,
+            store = dist.TCPStore(place.master_addr, place.master_port, place.world_size, is_master=False,
+                                  timeout=place.timeout)
+            kwargs.update(store=dist.PrefixStore(f"kd/attempt_{place.restart}", store), rank=place.rank,
                           world_size=place.world_size)
-        else:
+        else:  # torch reads MASTER_ADDR and MASTER_PORT itself
             kwargs.update(init_method="env://", rank=place.rank, world_size=place.world_size)
     dist.init_process_group(**kwargs)
-
-
-def destroy_group() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return tensor
-
-
-def barrier(device: torch.device) -> None:
-    if dist.get_backend() == "nccl":
-        dist.barrier(device_ids=[device.index])
-    else:
-        dist.barrier()
 
 
 def buckets(tensors: Iterable[torch.Tensor], cap_bytes: int = BUCKET_BYTES) -> List[List[int]]:

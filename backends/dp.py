@@ -6,8 +6,9 @@ from typing import List, Optional
 import torch
 from torch import nn
 
-from backends.base import Backend, register
+from backends.base import Backend, check_gpu_indices, register
 from kd.errors import KDError
+from kd.nest import map_tensors
 
 
 class _DataParallel(nn.DataParallel):
@@ -23,7 +24,9 @@ class _DataParallel(nn.DataParallel):
 
     def forward(self, *args, **kwargs):
         out = super().forward(*args, **kwargs)
-        return out if self.output_device == self.home.index else _to(out, self.home)
+        if self.output_device == self.home.index:
+            return out
+        return map_tensors(lambda t: t.to(self.home, non_blocking=True), out)
 
     def parallel_apply(self, replicas, inputs, kwargs):
         """Each replica under the caller's autocast dtype: torch re-enters autocast in every replica's
@@ -41,16 +44,6 @@ def _under_autocast(module: nn.Module, dtype: torch.dtype):
         with torch.autocast("cuda", dtype=dtype):
             return module(*args, **kwargs)
     return run
-
-
-def _to(obj, device):
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, dict):
-        return {k: _to(v, device) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to(v, device) for v in obj)
-    return obj
 
 
 @register("dp")
@@ -83,10 +76,7 @@ class DataParallelBackend(Backend):
             raise KDError("--backend dp needs CUDA GPUs, and none is usable here")
         count = torch.cuda.device_count()
         gpus = self.cfg.gpus or list(range(count))
-        missing = [g for g in gpus if g >= count]
-        if missing:
-            raise KDError(f"--gpus {','.join(map(str, gpus))}: GPU {missing[0]} does not exist, "
-                          f"this machine has {count} visible GPU(s) (0..{count - 1})")
+        check_gpu_indices(gpus, count)
         out = self.cfg.dp_output_device if self.cfg.dp_output_device is not None else gpus[0]
         if out >= count:
             raise KDError(f"--dp-output-device {out} does not exist, this machine has {count} visible GPU(s)")

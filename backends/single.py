@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from backends.base import Backend, register, resolve_device
+from backends.base import Backend, check_gpu_indices, register, resolve_device
 from kd.errors import KDError
 
 
@@ -19,8 +19,7 @@ class Single(Backend):
             gpus = self.cfg.gpus or [0]
             if len(gpus) != 1:
                 raise KDError(f"--backend single uses one GPU, --gpus lists {len(gpus)}; use dp, torch_ddp or apex_ddp")
-            if gpus[0] >= torch.cuda.device_count():
-                raise KDError(f"--gpus {gpus[0]}: this machine has {torch.cuda.device_count()} visible GPU(s)")
+            check_gpu_indices(gpus, torch.cuda.device_count())
             device = torch.device("cuda", gpus[0])
             torch.cuda.set_device(device)
         self.device = device

@@ -13,24 +13,26 @@ Who starts the processes, as the environment tells:
 * Slurm's ``srun`` with several tasks (one per GPU): ``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS``,
   ``SLURM_LOCALID``, ``SLURM_STEP_TASKS_PER_NODE`` and the step's node list become torchrun's
   variables (``MASTER_ADDR``/``MASTER_PORT`` from the environment when set, else the first node
-  and a port derived from the job id), and kd starts no process of its own.
+  and a port derived from the job id; :func:`kd.placement.slurm_env`), and kd starts no process
+  of its own.
 
-A ``KDError`` in any worker reaches the user as one line and exit code 2 from the parent.
+Each process reads its place once, as a :class:`kd.placement.Placement`. A ``KDError`` in any
+worker reaches the user as one line and exit code 2 from the parent.
 """
 from __future__ import annotations
 
 import errno
 import logging
 import os
-import re
 import shutil
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional
+from typing import Dict, Optional
 
 from kd.errors import KDError
 from kd.runfolder import RunFolder
+from kd.placement import Placement, slurm_env, worker_environment
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints", "tb")
 
@@ -88,11 +90,10 @@ def preflight(cfg) -> None:
 def train(cfg, resume: Optional[str] = None, overwrite: bool = False):
     """Run ``cfg`` to the end; returns the last epoch's metrics (those of the main process)."""
     import backends
-    from backends.dist import Place
 
     backend_cls = backends.get(cfg.backend)
-    os.environ.update(slurm_env(os.environ))
-    place = Place.from_env()
+    os.environ.update(slurm_env(os.environ))  # torchrun's variables, which torch's env:// rendezvous reads
+    place = Placement.from_environment(cfg.gpus)
     if place.launched:
         if place.world_size > 1 and not backend_cls.multiprocess:
             raise KDError(f"{place.world_size} processes were started (torchrun / srun), but --backend {cfg.backend} "
@@ -100,13 +101,13 @@ def train(cfg, resume: Optional[str] = None, overwrite: bool = False):
         _check_available(cfg, backend_cls)
         preflight(cfg)
         resume_from = prepare_out(cfg, resume, overwrite)
-        return run_worker(cfg, Path(cfg.out), resume_from)
+        return run_worker(cfg, Path(cfg.out), resume_from, place)
     nproc = backend_cls.num_processes(cfg)  # refuses requests that cannot be met, before any work
     _check_available(cfg, backend_cls)
     preflight(cfg)
     resume_from = prepare_out(cfg, resume, overwrite)
     if nproc == 1:
-        return run_worker(cfg, Path(cfg.out), resume_from)
+        return run_worker(cfg, Path(cfg.out), resume_from, place)
     return launch_local(cfg, nproc, resume_from)
 
 
@@ -116,16 +117,11 @@ def _check_available(cfg, backend_cls) -> None:
         raise KDError(f"--backend {cfg.backend} cannot run here: {reason}")
 
 
-def in_launched_process() -> bool:
-    """True inside a process that torchrun / torch.distributed.launch / kd's launcher / srun started."""
-    return ("LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ) or bool(slurm_env(os.environ))
-
-
 # ----------------------------------------------------------------------------- local launch
 def visible_devices(cfg, nproc: int) -> Optional[str]:
     """``CUDA_VISIBLE_DEVICES`` for the workers: the ``--gpus`` entries (indices into what this
     process sees), or the first ``nproc`` GPUs (all of them, shared, for more processes); None on the CPU."""
-    from backends.base import resolve_device
+    from backends.base import check_gpu_indices, resolve_device
 
     if resolve_device(cfg).type != "cuda":
         return None
@@ -137,9 +133,7 @@ def visible_devices(cfg, nproc: int) -> Optional[str]:
     indices = cfg.gpus or list(range(min(nproc, len(ids))))
     if len(indices) > nproc:
         raise KDError(f"--gpus lists {len(indices)} GPU(s) but {nproc} processes were asked for")
-    missing = [i for i in indices if i >= len(ids)]
-    if missing:
-        raise KDError(f"GPU {missing[0]} does not exist: this machine has {len(ids)} visible GPU(s)")
+    check_gpu_indices(indices, len(ids))
     return ",".join(ids[i] for i in indices)
 
 
@@ -183,11 +177,11 @@ def launch_local(cfg, nproc: int, resume_from: Optional[Path]):
 
 def worker(cfg, out: str, resume_from: Optional[Path], error_dir: str, visible: Optional[str]):
     """The entrypoint of each process kd's launcher starts (module level, so it pickles)."""
-    from backends.dist import GPUS_ENV
+    from kd.signals import Interrupted
 
     if visible is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = visible
-        os.environ[GPUS_ENV] = ",".join(map(str, cfg.gpus or range(len(visible.split(",")))))
+        os.environ.update(worker_environment(cfg.gpus, visible))
+    place = Placement.from_environment(cfg.gpus)
     if "OMP_NUM_THREADS" not in os.environ:  # share the cores instead of each process taking them all
         import torch
 
@@ -195,21 +189,18 @@ def worker(cfg, out: str, resume_from: Optional[Path], error_dir: str, visible: 
             cores = len(os.sched_getaffinity(0))
         except AttributeError:  # not on Linux
             cores = os.cpu_count() or 1
-        torch.set_num_threads(max(1, cores // max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)))
+        torch.set_num_threads(max(1, cores // max(place.local_world_size, 1)))
     last = Path(out) / "checkpoints" / "last.pt"
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and last.is_file():
+    if place.restart > 0 and last.is_file():
         resume_from = last  # --max-restarts: the restarted group continues from the last checkpoint
-    from kd.signals import Interrupted
-
     try:
-        return run_worker(cfg, Path(out), resume_from)
+        return run_worker(cfg, Path(out), resume_from, place)
     except Interrupted as exc:
-        if os.environ.get("RANK", "0") == "0":
+        if place.rank == 0:
             Path(error_dir, "interrupted.txt").write_text(f"{exc.signame}\n{exc}", encoding="utf-8")
         raise SystemExit(143 if exc.signame == "SIGTERM" else 130) from None
     except KDError as exc:
-        rank = os.environ.get("RANK", "0")
-        Path(error_dir, f"rank{int(rank):05d}.txt").write_text(str(exc), encoding="utf-8")
+        Path(error_dir, f"rank{place.rank:05d}.txt").write_text(str(exc), encoding="utf-8")
         raise SystemExit(2) from None
 
 
@@ -219,85 +210,19 @@ def first_error(error_dir: str) -> Optional[str]:
     return files[0].read_text(encoding="utf-8") if files else None
 
 
-# ----------------------------------------------------------------------------- Slurm
-def slurm_env(environ: Mapping[str, str]) -> Dict[str, str]:
-    """torchrun's variables for a process that ``srun`` started as one of several tasks, else ``{}``.
-
-    A torchrun inside srun wins (its variables are already set); one task (``sbatch`` alone, or
-    ``srun -n 1``) is no launch at all, and kd may start the processes itself.
-    """
-    if "LOCAL_RANK" in environ and "WORLD_SIZE" in environ:
-        return {}
-    ntasks = _int(environ.get("SLURM_STEP_NUM_TASKS"), 1)  # set by srun only, not in a batch script
-    if "SLURM_PROCID" not in environ or ntasks <= 1:
-        return {}
-    nodes = expand_hostlist(environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
-                            or environ.get("SLURM_NODELIST") or "")
-    per_node = expand_tasks_per_node(environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE") or "")
-    host = environ.get("SLURMD_NODENAME")
-    index = nodes.index(host) if host in nodes else _int(environ.get("SLURM_NODEID"), 0)
-    local_world = per_node[index] if index < len(per_node) else (per_node[0] if per_node else ntasks)
-    return {
-        "RANK": str(_int(environ["SLURM_PROCID"], 0)),
-        "WORLD_SIZE": str(ntasks),
-        "LOCAL_RANK": str(_int(environ.get("SLURM_LOCALID"), 0)),
-        "LOCAL_WORLD_SIZE": str(local_world),
-        "MASTER_ADDR": environ.get("MASTER_ADDR") or (nodes[0] if nodes else "127.0.0.1"),
-        "MASTER_PORT": environ.get("MASTER_PORT") or str(slurm_port(environ)),
-    }
-
-
-def slurm_port(environ: Mapping[str, str]) -> int:
-    """A port every task of one job step computes alike (20000-39999)."""
-    job = _int(environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID"), 0)
-    step = _int(environ.get("SLURM_STEP_ID") or environ.get("SLURM_STEPID"), 0)
-    return 20000 + (job * 31 + step) % 20000
-
-
-def expand_hostlist(text: str) -> List[str]:
-    """``"gpu[01-03,07],login1"`` -> ``["gpu01", "gpu02", "gpu03", "gpu07", "login1"]``."""
-    hosts: List[str] = []
-    for item in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", text):
-        match = re.search(r"\[([^\]]*)\]", item)
-        if not match:
-            hosts.append(item)
-            continue
-        prefix, rest = item[:match.start()], item[match.end():]
-        for part in match.group(1).split(","):
-            lo, _, hi = part.partition("-")
-            for n in range(int(lo), int(hi or lo) + 1):
-                hosts.extend(prefix + str(n).zfill(len(lo)) + tail for tail in (expand_hostlist(rest) or [""]))
-    return hosts
-
-
-def expand_tasks_per_node(text: str) -> List[int]:
-    """``"2(x3),1"`` -> ``[2, 2, 2, 1]``."""
-    out: List[int] = []
-    for count, _, repeat in re.findall(r"(\d+)(\(x(\d+)\))?", text):
-        out.extend([int(count)] * int(repeat or 1))
-    return out
-
-
-def _int(value: Optional[str], default: int) -> int:
-    try:
-        return int(str(value).split("(")[0])
-    except (TypeError, ValueError):
-        return default
-
-
 def accept_legacy_local_rank(local_rank: Optional[int]) -> None:
     """``python -m torch.distributed.launch`` passes ``--local_rank N``; treat it as LOCAL_RANK."""
     if local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(local_rank))
 
 
-def run_worker(cfg, out: Path, resume_from: Optional[Path] = None) -> Dict[str, float]:
-    """Everything one process does for a run, from backend set-up to teardown. ``timing_warmup``
-    (``kd bench``) adds the step timer and skips validation."""
+def run_worker(cfg, out: Path, resume_from: Optional[Path] = None, place: Optional[Placement] = None) -> Dict[str, float]:
+    """Everything one process does for a run, from backend set-up to teardown, where ``place`` (as the
+    launcher found it) says. ``timing_warmup`` (``kd bench``) adds the step timer and skips validation."""
     import backends
     from kd.engine import Trainer
 
-    backend = backends.get(cfg.backend)(cfg)
+    backend = backends.get(cfg.backend)(cfg, place)
     backend.setup()
     trainer = None
     hooks = []

@@ -23,10 +23,11 @@ import backends
 import kd
 from backends import dist as kd_dist
 from backends.apex_ddp import GradientAverager
-from backends.torch_ddp import parameters_without_grad
+from backends.process_group import parameters_without_grad
 from conftest import make_image_folder
 from kd import config as kd_config
 from kd.errors import KDError
+from kd.placement import Placement
 
 
 # ----------------------------------------------------------------------------- tiny models
@@ -289,7 +290,7 @@ def test_probe_finds_the_unused_parameter_and_leaves_the_model_alone():
 
 def test_process_device_refuses_nproc_that_disagrees_with_the_launcher():
     cfg = kd_config.resolve(options={**TINY, "data": "synthetic", "out": "x", "student": "resnet18", "nproc": 3})
-    place = kd_dist.Place(rank=0, world_size=2, local_rank=0, local_world_size=2, launched=True)
+    place = Placement(rank=0, world_size=2, local_rank=0, local_world_size=2, launched=True)
     with pytest.raises(KDError, match="started 2 process.*--nproc is 3"):
         kd_dist.process_device(cfg, place, "cpu")
     assert kd_dist.process_device(dataclasses.replace(cfg, nproc=2), place, "cpu") == torch.device("cpu")

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from conftest import ROOT, make_image_folder, run_kd
-from kd import launch
 
 STUDENT = "timm:test_convnext"  # LayerNorm, no BatchNorm: N processes equal one
 
@@ -187,28 +186,6 @@ def test_mismatch_is_one_line_exit_2_before_any_work(args, message, data9, teach
     r = run_kd(*train_args(data9, out, teacher_file, "-j", 0, *args))
     assert re.search(message, one_line_error(r))
     assert not out.exists() or not any(out.iterdir())
-
-
-# ----------------------------------------------------------------------------- srun's environment, unit
-def test_slurm_environment_becomes_torchrun_variables():
-    env = {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "1", "SLURM_PROCID": "3", "SLURM_LOCALID": "1",
-           "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_STEP_NODELIST": "gpu[07-08]",
-           "SLURMD_NODENAME": "gpu08"}
-    got = launch.slurm_env(env)
-    assert got == {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
-                   "MASTER_ADDR": "gpu07", "MASTER_PORT": str(launch.slurm_port(env))}
-    assert launch.slurm_port(env) == launch.slurm_port(dict(env, SLURM_PROCID="0"))  # the same on every task
-    assert launch.slurm_env({**env, "MASTER_ADDR": "head", "MASTER_PORT": "1234"})["MASTER_ADDR"] == "head"
-    # torchrun inside srun wins; a batch script (no step) or one task is no launch
-    assert launch.slurm_env({**env, "LOCAL_RANK": "0", "WORLD_SIZE": "8"}) == {}
-    assert launch.slurm_env({k: v for k, v in env.items() if k != "SLURM_STEP_NUM_TASKS"}) == {}
-    assert launch.slurm_env({**env, "SLURM_STEP_NUM_TASKS": "1"}) == {}
-
-
-def test_hostlists_and_tasks_per_node():
-    assert launch.expand_hostlist("gpu[01-03,07],login1,r[1-2]-ib") == [
-        "gpu01", "gpu02", "gpu03", "gpu07", "login1", "r1-ib", "r2-ib"]
-    assert launch.expand_tasks_per_node("4(x2),1") == [4, 4, 1]
 
 
 # ----------------------------------------------------------------------------- GPUs
