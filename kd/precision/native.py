@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -10,6 +9,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from kd.errors import KDError
+from kd.nest import map_tensors
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 SCALER_ARGS = dict(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000)
@@ -56,15 +56,7 @@ def cast_module(module: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool
 
 def to_float32(obj):
     """``obj`` with every floating tensor in it (also in dicts, lists and dataclasses) as float32."""
-    if isinstance(obj, torch.Tensor):
-        return obj.float() if obj.is_floating_point() else obj
-    if isinstance(obj, dict):
-        return {k: to_float32(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_float32(v) for v in obj)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: to_float32(getattr(obj, f.name)) for f in dataclasses.fields(obj)})
-    return obj
+    return map_tensors(lambda t: t.float() if t.is_floating_point() else t, obj)
 
 
 def _float32_inputs(_module, args, kwargs):
