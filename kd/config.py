@@ -129,6 +129,8 @@ def _type_name(name: str) -> str:
 
 def coerce(name: str, value: Any) -> Any:
     """Convert ``value`` (from YAML or a ``--set`` string) to the type of field ``name``."""
+    if name == FORMER_ALPHA:  # no field any more; :func:`apply` maps it
+        name = "ce_weight"
     if name not in FIELDS:
         raise KDError(f"unknown option {name!r}{suggest(name, FIELDS)}")
     default = FIELDS[name].default

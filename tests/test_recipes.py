@@ -156,6 +156,20 @@ def test_former_alpha_is_kd_only():
     assert kd_config.apply(kd_config.RunConfig(), {**saved, "kd_loss": "dkd", "alpha": None}, "x").kd_loss == "dkd"
 
 
+def test_config_yaml_of_an_older_run_loads(tmp_path):
+    import yaml
+
+    saved = {k: v for k, v in kd_config.RunConfig(teacher="resnet34", student="resnet18").to_dict().items()
+             if k not in ("ce_weight", "label_smoothing")}
+    (tmp_path / "kd.yaml").write_text(yaml.safe_dump({**saved, "alpha": 0.5, "temperature": 1.0}))
+    assert kd_config.load(tmp_path / "kd.yaml").loss_kwargs() == {"ce_weight": 0.5, "kd_weight": 0.5, "temperature": 1.0}
+    loss_args = {"ce_weight": 1.0, "alpha": 1.0, "beta": 0.5, "temperature": 1.0, "warmup": 1}
+    (tmp_path / "dkd.yaml").write_text(yaml.safe_dump({**saved, "kd_loss": "dkd", "alpha": None, "temperature": None,
+                                                       "loss_args": loss_args}))
+    assert kd_config.load(tmp_path / "dkd.yaml").loss_kwargs() == kd_config.resolve(recipe="imagenet/r34_r18_dkd").loss_kwargs()
+    assert kd_config.coerce("alpha", "0.3") == 0.3  # kd bench checks its --set items with coerce
+
+
 def test_temperature_is_refused_where_there_is_none():
     base = dict(teacher="resnet34", student="resnet18", data="synthetic", temperature=2.0)
     for method in ("kd", "dkd", "dist", "lskd", "fitnet"):
