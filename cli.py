@@ -39,8 +39,11 @@ TRAIN_OPTIONS = [
     (("--num-classes",), "num_classes", dict(type=int, help="Classes [the number of class folders].")),
     (("--no-teacher",), "no_teacher", dict(is_flag=True, default=None, help="Train the student alone on the labels.")),
     (("--kd-loss",), "kd_loss", dict(metavar="NAME", help="KD method [kd]; see 'kd losses'.")),
-    (("--alpha",), "alpha", dict(type=float, help="Weight of the label (CE) term [method default].")),
-    (("--temperature", "-T"), "temperature", dict(type=float, help="Softmax temperature [method default].")),
+    (("--ce-weight",), "ce_weight", dict(type=float, help="Weight of the label (cross-entropy) term [method default].")),
+    (("--label-smoothing",), "label_smoothing", dict(type=float, help="Label smoothing of the label term, any method [0].")),
+    (("--temperature", "-T"), "temperature", dict(type=float, help="Softmax temperature of methods that have one [method default].")),
+    # former label weight of --kd-loss kd: ce_weight = alpha, kd_weight = 1 - alpha, with a deprecation line
+    (("--alpha",), "alpha", dict(type=float, hidden=True)),
     (("--feature-layers",), "feature_layers", dict(metavar="A,B,..", help="Modules tapped by feature methods.")),
     (("--epochs",), "epochs", dict(type=int, help="Epochs [100].")),
     (("--batch-size", "-b"), "batch_size", dict(type=int, help="GLOBAL batch size, whatever the backend [256].")),
@@ -270,7 +273,7 @@ def bench_data_cmd(data, loader, workers, batch_size, image_size, epochs, limit_
 
 @cli.command("losses")
 def losses_cmd():
-    """The registered KD methods and their hyper-parameters."""
+    """The registered KD methods and their hyper-parameters (every one has ce_weight and label_smoothing)."""
     from kd.losses import LOSSES
 
     rows = []

@@ -47,7 +47,8 @@ class RunConfig:
     no_teacher: bool = False
     # method
     kd_loss: str = "kd"
-    alpha: Optional[float] = None  # None: the method's default
+    ce_weight: Optional[float] = None  # None: the method's default (LOSS_OPTIONS: also loss_args keys)
+    label_smoothing: Optional[float] = None
     temperature: Optional[float] = None
     loss_args: Dict[str, Any] = field(default_factory=dict)
     feature_layers: Optional[List[str]] = None
@@ -103,13 +104,21 @@ class RunConfig:
         return dataclasses.asdict(self)
 
     def loss_kwargs(self) -> Dict[str, Any]:
-        """Hyper-parameters of the KD method: ``loss_args`` plus ``--alpha`` / ``--temperature``."""
-        args = {k: v for k, v in (("alpha", self.alpha), ("temperature", self.temperature)) if v is not None}
-        args.update(self.loss_args)
+        """Hyper-parameters of the KD method: ``loss_args`` plus ``--ce-weight``,
+        ``--label-smoothing``, ``--temperature``. Without a teacher only the label smoothing
+        stays: a recipe's KD settings (its label weight too) mean nothing there."""
+        args = {**self.loss_args, **{k: getattr(self, k) for k in LOSS_OPTIONS if getattr(self, k) is not None}}
+        if self.no_teacher:
+            args = {k: v for k, v in args.items() if k == "label_smoothing"}
         return args
 
 
 FIELDS = {f.name: f for f in fields(RunConfig)}
+# Options that are also hyper-parameters of the KD method, and so keys of loss_args: whichever
+# of the two a later source (recipe < command line < --set) gives wins.
+LOSS_OPTIONS = ("ce_weight", "label_smoothing", "temperature")
+# The former top-level option: the label weight of Hinton KD (kd); only that method takes it.
+FORMER_ALPHA = "alpha"
 _LIST_INT = {"lr_milestones", "gpus"}
 _LIST_STR = {"feature_layers"}
 
@@ -120,6 +129,8 @@ def _type_name(name: str) -> str:
 
 def coerce(name: str, value: Any) -> Any:
     """Convert ``value`` (from YAML or a ``--set`` string) to the type of field ``name``."""
+    if name == FORMER_ALPHA:  # no field any more; :func:`apply` maps it
+        name = "ce_weight"
     if name not in FIELDS:
         raise KDError(f"unknown option {name!r}{suggest(name, FIELDS)}")
     default = FIELDS[name].default
@@ -207,14 +218,51 @@ def load_yaml(path: Union[str, Path], what: str = "recipe") -> Dict[str, Any]:
 
 def apply(cfg: RunConfig, values: Dict[str, Any], source: str) -> RunConfig:
     """A copy of ``cfg`` with ``values`` applied; ``source`` names where they came from in errors."""
+    values = dict(values)
+    alpha = values.pop(FORMER_ALPHA, None)
     changes = {}
     for key, value in values.items():
         if key not in FIELDS:
             raise KDError(f"unknown option {key!r} in {source}{suggest(key, FIELDS)}")
-        if key == "loss_args" and isinstance(value, dict):
-            value = {**cfg.loss_args, **changes.get("loss_args", {}), **value}
         changes[key] = coerce(key, value)
+    if alpha is not None or "loss_args" in changes or any(changes.get(k) is not None for k in LOSS_OPTIONS):
+        changes.update(_loss_changes(cfg, changes, alpha, source))
     return dataclasses.replace(cfg, **changes)
+
+
+def _loss_changes(cfg: RunConfig, changes: Dict[str, Any], alpha: Any, source: str) -> Dict[str, Any]:
+    """``loss_args`` (and LOSS_OPTIONS) after one source's ``changes``.
+
+    The source's former hyper-parameter names become the current ones (one deprecation line
+    each; a former and its current name together are an error), its ``alpha`` too where the
+    method is kd. A LOSS_OPTIONS value replaces the same key of earlier ``loss_args`` and
+    the other way round, so ``--temperature`` overrides a recipe's ``loss_args.temperature``.
+    """
+    method = changes.get("kd_loss", cfg.kd_loss)
+    own = dict(changes.get("loss_args", {}))
+    if alpha is not None:
+        if method != "kd":
+            extra = "; it set DKD's TCKD weight, now --loss-arg tckd_weight=X" if method == "dkd" else ""
+            raise KDError(f"option 'alpha' ({source}) is gone: it was the label weight of --kd-loss kd; "
+                          f"use --ce-weight for {method}'s label term{extra}")
+        if changes.get("ce_weight") is not None or FORMER_ALPHA in own:
+            raise KDError(f"{source} gives 'alpha', the former name of ce_weight (and 1 - kd_weight), and ce_weight "
+                          "or loss_args alpha: give ce_weight and kd_weight, not both")
+        own[FORMER_ALPHA] = alpha
+    if own:
+        from kd.losses import LOSSES
+
+        own = LOSSES.get(method).upgrade_args(own)
+    for name in LOSS_OPTIONS:
+        if changes.get(name) is not None and name in own:
+            raise KDError(f"{source} gives {name} twice, as an option and in loss_args")
+    out: Dict[str, Any] = {"loss_args": {**cfg.loss_args, **own}}
+    for name in LOSS_OPTIONS:
+        if changes.get(name) is not None:
+            out["loss_args"].pop(name, None)
+        elif name in own:
+            out[name] = None
+    return out
 
 
 def resolve(recipe: Optional[str] = None, options: Optional[Dict[str, Any]] = None,
@@ -289,11 +337,32 @@ def validate(cfg: RunConfig) -> RunConfig:
     need(cfg.gpus is None or all(g >= 0 for g in cfg.gpus), f"--gpus must be GPU indices 0, 1, ...: {cfg.gpus}")
     need(not (cfg.gpus and cfg.device == "cpu"), "--gpus needs --device cuda (or auto), not --device cpu")
     need(cfg.keep_last >= 1, "--keep-last must be at least 1")
-    need(0.0 <= (cfg.alpha if cfg.alpha is not None else 0.0) <= 1.0, "--alpha must be between 0 and 1")
-    need(cfg.temperature is None or cfg.temperature > 0, "--temperature must be positive")
     if cfg.no_teacher and cfg.kd_loss not in ("kd", "ce"):
         raise KDError(f"--no-teacher trains with cross-entropy only; it conflicts with --kd-loss {cfg.kd_loss}")
+    validate_loss_options(cfg)
     return cfg
+
+
+def validate_loss_options(cfg: RunConfig) -> None:
+    """The KD hyper-parameters given as options: in range, given once, and known to the method."""
+    for name in LOSS_OPTIONS:
+        if getattr(cfg, name) is not None and name in cfg.loss_args:
+            raise KDError(f"{name} is given twice, as --{name.replace('_', '-')} and in loss_args")
+    args = {**cfg.loss_args, **{k: getattr(cfg, k) for k in LOSS_OPTIONS if getattr(cfg, k) is not None}}
+    checks = {"ce_weight": (lambda v: v >= 0, "must be 0 or more"),
+              "label_smoothing": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
+              "temperature": (lambda v: v > 0, "must be positive")}
+    for name, (ok, what) in checks.items():
+        value = args.get(name)
+        if isinstance(value, (int, float)) and not ok(value):
+            raise KDError(f"--{name.replace('_', '-')} {what}, got {value}")
+    if cfg.temperature is not None and not cfg.no_teacher:
+        from kd.losses import LOSSES
+
+        known = LOSSES.get(cfg.kd_loss).defaults
+        if "temperature" not in known:
+            raise KDError(f"--temperature: KD loss {cfg.kd_loss!r} has no temperature; "
+                          f"its hyper-parameters: {', '.join(known)}")
 
 
 def save(cfg: RunConfig, path: Union[str, Path], notes: List[str] = ()) -> None:

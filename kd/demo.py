@@ -77,7 +77,8 @@ def run_demo(out: Path, epochs: Optional[int] = None, overwrite: bool = False) -
         if name == "student_kd":
             runs[name] = RunConfig(**common, epochs=student_epochs, student=STUDENT, teacher=TEACHER,
                                    teacher_weights=str(out / "teacher" / "checkpoints" / "best.pt"),
-                                   kd_loss="kd", alpha=0.5, temperature=4.0, out=str(out / "student_kd"))
+                                   kd_loss="kd", ce_weight=0.5, temperature=4.0, loss_args={"kd_weight": 0.5},
+                                   out=str(out / "student_kd"))
         print(f"== kd demo: {name} ==", flush=True)
         kd.train(runs[name])
         results[name] = _best(Path(runs[name].out))

@@ -38,7 +38,7 @@ def ref_ce(s, y):
     return float(np.mean([-math.log(ref_softmax(s[i])[y[i]]) for i in range(len(y))]))
 
 
-def ref_dkd(s, t, y, alpha, beta, T):
+def ref_dkd(s, t, y, tckd_weight, nckd_weight, T):
     """Zhao et al. Eq. (1)-(5): binary target / non-target KL and the KL among non-targets."""
     tckd = nckd = 0.0
     for i in range(len(y)):
@@ -50,7 +50,7 @@ def ref_dkd(s, t, y, alpha, beta, T):
         qt = np.array([pt[j] for j in others]) / (1 - pt[g])
         nckd += ref_kl(qt, qs)
     n = len(y)
-    return alpha * T * T * tckd / n + beta * T * T * nckd / n
+    return tckd_weight * T * T * tckd / n + nckd_weight * T * T * nckd / n
 
 
 def ref_pearson(a, b):
@@ -61,14 +61,14 @@ def ref_pearson(a, b):
     return cov / math.sqrt(va * vb)
 
 
-def ref_dist(s, t, beta, gamma, tau):
+def ref_dist(s, t, inter_weight, intra_weight, tau):
     """Huang et al. Eq. (6)-(9): 1 - Pearson over classes per sample, and over samples per class."""
     ps = np.stack([ref_softmax(r / tau) for r in s])
     pt = np.stack([ref_softmax(r / tau) for r in t])
     n, c = ps.shape
     inter = sum(1 - ref_pearson(ps[i], pt[i]) for i in range(n)) / n
     intra = sum(1 - ref_pearson(ps[:, j], pt[:, j]) for j in range(c)) / c
-    return tau * tau * (beta * inter + gamma * intra)
+    return tau * tau * (inter_weight * inter + intra_weight * intra)
 
 
 def ref_zscore(z, eps):
@@ -155,11 +155,12 @@ def run(name, args, **inputs):
 
 # ---------------------------------------------------------------- DKD
 
-@pytest.mark.parametrize("T,alpha,beta", [(1.0, 1.0, 0.5), (4.0, 1.0, 8.0), (2.0, 0.3, 2.0)])
-def test_dkd_matches_paper(T, alpha, beta):
+@pytest.mark.parametrize("T,tckd_weight,nckd_weight", [(1.0, 1.0, 0.5), (4.0, 1.0, 8.0), (2.0, 0.3, 2.0)])
+def test_dkd_matches_paper(T, tckd_weight, nckd_weight):
     s, t, y = logits(0), logits(1), labels(2)
-    out = run("dkd", {"temperature": T, "alpha": alpha, "beta": beta}, student_logits=s, teacher_logits=t, labels=y, progress=5.0)
-    expected_kd = ref_dkd(np64(s), np64(t), y.numpy(), alpha, beta, T)
+    out = run("dkd", {"temperature": T, "tckd_weight": tckd_weight, "nckd_weight": nckd_weight},
+              student_logits=s, teacher_logits=t, labels=y, progress=5.0)
+    expected_kd = ref_dkd(np64(s), np64(t), y.numpy(), tckd_weight, nckd_weight, T)
     assert close(out["kd"], expected_kd)
     assert close(out["ce"], ref_ce(np64(s), y.numpy()))
     assert close(out["loss"], ref_ce(np64(s), y.numpy()) + expected_kd)
@@ -191,7 +192,7 @@ def test_dkd_reformulates_classical_kd():
     # Zhao et al. Eq. (7), per sample: KD = TCKD + (1 - p_t[target]) * NCKD
     s, t, y, T = logits(8, n=1), logits(9, n=1), labels(10, n=1), 2.0
     dkd = run("dkd", {"temperature": T}, student_logits=s, teacher_logits=t, labels=y)
-    kd = run("kd", {"temperature": T, "alpha": 0.0}, student_logits=s, teacher_logits=t, labels=y)
+    kd = run("kd", {"temperature": T, "ce_weight": 0.0}, student_logits=s, teacher_logits=t, labels=y)
     p_target = ref_softmax(np64(t)[0] / T)[y.item()]
     assert close(kd["kd"], dkd["tckd"] + (1 - p_target) * dkd["nckd"])
 
@@ -208,13 +209,31 @@ def test_dkd_refuses_soft_labels():
         run("dkd", {}, student_logits=logits(0), teacher_logits=logits(1), labels=torch.full((4, 7), 1 / 7))
 
 
+# ---------------------------------------------------------------- Hinton KD
+
+def ref_hinton_kd(s, t, T):
+    return T * T * sum(ref_kl(ref_softmax(t[i] / T), ref_softmax(s[i] / T)) for i in range(len(s))) / len(s)
+
+
+@pytest.mark.parametrize("T", [1.0, 4.0])
+def test_kd_matches_paper(T):
+    s, t, y = logits(50), logits(51), labels(52)
+    expected_kd, expected_ce = ref_hinton_kd(np64(s), np64(t), T), ref_ce(np64(s), y.numpy())
+    out = run("kd", {"temperature": T}, student_logits=s, teacher_logits=t, labels=y)
+    assert close(out["kd"], expected_kd) and close(out["ce"], expected_ce)
+    assert close(out["loss"], 0.5 * expected_ce + 0.5 * expected_kd)  # Hinton's split: label 0.5, KD 0.5
+    out = run("kd", {"temperature": T, "ce_weight": 0.1, "kd_weight": 2.0}, student_logits=s, teacher_logits=t, labels=y)
+    assert close(out["loss"], 0.1 * expected_ce + 2.0 * expected_kd)
+
+
 # ---------------------------------------------------------------- DIST
 
-@pytest.mark.parametrize("beta,gamma,tau", [(1.0, 1.0, 1.0), (2.0, 0.5, 4.0)])
-def test_dist_matches_paper(beta, gamma, tau):
+@pytest.mark.parametrize("inter_weight,intra_weight,T", [(1.0, 1.0, 1.0), (2.0, 0.5, 4.0)])
+def test_dist_matches_paper(inter_weight, intra_weight, T):
     s, t, y = logits(11, n=5), logits(12, n=5), labels(13, n=5)
-    out = run("dist", {"beta": beta, "gamma": gamma, "tau": tau}, student_logits=s, teacher_logits=t, labels=y)
-    expected = ref_dist(np64(s), np64(t), beta, gamma, tau)
+    out = run("dist", {"inter_weight": inter_weight, "intra_weight": intra_weight, "temperature": T},
+              student_logits=s, teacher_logits=t, labels=y)
+    expected = ref_dist(np64(s), np64(t), inter_weight, intra_weight, T)
     assert close(out["kd"], expected)
     assert close(out["loss"], ref_ce(np64(s), y.numpy()) + 2.0 * expected)  # kd_weight 2
 
@@ -349,12 +368,12 @@ FEATS_PAIRS = {
 # arguments that leave only its distillation term
 SETTINGS = {
     "ce": {"teacher": False},
-    "kd": {"kd_only": {"alpha": 0.0}},
-    "dkd": {"args": {"alpha": 2.0, "beta": 4.0, "temperature": 4.0, "warmup": 5.0, "ce_weight": 0.5}, "kd_only": {"ce_weight": 0.0}},
-    "dist": {"args": {"beta": 2.0, "gamma": 2.0, "tau": 4.0, "kd_weight": 1.0}, "kd_only": {"ce_weight": 0.0}},
+    "kd": {"args": {"ce_weight": 0.3, "kd_weight": 0.7, "temperature": 2.0}, "kd_only": {"ce_weight": 0.0}},
+    "dkd": {"args": {"tckd_weight": 2.0, "nckd_weight": 4.0, "temperature": 4.0, "warmup": 5.0, "ce_weight": 0.5}, "kd_only": {"ce_weight": 0.0}},
+    "dist": {"args": {"inter_weight": 2.0, "intra_weight": 2.0, "temperature": 4.0, "kd_weight": 1.0}, "kd_only": {"ce_weight": 0.0}},
     "lskd": {"args": {"temperature": 3.0, "kd_weight": 9.0}, "kd_only": {"ce_weight": 0.0}},
     "fitnet": {"features": FEATS_SAME, "args": {"kd_weight": 1.0}, "kd_only": {"ce_weight": 0.0}},
-    "at": {"features": FEATS_PAIRS, "args": {"p": 4.0, "beta": 500.0}, "kd_only": {"ce_weight": 0.0}},
+    "at": {"features": FEATS_PAIRS, "args": {"p": 4.0, "at_weight": 500.0}, "kd_only": {"ce_weight": 0.0}},
 }
 
 
@@ -424,6 +443,92 @@ def test_feature_methods_refuse_token_features(name):
         loss.setup_features({"blocks.3": torch.Size((2, 197, 192))}, {"blocks.3": torch.Size((2, 197, 384))})
     with pytest.raises(KDError, match="same non-zero number"):
         loss.setup_features({"a": torch.Size((2, 3, 4, 4))}, {})
+
+
+# ---------------------------------------------------------------- the label term and the names of the knobs
+
+def ref_ce_smoothed(s, y, eps):
+    """Szegedy et al. 2016: the target is (1 - eps) one-hot + eps / C uniform."""
+    total = 0.0
+    for i in range(len(y)):
+        log_p = np.log(ref_softmax(s[i]))
+        total += -(1 - eps) * log_p[y[i]] - eps * log_p.mean()
+    return total / len(y)
+
+
+def test_every_method_has_the_label_term_knobs():
+    for name in LOSSES.names():
+        assert {"ce_weight", "label_smoothing"} <= set(LOSSES.get(name).defaults), name
+        assert list(LOSSES.get(name).defaults)[:2] == ["ce_weight", "label_smoothing"], name
+
+
+@pytest.mark.parametrize("name", sorted(SETTINGS))
+def test_label_smoothing_applies_to_every_method(name):
+    plain_loss, x = prepared(name, {})
+    smooth_loss, _ = prepared(name, {"label_smoothing": 0.1})
+    smooth_loss.load_state_dict(plain_loss.state_dict())  # the same connectors
+    plain, smooth = plain_loss(x), smooth_loss(x)
+    expected = ref_ce_smoothed(np64(x.student_logits), x.labels.numpy(), 0.1)
+    assert close(smooth["ce"], expected)
+    assert close(plain["ce"], ref_ce(np64(x.student_logits), x.labels.numpy()))
+    weight = LOSSES.get(name).defaults["ce_weight"]
+    assert close(smooth["loss"] - plain["loss"], weight * (expected - plain["ce"].item()), atol=1e-5)
+    assert set(smooth) == set(plain)  # the same logged entries
+
+
+@pytest.mark.parametrize("name", ["ce", "kd", "lskd", "dist"])
+def test_soft_labels_reach_the_label_term(name):
+    """Probabilities as targets (mixup, cutmix) work wherever the method does not need a target class."""
+    s, t = logits(60), logits(61)
+    soft = torch.softmax(logits(62), dim=1)
+    out = run(name, {"label_smoothing": 0.2}, student_logits=s, teacher_logits=t, labels=soft)
+    target = 0.8 * np64(soft) + 0.2 / s.shape[1]
+    expected = float(np.mean([-(target[i] * np.log(ref_softmax(np64(s)[i]))).sum() for i in range(len(s))]))
+    assert close(out["ce"], expected)
+
+
+# (method, old name, value) -> the current hyper-parameters it stands for
+DEPRECATED = [
+    ("kd", "alpha", 0.3, {"ce_weight": 0.3, "kd_weight": 0.7}),
+    ("dkd", "alpha", 2.0, {"tckd_weight": 2.0}),
+    ("dkd", "beta", 8.0, {"nckd_weight": 8.0}),
+    ("dist", "beta", 2.0, {"inter_weight": 2.0}),
+    ("dist", "gamma", 0.5, {"intra_weight": 0.5}),
+    ("dist", "tau", 4.0, {"temperature": 4.0}),
+    ("at", "beta", 500.0, {"at_weight": 500.0}),
+]
+
+
+@pytest.mark.parametrize("name,old,value,new", DEPRECATED)
+def test_old_names_are_accepted_with_one_deprecation_line(name, old, value, new, caplog):
+    loss, x = prepared(name, new)
+    with caplog.at_level("WARNING"):
+        old_loss, _ = prepared(name, {old: value})
+    old_loss.load_state_dict(loss.state_dict())
+    expected, got = loss(x), old_loss(x)
+    assert set(got) == set(expected) and all(torch.equal(got[k], expected[k]) for k in expected)
+    lines = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert old in lines[0] and all(k in lines[0] for k in new), lines[0]
+
+
+@pytest.mark.parametrize("name,old,value,new", DEPRECATED)
+def test_old_and_new_name_together_is_a_user_error(name, old, value, new):
+    clash = next(iter(new))
+    with pytest.raises(KDError, match=f"{old}.*{clash}.*not both"):
+        build_loss(name, 10, {old: value, clash: value})
+
+
+def test_renamed_tables_point_at_current_names():
+    for name in LOSSES.names():
+        cls = LOSSES.get(name)
+        assert set(cls.renamed.values()) <= set(cls.defaults), name
+        assert not set(cls.renamed) & set(cls.defaults), name
+
+
+def test_kd_alpha_outside_0_1_is_refused():
+    with pytest.raises(KDError, match="alpha must be between 0 and 1"):
+        build_loss("kd", 10, {"alpha": 1.5})
 
 
 # ---------------------------------------------------------------- default layers and layer specs

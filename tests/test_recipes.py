@@ -52,3 +52,158 @@ def test_recipes_cli_and_report(tmp_path):
     assert (tmp_path / "t.csv").read_text().startswith("run,method")
     r = run_kd("report", tmp_path / "nothing")
     assert r.returncode == 2 and "does not exist" in r.stderr
+
+
+# ---------------------------------------------------------------- KD hyper-parameter names
+
+# What each recipe said before the names were made consistent (issue 16): the loss keys only.
+FORMER = {
+    "imagenet/r101_r18_kd": {"alpha": 0.5, "temperature": 1.0},
+    "imagenet/r34_r18_kd": {"alpha": 0.5, "temperature": 1.0},
+    "imagenet/r50_mv1_kd": {"alpha": 0.5, "temperature": 1.0},
+    "imagenet/r34_r18_at": {"loss_args": {"ce_weight": 1.0, "beta": 1000.0}},
+    "imagenet/r34_r18_dist": {"loss_args": {"ce_weight": 1.0, "kd_weight": 2.0, "beta": 1.0, "gamma": 1.0, "tau": 1.0}},
+    "imagenet/r34_r18_dkd": {"loss_args": {"ce_weight": 1.0, "alpha": 1.0, "beta": 0.5, "temperature": 1.0, "warmup": 1}},
+    "imagenet/r50_mv1_dkd": {"loss_args": {"ce_weight": 1.0, "alpha": 1.0, "beta": 2.0, "temperature": 1.0, "warmup": 1}},
+    "imagenet/r34_r18_lskd": {"loss_args": {"ce_weight": 1.0, "kd_weight": 6.0, "temperature": 2.0}},
+}
+
+
+def loss_outputs(cfg):
+    """The recipe's loss on fixed tensors (features where the method needs them)."""
+    import torch
+
+    from kd.losses import DistillInputs
+
+    loss = build_loss(cfg.kd_loss, 10, cfg.loss_kwargs())
+    g = torch.Generator().manual_seed(0)
+    s, t = torch.randn(6, 10, generator=g) * 3, torch.randn(6, 10, generator=g) * 3
+    y = torch.randint(0, 10, (6,), generator=g)
+    feats = {}, {}
+    if loss.uses_features:
+        feats = {"a": torch.randn(6, 4, 8, 8, generator=g)}, {"a": torch.randn(6, 8, 4, 4, generator=g)}
+        loss.setup_features({"a": feats[0]["a"].shape}, {"a": feats[1]["a"].shape})
+        torch.manual_seed(1)
+        for p in loss.parameters():
+            p.data.normal_()
+    return loss(DistillInputs(s, y, t, feats[0], feats[1], progress=0.5))
+
+
+def test_every_kd_recipe_has_its_former_settings_listed():
+    assert sorted(FORMER) == sorted(n for n in NAMES if not kd_config.resolve(recipe=n).no_teacher)
+
+
+@pytest.mark.parametrize("name", sorted(FORMER))
+def test_recipe_loss_equals_its_former_names(name, tmp_path, caplog):
+    import yaml
+
+    new = kd_config.resolve(recipe=name)
+    data = kd_config.load_yaml(kd_config.find_recipe(name))
+    for key in ("loss_args", "ce_weight", "temperature", "alpha"):
+        data.pop(key, None)
+    data.update(FORMER[name])
+    (tmp_path / "old.yaml").write_text(yaml.safe_dump(data))
+    with caplog.at_level("WARNING"):
+        old = kd_config.resolve(recipe=str(tmp_path / "old.yaml"))
+    assert old.loss_kwargs() == new.loss_kwargs()
+    a, b = loss_outputs(new), loss_outputs(old)
+    assert set(a) == set(b) and all(a[k].item() == b[k].item() for k in a)
+    renamed = sum(1 for k in {**FORMER[name], **FORMER[name].get("loss_args", {})} if k in ("alpha", "beta", "gamma", "tau"))
+    assert len([r for r in caplog.records if "deprecated" in r.getMessage()]) == renamed
+
+
+def test_shipped_recipes_use_current_names_only(caplog):
+    with caplog.at_level("WARNING"):
+        for name in NAMES:
+            kd_config.resolve(recipe=name)
+    assert not [r for r in caplog.records if "deprecated" in r.getMessage()]
+
+
+def test_options_and_loss_args_later_source_wins():
+    cfg = kd_config.resolve(recipe="imagenet/r34_r18_dkd", options={"temperature": 4.0})
+    assert cfg.loss_kwargs()["temperature"] == 4.0  # the command line over the recipe's loss_args
+    cfg = kd_config.resolve(recipe="imagenet/r34_r18_dist", options={"temperature": 4.0, "ce_weight": 0.5})
+    assert cfg.loss_kwargs() == {"ce_weight": 0.5, "kd_weight": 2.0, "inter_weight": 1.0, "intra_weight": 1.0,
+                                 "temperature": 4.0}
+    cfg = kd_config.resolve(recipe="imagenet/r34_r18_kd", options={"temperature": 4.0}, sets=["loss_args.temperature=3"])
+    assert cfg.loss_kwargs()["temperature"] == 3 and cfg.temperature is None
+    with pytest.raises(kd_config.KDError, match="temperature twice"):
+        kd_config.resolve(recipe="imagenet/r34_r18_kd", options={"temperature": 4.0, "loss_args": {"temperature": 2}})
+
+
+def test_former_names_on_the_command_line_over_a_recipe(caplog):
+    with caplog.at_level("WARNING"):
+        cfg = kd_config.resolve(recipe="imagenet/r34_r18_dkd", options={"loss_args": {"beta": 8.0}})
+    assert cfg.loss_kwargs()["nckd_weight"] == 8.0 and "beta" not in cfg.loss_kwargs()
+    assert len(caplog.records) == 1 and "'beta' is deprecated, use nckd_weight" in caplog.records[0].getMessage()
+    # a former name in the recipe, the current one on the command line: the later one wins
+    cfg = kd_config.resolve(options={"kd_loss": "dkd", "loss_args": {"beta": 8.0}, "teacher": "resnet34",
+                                     "student": "resnet18", "data": "synthetic"},
+                            sets=["loss_args.nckd_weight=2"])
+    assert cfg.loss_kwargs()["nckd_weight"] == 2
+
+
+def test_former_alpha_is_kd_only():
+    base = dict(teacher="resnet34", student="resnet18", data="synthetic")
+    cfg = kd_config.resolve(options={**base, "alpha": 0.3})
+    assert cfg.loss_kwargs() == {"ce_weight": 0.3, "kd_weight": 0.7}
+    for method, hint in (("dkd", "tckd_weight"), ("dist", "--ce-weight")):
+        with pytest.raises(kd_config.KDError, match=hint):
+            kd_config.resolve(options={**base, "kd_loss": method, "alpha": 0.3})
+    with pytest.raises(kd_config.KDError, match="not both"):
+        kd_config.resolve(options={**base, "alpha": 0.3, "ce_weight": 0.5})
+    saved = kd_config.RunConfig(**base).to_dict()  # a config.yaml of an older run has alpha: null
+    assert kd_config.apply(kd_config.RunConfig(), {**saved, "kd_loss": "dkd", "alpha": None}, "x").kd_loss == "dkd"
+
+
+def test_config_yaml_of_an_older_run_loads(tmp_path):
+    import yaml
+
+    saved = {k: v for k, v in kd_config.RunConfig(teacher="resnet34", student="resnet18").to_dict().items()
+             if k not in ("ce_weight", "label_smoothing")}
+    (tmp_path / "kd.yaml").write_text(yaml.safe_dump({**saved, "alpha": 0.5, "temperature": 1.0}))
+    assert kd_config.load(tmp_path / "kd.yaml").loss_kwargs() == {"ce_weight": 0.5, "kd_weight": 0.5, "temperature": 1.0}
+    loss_args = {"ce_weight": 1.0, "alpha": 1.0, "beta": 0.5, "temperature": 1.0, "warmup": 1}
+    (tmp_path / "dkd.yaml").write_text(yaml.safe_dump({**saved, "kd_loss": "dkd", "alpha": None, "temperature": None,
+                                                       "loss_args": loss_args}))
+    assert kd_config.load(tmp_path / "dkd.yaml").loss_kwargs() == kd_config.resolve(recipe="imagenet/r34_r18_dkd").loss_kwargs()
+    assert kd_config.coerce("alpha", "0.3") == 0.3  # kd bench checks its --set items with coerce
+
+
+def test_temperature_is_refused_where_there_is_none():
+    base = dict(teacher="resnet34", student="resnet18", data="synthetic", temperature=2.0)
+    for method in ("kd", "dkd", "dist", "lskd", "fitnet"):
+        assert kd_config.resolve(options={**base, "kd_loss": method}).loss_kwargs()["temperature"] == 2.0
+    with pytest.raises(kd_config.KDError, match="KD loss 'at' has no temperature"):
+        kd_config.resolve(options={**base, "kd_loss": "at"})
+
+
+def test_no_teacher_keeps_only_the_label_smoothing():
+    cfg = kd_config.resolve(recipe="imagenet/r34_r18_kd", options={"no_teacher": True, "label_smoothing": 0.1})
+    assert cfg.loss_kwargs() == {"label_smoothing": 0.1}
+
+
+def test_cli_former_and_current_name_together_is_one_line_exit_2():
+    r = run_kd("train", "--recipe", "imagenet/r34_r18_dkd", "--loss-arg", "beta=1", "--loss-arg", "nckd_weight=1")
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert lines[0].startswith("kd: error: ") and "'beta' is the former name of nckd_weight" in lines[0]
+    assert "not both" in lines[0]
+
+
+def test_cli_former_name_gives_one_deprecation_line():
+    # --student missing on purpose: the run stops at validation, after the names were read
+    r = run_kd("train", "--kd-loss", "dist", "--teacher", "resnet34", "--data", "synthetic", "-T", "2",
+               "--loss-arg", "gamma=2", "--set", "loss_args.beta=3")
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2, r.stderr
+    assert lines[-1] == "kd: error: --student is required (a torchvision model name or timm:NAME)"
+    warnings = lines[:-1]
+    assert len(warnings) == 2, r.stderr  # one per former name
+    assert "'gamma' is deprecated, use intra_weight" in warnings[0] and "'beta' is deprecated, use inter_weight" in warnings[1]
+    r = run_kd("train", "--kd-loss", "kd", "--teacher", "resnet34", "--data", "synthetic", "--alpha", "0.3")
+    assert [line for line in r.stderr.splitlines() if "deprecated" in line] == [
+        "kd: warning: KD loss 'kd': 'alpha' is deprecated, use ce_weight and kd_weight (alpha=0.3 -> ce_weight=0.3, kd_weight=0.7)"]
+    r = run_kd("train", "--kd-loss", "at", "--teacher", "resnet34", "--student", "resnet18", "--data", "synthetic", "-T", "2")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "kd: error: --temperature: KD loss 'at' has no temperature; its hyper-parameters: ce_weight, label_smoothing, at_weight, p"]

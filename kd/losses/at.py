@@ -30,16 +30,17 @@ def at_distance(student_feat: torch.Tensor, teacher_feat: torch.Tensor, p: float
 
 @register("at")
 class AttentionTransfer(DistillLoss):
-    """AT: ``ce_weight * CE + beta * sum over stages of at_distance``.
+    """AT: ``ce_weight * CE + at_weight * sum over stages of at_distance``.
 
     Default layers are the four stage outputs (``layer1..layer4`` of ResNets, the stride 4-32
     stages of MobileNets); specs are ``name`` or ``student_name:teacher_name`` paired by
-    position (see :mod:`kd.losses.features`). ``beta`` = 1000 and ``p`` = 2 are the official
-    code's and mdistiller's (both apply ``beta`` without the paper's 1/2).
+    position (see :mod:`kd.losses.features`). ``at_weight`` = 1000 and ``p`` = 2 are the official
+    code's and mdistiller's (their ``beta``, applied without the paper's 1/2).
     """
 
     uses_features = True
-    defaults = {"ce_weight": 1.0, "beta": 1000.0, "p": 2.0}
+    defaults = {"ce_weight": 1.0, "at_weight": 1000.0, "p": 2.0}
+    renamed = {"beta": "at_weight"}
 
     @classmethod
     def default_layers(cls, student_layers: List[str], teacher_layers: List[str]) -> List[str]:
@@ -50,9 +51,8 @@ class AttentionTransfer(DistillLoss):
             check_maps(self.name, s, student_shapes[s])
             check_maps(self.name, t, teacher_shapes[t])
 
-    def forward(self, x: DistillInputs) -> Dict[str, torch.Tensor]:
+    def distill(self, x: DistillInputs):
         h = self.hparams
         pairs = feature_pairs(self.name, x.student_feats, x.teacher_feats)
         at = sum(at_distance(x.student_feats[s], x.teacher_feats[t], h["p"]) for s, t in pairs)
-        ce = F.cross_entropy(x.student_logits.float(), x.labels)
-        return {"loss": h["ce_weight"] * ce + h["beta"] * at, "ce": ce, "at": at}
+        return h["at_weight"] * at, {"at": at}

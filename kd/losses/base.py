@@ -6,10 +6,13 @@ Loss modules see tensors only: logits, features, labels; never models or backend
 """
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Dict, List, Optional
+from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kd.errors import KDError
@@ -18,12 +21,24 @@ from kd.registry import Registry
 LOSSES: Registry = Registry("KD loss")
 register = LOSSES.register
 
+# The label term every method has, and its defaults (a method may change the weight's default).
+LABEL_TERM: Dict[str, Any] = {"ce_weight": 1.0, "label_smoothing": 0.0}
+
+log = logging.getLogger("kd")
+
+
+def deprecation(message: str) -> None:
+    """One ``kd: warning:`` line on stderr, from the first process of a multi-process start only."""
+    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+        log.warning(f"kd: warning: {message}")
+
 
 @dataclass
 class DistillInputs:
     """What a loss sees for one batch.
 
-    ``teacher_logits`` is float32 (or None with ``--no-teacher``): the teacher may run in
+    ``labels`` are class indices (N,) or class probabilities (N, C), as cross-entropy takes
+    them. ``teacher_logits`` is float32 (or None with ``--no-teacher``): the teacher may run in
     reduced precision, but its logits are cast up before the softmax of the KD term.
     ``student_feats`` / ``teacher_feats`` map a layer name to that module's output, for the
     methods with ``uses_features``. ``progress`` is the training progress in epochs
@@ -39,12 +54,20 @@ class DistillInputs:
 
 
 class DistillLoss(nn.Module):
-    """Base class of the registered KD methods.
+    """Base class of the registered KD methods: the label term plus the method's own part.
 
-    Subclasses set ``defaults`` (their hyper-parameters and default values; the config's
-    ``loss_args`` override them, unknown keys are an error) and implement :meth:`forward`,
-    returning a dict whose ``"loss"`` entry is the weighted total that is back-propagated;
-    the other entries (``"ce"``, ``"kd"``, ...) are logged as they are.
+    The loss is ``ce_weight * CE(student, labels; label_smoothing) + distillation part``. The
+    base owns the label term for every method: ``ce_weight`` and ``label_smoothing`` are in
+    every method's ``defaults`` (first, with :data:`LABEL_TERM`'s values unless the method sets
+    its own default weight). A subclass sets ``defaults`` (its hyper-parameters and their
+    default values; the config's ``loss_args`` override them, unknown keys are an error) and
+    implements :meth:`distill`; :meth:`forward` returns ``{"loss": total, "ce": CE, **terms}``:
+    ``"loss"`` is back-propagated, the other entries are logged as they are.
+
+    Hyper-parameter names: ``temperature`` for every softmax temperature, ``<what>_weight``
+    for every weight. ``renamed`` maps a method's former names to the current ones; a former
+    name is accepted with one deprecation line, a former name together with its current one is
+    an error. A method whose former name was not a plain rename overrides :meth:`translate_old`.
 
     Methods on intermediate features set ``uses_features = True``; the engine then taps the
     modules named by ``--feature-layers`` (or :meth:`default_layers`) with forward hooks and
@@ -53,14 +76,20 @@ class DistillLoss(nn.Module):
     student. Their parameters belong to the student side and are dropped on export.
     """
 
-    defaults: ClassVar[Dict[str, Any]] = {}
+    defaults: ClassVar[Dict[str, Any]] = dict(LABEL_TERM)
+    renamed: ClassVar[Dict[str, str]] = {}
     uses_features: ClassVar[bool] = False
     needs_teacher: ClassVar[bool] = True
     name: ClassVar[str] = ""
 
+    def __init_subclass__(cls, **kwargs: Any):
+        super().__init_subclass__(**kwargs)
+        cls.defaults = {**LABEL_TERM, **cls.defaults}  # the label term first, then the method's own
+
     def __init__(self, num_classes: int, **hparams: Any):
         super().__init__()
         self.num_classes = num_classes
+        hparams = self.upgrade_args(hparams)
         unknown = sorted(set(hparams) - set(self.defaults))
         if unknown:
             valid = ", ".join(sorted(self.defaults)) or "none"
@@ -70,6 +99,34 @@ class DistillLoss(nn.Module):
         self.hparams: Dict[str, Any] = {**self.defaults, **hparams}
 
     @classmethod
+    def translate_old(cls, old: str, value: Any) -> Optional[Dict[str, Any]]:
+        """The current hyper-parameters that the former ``old=value`` stands for; None when
+        ``old`` is no former name. A plain rename through ``renamed`` unless overridden."""
+        return {cls.renamed[old]: value} if old in cls.renamed else None
+
+    @classmethod
+    def upgrade_args(cls, args: Dict[str, Any]) -> Dict[str, Any]:
+        """``args`` with former names replaced by the current ones, one deprecation line each.
+
+        KDError when a former name comes with a current name it maps to (in the same ``args``).
+        """
+        out = {k: v for k, v in args.items()}
+        for old in list(args):
+            new = cls.translate_old(old, args[old])
+            if new is None:
+                continue
+            del out[old]
+            clash = [k for k in new if k in out]
+            if clash:
+                raise KDError(f"KD loss {cls.name!r}: {old!r} is the former name of {clash[0]}; "
+                              f"give one of them, not both")
+            out.update(new)
+            mapped = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in new.items())
+            deprecation(f"KD loss {cls.name!r}: {old!r} is deprecated, use {' and '.join(new)} "
+                        f"({old}={args[old]} -> {mapped})")
+        return out
+
+    @classmethod
     def default_layers(cls, student_layers: List[str], teacher_layers: List[str]) -> List[str]:
         """Layer names to tap when the user names none (feature methods override this)."""
         return []
@@ -77,8 +134,21 @@ class DistillLoss(nn.Module):
     def setup_features(self, student_shapes: Dict[str, torch.Size], teacher_shapes: Dict[str, torch.Size]) -> None:
         """Create connectors once the feature shapes are known (feature methods override this)."""
 
-    def forward(self, x: DistillInputs) -> Dict[str, torch.Tensor]:  # pragma: no cover - abstract
+    def label_term(self, x: DistillInputs) -> torch.Tensor:
+        """Cross-entropy of the student on the labels (indices or probabilities), in float32."""
+        return F.cross_entropy(x.student_logits.float(), x.labels, label_smoothing=self.hparams["label_smoothing"])
+
+    def distill(self, x: DistillInputs) -> Tuple[Optional[torch.Tensor], Dict[str, torch.Tensor]]:  # pragma: no cover
+        """(the weighted distillation part added to the label term, or None; the named terms to log)."""
         raise NotImplementedError
+
+    def forward(self, x: DistillInputs) -> Dict[str, torch.Tensor]:
+        part, terms = self.distill(x)
+        ce = self.label_term(x)
+        total = self.hparams["ce_weight"] * ce
+        if part is not None:
+            total = total + part
+        return {"loss": total, "ce": ce, **terms}
 
 
 def build_loss(name: str, num_classes: int, loss_args: Dict[str, Any]) -> DistillLoss:

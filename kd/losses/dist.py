@@ -2,10 +2,9 @@
 https://arxiv.org/abs/2205.10536."""
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Tuple
 
 import torch
-import torch.nn.functional as F
 
 from kd.losses.base import DistillInputs, DistillLoss, register
 
@@ -20,34 +19,35 @@ def pearson_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return 1.0 - corr.mean()
 
 
-def dist_parts(student_logits: torch.Tensor, teacher_logits: torch.Tensor, tau: float) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(inter, intra), each tau^2-scaled, on softmax(logits / tau) in float32.
+def dist_parts(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(inter, intra), each T^2-scaled, on softmax(logits / T) in float32 (T: the paper's tau).
 
     Inter-class: correlation of each sample's class probabilities (rows); intra-class: of
     each class's probabilities across the batch (columns).
     """
-    p_s = (student_logits.float() / tau).softmax(dim=1)
-    p_t = (teacher_logits.detach().float() / tau).softmax(dim=1)
-    scale = tau * tau
+    p_s = (student_logits.float() / temperature).softmax(dim=1)
+    p_t = (teacher_logits.detach().float() / temperature).softmax(dim=1)
+    scale = temperature * temperature
     return scale * pearson_distance(p_s, p_t), scale * pearson_distance(p_s.t(), p_t.t())
 
 
 @register("dist")
 class DIST(DistillLoss):
-    """DIST: ``ce_weight * CE + kd_weight * (beta * inter + gamma * intra)``.
+    """DIST: ``ce_weight * CE + kd_weight * (inter_weight * inter + intra_weight * intra)``.
 
     Defaults are the official ImageNet recipe (hunto/image_classification_sota,
     ``configs/strategies/distill/resnet_dist.yaml``: ``DIST(beta=1, gamma=1, tau=1)``,
-    ``ori_loss_weight`` 1, ``kd_loss_weight`` 2). The intra-class term correlates columns
+    ``ori_loss_weight`` 1, ``kd_loss_weight`` 2); its ``beta`` / ``gamma`` / ``tau`` are
+    ``inter_weight`` / ``intra_weight`` / ``temperature`` here. The intra-class term correlates columns
     over the batch, so it depends on the per-process batch size (the official code also
     computes it per GPU).
     """
 
-    defaults = {"ce_weight": 1.0, "kd_weight": 2.0, "beta": 1.0, "gamma": 1.0, "tau": 1.0}
+    defaults = {"ce_weight": 1.0, "kd_weight": 2.0, "inter_weight": 1.0, "intra_weight": 1.0, "temperature": 1.0}
+    renamed = {"beta": "inter_weight", "gamma": "intra_weight", "tau": "temperature"}
 
-    def forward(self, x: DistillInputs) -> Dict[str, torch.Tensor]:
+    def distill(self, x: DistillInputs):
         h = self.hparams
-        ce = F.cross_entropy(x.student_logits.float(), x.labels)
-        inter, intra = dist_parts(x.student_logits, x.teacher_logits, h["tau"])
-        kd = h["beta"] * inter + h["gamma"] * intra
-        return {"loss": h["ce_weight"] * ce + h["kd_weight"] * kd, "ce": ce, "kd": kd, "inter": inter, "intra": intra}
+        inter, intra = dist_parts(x.student_logits, x.teacher_logits, h["temperature"])
+        kd = h["inter_weight"] * inter + h["intra_weight"] * intra
+        return h["kd_weight"] * kd, {"kd": kd, "inter": inter, "intra": intra}

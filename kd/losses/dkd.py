@@ -1,7 +1,7 @@
 """Zhao et al. 2022, "Decoupled Knowledge Distillation" (CVPR), https://arxiv.org/abs/2203.08679."""
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Tuple
 
 import torch
 import torch.nn.functional as F
@@ -48,21 +48,22 @@ def dkd_parts(student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels
 
 @register("dkd")
 class DecoupledKD(DistillLoss):
-    """DKD: ``ce_weight * CE + min(progress / warmup, 1) * (alpha * TCKD + beta * NCKD)``.
+    """DKD: ``ce_weight * CE + min(progress / warmup, 1) * (tckd_weight * TCKD + nckd_weight * NCKD)``.
 
     Defaults are the official ImageNet setting (mdistiller ``configs/imagenet/r34_r18/dkd.yaml``:
-    CE_WEIGHT 1, BETA 0.5, T 1, WARMUP 1; ALPHA 1 from its defaults). ``warmup`` is in
+    CE_WEIGHT 1, BETA 0.5, T 1, WARMUP 1; ALPHA 1 from its defaults); the paper's and
+    mdistiller's ``alpha`` / ``beta`` are ``tckd_weight`` / ``nckd_weight`` here. ``warmup`` is in
     epochs and ramps the KD part linearly with the fractional ``progress``; 0 disables it.
     mdistiller steps the factor once per epoch counting from 1, so there its warmup of 1
     means no ramp at all; here the KD part grows over the first epoch.
     """
 
-    defaults = {"ce_weight": 1.0, "alpha": 1.0, "beta": 0.5, "temperature": 1.0, "warmup": 1.0}
+    defaults = {"ce_weight": 1.0, "tckd_weight": 1.0, "nckd_weight": 0.5, "temperature": 1.0, "warmup": 1.0}
+    renamed = {"alpha": "tckd_weight", "beta": "nckd_weight"}
 
-    def forward(self, x: DistillInputs) -> Dict[str, torch.Tensor]:
+    def distill(self, x: DistillInputs):
         h = self.hparams
-        ce = F.cross_entropy(x.student_logits.float(), x.labels)
         tckd, nckd = dkd_parts(x.student_logits, x.teacher_logits, x.labels, h["temperature"])
-        kd = h["alpha"] * tckd + h["beta"] * nckd
+        kd = h["tckd_weight"] * tckd + h["nckd_weight"] * nckd
         ramp = min(x.progress / h["warmup"], 1.0) if h["warmup"] > 0 else 1.0
-        return {"loss": h["ce_weight"] * ce + ramp * kd, "ce": ce, "kd": kd, "tckd": tckd, "nckd": nckd}
+        return ramp * kd, {"kd": kd, "tckd": tckd, "nckd": nckd}

@@ -67,7 +67,7 @@ class FitNet(DistillLoss):
             check_maps(self.name, t, teacher_shapes[t])
         self.connectors = nn.ModuleList(Connector(student_shapes[s][1], teacher_shapes[t][1]) for s, t in self.pairs)
 
-    def forward(self, x: DistillInputs) -> Dict[str, torch.Tensor]:
+    def distill(self, x: DistillInputs):
         h = self.hparams
         pairs = feature_pairs(self.name, x.student_feats, x.teacher_feats)
         if len(pairs) != len(self.connectors):
@@ -76,10 +76,9 @@ class FitNet(DistillLoss):
             hint_loss(connector(x.student_feats[s]), x.teacher_feats[t])
             for connector, (s, t) in zip(self.connectors, pairs)
         )
-        ce = F.cross_entropy(x.student_logits.float(), x.labels)
-        out = {"ce": ce, "hint": hint}
-        total = h["ce_weight"] * ce + h["hint_weight"] * hint
+        terms = {"hint": hint}
+        part = h["hint_weight"] * hint
         if h["kd_weight"]:
-            out["kd"] = kd_divergence(x.student_logits, x.teacher_logits, h["temperature"])
-            total = total + h["kd_weight"] * out["kd"]
-        return {"loss": total, **out}
+            terms["kd"] = kd_divergence(x.student_logits, x.teacher_logits, h["temperature"])
+            part = part + h["kd_weight"] * terms["kd"]
+        return part, terms

@@ -1,11 +1,12 @@
 """Hinton et al. 2015, "Distilling the Knowledge in a Neural Network", and plain cross-entropy."""
 from __future__ import annotations
 
-from typing import Dict
+from typing import Any, Dict, Optional
 
 import torch
 import torch.nn.functional as F
 
+from kd.errors import KDError
 from kd.losses.base import DistillInputs, DistillLoss, register
 
 
@@ -17,24 +18,28 @@ def kd_divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor, te
     return F.kl_div(log_p_s, log_p_t, reduction="batchmean", log_target=True) * (t * t)
 
 
-def hinton_loss(student_logits, teacher_logits, labels, alpha: float, temperature: float):
-    """alpha * CE(s, y) + (1 - alpha) * T^2 * KL(p_t || p_s); returns (total, ce, kd)."""
-    ce = F.cross_entropy(student_logits.float(), labels)
-    kd = kd_divergence(student_logits, teacher_logits, temperature)
-    return alpha * ce + (1.0 - alpha) * kd, ce, kd
-
-
 @register("kd")
 class HintonKD(DistillLoss):
-    """Soft-target KD: ``alpha`` weighs the label term, ``temperature`` softens both sides."""
+    """Soft-target KD: ``ce_weight * CE + kd_weight * T^2 * KL(p_t || p_s)`` at ``temperature``.
 
-    defaults = {"alpha": 0.5, "temperature": 4.0}
+    The defaults 0.5 / 0.5 are Hinton's even split (``alpha`` 0.5 in the usual
+    ``alpha * CE + (1 - alpha) * KD``). The former ``alpha`` is accepted as
+    ``ce_weight = alpha, kd_weight = 1 - alpha``.
+    """
 
-    def forward(self, x: DistillInputs) -> Dict[str, torch.Tensor]:
-        total, ce, kd = hinton_loss(
-            x.student_logits, x.teacher_logits, x.labels, self.hparams["alpha"], self.hparams["temperature"]
-        )
-        return {"loss": total, "ce": ce, "kd": kd}
+    defaults = {"ce_weight": 0.5, "kd_weight": 0.5, "temperature": 4.0}
+
+    @classmethod
+    def translate_old(cls, old: str, value: Any) -> Optional[Dict[str, Any]]:
+        if old != "alpha":
+            return super().translate_old(old, value)
+        if not 0.0 <= float(value) <= 1.0:  # the weight of the label term, the KD term got the rest
+            raise KDError(f"--alpha must be between 0 and 1, got {value}")
+        return {"ce_weight": float(value), "kd_weight": 1.0 - float(value)}
+
+    def distill(self, x: DistillInputs):
+        kd = kd_divergence(x.student_logits, x.teacher_logits, self.hparams["temperature"])
+        return self.hparams["kd_weight"] * kd, {"kd": kd}
 
 
 @register("ce")
@@ -42,8 +47,6 @@ class CrossEntropy(DistillLoss):
     """The student alone on the labels (``--no-teacher``): baselines and teacher training."""
 
     needs_teacher = False
-    defaults = {"label_smoothing": 0.0}
 
-    def forward(self, x: DistillInputs) -> Dict[str, torch.Tensor]:
-        ce = F.cross_entropy(x.student_logits.float(), x.labels, label_smoothing=self.hparams["label_smoothing"])
-        return {"loss": ce, "ce": ce}
+    def distill(self, x: DistillInputs):
+        return None, {}
