@@ -133,9 +133,9 @@ class KdTermNanFrom(DistillLoss):
 @pytest.mark.parametrize("opt", ["O0", "O3"])
 def test_nonfinite_loss_never_reaches_the_weights_and_names_its_source(data, tmp_path, opt, monkeypatch):
     """Levels without a loss scaler skip a non-finite step too; the stop names the loss term."""
-    import kd.engine
+    import kd.sides
 
-    monkeypatch.setattr(kd.engine, "build_loss", lambda name, n, args: KdTermNanFrom(n, bad_from=4))
+    monkeypatch.setattr(kd.sides, "build_loss", lambda name, n, args: KdTermNanFrom(n, bad_from=4))
     cfg = cfg_for(data, tmp_path / "nan", no_teacher=True, teacher=None, opt=opt, epochs=3, max_nonfinite_steps=3)
     with pytest.raises(KDError, match=r"not finite for 3 consecutive steps .*the loss term 'kd' was not finite") as err:
         kd.train(cfg)
@@ -146,9 +146,9 @@ def test_nonfinite_loss_never_reaches_the_weights_and_names_its_source(data, tmp
 
 
 def test_a_run_ending_on_nonfinite_steps_does_not_succeed(data, tmp_path, monkeypatch):
-    import kd.engine
+    import kd.sides
 
-    monkeypatch.setattr(kd.engine, "build_loss", lambda name, n, args: KdTermNanFrom(n, bad_from=5))
+    monkeypatch.setattr(kd.sides, "build_loss", lambda name, n, args: KdTermNanFrom(n, bad_from=5))
     cfg = cfg_for(data, tmp_path / "end", no_teacher=True, teacher=None, epochs=2, max_nonfinite_steps=100)
     with pytest.raises(KDError, match=r"in its last 2 step\(s\) \(epoch 2, step 6\)"):
         kd.train(cfg)

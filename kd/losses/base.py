@@ -149,11 +149,3 @@ class DistillLoss(nn.Module):
         if part is not None:
             total = total + part
         return {"loss": total, "ce": ce, **terms}
-
-
-def build_loss(name: str, num_classes: int, loss_args: Dict[str, Any]) -> DistillLoss:
-    """The registered loss ``name`` with hyper-parameters ``loss_args``."""
-    import kd.losses  # noqa: F401  (registers the built-in methods)
-
-    cls = LOSSES.get(name)
-    return cls(num_classes, **loss_args)
