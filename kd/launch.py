@@ -30,8 +30,7 @@ from pathlib import Path
 from typing import Dict, List, Mapping, Optional
 
 from kd.errors import KDError
-
-RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints", "tb")
+from kd.runfolder import RunFolder
 
 
 def prepare_out(cfg, resume: Optional[str], overwrite: bool) -> Optional[Path]:
@@ -46,13 +45,13 @@ def prepare_out(cfg, resume: Optional[str], overwrite: bool) -> Optional[Path]:
     if resume and overwrite:
         raise KDError("--resume and --overwrite contradict each other; give one")
     if resume:
-        path = out / "checkpoints" / "last.pt" if resume == "last" else Path(resume)
+        path = RunFolder(out).last if resume == "last" else Path(resume)
         if not path.is_file():
             raise KDError(f"nothing to resume: {path} does not exist")
         return path
     if out.exists() and not out.is_dir():
         raise KDError(f"--out {out} exists and is not a folder")
-    held = [name for name in RUN_FILES if (out / name).exists()]
+    held = RunFolder(out).held()
     if held and not overwrite:
         raise KDError(f"--out {out} already holds a run ({', '.join(held)}); "
                       f"continue it with --resume or replace it with --overwrite")
@@ -65,13 +64,13 @@ def prepare_out(cfg, resume: Optional[str], overwrite: bool) -> Optional[Path]:
 def start_run_folder(out: Path) -> None:
     """Make ``out`` for a new run, removing the files of a run it held (``--overwrite``, checked by
     :func:`prepare_out`). Called by the main process once set-up has succeeded."""
-    for name in RUN_FILES:
-        target = out / name
+    for name in RunFolder.RUN_FILES:
+        target = Path(out) / name
         if target.is_dir():
             shutil.rmtree(target)
         elif target.exists():
             target.unlink()
-    out.mkdir(parents=True, exist_ok=True)
+    Path(out).mkdir(parents=True, exist_ok=True)
 
 
 def preflight(cfg) -> None:
@@ -204,7 +203,7 @@ def worker(cfg, out: str, resume_from: Optional[Path], error_dir: str, visible: 
         except AttributeError:  # not on Linux
             cores = os.cpu_count() or 1
         torch.set_num_threads(max(1, cores // max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)))
-    last = Path(out) / "checkpoints" / "last.pt"
+    last = RunFolder(out).last
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and last.is_file():
         resume_from = last  # --max-restarts: the restarted group continues from the last checkpoint
     from kd.engine import Interrupted
