@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from kd.config import TEACHER_PRECISIONS
+from kd.config import AMP_DTYPES, DEVICES, FIELDS, MP_CONTEXTS, TRAIN_OPTIONS, Option
 from kd.errors import KDError
 
 
@@ -28,72 +28,43 @@ def _loss_names():
     return LOSSES.names()
 
 
-# (option declarations, RunConfig field, click keyword arguments); None defaults mean "not given"
-TRAIN_OPTIONS = [
-    (("--data",), "data", dict(metavar="DIR", help="ImageNet-layout folder (train/ and val/ ImageFolders), or 'synthetic'.")),
-    (("--teacher",), "teacher", dict(metavar="NAME", help="Teacher: torchvision model name or timm:NAME.")),
-    (("--teacher-weights",), "teacher_weights", dict(metavar="pretrained|none|PATH", help="Teacher weights [pretrained].")),
-    (("--teacher-precision",), "teacher_precision", dict(type=click.Choice(TEACHER_PRECISIONS), help="The frozen teacher's precision [auto: the run's, checked on val batches, falling back to bfloat16/float32].")),
-    (("--student",), "student", dict(metavar="NAME", help="Student: torchvision model name or timm:NAME.")),
-    (("--student-weights",), "student_weights", dict(metavar="pretrained|none|PATH", help="Student initial weights [none].")),
-    (("--num-classes",), "num_classes", dict(type=int, help="Classes [the number of class folders].")),
-    (("--no-teacher",), "no_teacher", dict(is_flag=True, default=None, help="Train the student alone on the labels.")),
-    (("--kd-loss",), "kd_loss", dict(metavar="NAME", help="KD method [kd]; see 'kd losses'.")),
-    (("--ce-weight",), "ce_weight", dict(type=float, help="Weight of the label (cross-entropy) term [method default].")),
-    (("--label-smoothing",), "label_smoothing", dict(type=float, help="Label smoothing of the label term, any method [0].")),
-    (("--temperature", "-T"), "temperature", dict(type=float, help="Softmax temperature of methods that have one [method default].")),
-    # former label weight of --kd-loss kd: ce_weight = alpha, kd_weight = 1 - alpha, with a deprecation line
-    (("--alpha",), "alpha", dict(type=float, hidden=True)),
-    (("--feature-layers",), "feature_layers", dict(metavar="A,B,..", help="Modules tapped by feature methods.")),
-    (("--epochs",), "epochs", dict(type=int, help="Epochs [100].")),
-    (("--batch-size", "-b"), "batch_size", dict(type=int, help="GLOBAL batch size, whatever the backend [256].")),
-    (("--lr",), "lr", dict(type=float, help="Peak learning rate [0.1].")),
-    (("--momentum",), "momentum", dict(type=float, help="SGD momentum [0.9].")),
-    (("--nesterov/--no-nesterov",), "nesterov", dict(default=None, help="Nesterov momentum [off].")),
-    (("--weight-decay", "--wd"), "weight_decay", dict(type=float, help="Weight decay [1e-4].")),
-    (("--wd-bn-bias/--no-wd-bn-bias",), "wd_bn_bias", dict(default=None, help="Decay BatchNorm and bias too [off].")),
-    (("--lr-schedule",), "lr_schedule", dict(type=click.Choice(["step", "cosine", "constant"]), help="[step]")),
-    (("--lr-milestones",), "lr_milestones", dict(metavar="E1,E2,..", help="Epochs of the step schedule [30,60,90].")),
-    (("--lr-gamma",), "lr_gamma", dict(type=float, help="Factor at each milestone [0.1].")),
-    (("--warmup-epochs",), "warmup_epochs", dict(type=float, help="Linear LR warm-up [0].")),
-    (("--grad-clip",), "grad_clip", dict(type=float, help="Clip the gradient norm to this value.")),
-    (("--image-size",), "image_size", dict(type=int, help="Train crop and val crop size [224].")),
-    (("--val-resize",), "val_resize", dict(type=int, help="Val short-side resize [image-size * 256/224].")),
-    (("--min-crop-scale",), "min_crop_scale", dict(type=float, help="Smallest crop area of RandomResizedCrop [0.08].")),
-    (("--loader",), "loader", dict(metavar="NAME", help="Input pipeline: pil, or gpu (decode and crop on the GPU) [pil].")),
-    (("--workers", "-j"), "workers", dict(type=int, help="DataLoader worker processes per process [min(8, CPU cores per process)].")),
-    (("--mp-context",), "mp_context", dict(type=click.Choice(["fork", "forkserver", "spawn"]), help="Worker start method [forkserver on Linux].")),
-    (("--max-bad-images",), "max_bad_images", dict(type=int, help="Unreadable images tolerated before failing [10].")),
-    (("--limit-train-batches",), "limit_train_batches", dict(type=int, help="At most this many steps per epoch.")),
-    (("--limit-val-batches",), "limit_val_batches", dict(type=int, help="At most this many val batches.")),
-    (("--device",), "device", dict(type=click.Choice(["auto", "cpu", "cuda"]), help="[auto: cuda where available]")),
-    (("--backend",), "backend", dict(metavar="NAME", help="Parallel backend [single]; see 'kd backends'.")),
-    (("--gpus",), "gpus", dict(metavar="0,1,3", help="GPU indices to use (any subset).")),
-    (("--nproc",), "nproc", dict(type=int, help="Processes for a multi-process backend: on the CPU, or sharing the --gpus (over gloo).")),
-    (("--dp-output-device",), "dp_output_device", dict(type=int, help="dp: GPU that gathers outputs [first of --gpus].")),
-    (("--find-unused-parameters/--no-find-unused-parameters",), "find_unused_parameters", dict(default=None, help="torch_ddp [detect].")),
-    (("--static-graph",), "static_graph", dict(is_flag=True, default=None, help="torch_ddp static graph.")),
-    (("--sync-bn",), "sync_bn", dict(is_flag=True, default=None, help="Synchronised BatchNorm across processes.")),
-    (("--opt",), "opt", dict(type=click.Choice(["O0", "O1", "O2", "O3"]), help="Opt level as in apex [O0].")),
-    (("--amp-dtype",), "amp_dtype", dict(type=click.Choice(["float16", "bfloat16"]), help="[float16 on CUDA, bfloat16 on CPU]")),
-    (("--amp-impl",), "amp_impl", dict(type=click.Choice(["auto", "native", "apex"]), help="[auto]")),
-    (("--channels-last/--no-channels-last",), "channels_last", dict(default=None, help="[on for CUDA]")),
-    (("--compile/--no-compile",), "compile", dict(default=None, help="torch.compile teacher and student [off].")),
-    (("--seed",), "seed", dict(type=int, help="[0]")),
-    (("--out", "-o"), "out", dict(metavar="DIR", help="Run folder [runs/kd].")),
-    (("--log-every",), "log_every", dict(type=int, help="Steps between TensorBoard points [50].")),
-    (("--eval-every",), "eval_every", dict(type=int, help="Epochs between evaluations [1].")),
-    (("--save-every-steps",), "save_every_steps", dict(type=int, help="Also checkpoint every N steps.")),
-    (("--keep-last",), "keep_last", dict(type=int, help="Step checkpoints kept [1].")),
-    (("--max-nonfinite-steps",), "max_nonfinite_steps", dict(type=int, help="Consecutive NaN/inf losses before stopping [20].")),
-    (("--max-restarts",), "max_restarts", dict(type=int, help="Restart a failed process group from the last checkpoint [0].")),
-    (("--progress/--no-progress",), "progress_bar", dict(default=None, help="Progress bar [on a terminal only].")),
-]
+def _loader_names():
+    from kd.data.pipeline import LOADERS
+
+    return list(LOADERS)
+
+
+#: The registries whose names fill a ``{names}`` in an option's help (imported when help is shown).
+REGISTRY_NAMES = {"backend": _backend_names, "kd_loss": _loss_names, "loader": _loader_names}
+
+
+class TrainOption(click.Option):
+    """A ``kd train`` option made from a :class:`kd.config.Option`; its help ends with the config's
+    default, and names a registry's entries only when the help is shown."""
+
+    def __init__(self, param_decls, spec: Option):
+        self.spec = spec
+        kwargs = dict(metavar=spec.metavar, help=spec.help, default=None)  # None: "not given", see train()
+        ftype = FIELDS[spec.field].type
+        if spec.switch:
+            if "/" not in spec.flags[0]:  # --x/--no-x is a boolean switch by its declaration
+                kwargs["is_flag"] = True
+        elif spec.choices:
+            kwargs["type"] = click.Choice(spec.choices)
+        elif "List" not in ftype and ("int" in ftype or "float" in ftype):
+            kwargs["type"] = float if "float" in ftype else int
+        super().__init__(param_decls, **kwargs)
+
+    def get_help_record(self, ctx):
+        names = REGISTRY_NAMES.get(self.spec.field)
+        text = self.spec.help.replace("{names}", ", ".join(names())) if names else self.spec.help
+        self.help = " ".join(t for t in (text, self.spec.default_text()) if t)
+        return super().get_help_record(ctx)
 
 
 def train_options(fn):
-    for decls, field, kwargs in reversed(TRAIN_OPTIONS):
-        fn = click.option(*decls, field, **kwargs)(fn)
+    for spec in reversed(TRAIN_OPTIONS):
+        fn = click.option(*spec.flags, spec.field, cls=TrainOption, spec=spec)(fn)
     return fn
 
 
@@ -116,12 +87,15 @@ def cli(local_rank):
               help="Continue from OUT/checkpoints/last.pt, or from PATH.")
 @click.option("--overwrite", is_flag=True, help="Replace a run already in --out.")
 @click.option("--local_rank", "--local-rank", "local_rank", type=int, default=None, hidden=True)
+# the former label weight of --kd-loss kd (ce_weight = alpha, kd_weight = 1 - alpha), with a deprecation line
+@click.option("--alpha", "alpha", type=float, default=None, hidden=True)
 @click.pass_context
 def train(ctx, recipe, sets, loss_arg, resume, overwrite, local_rank, **options):
     """Distil a student from a teacher (or train one model with --no-teacher)."""
     import kd
     from kd import config as kd_config
     from kd.launch import accept_legacy_local_rank
+    from kd.runfolder import RunFolder
 
     accept_legacy_local_rank(local_rank)
     given = {k: v for k, v in options.items()
@@ -130,10 +104,10 @@ def train(ctx, recipe, sets, loss_arg, resume, overwrite, local_rank, **options)
         given["loss_args"] = kd_config.parse_set([f"loss_args.{item}" for item in loss_arg])["loss_args"]
     base = None
     if resume:
-        out = Path(given.get("out") or (Path(resume).parent.parent if resume != "last" else "runs/kd"))
-        given["out"] = str(out)
-        if (out / "config.yaml").is_file():
-            base = kd_config.load(out / "config.yaml")
+        out = RunFolder(given.get("out") or (Path(resume).parent.parent if resume != "last" else "runs/kd"))
+        given["out"] = str(out.root)
+        if out.config.is_file():
+            base = kd_config.load(out.config)
     cfg = kd_config.resolve(recipe=recipe, options=given, sets=list(sets), base=base)
     kd.train(cfg, resume=resume, overwrite=overwrite)
 
@@ -149,7 +123,7 @@ def train(ctx, recipe, sets, loss_arg, resume, overwrite, local_rank, **options)
               help="Short-side resize before the crop [the run's at its image size, else image-size * 256/224].")
 @click.option("--workers", "-j", type=int, default=None, help="DataLoader worker processes [min(8, CPU cores)].")
 @click.option("--num-classes", type=int, default=None, help="[a kd checkpoint's, else the class folders of val/]")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
 def eval_cmd(model, weights, data, batch_size, image_size, val_resize, workers, num_classes, device):
     """Top-1/top-5 of a model on DATA/val; a kd checkpoint evaluates with its run's settings."""
     from kd.evaluate import evaluate_model
@@ -216,14 +190,14 @@ def report(runs, csv_path):
 @click.option("--opt", "opt_list", default="O0,O1", show_default=True, help="Comma-separated opt levels.")
 @click.option("--gpus", default=None, metavar="0,1,3")
 @click.option("--nproc", type=int, default=None, help="Processes per combination on the CPU.")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
 @click.option("--batch-size", "-b", type=int, default=256, show_default=True, help="Global batch.")
 @click.option("--image-size", type=int, default=224, show_default=True)
 @click.option("--iters", type=int, default=100, show_default=True, help="Timed iterations.")
 @click.option("--warmup", type=int, default=20, show_default=True, help="Untimed iterations first.")
 @click.option("--data", default="synthetic", show_default=True, metavar="DIR|synthetic")
 @click.option("--workers", "-j", type=int, default=None)
-@click.option("--amp-dtype", type=click.Choice(["float16", "bfloat16"]), default=None)
+@click.option("--amp-dtype", type=click.Choice(AMP_DTYPES), default=None)
 @click.option("--compile/--no-compile", default=False, show_default=True)
 @click.option("--loader", type=click.Choice(["pil", "gpu"]), default=None, help="With --data DIR (default pil).")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Passed to every combination's kd train.")
@@ -261,8 +235,8 @@ def bench(ctx, teacher, student, backend_list, opt_list, gpus, nproc, device, ba
 @click.option("--image-size", type=int, default=224, show_default=True)
 @click.option("--epochs", type=int, default=2, show_default=True, help="Epochs over train/ (the first starts the workers).")
 @click.option("--limit-batches", type=int, default=None, help="At most this many batches per epoch.")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
-@click.option("--mp-context", type=click.Choice(["fork", "forkserver", "spawn"]), default=None)
+@click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
+@click.option("--mp-context", type=click.Choice(MP_CONTEXTS), default=None)
 def bench_data_cmd(data, loader, workers, batch_size, image_size, epochs, limit_batches, device, mp_context):
     """Images/s of the input pipeline alone (decode, crop, flip, normalise, to the device)."""
     from kd.bench import bench_data
@@ -276,25 +250,24 @@ def losses_cmd():
     """The registered KD methods and their hyper-parameters (every one has ce_weight and label_smoothing)."""
     from kd.losses import LOSSES
 
+    from kd.table import aligned
+
     rows = []
     for name in LOSSES.names():
         cls = LOSSES.get(name)
         params = ", ".join(f"{k}={v}" for k, v in cls.defaults.items()) or "-"
         doc = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
         rows.append((name, params, doc))
-    name_width = max(len(r[0]) for r in rows)
-    params_width = max(len(r[1]) for r in rows)
-    for name, params, doc in rows:
-        click.echo(f"{name:{name_width}s}  {params:{params_width}s}  {doc}".rstrip())
+    click.echo(aligned(rows))
 
 
 @cli.command("backends")
 def backends_cmd():
     """The parallel backends, whether each can run here, and why not."""
     import backends
+    from kd.table import aligned
 
-    for name, ok, note in backends.report():
-        click.echo(f"{name:10s} {'yes' if ok else 'no ':3s}  {note}")
+    click.echo(aligned([(name, "yes" if ok else "no", note) for name, ok, note in backends.report()]))
 
 
 def main(argv=None) -> int:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU checks and benchmarks behind the README's tables, as run on one H200 (device tool).
-# Usage: bash benchmarks/h200.sh PART...   (PART: env | tests | profile | variants | step | compile | graphs | host |
+# The GPU checks and benchmarks behind docs/benchmarks.md, as run on one H200.
+# Usage: bash benchmarks/h200.sh PART...   (PART: env | tests | profile | step | compile | graphs | host |
 #        backends | apex | jpegs | data | decoders | loader | stages); logs go to $OUT.
 # nvImageCodec rows need its wheels installed first (nvidia-nvimgcodec-cu13, nvidia-nvjpeg).
 set -uo pipefail
@@ -44,7 +44,6 @@ for part in "$@"; do case "$part" in
           done ;;
   graphs) $PY -m cli bench --teacher resnet101 --student resnet18 -b 256 --iters 40 --warmup 15 --backends single --opt O1 \
             --amp-dtype float16 --compile --set compile_mode=reduce-overhead --out /tmp/kdb/graphs 2>&1 | tee "$OUT/graphs.log" ;;
-  variants) $T 500 $PY benchmarks/step_variants.py 2>&1 | grep -v Warn | tee "$OUT/variants.log" ;;
   host) $T 200 $PY benchmarks/host_overhead.py 2>&1 | grep -v Warn | tee "$OUT/host.log" ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac; done

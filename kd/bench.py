@@ -15,7 +15,9 @@ import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from kd import table
 from kd.errors import KDError
+from kd.runfolder import RunFolder
 
 COLUMNS = ["backend", "opt", "s_per_20_iters", "img_per_s", "peak_mem_gb", "speedup", "impl", "note"]
 
@@ -57,7 +59,7 @@ def run_combo(backend: str, opt: str, args: Dict[str, object], out: Path, timeou
         lines = [line for line in proc.stderr.splitlines() if line.startswith("kd: error:")]
         why = lines[-1][len("kd: error: "):] if lines else (proc.stderr.strip().splitlines() or ["failed"])[-1]
         return {**row, "note": why[:200]}
-    record = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    record = json.loads(RunFolder(out).metrics.read_text().splitlines()[-1])
     said = [line for line in proc.stderr.splitlines() if line.startswith(("backend ", "precision "))]
     row["impl"] = "; ".join(said[-2:]).replace("|", "/")
     row.update(s_per_20_iters=round(record["s_per_20_iters"], 3), img_per_s=round(record["timed_img_per_s"], 1),
@@ -103,9 +105,7 @@ def warn_slow_cpu_precision(opts: Sequence[str], args: Dict[str, object]) -> Non
 
 
 def markdown(rows: List[Dict[str, object]]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
-    lines += ["| " + " | ".join(str(r[c]) for c in COLUMNS) + " |" for r in rows]
-    return "\n".join(lines)
+    return table.markdown(rows, COLUMNS)
 
 
 def write_outputs(rows: List[Dict[str, object]], out: Path, baseline: str) -> None:
@@ -147,7 +147,7 @@ def bench_data(options: Dict[str, object], epochs: int, echo=print) -> List[Dict
 
     from backends.base import resolve_device
     from kd import config as kd_config
-    from kd.data.loader import build
+    from kd.data import build
 
     if epochs < 1:
         raise KDError("--epochs must be at least 1")

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Union
 
 import numpy as np
 import torch
@@ -83,15 +84,28 @@ def copy_atomic(src: Path, dst: Path) -> None:
         raise
 
 
+def read(path: Union[str, Path], cannot: str, mmap: bool = False) -> Any:
+    """``torch.load(path, weights_only=True)`` onto the CPU: kd's one way to read a tensor file.
+
+    A file that needs arbitrary code to unpickle is refused; any failure is a KDError of one
+    line that starts with ``cannot`` ("cannot load checkpoint", "cannot read weights file").
+    """
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
+        if isinstance(exc, pickle.UnpicklingError) and "weights only" in str(exc).lower():
+            raise KDError(f"{cannot} {path}: it needs code to be unpickled, which kd refuses "
+                          f"(weights_only=True). {first}") from None
+        raise KDError(f"{cannot} {path}: {type(exc).__name__}: {first}") from None
+
+
 def load(path: Path) -> Dict[str, Any]:
     """A kd checkpoint, refusing anything that needs arbitrary code to unpickle."""
     path = Path(path)
     if not path.is_file():
         raise KDError(f"nothing to resume: {path} does not exist")
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise KDError(f"cannot load checkpoint {path}: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}") from None
+    obj = read(path, "cannot load checkpoint")
     if not isinstance(obj, dict) or obj.get("format") != FORMAT_VERSION or "student" not in obj:
         raise KDError(f"{path} is not a kd checkpoint")
     return obj

@@ -10,7 +10,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import yaml
 
@@ -20,6 +20,11 @@ from kd.registry import suggest
 RECIPE_DIR = Path(__file__).resolve().parent.parent / "recipes"
 OPT_LEVELS = ("O0", "O1", "O2", "O3")
 TEACHER_PRECISIONS = ("auto", "float16", "bfloat16", "float32")
+DEVICES = ("auto", "cpu", "cuda")
+AMP_DTYPES = ("float16", "bfloat16")
+AMP_IMPLS = ("auto", "native", "apex")
+LR_SCHEDULES = ("step", "cosine", "constant")
+MP_CONTEXTS = ("fork", "forkserver", "spawn")
 
 
 @dataclass
@@ -307,6 +312,11 @@ def scale_schedule(cfg: RunConfig, planned_epochs: int, overrides: Dict[str, Any
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
+def _one_of(names) -> str:
+    """'a, b or c'."""
+    return f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else names[0]
+
+
 def validate(cfg: RunConfig) -> RunConfig:
     """Checks that need no data, models or devices; returns ``cfg`` unchanged."""
     def need(cond: bool, msg: str) -> None:
@@ -317,20 +327,22 @@ def validate(cfg: RunConfig) -> RunConfig:
     need(cfg.no_teacher or cfg.teacher is not None, "--teacher is required (or --no-teacher to train the student alone)")
     need(cfg.data is not None, "--data is required (a folder with train/ and val/ ImageFolders, or 'synthetic')")
     need(cfg.opt in OPT_LEVELS, f"--opt must be one of {', '.join(OPT_LEVELS)}, got {cfg.opt!r}")
-    need(cfg.device in ("auto", "cpu", "cuda"), f"--device must be auto, cpu or cuda, got {cfg.device!r}")
-    need(cfg.amp_dtype in (None, "float16", "bfloat16"), f"--amp-dtype must be float16 or bfloat16, got {cfg.amp_dtype!r}")
-    need(cfg.amp_impl in ("auto", "native", "apex"), f"--amp-impl must be auto, native or apex, got {cfg.amp_impl!r}")
+    need(cfg.device in DEVICES, f"--device must be {_one_of(DEVICES)}, got {cfg.device!r}")
+    need(cfg.amp_dtype is None or cfg.amp_dtype in AMP_DTYPES,
+         f"--amp-dtype must be {_one_of(AMP_DTYPES)}, got {cfg.amp_dtype!r}")
+    need(cfg.amp_impl in AMP_IMPLS, f"--amp-impl must be {_one_of(AMP_IMPLS)}, got {cfg.amp_impl!r}")
     need(cfg.teacher_precision in TEACHER_PRECISIONS,
          f"--teacher-precision must be one of {', '.join(TEACHER_PRECISIONS)}, got {cfg.teacher_precision!r}")
     need(cfg.compile_mode in COMPILE_MODES, f"compile_mode must be one of {', '.join(COMPILE_MODES)}, got {cfg.compile_mode!r}")
-    need(cfg.lr_schedule in ("step", "cosine", "constant"), f"--lr-schedule must be step, cosine or constant, got {cfg.lr_schedule!r}")
+    need(cfg.lr_schedule in LR_SCHEDULES, f"--lr-schedule must be {_one_of(LR_SCHEDULES)}, got {cfg.lr_schedule!r}")
     need(cfg.epochs >= 1, "--epochs must be at least 1")
     need(cfg.batch_size >= 1, "--batch-size must be at least 1")
     need(cfg.lr > 0, "--lr must be positive")
     need(0.0 < cfg.min_crop_scale <= 1.0, "--min-crop-scale must be in (0, 1]")
     need(cfg.image_size >= 8, "--image-size must be at least 8")
     need(cfg.workers is None or cfg.workers >= 0, "--workers must be 0 or more")
-    need(cfg.mp_context in (None, "fork", "forkserver", "spawn"), f"--mp-context must be fork, forkserver or spawn, got {cfg.mp_context!r}")
+    need(cfg.mp_context is None or cfg.mp_context in MP_CONTEXTS,
+         f"--mp-context must be {_one_of(MP_CONTEXTS)}, got {cfg.mp_context!r}")
     need(cfg.log_every >= 1, "--log-every must be at least 1")
     need(cfg.nproc is None or cfg.nproc >= 1, "--nproc must be at least 1")
     need(cfg.gpus is None or len(set(cfg.gpus)) == len(cfg.gpus), f"--gpus lists a GPU twice: {cfg.gpus}")
@@ -380,3 +392,110 @@ def load(path: Union[str, Path]) -> RunConfig:
 
 def env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True)
+class Option:
+    """How one :class:`RunConfig` field appears on ``kd train``'s command line.
+
+    The default shown in the help is the field's own; ``note`` says what a None default means
+    (``[min(8, CPU cores per process)]``) or explains the default (``[auto: cuda where available]``).
+    A ``{names}`` in ``help`` is filled by the CLI with the names its registry knows.
+    """
+
+    field: str
+    flags: Tuple[str, ...]
+    help: str
+    metavar: Optional[str] = None
+    choices: Optional[Tuple[str, ...]] = None
+    note: Optional[str] = None
+
+    @property
+    def switch(self) -> bool:
+        """A boolean field: ``--x/--no-x``, or a plain flag that turns it on."""
+        return "bool" in _type_name(self.field)
+
+    def default(self) -> Any:
+        f = FIELDS[self.field]
+        return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+    def default_text(self) -> str:
+        """``[the default: note]`` as the help shows it; empty where there is nothing to say."""
+        value = self.default()
+        if self.switch and "/" not in self.flags[0]:
+            return ""  # a flag that turns something on: off unless given
+        if isinstance(value, bool):
+            text = "on" if value else "off"
+        elif isinstance(value, float):
+            text = f"{value:g}"
+        elif isinstance(value, list):
+            text = ",".join(map(str, value))
+        else:
+            text = "" if value is None else str(value)
+        text = ": ".join(t for t in (text, self.note) if t)
+        return f"[{text}]" if text else ""
+
+
+TRAIN_OPTIONS = (
+    Option("data", ("--data",), "ImageNet-layout folder (train/ and val/ ImageFolders), or 'synthetic'.", "DIR"),
+    Option("teacher", ("--teacher",), "Teacher: torchvision model name or timm:NAME.", "NAME"),
+    Option("teacher_weights", ("--teacher-weights",), "Teacher weights.", "pretrained|none|PATH"),
+    Option("teacher_precision", ("--teacher-precision",), "The frozen teacher's precision.", choices=TEACHER_PRECISIONS,
+           note="the run's, checked on val batches, falling back to bfloat16/float32"),
+    Option("student", ("--student",), "Student: torchvision model name or timm:NAME.", "NAME"),
+    Option("student_weights", ("--student-weights",), "Student initial weights.", "pretrained|none|PATH"),
+    Option("num_classes", ("--num-classes",), "Classes.", note="the number of class folders"),
+    Option("no_teacher", ("--no-teacher",), "Train the student alone on the labels."),
+    Option("kd_loss", ("--kd-loss",), "KD method: {names}; see 'kd losses'.", "NAME"),
+    Option("ce_weight", ("--ce-weight",), "Weight of the label (cross-entropy) term.", note="method default"),
+    Option("label_smoothing", ("--label-smoothing",), "Label smoothing of the label term, any method.", note="0"),
+    Option("temperature", ("--temperature", "-T"), "Softmax temperature of methods that have one.",
+           note="method default"),
+    Option("feature_layers", ("--feature-layers",), "Modules tapped by feature methods.", "A,B,.."),
+    Option("epochs", ("--epochs",), "Epochs."),
+    Option("batch_size", ("--batch-size", "-b"), "GLOBAL batch size, whatever the backend."),
+    Option("lr", ("--lr",), "Peak learning rate."),
+    Option("momentum", ("--momentum",), "SGD momentum."),
+    Option("nesterov", ("--nesterov/--no-nesterov",), "Nesterov momentum."),
+    Option("weight_decay", ("--weight-decay", "--wd"), "Weight decay."),
+    Option("wd_bn_bias", ("--wd-bn-bias/--no-wd-bn-bias",), "Decay BatchNorm and bias too."),
+    Option("lr_schedule", ("--lr-schedule",), "Learning-rate schedule.", choices=LR_SCHEDULES),
+    Option("lr_milestones", ("--lr-milestones",), "Epochs of the step schedule.", "E1,E2,.."),
+    Option("lr_gamma", ("--lr-gamma",), "Factor at each milestone."),
+    Option("warmup_epochs", ("--warmup-epochs",), "Linear LR warm-up."),
+    Option("grad_clip", ("--grad-clip",), "Clip the gradient norm to this value."),
+    Option("image_size", ("--image-size",), "Train crop and val crop size."),
+    Option("val_resize", ("--val-resize",), "Val short-side resize.", note="image-size * 256/224"),
+    Option("min_crop_scale", ("--min-crop-scale",), "Smallest crop area of RandomResizedCrop."),
+    Option("loader", ("--loader",), "Input pipeline: {names} (gpu: decode and crop on the GPU).", "NAME"),
+    Option("workers", ("--workers", "-j"), "DataLoader worker processes per process.",
+           note="min(8, CPU cores per process)"),
+    Option("mp_context", ("--mp-context",), "Worker start method.", choices=MP_CONTEXTS, note="forkserver on Linux"),
+    Option("max_bad_images", ("--max-bad-images",), "Unreadable images tolerated before failing."),
+    Option("limit_train_batches", ("--limit-train-batches",), "At most this many steps per epoch."),
+    Option("limit_val_batches", ("--limit-val-batches",), "At most this many val batches."),
+    Option("device", ("--device",), "Where it runs.", choices=DEVICES, note="cuda where available"),
+    Option("backend", ("--backend",), "Parallel backend: {names}; see 'kd backends'.", "NAME"),
+    Option("gpus", ("--gpus",), "GPU indices to use (any subset).", "0,1,3"),
+    Option("nproc", ("--nproc",), "Processes for a multi-process backend: on the CPU, or sharing the --gpus (over gloo)."),
+    Option("dp_output_device", ("--dp-output-device",), "dp: GPU that gathers outputs.", note="first of --gpus"),
+    Option("find_unused_parameters", ("--find-unused-parameters/--no-find-unused-parameters",),
+           "torch_ddp: parameters without a gradient in a step.", note="detect"),
+    Option("static_graph", ("--static-graph",), "torch_ddp static graph."),
+    Option("sync_bn", ("--sync-bn",), "Synchronised BatchNorm across processes."),
+    Option("opt", ("--opt",), "Opt level as in apex.", choices=OPT_LEVELS),
+    Option("amp_dtype", ("--amp-dtype",), "Reduced precision of O1-O3.", choices=AMP_DTYPES,
+           note="float16 on CUDA, bfloat16 on CPU"),
+    Option("amp_impl", ("--amp-impl",), "Mixed precision: torch.amp (native) or apex.amp.", choices=AMP_IMPLS),
+    Option("channels_last", ("--channels-last/--no-channels-last",), "NHWC memory format.", note="on for CUDA"),
+    Option("compile", ("--compile/--no-compile",), "torch.compile teacher and student."),
+    Option("seed", ("--seed",), "Random seed."),
+    Option("out", ("--out", "-o"), "Run folder.", "DIR"),
+    Option("log_every", ("--log-every",), "Steps between TensorBoard points."),
+    Option("eval_every", ("--eval-every",), "Epochs between evaluations."),
+    Option("save_every_steps", ("--save-every-steps",), "Also checkpoint every N steps."),
+    Option("keep_last", ("--keep-last",), "Step checkpoints kept."),
+    Option("max_nonfinite_steps", ("--max-nonfinite-steps",), "Consecutive NaN/inf losses before stopping."),
+    Option("max_restarts", ("--max-restarts",), "Restart a failed process group from the last checkpoint."),
+    Option("progress_bar", ("--progress/--no-progress",), "Progress bar.", note="on a terminal only"),
+)

@@ -16,6 +16,8 @@ import numpy as np
 from PIL import Image
 
 from kd.errors import KDError
+from kd.runfolder import RunFolder
+from kd.table import markdown
 
 TEACHER = "resnet18"
 STUDENT = "timm:resnet10t"
@@ -47,7 +49,7 @@ def write_digits(root: Path, size: int = IMAGE_SIZE, val_fraction: float = 0.25,
 
 
 def _best(run: Path) -> Dict[str, float]:
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    records = [json.loads(line) for line in RunFolder(run).metrics.read_text().splitlines() if line.strip()]
     return max(records, key=lambda r: r.get("val_top1", -1))
 
 
@@ -76,7 +78,7 @@ def run_demo(out: Path, epochs: Optional[int] = None, overwrite: bool = False) -
     for name in ("teacher", "student", "student_kd"):
         if name == "student_kd":
             runs[name] = RunConfig(**common, epochs=student_epochs, student=STUDENT, teacher=TEACHER,
-                                   teacher_weights=str(out / "teacher" / "checkpoints" / "best.pt"),
+                                   teacher_weights=str(RunFolder(out / "teacher").best),
                                    kd_loss="kd", ce_weight=0.5, temperature=4.0, loss_args={"kd_weight": 0.5},
                                    out=str(out / "student_kd"))
         print(f"== kd demo: {name} ==", flush=True)
@@ -87,10 +89,8 @@ def run_demo(out: Path, epochs: Optional[int] = None, overwrite: bool = False) -
             ("student " + STUDENT + " with KD", "student_kd")]
     print(f"\nkd demo: sklearn digits ({IMAGE_SIZE}px); teacher {teacher_epochs} epochs, students {student_epochs} "
           f"epochs; {minutes:.1f} min on the CPU\n")
-    print(f"| {'run':<36} | top-1 | top-5 | folder |")
-    print(f"|{'-' * 38}|-------|-------|--------|")
-    for label, key in rows:
-        r = results[key]
-        print(f"| {label:<36} | {r['val_top1']:5.2f} | {r['val_top5']:5.2f} | {out / key} |")
+    print(markdown([{"run": label, "top-1": f"{results[key]['val_top1']:.2f}",
+                     "top-5": f"{results[key]['val_top5']:.2f}", "folder": out / key} for label, key in rows],
+                   ["run", "top-1", "top-5", "folder"], pad=True))
     print(f"\nTensorBoard: tensorboard --logdir {out}")
     return {k: v["val_top1"] for k, v in results.items()}

@@ -13,7 +13,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from kd import models
+from kd import checkpoint, models
 from kd.config import RunConfig
 from kd.data.folder import default_val_resize, scan_split
 from kd.data.loader import default_workers, make_loader
@@ -32,8 +32,8 @@ def run_settings(weights: str) -> Dict[str, Any]:
     if weights in ("pretrained", "none") or not path.is_file():
         return {}
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:  # not a file kd can read: models.build reads it again and says why
+        obj = checkpoint.read(path, "cannot read weights file", mmap=True)
+    except KDError:  # not a file kd can read: models.build reads it again and says why
         return {}
     if not (isinstance(obj, dict) and "kd_version" in obj and isinstance(obj.get("student"), dict)):
         return {}

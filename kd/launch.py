@@ -34,8 +34,6 @@ from kd.errors import KDError
 from kd.runfolder import RunFolder
 from kd.placement import Placement, slurm_env, worker_environment
 
-RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints", "tb")
-
 
 def prepare_out(cfg, resume: Optional[str], overwrite: bool) -> Optional[Path]:
     """Check ``--out`` before any work, writing nothing; returns the checkpoint to resume from, if any.
@@ -49,13 +47,13 @@ def prepare_out(cfg, resume: Optional[str], overwrite: bool) -> Optional[Path]:
     if resume and overwrite:
         raise KDError("--resume and --overwrite contradict each other; give one")
     if resume:
-        path = out / "checkpoints" / "last.pt" if resume == "last" else Path(resume)
+        path = RunFolder(out).last if resume == "last" else Path(resume)
         if not path.is_file():
             raise KDError(f"nothing to resume: {path} does not exist")
         return path
     if out.exists() and not out.is_dir():
         raise KDError(f"--out {out} exists and is not a folder")
-    held = [name for name in RUN_FILES if (out / name).exists()]
+    held = RunFolder(out).held()
     if held and not overwrite:
         raise KDError(f"--out {out} already holds a run ({', '.join(held)}); "
                       f"continue it with --resume or replace it with --overwrite")
@@ -190,7 +188,7 @@ def worker(cfg, out: str, resume_from: Optional[Path], error_dir: str, visible: 
         except AttributeError:  # not on Linux
             cores = os.cpu_count() or 1
         torch.set_num_threads(max(1, cores // max(place.local_world_size, 1)))
-    last = Path(out) / "checkpoints" / "last.pt"
+    last = RunFolder(out).last
     if place.restart > 0 and last.is_file():
         resume_from = last  # --max-restarts: the restarted group continues from the last checkpoint
     try:

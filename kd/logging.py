@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 from typing import Dict, Optional
 
+from kd.runfolder import RunFolder
+
 try:
     from tqdm import tqdm
 except ImportError:  # pragma: no cover - tqdm is a dependency
@@ -91,7 +93,7 @@ class RunLogger(NullLogger):
     def __init__(self, out: Path, progress_bar: Optional[bool] = None):
         self.out = Path(out)
         self._writer = None
-        self.metrics_path = self.out / "metrics.jsonl"
+        self.metrics_path = RunFolder(out).metrics
         self.bar_enabled = sys.stderr.isatty() if progress_bar is None else progress_bar
 
     @property
@@ -100,7 +102,7 @@ class RunLogger(NullLogger):
         if self._writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(log_dir=str(self.out / "tb"), flush_secs=30)
+            self._writer = SummaryWriter(log_dir=str(RunFolder(self.out).tensorboard), flush_secs=30)
         return self._writer
 
     def info(self, msg: str) -> None:

@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import functools
-import pickle
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import torch
 from torch import nn
 
+from kd import checkpoint
 from kd.errors import KDError
 from kd.registry import suggest
 
@@ -112,17 +112,7 @@ def load_state_file(path: str) -> Dict[str, torch.Tensor]:
     p = Path(path)
     if not p.is_file():
         raise KDError(f"weights file {path} does not exist (expected pretrained, none or a file path)")
-    try:
-        obj = torch.load(p, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        first = str(exc).splitlines()[0] if str(exc) else ""
-        raise KDError(
-            f"{path} is not a plain weights file: it needs code to be unpickled, which kd refuses "
-            f"(weights_only=True). {first[:160]}"
-        ) from None
-    except Exception as exc:
-        raise KDError(f"cannot read weights file {path}: {type(exc).__name__}: {str(exc)[:160]}") from None
-    return extract_state(obj, path)
+    return extract_state(checkpoint.read(p, "cannot read weights file"), path)
 
 
 def extract_state(obj: Any, path: str) -> Dict[str, torch.Tensor]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Dict, List
 
 from kd.config import RECIPE_DIR, find_recipe, load_yaml
+from kd.table import markdown
 
 
 def names() -> List[str]:
@@ -34,9 +35,7 @@ def table() -> str:
     """Every recipe as a markdown table."""
     rows = [summary(n) for n in names()]
     cols = ["recipe", "teacher", "student", "method", "epochs", "batch", "lr", "paper_setup", "reference_top1"]
-    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
-    lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
-    return "\n".join(lines)
+    return markdown(rows, cols)
 
 
 def show(name: str) -> str:

@@ -13,7 +13,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import yaml
 
+from kd import table
 from kd.errors import KDError
+from kd.runfolder import RunFolder
 
 COLUMNS = ["run", "method", "teacher", "student", "epochs", "best_top1", "best_top5", "last_top1", "last_top5",
            "reference_top1", "diff", "wall"]
@@ -32,8 +34,9 @@ def duration(seconds: float) -> str:
 
 
 def collect(run: Path) -> Dict[str, object]:
-    metrics = run / "metrics.jsonl"
-    if not metrics.is_file():
+    folder = RunFolder(run)
+    metrics = folder.metrics
+    if not folder.is_run():
         raise KDError(f"{run} has no metrics.jsonl (is it a kd run folder?)")
     try:
         records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
@@ -43,8 +46,8 @@ def collect(run: Path) -> Dict[str, object]:
     if not evals:
         raise KDError(f"{run} has no evaluated epoch yet")
     cfg = {}
-    if (run / "config.yaml").is_file():
-        cfg = yaml.safe_load((run / "config.yaml").read_text()) or {}
+    if folder.config.is_file():
+        cfg = yaml.safe_load(folder.config.read_text()) or {}
     best = max(evals, key=lambda r: r["val_top1"])
     wall = sum(r.get("seconds", 0.0) for r in records)
     last = evals[-1]
@@ -65,7 +68,7 @@ MAX_DEPTH = 3  # folder levels searched below a path (runs/<group>/<run>/ is 2):
 
 
 def _runs_below(path: Path, depth: int = 0) -> List[Path]:
-    if (path / "metrics.jsonl").is_file():
+    if RunFolder(path).is_run():
         return [path]
     if depth >= MAX_DEPTH or not path.is_dir():
         return []
@@ -108,9 +111,7 @@ def report(runs: Sequence[Path], note: Optional[Callable[[str], None]] = None) -
 
 
 def markdown(rows: List[Dict[str, object]]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
-    lines += ["| " + " | ".join(str(r[c]) for c in COLUMNS) + " |" for r in rows]
-    return "\n".join(lines)
+    return table.markdown(rows, COLUMNS)
 
 
 def to_csv(rows: List[Dict[str, object]]) -> str:

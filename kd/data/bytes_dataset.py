@@ -15,10 +15,9 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from kd.data.decoders import DEVICE_SOF, torchvision_decode
 from kd.data.folder import ImageFolderPIL, random_resized_crop_params
 
-#: Frame types a device decoder takes: baseline, extended sequential and progressive Huffman.
-DEVICE_SOF = (0xC0, 0xC1, 0xC2)
 #: How far from the end of a file the end-of-image marker is looked for.
 EOI_WINDOW = 4096
 _STANDALONE = {0x01, 0xD0, 0xD1, 0xD2, 0xD3, 0xD4, 0xD5, 0xD6, 0xD7, 0xD8}
@@ -136,9 +135,9 @@ class JpegBytes:
             array = np.frombuffer(data, dtype=np.uint8)
             if not self.decode_in_worker:
                 return Sample(ENCODED, array, size[0], size[1], box, flip, label, path, index, seed)
-            pixels = cpu_decode(array)
+            pixels = torchvision_decode(torch.from_numpy(array.copy()))
             if pixels is not None and tuple(pixels.shape[1:]) == size:
-                return Sample(PIXELS, pixels, size[0], size[1], box, flip, label, path, index, seed)
+                return Sample(PIXELS, pixels.numpy(), size[0], size[1], box, flip, label, path, index, seed)
         return self.pil_sample(index, seed)
 
     def pil_sample(self, index: int, seed: int) -> Sample:
@@ -147,16 +146,6 @@ class JpegBytes:
         if img is None:
             return Sample(BAD, None, 0, 0, (0, 0, 0, 0), False, label, path, index, seed)
         return Sample(PIL_CROP, img.numpy(), img.shape[1], img.shape[2], (0, 0, 0, 0), False, label, path, index, seed)
-
-
-def cpu_decode(array: np.ndarray) -> Optional[np.ndarray]:
-    """A JPEG decoded to CHW uint8 RGB by torchvision on the CPU, or None if it fails."""
-    from torchvision.io import ImageReadMode, decode_jpeg
-
-    try:
-        return decode_jpeg(torch.from_numpy(array.copy()), mode=ImageReadMode.RGB).numpy()
-    except RuntimeError:
-        return None
 
 
 def collate_packed(batch: Sequence[Sample]) -> dict:

@@ -16,7 +16,6 @@ from typing import ClassVar, Dict, List, Optional, Sequence, Tuple, Type
 import numpy as np
 import torch
 
-from kd.data.bytes_dataset import DEVICE_SOF
 from kd.errors import KDError
 
 # torchvision 0.29 deprecates its image codecs in favour of TorchCodec; they still work and
@@ -24,7 +23,22 @@ from kd.errors import KDError
 warnings.filterwarnings("ignore", message="The image decoding and encoding capabilities of TorchVision",
                         category=DeprecationWarning)
 
+#: Frame types a device decoder takes: baseline, extended sequential and progressive Huffman.
+DEVICE_SOF = (0xC0, 0xC1, 0xC2)
 BASELINE_ONLY = (0xC0, 0xC1)
+
+
+def torchvision_decode(blob: torch.Tensor, device: Optional[torch.device] = None) -> Optional[torch.Tensor]:
+    """One JPEG as ``(3, H, W)`` uint8 RGB by torchvision, with nvJPEG on a CUDA ``device``, else
+    on the CPU; None where it cannot (the caller sends the file through PIL)."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    try:
+        if device is None or device.type == "cpu":
+            return decode_jpeg(blob, mode=ImageReadMode.RGB)
+        return decode_jpeg([blob], mode=ImageReadMode.RGB, device=device)[0]
+    except RuntimeError:
+        return None
 
 
 class Decoder:
@@ -137,13 +151,7 @@ class Nvjpeg(Decoder):
         try:
             return list(decode_jpeg(blobs, mode=ImageReadMode.RGB, device=self.device))
         except RuntimeError:  # one bad image fails the whole batch: decode one by one to find it
-            out = []
-            for blob in blobs:
-                try:
-                    out.append(decode_jpeg([blob], mode=ImageReadMode.RGB, device=self.device)[0])
-                except RuntimeError:
-                    out.append(None)
-            return out
+            return [torchvision_decode(blob, self.device) for blob in blobs]
 
     def describe(self):
         import torchvision
@@ -158,15 +166,8 @@ class CpuThread(Decoder):
     name = "cpu-thread"
 
     def decode(self, blobs):
-        from torchvision.io import ImageReadMode, decode_jpeg
-
-        out = []
-        for blob in blobs:
-            try:
-                out.append(decode_jpeg(blob, mode=ImageReadMode.RGB).to(self.device, non_blocking=True))
-            except RuntimeError:
-                out.append(None)
-        return out
+        images = [torchvision_decode(blob) for blob in blobs]
+        return [None if img is None else img.to(self.device, non_blocking=True) for img in images]
 
     def describe(self):
         return "CPU: torchvision.io.decode_jpeg in the loader's decode thread"

@@ -1,4 +1,5 @@
-"""Loaders the engine iterates: batches of normalised float images and labels on the device.
+"""The PIL loader, and what every loader shares: batches of normalised float images and labels
+on the device (:class:`Batch`, :class:`DeviceLoader`), and the DataLoader settings.
 
 The DataLoader settings that keep ``num_workers > 0`` safe live here: a module-level,
 picklable dataset and collate function, a deliberate start method, persistent workers,
@@ -18,10 +19,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from kd.data.folder import ImageFolderPIL, collate, scan
+from kd.data.folder import ImageFolderPIL, collate
 from kd.data.sampler import SeededSampler
-from kd.errors import KDError
-from kd.registry import suggest
 
 MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
@@ -155,43 +154,6 @@ class SyntheticLoader:
     def __iter__(self) -> Iterator[Batch]:
         for _ in range(len(self)):
             yield Batch(self.images, self.labels)
-
-
-@dataclass
-class Data:
-    train: object
-    val: object
-    classes: List[str]
-    num_train: int
-    num_val: int
-
-    def close(self) -> None:
-        for loader in (self.train, self.val):
-            loader.close()
-
-
-LOADERS = ("pil", "gpu")
-SYNTHETIC_CLASSES = 1000
-SYNTHETIC_STEPS = 100
-
-
-def build(cfg, num_replicas: int, rank: int, local_batch: int, device: torch.device, channels_last: bool) -> Data:
-    """Train and val loaders for this process: its shard of the data, ``local_batch`` per step."""
-    if cfg.data == "synthetic":
-        n = cfg.num_classes or SYNTHETIC_CLASSES
-        steps = cfg.limit_train_batches or SYNTHETIC_STEPS
-        train = SyntheticLoader(local_batch, cfg.image_size, n, steps, device, channels_last, cfg.seed + rank)
-        val = SyntheticLoader(local_batch, cfg.image_size, n, cfg.limit_val_batches or 2, device, channels_last, cfg.seed + 999)
-        return Data(train, val, [str(i) for i in range(n)], steps * local_batch * num_replicas, 0)
-    if cfg.loader not in LOADERS:
-        raise KDError(f"unknown --loader {cfg.loader!r}{suggest(cfg.loader, LOADERS)}; choose from: {', '.join(LOADERS)}")
-    classes, train_samples, val_samples = scan(cfg.data)
-    make = make_loader
-    if cfg.loader == "gpu":
-        from kd.data.gpu import make_gpu_loader as make
-    train = make(cfg, train_samples, True, num_replicas, rank, local_batch, device, channels_last)
-    val = make(cfg, val_samples, False, num_replicas, rank, local_batch, device, channels_last)
-    return Data(train, val, classes, len(train_samples), len(val_samples))
 
 
 def make_loader(cfg, samples, train: bool, num_replicas: int, rank: int, local_batch: int,
