@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-import torch
 
 from kd import checkpoint, models
 from kd.config import RunConfig
