@@ -32,7 +32,7 @@ from typing import Dict, Optional
 
 from kd.errors import KDError
 from kd.runfolder import RunFolder
-from kd.placement import Placement, slurm_env, worker_environment
+from kd.placement import Placement, slurm_env
 
 
 def prepare_out(cfg, resume: Optional[str], overwrite: bool) -> Optional[Path]:
@@ -178,8 +178,8 @@ def worker(cfg, out: str, resume_from: Optional[Path], error_dir: str, visible: 
     from kd.signals import Interrupted
 
     if visible is not None:
-        os.environ.update(worker_environment(cfg.gpus, visible))
-    place = Placement.from_environment(cfg.gpus)
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible
+    place = Placement.for_visible_gpus(visible) if visible is not None else Placement.from_environment(cfg.gpus)
     if "OMP_NUM_THREADS" not in os.environ:  # share the cores instead of each process taking them all
         import torch
 

@@ -9,14 +9,15 @@ one place that reads it (:meth:`Placement.from_environment`); the backends recei
 * Slurm's ``srun`` with several tasks sets ``SLURM_*`` variables, which :func:`slurm_env` turns
   into torchrun's (``MASTER_ADDR``/``MASTER_PORT`` from the environment when set, else the first
   node and a port derived from the job id);
-* kd's launcher makes just the ``--gpus`` visible (``CUDA_VISIBLE_DEVICES``) and says so in
-  ``KD_GPUS`` (:func:`worker_environment`), so its processes renumber them from 0;
+* kd's launcher makes just the ``--gpus`` visible (``CUDA_VISIBLE_DEVICES``) and hands each of
+  its processes that list as an argument (:meth:`Placement.for_visible_gpus` renumbers them from 0);
 * ``KD_DIST_TIMEOUT``: seconds a collective may wait for the other processes (600).
 
 A process nobody launched is rank 0 of 1.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass
@@ -28,7 +29,6 @@ from kd.errors import KDError
 #: Seconds a collective may wait for the other processes before the run fails (default 10 min).
 TIMEOUT_ENV = "KD_DIST_TIMEOUT"
 #: Set by kd's launcher in its processes: the ``--gpus`` (or the first GPUs) it made visible.
-_LAUNCHED_GPUS_ENV = "KD_GPUS"
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,12 @@ class Placement:
     timeout: timedelta = timedelta(seconds=600)
 
     @classmethod
+    def for_visible_gpus(cls, visible: str, environ: Optional[Mapping[str, str]] = None) -> "Placement":
+        """The placement of a process kd's launcher started with exactly the GPUs ``visible`` (its
+        ``CUDA_VISIBLE_DEVICES``, in ``--gpus`` order), numbered 0, 1, ... inside the process."""
+        return dataclasses.replace(cls.from_environment(None, environ), gpus=tuple(range(len(visible.split(",")))))
+
+    @classmethod
     def from_environment(cls, gpus: Optional[Sequence[int]] = None,
                          environ: Optional[Mapping[str, str]] = None) -> "Placement":
         """The placement of this process, given ``--gpus`` and its environment (``os.environ``).
@@ -70,9 +76,6 @@ class Placement:
         except ValueError:
             raise KDError(f"{TIMEOUT_ENV}={value!r} is not a number of seconds") from None
         given = tuple(gpus) if gpus else None
-        shown = env.get(_LAUNCHED_GPUS_ENV)
-        if shown and (not given or shown == ",".join(map(str, given))):
-            given = tuple(range(len(shown.split(","))))  # exactly these are visible, in order
         if "WORLD_SIZE" not in env or "LOCAL_RANK" not in env:
             return cls(gpus=given, timeout=timeout)
         try:
@@ -86,13 +89,6 @@ class Placement:
                           f"{env.get('LOCAL_WORLD_SIZE')!r}, {env.get('MASTER_PORT')!r})") from None
         return cls(rank, world, local_rank, local_world, True, given, env.get("MASTER_ADDR") or None, port, restart,
                    env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true", timeout)
-
-
-def worker_environment(gpus: Optional[Sequence[int]], visible: str) -> Dict[str, str]:
-    """The variables kd's launcher sets in a process that sees just the GPUs ``visible``
-    (``CUDA_VISIBLE_DEVICES``), those of ``--gpus`` (or, without it, the first ones)."""
-    return {"CUDA_VISIBLE_DEVICES": visible,
-            _LAUNCHED_GPUS_ENV: ",".join(map(str, gpus or range(len(visible.split(",")))))}
 
 
 # ----------------------------------------------------------------------------- Slurm

@@ -37,14 +37,11 @@ def test_srun_variables_become_the_placement():
 
 
 def test_kd_launcher_renumbers_the_gpus_it_made_visible():
-    env = {**TORCHRUN, **placement.worker_environment([2, 5], "2,5")}
-    assert env["CUDA_VISIBLE_DEVICES"] == "2,5"
-    assert Placement.from_environment([2, 5], env).gpus == (0, 1)
-    first = {**TORCHRUN, **placement.worker_environment(None, "0,1")}  # no --gpus: the first GPUs
-    assert Placement.from_environment(None, first).gpus == (0, 1)
-    # another --gpus than the launcher's (a run started from inside a kd worker) keeps its own
-    assert Placement.from_environment([3], env).gpus == (3,)
-    assert Placement.from_environment([1], TORCHRUN).gpus == (1,)
+    got = Placement.for_visible_gpus("2,5", TORCHRUN)  # the launcher's processes see just --gpus 2,5
+    assert got.gpus == (0, 1) and got.launched and got.world_size == Placement.from_environment(None, TORCHRUN).world_size
+    assert Placement.for_visible_gpus("3", TORCHRUN).gpus == (0,)
+    assert Placement.from_environment([1], TORCHRUN).gpus == (1,)  # torchrun: --gpus as given
+    assert "KD_GPUS" not in open(placement.__file__).read()  # placement travels as an argument, not a variable
 
 
 @pytest.mark.parametrize("env, message", [
