@@ -11,7 +11,8 @@ from kd.errors import KDError
 
 UNUSED_HINT = ("some parameters of the student (or of the loss's connectors) got no gradient in this step; "
                "DistributedDataParallel needs --find-unused-parameters for such models "
-               "(or use --backend apex_ddp --find-unused-parameters: kd's native averager counts a missing gradient as zero)")
+               "(or use --backend apex_ddp --find-unused-parameters: "
+               "kd's native averager counts a missing gradient as zero)")
 
 
 class _DDP(DistributedDataParallel):

@@ -14,9 +14,9 @@ from torch import nn
 from kd import checkpoint
 from kd import config as kd_config
 from kd import data as kd_data
-from kd.data.loader import Batch
 from kd import teacher as kd_teacher
 from kd.cpu import slow_precision_warning
+from kd.data.loader import Batch
 from kd.errors import KDError
 from kd.evaluate import teacher_preprocessing_note
 from kd.logging import NullLogger, RunLogger, command_start
@@ -79,9 +79,11 @@ class Trainer:
             for hook in self.hooks:
                 hook.on_teacher(self, teacher)
             teacher = kd_teacher.prepare(teacher, t_layers, self.runtime.fuse_teacher, self.memory_format,
-                                         lambda model: self._choose_teacher_precision(model, t_layers), self.logger.info)
+                                         lambda model: self._choose_teacher_precision(model, t_layers),
+                                         self.logger.info)
             self.teacher = backend.wrap_forward(TeacherSide(teacher, t_layers))
-            self.cfg = cfg = dataclasses.replace(cfg, teacher_precision=kd_teacher.dtype_name(self.teacher_precision.dtype))
+            self.cfg = cfg = dataclasses.replace(
+                cfg, teacher_precision=kd_teacher.dtype_name(self.teacher_precision.dtype))
         optimizer = build_optimizer(cfg, self.side.named_parameters(), fused_ok=self.precision.fused_optimizer_ok)
         self.side, self.optimizer = self.precision.prepare(self.side, optimizer)
         self.model = backend.wrap(self.side)
@@ -326,7 +328,8 @@ class Trainer:
                          f"then the first batch {waited:.1f} s and the step {step:.1f} s)")
 
     def _nonfinite_flags(self, parts: Dict[str, torch.Tensor], t_logits: Optional[torch.Tensor]) -> torch.Tensor:
-        """1 for each source (the teacher's logits, the student's, each loss term) not finite in this step, on the device."""
+        """1 for each source (the teacher's logits, the student's, each loss term) not finite in this step,
+        on the device."""
         if not self.loss_terms:
             self.loss_terms = sorted(k for k in parts if k not in ("loss", LOGITS_SUM))
         teacher = t_logits.sum() if t_logits is not None else torch.zeros((), device=self.device)
@@ -345,5 +348,6 @@ class Trainer:
         scale = self.precision.loss_scale()
         extra = {"lr": self.optimizer.param_groups[0]["lr"], "bad_images": self.bad_images + self.meter.bad,
                  **({"loss_scale": float(scale)} if scale is not None else {}),
-                 **({"gpu_mem_gb": torch.cuda.memory_allocated(self.device) / 2**30} if self.device.type == "cuda" else {})}
+                 **({"gpu_mem_gb": torch.cuda.memory_allocated(self.device) / 2**30}
+                    if self.device.type == "cuda" else {})}
         self.logger.interval(stats, extra, elapsed, self.global_step, bar)

@@ -6,6 +6,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+
 class Meter:
     """Sums of the loss parts and counters, kept on the device and read only when reduced."""
 
@@ -98,7 +99,8 @@ def nonfinite_message(how_long: str, hits: List[float], loss_terms: List[str], e
     names = ["the teacher's logits", "the student's logits"] + [f"the loss term {k!r}" for k in loss_terms]
     found = [name for name, hit in zip(names, hits) if hit > 0]
     if found and found[0] == "the teacher's logits" and teacher:
-        hint = f"the teacher {teacher[0]} runs in {teacher[1]}: try --teacher-precision float32, and check --teacher-weights"
+        hint = (f"the teacher {teacher[0]} runs in {teacher[1]}: try --teacher-precision float32, "
+                "and check --teacher-weights")
     elif found and found[0] == "the student's logits":
         hint = "lower --lr, add --warmup-epochs or --grad-clip, or use --opt O0 or --amp-dtype bfloat16"
     else:

@@ -29,7 +29,7 @@ class Registry(Generic[T]):
             if name in self._items and self._items[name] is not obj:
                 raise ValueError(f"{self.kind} {name!r} is already registered")
             self._items[name] = obj
-            setattr(obj, "name", name)
+            setattr(obj, "name", name)  # noqa: B010  (obj is a generic T: no `name` attribute to assign for a type checker)
             return obj
 
         return deco

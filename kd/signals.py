@@ -8,6 +8,7 @@ from typing import Optional
 
 from kd.runfolder import RunFolder
 
+
 class Interrupted(Exception):
     """A stop asked for by a signal, after the checkpoint of that exact step was written."""
 

@@ -10,6 +10,7 @@ from torch import nn
 
 from kd.step import StepHook
 
+
 @torch.no_grad()
 def calibrate_batchnorm(model: nn.Module, loader, batches: int = 3) -> None:
     """Benchmarks only: BatchNorm statistics of a random-init teacher estimated on the input.

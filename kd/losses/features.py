@@ -100,7 +100,8 @@ def split_layers(specs: Sequence[str]) -> Tuple[List[str], List[str]]:
     return student, teacher
 
 
-def feature_pairs(method: str, student: Dict[str, torch.Tensor], teacher: Dict[str, torch.Tensor]) -> List[Tuple[str, str]]:
+def feature_pairs(method: str, student: Dict[str, torch.Tensor],
+                  teacher: Dict[str, torch.Tensor]) -> List[Tuple[str, str]]:
     """(student name, teacher name) pairs of two feature (or shape) dicts, matched by position."""
     if len(student) != len(teacher) or not student:
         raise KDError(

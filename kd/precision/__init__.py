@@ -38,8 +38,8 @@ Numerics that hold at every level:
   So a run trained at any level resumes at any other, and ``kd eval`` reads it at O0.
 
 ``make_precision`` picks the object, in one place for every run. ``--amp-impl apex`` (or a backend's
-``prefers_apex_amp`` with ``--amp-impl auto``) uses NVIDIA apex.amp itself, from :mod:`kd.precision.apex`; ``describe()``
-always says which implementation runs and why, never falling back silently.
+``prefers_apex_amp`` with ``--amp-impl auto``) uses NVIDIA apex.amp itself, from :mod:`kd.precision.apex`;
+``describe()`` always says which implementation runs and why, never falling back silently.
 """
 from __future__ import annotations
 
