@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -37,8 +37,9 @@ class Meter:
             self.sources = torch.where(finite, torch.zeros_like(flags), torch.maximum(self.sources, flags))
         self.bad += bad
 
-    def reduce(self, backend, extra=()) -> Dict[str, float]:
-        """Means of the parts over every process, and summed counters (one collective)."""
+    def reduce(self, backend, extra=()) -> Dict[str, Any]:
+        """Means of the parts over every process, and summed counters (one collective); with ``extra``,
+        their sums as a list under ``"_extra"``."""
         keys = sorted(self.sums)
         tail = [self.count, self.finite, self.skipped, torch.tensor(float(self.bad), device=self.device)]
         tail += [torch.as_tensor(x, dtype=torch.float32, device=self.device) for x in extra]
