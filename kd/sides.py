@@ -58,6 +58,7 @@ def setup_feature_layers(loss: DistillLoss, student: nn.Module, teacher: Optiona
     method's default); builds the loss's connectors from a dry run. Empty for logit methods."""
     if not loss.uses_features:
         return [], []
+    assert teacher is not None  # a feature method needs a teacher (needs_teacher), so build_models made one
     specs = cfg.feature_layers or loss.default_layers(layer_names(student), layer_names(teacher))
     s_layers, t_layers = split_layers(specs)
     check_layers(student, s_layers, f"student {cfg.student}")
