@@ -49,6 +49,7 @@ class DIST(DistillLoss):
 
     def distill(self, x: DistillInputs):
         h = self.hparams
+        assert x.teacher_logits is not None  # a method that needs_teacher always gets its logits
         inter, intra = dist_parts(x.student_logits, x.teacher_logits, h["temperature"])
         kd = h["inter_weight"] * inter + h["intra_weight"] * intra
         return h["kd_weight"] * kd, {"kd": kd, "inter": inter, "intra": intra}

@@ -35,5 +35,6 @@ class LogitStandardizationKD(DistillLoss):
 
     def distill(self, x: DistillInputs):
         h = self.hparams
+        assert x.teacher_logits is not None  # a method that needs_teacher always gets its logits
         kd = lskd_divergence(x.student_logits, x.teacher_logits, h["temperature"], h["eps"])
         return h["kd_weight"] * kd, {"kd": kd}
