@@ -32,12 +32,14 @@ class _DDP(DistributedDataParallel):
 class TorchDDP(ProcessGroupBackend):
     description = "torch DistributedDataParallel, one process per GPU (nccl) or per CPU process (gloo)"
 
-    def describe(self) -> str:
+    def describe(self, details: str = "") -> str:
         flags = [f"find_unused_parameters={self.find_unused} ({self.find_unused_how})"]
         if self.cfg.static_graph:
             flags.append("static_graph")
         if self.cfg.sync_bn:
             flags.append("sync_bn")
+        if details:
+            flags.append(details)
         return super().describe(", ".join(flags))
 
     def wrap(self, model: nn.Module) -> nn.Module:

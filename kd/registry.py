@@ -43,7 +43,8 @@ class Registry(Generic[T]):
         try:
             eps = entry_points(group=self.entry_point_group)
         except TypeError:  # Python < 3.10
-            eps = entry_points().get(self.entry_point_group, [])
+            # Python 3.9's dict of groups; the (3.10+) stubs type only the EntryPoints form
+            eps = entry_points().get(self.entry_point_group, [])  # type: ignore[arg-type]
         for ep in eps:
             if ep.name not in self._items:
                 self.register(ep.name)(ep.load())
