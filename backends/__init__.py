@@ -1,9 +1,12 @@
 """Parallel backends, one module each, registered by name (``--backend NAME``)."""
+# isort: off
+# Registration order is the order ``--backend`` choices and ``kd backends`` list them in.
 from backends.base import BACKENDS, Backend, register
 from backends import single as _single  # noqa: F401
 from backends import dp as _dp  # noqa: F401
 from backends import torch_ddp as _torch_ddp  # noqa: F401
 from backends import apex_ddp as _apex_ddp  # noqa: F401
+# isort: on
 
 
 def get(name: str):
@@ -28,7 +31,8 @@ def report():
             import torch
 
             impl = implementation("cuda" if torch.cuda.is_available() else "cpu")
-            note = "uses real apex.parallel" if impl == "apex" else f"uses kd's native implementation ({impl[len('native: '):]})"
+            note = ("uses real apex.parallel" if impl == "apex"
+                    else f"uses kd's native implementation ({impl[len('native: '):]})")
         rows.append((name, reason is None, note))
     return rows
 

@@ -120,10 +120,11 @@ class ApexDDP(ProcessGroupBackend):
         super().setup()
         self.impl = self.implementation(self.device.type)
 
-    def describe(self) -> str:
+    def describe(self, details: str = "") -> str:
         impl = "real apex.parallel.DistributedDataParallel(delay_allreduce=True)" if self.impl == "apex" \
             else f"kd's native delayed all-reduce ({self.impl[len('native: '):]})"
-        return super().describe(f"{impl}{self.layout_note}{', sync_bn' if self.cfg.sync_bn else ''}")
+        return super().describe(f"{impl}{self.layout_note}{', sync_bn' if self.cfg.sync_bn else ''}"
+                                f"{', ' if details else ''}{details}")
 
     def native_reason(self, model: nn.Module) -> Optional[str]:
         """Why real apex.parallel would average ``model``'s gradients wrongly, or None where it would not:

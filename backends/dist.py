@@ -10,7 +10,7 @@ one-GPU workstation run and debug multi-rank code.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -77,7 +77,7 @@ def group_backend(cfg, device_type: str, processes: int, gpus: Optional[int]) ->
 
 def init_group(place: Placement, device: torch.device, backend: str) -> None:
     """A process group over ``backend``; a one-process group needs no address or port."""
-    kwargs = dict(backend=backend, timeout=place.timeout)
+    kwargs: Dict[str, Any] = dict(backend=backend, timeout=place.timeout)
     if backend == "nccl":
         kwargs["device_id"] = device
     if not place.launched:
@@ -88,6 +88,7 @@ def init_group(place: Placement, device: torch.device, backend: str) -> None:
                 raise KDError(f"{name} is not set; start kd with torchrun, srun or 'kd train --nproc / --gpus'")
         if place.restart and place.agent_store:
             # a restarted group (--max-restarts) must not read the dead group's addresses from the store
+            assert place.master_addr is not None and place.master_port is not None  # checked just above
             store = dist.TCPStore(place.master_addr, place.master_port, place.world_size, is_master=False,
                                   timeout=place.timeout)
             kwargs.update(store=dist.PrefixStore(f"kd/attempt_{place.restart}", store), rank=place.rank,

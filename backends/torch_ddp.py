@@ -11,7 +11,8 @@ from kd.errors import KDError
 
 UNUSED_HINT = ("some parameters of the student (or of the loss's connectors) got no gradient in this step; "
                "DistributedDataParallel needs --find-unused-parameters for such models "
-               "(or use --backend apex_ddp --find-unused-parameters: kd's native averager counts a missing gradient as zero)")
+               "(or use --backend apex_ddp --find-unused-parameters: "
+               "kd's native averager counts a missing gradient as zero)")
 
 
 class _DDP(DistributedDataParallel):
@@ -31,12 +32,14 @@ class _DDP(DistributedDataParallel):
 class TorchDDP(ProcessGroupBackend):
     description = "torch DistributedDataParallel, one process per GPU (nccl) or per CPU process (gloo)"
 
-    def describe(self) -> str:
+    def describe(self, details: str = "") -> str:
         flags = [f"find_unused_parameters={self.find_unused} ({self.find_unused_how})"]
         if self.cfg.static_graph:
             flags.append("static_graph")
         if self.cfg.sync_bn:
             flags.append("sync_bn")
+        if details:
+            flags.append(details)
         return super().describe(", ".join(flags))
 
     def wrap(self, model: nn.Module) -> nn.Module:

@@ -7,7 +7,7 @@ import random
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Optional, Tuple, Union, cast
 
 import numpy as np
 import torch
@@ -21,10 +21,13 @@ FORMAT_VERSION = 1
 
 def rng_state() -> Dict[str, Any]:
     """This process's generators: torch's, Python's, NumPy's and its own current GPU's (not every visible GPU's)."""
+    # get_state() is the legacy tuple (name, keys, pos, has_gauss, cached_gaussian); numpy's stubs
+    # also allow the dict form, which only get_state(legacy=False) returns
+    np_state = cast(Tuple[str, np.ndarray, int, int, float], np.random.get_state())
     state = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]),
              "python_pos": random.getstate()[2],
-             "numpy": torch.from_numpy(np.random.get_state()[1].astype(np.int64)),
-             "numpy_pos": int(np.random.get_state()[2])}
+             "numpy": torch.from_numpy(np_state[1].astype(np.int64)),
+             "numpy_pos": int(np_state[2])}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state

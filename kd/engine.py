@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, cast
 
 import torch
 from torch import nn
@@ -14,9 +14,9 @@ from torch import nn
 from kd import checkpoint
 from kd import config as kd_config
 from kd import data as kd_data
-from kd.data.loader import Batch
 from kd import teacher as kd_teacher
 from kd.cpu import slow_precision_warning
+from kd.data.loader import Batch
 from kd.errors import KDError
 from kd.evaluate import teacher_preprocessing_note
 from kd.logging import NullLogger, RunLogger, command_start
@@ -29,6 +29,19 @@ from kd.sides import LOGITS_SUM, StudentSide, TeacherSide, build_models
 from kd.signals import Interrupted, StopFlag
 from kd.step import StepHook, StepOutput
 from kd.validation import evaluate
+
+
+class EpochLoader(Protocol):
+    """What the loop needs of ``Data.train`` (a :class:`kd.data.loader.DeviceLoader` or ``SyntheticLoader``;
+    :class:`kd.data.loader.Data` declares it only as ``object``)."""
+
+    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None: ...
+
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Any: ...
+
+    def describe(self) -> str: ...
 
 
 class Trainer:
@@ -69,9 +82,10 @@ class Trainer:
             self.logger.info(warning)
         student, loss, teacher, s_layers, t_layers = build_models(cfg, num_classes)
 
-        self.side = StudentSide(student, loss, s_layers).to(dev, memory_format=self.memory_format)
+        # Module.to(device, memory_format=...) is valid at run time; torch's overloads list the two apart
+        self.side = StudentSide(student, loss, s_layers).to(dev, memory_format=self.memory_format)  # type: ignore[call-overload]
         self.side = backend.prepare_model(self.side)  # before the optimizer: sync-BN layers, parameter layout
-        self.teacher = None
+        self.teacher: Optional[Callable[..., Any]] = None  # TeacherSide, wrapped by the backend (and compiled)
         self.teacher_precision: Optional[kd_teacher.TeacherPrecision] = None
         self.notes: List[str] = []  # what kd chose for the user, kept as comments in config.yaml
         if teacher is not None:
@@ -79,9 +93,12 @@ class Trainer:
             for hook in self.hooks:
                 hook.on_teacher(self, teacher)
             teacher = kd_teacher.prepare(teacher, t_layers, self.runtime.fuse_teacher, self.memory_format,
-                                         lambda model: self._choose_teacher_precision(model, t_layers), self.logger.info)
+                                         lambda model: self._choose_teacher_precision(model, t_layers),
+                                         self.logger.info)
             self.teacher = backend.wrap_forward(TeacherSide(teacher, t_layers))
-            self.cfg = cfg = dataclasses.replace(cfg, teacher_precision=kd_teacher.dtype_name(self.teacher_precision.dtype))
+            assert self.teacher_precision is not None  # set by _choose_teacher_precision, within prepare
+            self.cfg = cfg = dataclasses.replace(
+                cfg, teacher_precision=kd_teacher.dtype_name(self.teacher_precision.dtype))
         optimizer = build_optimizer(cfg, self.side.named_parameters(), fused_ok=self.precision.fused_optimizer_ok)
         self.side, self.optimizer = self.precision.prepare(self.side, optimizer)
         self.model = backend.wrap(self.side)
@@ -95,7 +112,7 @@ class Trainer:
             if self.teacher is not None:
                 self.teacher = torch.compile(self.teacher, mode=cfg.compile_mode)
         self.params = [p for p in self.side.parameters() if p.requires_grad]
-        self.scheduler = build_scheduler(cfg, self.optimizer, len(self.data.train))
+        self.scheduler = build_scheduler(cfg, self.optimizer, len(self._train_loader()))
 
         self.epoch = 0
         self.batch_in_epoch = 0
@@ -104,13 +121,13 @@ class Trainer:
         self.bad_images = 0
         self.meter = Meter(dev)
         self.stop = StopFlag()
-        self.steps_in_epoch = len(self.data.train)
+        self.steps_in_epoch = len(self._train_loader())
         self.stop_every = min(cfg.log_every, 10)  # steps between stop checks across processes
         if resumed is not None:
             checkpoint.restore_run(self, resumed)
             self.logger.info(f"resumed from {resume_from} at epoch {self.epoch + 1}")
         self._resumed_step = self.global_step
-        self.logger.info(self.data.train.describe())  # after set-up, so a failed start stays one line
+        self.logger.info(self._train_loader().describe())  # after set-up, so a failed start stays one line
         if backend.is_main:  # written once set-up has succeeded, so a failed start leaves no run behind
             RunFolder(self.out).start() if resume_from is None else self.out.mkdir(parents=True, exist_ok=True)
             kd_config.save(cfg, RunFolder(self.out).config, notes=self.notes)
@@ -123,6 +140,9 @@ class Trainer:
         self.data.close()
 
     # ----------------------------------------------------------------- set-up helpers
+    def _train_loader(self) -> EpochLoader:
+        return cast(EpochLoader, self.data.train)
+
     def _choose_teacher_precision(self, teacher: nn.Module, layers: List[str]) -> nn.Module:
         """``teacher`` in the precision :func:`kd.teacher.choose` finds it runs well in (sets ``teacher_precision``)."""
         def probe(model, precision):
@@ -149,18 +169,20 @@ class Trainer:
 
     def _teacher_logits(self, images: torch.Tensor) -> torch.Tensor:
         self._graph_step_begin()
+        assert self.teacher is not None  # only called for a run with a teacher
         return self.teacher(images)[0]
 
     def teacher_forward(self, images: torch.Tensor):
         """The frozen teacher's float32 logits and tapped features for a batch, in its own precision."""
         precision = self.teacher_precision
+        assert self.teacher is not None and precision is not None  # only called for a run with a teacher
         with torch.no_grad(), precision.autocast():
             return self.teacher(precision.input_cast(images))
 
-    def fit(self) -> Dict[str, float]:
+    def fit(self) -> Dict[str, Any]:
         """Epochs until ``cfg.epochs``: train, validate, log, checkpoint; returns the last epoch's record."""
         cfg = self.cfg
-        record: Dict[str, float] = {}
+        record: Dict[str, Any] = {}  # floats, and whatever a hook adds (kd bench's timer)
         self.teacher_top1 = None
         if self.teacher is not None and self.epoch == 0 and self.batch_in_epoch == 0 and self.validates:
             self.teacher_top1 = self._validate_teacher()
@@ -202,6 +224,7 @@ class Trainer:
         return record
 
     def _validate_teacher(self) -> float:
+        assert self.teacher_precision is not None  # only called for a run with a teacher
         teacher_val = evaluate(self._teacher_logits, self.data.val, self.backend, self.teacher_precision)
         self.logger.info(f"teacher {self.cfg.teacher}: val top-1 {teacher_val['top1']:.2f} "
                          f"(in {kd_teacher.dtype_name(self.teacher_precision.dtype)})")
@@ -222,7 +245,7 @@ class Trainer:
     def train_epoch(self) -> Dict[str, float]:
         """One epoch (or its rest, after a mid-epoch resume) of :meth:`step` under the loop's rules:
         unreadable images, non-finite losses, stop signals, logging and step checkpoints."""
-        loader = self.data.train
+        loader = self._train_loader()
         loader.set_epoch(self.epoch, self.batch_in_epoch)
         self.steps_in_epoch = len(loader) + self.batch_in_epoch
         it = iter(loader)
@@ -326,7 +349,8 @@ class Trainer:
                          f"then the first batch {waited:.1f} s and the step {step:.1f} s)")
 
     def _nonfinite_flags(self, parts: Dict[str, torch.Tensor], t_logits: Optional[torch.Tensor]) -> torch.Tensor:
-        """1 for each source (the teacher's logits, the student's, each loss term) not finite in this step, on the device."""
+        """1 for each source (the teacher's logits, the student's, each loss term) not finite in this step,
+        on the device."""
         if not self.loss_terms:
             self.loss_terms = sorted(k for k in parts if k not in ("loss", LOGITS_SUM))
         teacher = t_logits.sum() if t_logits is not None else torch.zeros((), device=self.device)
@@ -337,7 +361,8 @@ class Trainer:
         """The error for a run whose loss stayed non-finite (a collective); ``epoch`` is 1-based."""
         sources = self.meter.sources.clone()
         self.backend.all_reduce_sum(sources)
-        teacher = (self.cfg.teacher, kd_teacher.dtype_name(self.teacher_precision.dtype)) if self.teacher else None
+        teacher = ((self.cfg.teacher, kd_teacher.dtype_name(self.teacher_precision.dtype))
+                   if self.teacher and self.teacher_precision is not None else None)
         return nonfinite_message(how_long, sources.tolist(), self.loss_terms, epoch or self.epoch + 1, self.global_step,
                                  teacher, RunFolder(self.out).last)
 
@@ -345,5 +370,6 @@ class Trainer:
         scale = self.precision.loss_scale()
         extra = {"lr": self.optimizer.param_groups[0]["lr"], "bad_images": self.bad_images + self.meter.bad,
                  **({"loss_scale": float(scale)} if scale is not None else {}),
-                 **({"gpu_mem_gb": torch.cuda.memory_allocated(self.device) / 2**30} if self.device.type == "cuda" else {})}
+                 **({"gpu_mem_gb": torch.cuda.memory_allocated(self.device) / 2**30}
+                    if self.device.type == "cuda" else {})}
         self.logger.interval(stats, extra, elapsed, self.global_step, bar)

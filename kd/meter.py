@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+
 
 class Meter:
     """Sums of the loss parts and counters, kept on the device and read only when reduced."""
@@ -36,8 +37,9 @@ class Meter:
             self.sources = torch.where(finite, torch.zeros_like(flags), torch.maximum(self.sources, flags))
         self.bad += bad
 
-    def reduce(self, backend, extra=()) -> Dict[str, float]:
-        """Means of the parts over every process, and summed counters (one collective)."""
+    def reduce(self, backend, extra=()) -> Dict[str, Any]:
+        """Means of the parts over every process, and summed counters (one collective); with ``extra``,
+        their sums as a list under ``"_extra"``."""
         keys = sorted(self.sums)
         tail = [self.count, self.finite, self.skipped, torch.tensor(float(self.bad), device=self.device)]
         tail += [torch.as_tensor(x, dtype=torch.float32, device=self.device) for x in extra]
@@ -98,7 +100,8 @@ def nonfinite_message(how_long: str, hits: List[float], loss_terms: List[str], e
     names = ["the teacher's logits", "the student's logits"] + [f"the loss term {k!r}" for k in loss_terms]
     found = [name for name, hit in zip(names, hits) if hit > 0]
     if found and found[0] == "the teacher's logits" and teacher:
-        hint = f"the teacher {teacher[0]} runs in {teacher[1]}: try --teacher-precision float32, and check --teacher-weights"
+        hint = (f"the teacher {teacher[0]} runs in {teacher[1]}: try --teacher-precision float32, "
+                "and check --teacher-weights")
     elif found and found[0] == "the student's logits":
         hint = "lower --lr, add --warmup-epochs or --grad-clip, or use --opt O0 or --amp-dtype bfloat16"
     else:

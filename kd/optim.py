@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from typing import Iterable, Tuple
+from typing import Iterable, List, Tuple
 
 import torch
 from torch import nn
@@ -11,7 +11,8 @@ from torch import nn
 
 def param_groups(named: Iterable[Tuple[str, nn.Parameter]], weight_decay: float, wd_bn_bias: bool):
     """Two groups: weights (decayed) and BatchNorm/bias parameters (decayed only with ``wd_bn_bias``)."""
-    decay, no_decay = [], []
+    decay: List[nn.Parameter] = []
+    no_decay: List[nn.Parameter] = []
     for _, p in named:
         if not p.requires_grad:
             continue

@@ -63,7 +63,7 @@ class Placement:
 
     @classmethod
     def from_environment(cls, gpus: Optional[Sequence[int]] = None,
-                         environ: Optional[Mapping[str, str]] = None) -> "Placement":
+                         environ: Optional[Mapping[str, str]] = None) -> Placement:
         """The placement of this process, given ``--gpus`` and its environment (``os.environ``).
 
         Raises KDError for variables that are not numbers.
@@ -105,7 +105,8 @@ def slurm_env(environ: Mapping[str, str]) -> Dict[str, str]:
         return {}
     nodes = expand_hostlist(environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
                             or environ.get("SLURM_NODELIST") or "")
-    per_node = expand_tasks_per_node(environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE") or "")
+    per_node = expand_tasks_per_node(environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
+                                     or "")
     host = environ.get("SLURMD_NODENAME")
     index = nodes.index(host) if host in nodes else _int(environ.get("SLURM_NODEID"), 0)
     local_world = per_node[index] if index < len(per_node) else (per_node[0] if per_node else ntasks)

@@ -29,7 +29,7 @@ class Registry(Generic[T]):
             if name in self._items and self._items[name] is not obj:
                 raise ValueError(f"{self.kind} {name!r} is already registered")
             self._items[name] = obj
-            setattr(obj, "name", name)
+            setattr(obj, "name", name)  # noqa: B010  (obj is a generic T: no `name` attribute to assign for a type checker)
             return obj
 
         return deco
@@ -43,7 +43,8 @@ class Registry(Generic[T]):
         try:
             eps = entry_points(group=self.entry_point_group)
         except TypeError:  # Python < 3.10
-            eps = entry_points().get(self.entry_point_group, [])
+            # Python 3.9's dict of groups; the (3.10+) stubs type only the EntryPoints form
+            eps = entry_points().get(self.entry_point_group, [])  # type: ignore[arg-type]
         for ep in eps:
             if ep.name not in self._items:
                 self.register(ep.name)(ep.load())

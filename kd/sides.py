@@ -6,8 +6,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from kd.features import check_layers, layer_names, tap
 from kd import models
+from kd.features import check_layers, layer_names, tap
 from kd.losses import DistillInputs, DistillLoss, build_loss, split_layers
 
 LOGITS_SUM = "_student_logits_sum"
@@ -52,11 +52,13 @@ class TeacherSide(nn.Module):
         return logits.float(), feats
 
 
-def setup_feature_layers(loss: DistillLoss, student: nn.Module, teacher: Optional[nn.Module], cfg) -> Tuple[List[str], List[str]]:
+def setup_feature_layers(loss: DistillLoss, student: nn.Module, teacher: Optional[nn.Module],
+                         cfg) -> Tuple[List[str], List[str]]:
     """(student layers, teacher layers) to tap for a feature method (``--feature-layers`` or the
     method's default); builds the loss's connectors from a dry run. Empty for logit methods."""
     if not loss.uses_features:
         return [], []
+    assert teacher is not None  # a feature method needs a teacher (needs_teacher), so build_models made one
     specs = cfg.feature_layers or loss.default_layers(layer_names(student), layer_names(teacher))
     s_layers, t_layers = split_layers(specs)
     check_layers(student, s_layers, f"student {cfg.student}")

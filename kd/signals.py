@@ -8,13 +8,17 @@ from typing import Optional
 
 from kd.runfolder import RunFolder
 
+
 class Interrupted(Exception):
     """A stop asked for by a signal, after the checkpoint of that exact step was written."""
 
     def __init__(self, signame: str, step: int = 0, out: Optional[Path] = None, message: Optional[str] = None):
         self.signame = signame
-        super().__init__(message or f"stopped by {signame} at step {step}; checkpoint written to "
-                         f"{RunFolder(out).last}; continue with: kd train --out {out} --resume")
+        if not message:
+            assert out is not None, "Interrupted needs the run folder or a message"
+            message = (f"stopped by {signame} at step {step}; checkpoint written to "
+                       f"{RunFolder(out).last}; continue with: kd train --out {out} --resume")
+        super().__init__(message)
 
 
 class StopFlag:

@@ -34,7 +34,8 @@ from torch import nn
 
 from kd.errors import KDError
 from kd.fuse import fuse_teacher
-from kd.precision import DTYPES as REDUCED, dtype_name
+from kd.precision import DTYPES as REDUCED
+from kd.precision import dtype_name
 
 DTYPES = {**REDUCED, "float32": torch.float32}
 PROBE_BATCHES = 2  # validation batches per process

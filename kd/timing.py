@@ -3,12 +3,13 @@ random-init teacher."""
 from __future__ import annotations
 
 import time
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 from torch import nn
 
 from kd.step import StepHook
+
 
 @torch.no_grad()
 def calibrate_batchnorm(model: nn.Module, loader, batches: int = 3) -> None:
@@ -52,7 +53,7 @@ class StepTimer(StepHook):
     def __init__(self, warmup: int, backend):
         self.warmup = warmup
         self.backend = backend
-        self.start = None
+        self.start: Optional[float] = None  # perf_counter() at the warmup's end
         self.images = 0
         self.steps = 0
 
@@ -76,6 +77,7 @@ class StepTimer(StepHook):
     def result(self, backend) -> Dict[str, object]:
         self._sync()
         backend.barrier()
+        assert self.start is not None, "no step timed yet (result() before the warmup ended)"
         seconds = time.perf_counter() - self.start
         images = torch.tensor(float(self.images), device=backend.device)
         backend.all_reduce_sum(images)

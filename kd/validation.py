@@ -5,6 +5,7 @@ from typing import Dict, Optional
 
 import torch
 
+
 def accuracy_counts(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """[correct@1, correct@5] for a batch, on the device."""
     k = min(5, logits.shape[1])

@@ -19,7 +19,8 @@ def pearson_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return 1.0 - corr.mean()
 
 
-def dist_parts(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> Tuple[torch.Tensor, torch.Tensor]:
+def dist_parts(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
+               temperature: float) -> Tuple[torch.Tensor, torch.Tensor]:
     """(inter, intra), each T^2-scaled, on softmax(logits / T) in float32 (T: the paper's tau).
 
     Inter-class: correlation of each sample's class probabilities (rows); intra-class: of
@@ -48,6 +49,7 @@ class DIST(DistillLoss):
 
     def distill(self, x: DistillInputs):
         h = self.hparams
+        assert x.teacher_logits is not None  # a method that needs_teacher always gets its logits
         inter, intra = dist_parts(x.student_logits, x.teacher_logits, h["temperature"])
         kd = h["inter_weight"] * inter + h["intra_weight"] * intra
         return h["kd_weight"] * kd, {"kd": kd, "inter": inter, "intra": intra}

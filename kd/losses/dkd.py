@@ -63,6 +63,7 @@ class DecoupledKD(DistillLoss):
 
     def distill(self, x: DistillInputs):
         h = self.hparams
+        assert x.teacher_logits is not None  # a method that needs_teacher always gets its logits
         tckd, nckd = dkd_parts(x.student_logits, x.teacher_logits, x.labels, h["temperature"])
         kd = h["tckd_weight"] * tckd + h["nckd_weight"] * nckd
         ramp = min(x.progress / h["warmup"], 1.0) if h["warmup"] > 0 else 1.0

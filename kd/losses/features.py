@@ -9,7 +9,7 @@ name, in the order of the specs, and the losses pair them by position.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -51,9 +51,9 @@ def stage_outputs(names: Sequence[str]) -> Optional[List[str]]:
         stages = [pattern.format(i) for i in range(1, 5)]
         if present.issuperset(stages):
             return stages
-    stages = _children(names, "stages")
-    if stages == [0, 1, 2, 3]:
-        return [f"stages.{i}" for i in stages]
+    stage_ids = _children(names, "stages")
+    if stage_ids == [0, 1, 2, 3]:
+        return [f"stages.{i}" for i in stage_ids]
     blocks = _children(names, "blocks")
     if "conv_stem" in present and blocks:
         if len(blocks) == 7:
@@ -100,7 +100,8 @@ def split_layers(specs: Sequence[str]) -> Tuple[List[str], List[str]]:
     return student, teacher
 
 
-def feature_pairs(method: str, student: Dict[str, torch.Tensor], teacher: Dict[str, torch.Tensor]) -> List[Tuple[str, str]]:
+def feature_pairs(method: str, student: Mapping[str, object],
+                  teacher: Mapping[str, object]) -> List[Tuple[str, str]]:
     """(student name, teacher name) pairs of two feature (or shape) dicts, matched by position."""
     if len(student) != len(teacher) or not student:
         raise KDError(

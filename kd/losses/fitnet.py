@@ -79,6 +79,7 @@ class FitNet(DistillLoss):
         terms = {"hint": hint}
         part = h["hint_weight"] * hint
         if h["kd_weight"]:
+            assert x.teacher_logits is not None  # a method that needs_teacher always gets its logits
             terms["kd"] = kd_divergence(x.student_logits, x.teacher_logits, h["temperature"])
             part = part + h["kd_weight"] * terms["kd"]
         return part, terms

@@ -38,6 +38,7 @@ class HintonKD(DistillLoss):
         return {"ce_weight": float(value), "kd_weight": 1.0 - float(value)}
 
     def distill(self, x: DistillInputs):
+        assert x.teacher_logits is not None  # a method that needs_teacher always gets its logits
         kd = kd_divergence(x.student_logits, x.teacher_logits, self.hparams["temperature"])
         return self.hparams["kd_weight"] * kd, {"kd": kd}
 

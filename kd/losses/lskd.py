@@ -14,7 +14,8 @@ def standardize(logits: torch.Tensor, eps: float) -> torch.Tensor:
     return (z - z.mean(dim=1, keepdim=True)) / (z.std(dim=1, keepdim=True) + eps)
 
 
-def lskd_divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float, eps: float) -> torch.Tensor:
+def lskd_divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float,
+                    eps: float) -> torch.Tensor:
     """T^2 * KL(softmax(Z(t)/T) || softmax(Z(s)/T)), batch mean, with Z the standardization."""
     return kd_divergence(standardize(student_logits, eps), standardize(teacher_logits.detach(), eps), temperature)
 
@@ -34,5 +35,6 @@ class LogitStandardizationKD(DistillLoss):
 
     def distill(self, x: DistillInputs):
         h = self.hparams
+        assert x.teacher_logits is not None  # a method that needs_teacher always gets its logits
         kd = lskd_divergence(x.student_logits, x.teacher_logits, h["temperature"], h["eps"])
         return h["kd_weight"] * kd, {"kd": kd}

@@ -38,10 +38,13 @@ Numerics that hold at every level:
   So a run trained at any level resumes at any other, and ``kd eval`` reads it at O0.
 
 ``make_precision`` picks the object, in one place for every run. ``--amp-impl apex`` (or a backend's
-``prefers_apex_amp`` with ``--amp-impl auto``) uses NVIDIA apex.amp itself, from :mod:`kd.precision.apex`; ``describe()``
-always says which implementation runs and why, never falling back silently.
+``prefers_apex_amp`` with ``--amp-impl auto``) uses NVIDIA apex.amp itself, from :mod:`kd.precision.apex`;
+``describe()`` always says which implementation runs and why, never falling back silently.
 """
 from __future__ import annotations
+
+from types import ModuleType
+from typing import Optional
 
 import torch
 
@@ -82,6 +85,7 @@ def make_precision(cfg, device: torch.device, prefer_apex: bool = False) -> Prec
     impl = cfg.amp_impl
     note = None
     if impl == "apex" or (impl == "auto" and prefer_apex and cfg.opt != "O0"):
+        apex_amp: Optional[ModuleType]
         try:
             from kd.precision import apex as apex_amp
         except ImportError as exc:  # the optional module deleted: the rest keeps working
@@ -89,7 +93,7 @@ def make_precision(cfg, device: torch.device, prefer_apex: bool = False) -> Prec
                 raise
             apex_amp = None
         reason = apex_amp.unavailable(cfg, device) if apex_amp else "kd's kd/precision/apex.py is not installed"
-        if reason is None:
+        if reason is None and apex_amp is not None:  # no reason only where the module imported
             return apex_amp.ApexAmpPrecision(cfg, device)
         if impl == "apex":
             raise KDError(f"--amp-impl apex: {reason}")

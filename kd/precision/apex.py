@@ -132,8 +132,9 @@ class ApexAmpPrecision(MasterStateMixin, Precision):
     def _named_masters(self, model: nn.Module) -> Dict[str, torch.Tensor]:
         if not self.master_weights or self.optimizer is None:
             return {}
-        self.optimizer._amp_lazy_init()  # apex makes its masters lazily, at the first backward
-        stash = self.optimizer._amp_stash
+        # apex.amp.initialize adds _amp_lazy_init and _amp_stash to the optimizer (not in the Optimizer stubs)
+        self.optimizer._amp_lazy_init()  # type: ignore[attr-defined]  # apex makes its masters lazily, at the first backward
+        stash = self.optimizer._amp_stash  # type: ignore[attr-defined]
         master_of = {id(p): m for p, m in zip(stash.all_fp16_params, stash.all_fp32_from_fp16_params)}
         return {name: master_of[id(p)] for name, p in model.named_parameters(remove_duplicate=False)
                 if id(p) in master_of}

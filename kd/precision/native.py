@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, cast
 
 import torch
 from torch import nn
@@ -12,7 +12,7 @@ from kd.errors import KDError
 from kd.nest import map_tensors
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-SCALER_ARGS = dict(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000)
+SCALER_ARGS: Dict[str, Any] = dict(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000)
 
 
 def amp_dtype(cfg, device: torch.device) -> torch.dtype:
@@ -67,7 +67,7 @@ def keep_losses_float32(model: nn.Module) -> List[nn.Module]:
     """The KD loss modules inside ``model``, each given a pre-hook that casts its inputs to float32."""
     from kd.losses.base import DistillLoss
 
-    losses = [m for m in model.modules() if isinstance(m, DistillLoss)]
+    losses: List[nn.Module] = [m for m in model.modules() if isinstance(m, DistillLoss)]
     for loss in losses:
         loss.register_forward_pre_hook(_float32_inputs, with_kwargs=True)
     return losses
@@ -94,11 +94,12 @@ def step_unless(optimizer: torch.optim.Optimizer, found: torch.Tensor) -> None:
     """``optimizer.step()`` unless ``found``: on the device for optimizers that take the scaler's
     inf flag (fused SGD), else after one host read of the flag."""
     if getattr(optimizer, "_step_supports_amp_scaling", False):
-        optimizer.grad_scale, optimizer.found_inf = None, found
+        # the attributes torch's GradScaler hands such optimizers (not in the Optimizer stubs)
+        optimizer.grad_scale, optimizer.found_inf = None, found  # type: ignore[attr-defined]
         try:
             optimizer.step()
         finally:
-            del optimizer.grad_scale, optimizer.found_inf
+            del optimizer.grad_scale, optimizer.found_inf  # type: ignore[attr-defined]
     elif not found.item():
         optimizer.step()
 
@@ -174,10 +175,11 @@ class Precision:
             if clip:
                 scaler.unscale_(optimizer)
                 torch.nn.utils.clip_grad_norm_(params, clip)
-            scale_before = scaler._scale.clone()
+            # _scale (Optional in the stubs) is set by scaler.scale(loss), before any step
+            scale_before = cast(torch.Tensor, scaler._scale).clone()
             scaler.step(optimizer)  # skips optimizer.step() on inf/NaN gradients (one host sync)
             scaler.update()
-            skipped = scaler._scale < scale_before  # the scale only ever drops on a skipped step
+            skipped = cast(torch.Tensor, scaler._scale) < scale_before  # the scale only ever drops on a skipped step
         self._after_step()
         optimizer.zero_grad(set_to_none=True)
         return skipped
@@ -204,7 +206,7 @@ class Precision:
         model.load_state_dict(state)  # copy_ casts float32 values to the model's dtypes
 
     def state_dict(self) -> dict:
-        state = {"opt": self.opt, "impl": self.impl, "dtype": dtype_name(self.dtype)}
+        state: Dict[str, Any] = {"opt": self.opt, "impl": self.impl, "dtype": dtype_name(self.dtype)}
         if self.scaler:
             state["scaler"] = self.scaler.state_dict()
         return state
@@ -294,7 +296,7 @@ class MasterWeightPrecision(MasterStateMixin, CastPrecision):
         super().__init__(device, dtype, note)
         if dtype == torch.float16:
             self.scaler = make_scaler(device)
-        self._model_params: List[nn.Parameter] = []  # reduced-precision parameters ...
+        self._model_params: List[torch.Tensor] = []  # reduced-precision parameters ...
         self._masters: List[torch.Tensor] = []  # ... and their float32 masters, pairwise
         self._master_of: Dict[int, torch.Tensor] = {}
 
