@@ -66,7 +66,7 @@ def main() -> None:
 
     warnings.showwarning = record
     torch.cuda.set_sync_debug_mode(1)
-    epoch(trainer)
+    epoch(trainer, timer)
     torch.cuda.set_sync_debug_mode(0)
     print(f"\nsynchronising calls in one epoch of {STEPS} steps: {len(seen)}")
     for message, frames in seen.items():
@@ -74,7 +74,7 @@ def main() -> None:
 
     prof = cProfile.Profile()
     prof.enable()
-    epoch(trainer)
+    epoch(trainer, timer)
     prof.disable()
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(20)
