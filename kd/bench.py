@@ -46,7 +46,8 @@ def combo_command(backend: str, opt: str, args: Dict[str, object], out: Path) ->
     return cmd
 
 
-def run_combo(backend: str, opt: str, args: Dict[str, object], out: Path, timeout: Optional[float]) -> Dict[str, object]:
+def run_combo(backend: str, opt: str, args: Dict[str, object], out: Path,
+              timeout: Optional[float]) -> Dict[str, object]:
     row: Dict[str, object] = {"backend": backend, "opt": opt}
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(
         [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")])}

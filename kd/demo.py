@@ -70,8 +70,10 @@ def run_demo(out: Path, epochs: Optional[int] = None, overwrite: bool = False) -
                   lr=0.1, lr_schedule="cosine", warmup_epochs=1, weight_decay=5e-4,
                   device="cpu", workers=1, log_every=5, seed=0)
     runs = {
-        "teacher": RunConfig(**common, epochs=teacher_epochs, student=TEACHER, no_teacher=True, out=str(out / "teacher")),
-        "student": RunConfig(**common, epochs=student_epochs, student=STUDENT, no_teacher=True, out=str(out / "student")),
+        "teacher": RunConfig(**common, epochs=teacher_epochs, student=TEACHER, no_teacher=True,
+                             out=str(out / "teacher")),
+        "student": RunConfig(**common, epochs=student_epochs, student=STUDENT, no_teacher=True,
+                             out=str(out / "student")),
     }
     started = time.perf_counter()
     results = {}

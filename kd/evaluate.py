@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-
 from kd import checkpoint, models
 from kd.config import RunConfig
 from kd.data.folder import default_val_resize, scan_split
@@ -118,7 +117,8 @@ def evaluate_model(model: Optional[str], weights: str, data: str, batch_size: in
     runtime = resolve_runtime(cfg, backend.device)
     channels_last = runtime.channels_last
     net = net.to(backend.device, memory_format=runtime.memory_format)
-    precision = TeacherPrecision(backend.device, make_precision(cfg, backend.device).dtype)  # frozen, as kd runs a teacher
+    # frozen, as kd runs a teacher
+    precision = TeacherPrecision(backend.device, make_precision(cfg, backend.device).dtype)
     net = precision.prepare(net)
     loader = make_loader(dataclasses.replace(cfg), samples, False, 1, 0, batch_size, backend.device, channels_last)
     try:

@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Dict, Optional
 
 from kd.errors import KDError
-from kd.runfolder import RunFolder
 from kd.placement import Placement, slurm_env
+from kd.runfolder import RunFolder
 
 
 def prepare_out(cfg, resume: Optional[str], overwrite: bool) -> Optional[Path]:
@@ -81,7 +81,8 @@ def preflight(cfg) -> None:
         for split in ("train", "val"):
             if not (Path(cfg.data) / split).is_dir():
                 what = "does not exist" if not Path(cfg.data).is_dir() else f"has no {split}/ subfolder"
-                raise KDError(f"data folder {cfg.data} {what} (expected DIR/train/<class>/*.jpg and DIR/val/<class>/*.jpg)")
+                raise KDError(f"data folder {cfg.data} {what} "
+                              f"(expected DIR/train/<class>/*.jpg and DIR/val/<class>/*.jpg)")
 
 
 
@@ -214,7 +215,8 @@ def accept_legacy_local_rank(local_rank: Optional[int]) -> None:
         os.environ.setdefault("LOCAL_RANK", str(local_rank))
 
 
-def run_worker(cfg, out: Path, resume_from: Optional[Path] = None, place: Optional[Placement] = None) -> Dict[str, float]:
+def run_worker(cfg, out: Path, resume_from: Optional[Path] = None,
+               place: Optional[Placement] = None) -> Dict[str, float]:
     """Everything one process does for a run, from backend set-up to teardown, where ``place`` (as the
     launcher found it) says. ``timing_warmup`` (``kd bench``) adds the step timer and skips validation."""
     import backends

@@ -173,8 +173,8 @@ def make_data_loader(cfg, dataset, collate_fn, train: bool, num_replicas: int, r
     kwargs = {}
     if workers > 0:
         # prefetch 2 per worker: in-flight batches live in /dev/shm, which containers often keep small
-        kwargs = dict(multiprocessing_context=mp_context(cfg.mp_context or default_mp_context()), persistent_workers=True,
-                      prefetch_factor=2, worker_init_fn=seed_worker,
+        kwargs = dict(multiprocessing_context=mp_context(cfg.mp_context or default_mp_context()),
+                      persistent_workers=True, prefetch_factor=2, worker_init_fn=seed_worker,
                       generator=torch.Generator().manual_seed(cfg.seed * 1000 + rank * 2 + int(train)))
     drop_last = train and len(sampler) >= local_batch
     loader = DataLoader(dataset, batch_size=local_batch, sampler=sampler, num_workers=workers,

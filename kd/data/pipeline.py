@@ -41,10 +41,12 @@ def build(cfg, num_replicas: int, rank: int, local_batch: int, device: torch.dev
         n = cfg.num_classes or SYNTHETIC_CLASSES
         steps = cfg.limit_train_batches or SYNTHETIC_STEPS
         train = SyntheticLoader(local_batch, cfg.image_size, n, steps, device, channels_last, cfg.seed + rank)
-        val = SyntheticLoader(local_batch, cfg.image_size, n, cfg.limit_val_batches or 2, device, channels_last, cfg.seed + 999)
+        val = SyntheticLoader(local_batch, cfg.image_size, n, cfg.limit_val_batches or 2, device, channels_last,
+                              cfg.seed + 999)
         return Data(train, val, [str(i) for i in range(n)], steps * local_batch * num_replicas, 0)
     if cfg.loader not in LOADERS:
-        raise KDError(f"unknown --loader {cfg.loader!r}{suggest(cfg.loader, LOADERS)}; choose from: {', '.join(LOADERS)}")
+        raise KDError(f"unknown --loader {cfg.loader!r}{suggest(cfg.loader, LOADERS)}; "
+                      f"choose from: {', '.join(LOADERS)}")
     classes, train_samples, val_samples = scan(cfg.data)
     make = LOADERS[cfg.loader]
     train = make(cfg, train_samples, True, num_replicas, rank, local_batch, device, channels_last)
