@@ -12,7 +12,7 @@ import torch
 
 from kd.data.folder import scan
 from kd.data.gpu import make_gpu_loader
-from kd.data.loader import SyntheticLoader, make_loader
+from kd.data.loader import Loader, SyntheticLoader, make_loader
 from kd.errors import KDError
 from kd.registry import suggest
 
@@ -24,8 +24,8 @@ SYNTHETIC_STEPS = 100
 
 @dataclass
 class Data:
-    train: object
-    val: object
+    train: Loader
+    val: Loader
     classes: List[str]
     num_train: int
     num_val: int
@@ -40,8 +40,8 @@ def build(cfg, num_replicas: int, rank: int, local_batch: int, device: torch.dev
     if cfg.data == "synthetic":
         n = cfg.num_classes or SYNTHETIC_CLASSES
         steps = cfg.limit_train_batches or SYNTHETIC_STEPS
-        train = SyntheticLoader(local_batch, cfg.image_size, n, steps, device, channels_last, cfg.seed + rank)
-        val = SyntheticLoader(local_batch, cfg.image_size, n, cfg.limit_val_batches or 2, device, channels_last,
+        train: Loader = SyntheticLoader(local_batch, cfg.image_size, n, steps, device, channels_last, cfg.seed + rank)
+        val: Loader = SyntheticLoader(local_batch, cfg.image_size, n, cfg.limit_val_batches or 2, device, channels_last,
                               cfg.seed + 999)
         return Data(train, val, [str(i) for i in range(n)], steps * local_batch * num_replicas, 0)
     if cfg.loader not in LOADERS:
