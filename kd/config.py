@@ -10,7 +10,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import yaml
 
@@ -382,7 +382,7 @@ def validate_loss_options(cfg: RunConfig) -> None:
                           f"its hyper-parameters: {', '.join(known)}")
 
 
-def save(cfg: RunConfig, path: Union[str, Path], notes: List[str] = ()) -> None:
+def save(cfg: RunConfig, path: Union[str, Path], notes: Sequence[str] = ()) -> None:
     """``cfg`` as YAML; ``notes`` (what kd chose, and why) follow as comments."""
     with open(path, "w", encoding="utf-8") as fh:
         yaml.safe_dump(cfg.to_dict(), fh, sort_keys=False)

@@ -35,7 +35,8 @@ def run_settings(weights: str) -> Dict[str, Any]:
         return {}
     if not (isinstance(obj, dict) and "kd_version" in obj and isinstance(obj.get("student"), dict)):
         return {}
-    config = obj.get("config") if isinstance(obj.get("config"), dict) else {}
+    stored = obj.get("config")
+    config: Dict[str, Any] = stored if isinstance(stored, dict) else {}
     return {"model": obj.get("student_name") or config.get("student"),
             "num_classes": obj.get("num_classes") or config.get("num_classes"), "config": config}
 
@@ -116,7 +117,8 @@ def evaluate_model(model: Optional[str], weights: str, data: str, batch_size: in
     net = models.freeze(models.build(s.model, n, weights))
     runtime = resolve_runtime(cfg, backend.device)
     channels_last = runtime.channels_last
-    net = net.to(backend.device, memory_format=runtime.memory_format)
+    # the ignore: torch's stub has no overload of Module.to with both, which Module.to takes
+    net = net.to(backend.device, memory_format=runtime.memory_format)  # type: ignore[call-overload]
     # frozen, as kd runs a teacher
     precision = TeacherPrecision(backend.device, make_precision(cfg, backend.device).dtype)
     net = precision.prepare(net)
