@@ -81,7 +81,8 @@ def cli(local_rank):
 @cli.command(context_settings={"ignore_unknown_options": False})
 @click.option("--recipe", "-r", metavar="NAME|PATH", help="YAML recipe; options override it.")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override any config key (repeatable).")
-@click.option("--loss-arg", "loss_arg", multiple=True, metavar="KEY=VALUE", help="A KD method hyper-parameter (repeatable).")
+@click.option("--loss-arg", "loss_arg", multiple=True, metavar="KEY=VALUE",
+              help="A KD method hyper-parameter (repeatable).")
 @train_options
 @click.option("--resume", is_flag=False, flag_value="last", default=None, metavar="[PATH]",
               help="Continue from OUT/checkpoints/last.pt, or from PATH.")
@@ -99,7 +100,8 @@ def train(ctx, recipe, sets, loss_arg, resume, overwrite, local_rank, **options)
 
     accept_legacy_local_rank(local_rank)
     given = {k: v for k, v in options.items()
-             if v is not None and ctx.get_parameter_source(k) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)}
+             if v is not None
+             and ctx.get_parameter_source(k) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)}
     if loss_arg:
         given["loss_args"] = kd_config.parse_set([f"loss_args.{item}" for item in loss_arg])["loss_args"]
     base = None
@@ -175,7 +177,8 @@ def report(runs, csv_path):
 
     RUNS are run folders or folders of runs (kd report runs/demo); what is not a run is skipped with a note.
     """
-    from kd.report import markdown, report as collect, to_csv
+    from kd.report import markdown, to_csv
+    from kd.report import report as collect
 
     rows = collect(runs, note=lambda line: click.echo(f"kd report: {line}", err=True))
     click.echo(markdown(rows))
@@ -212,7 +215,8 @@ def bench(ctx, teacher, student, backend_list, opt_list, gpus, nproc, device, ba
     """
     if ctx.invoked_subcommand:
         return
-    from kd.bench import bench as run_bench, markdown
+    from kd.bench import bench as run_bench
+    from kd.bench import markdown
 
     args = dict(teacher=teacher, student=student, gpus=gpus, nproc=nproc, device=device, batch_size=batch_size,
                 image_size=image_size, iters=iters, warmup=warmup, data=data, workers=workers,
@@ -233,7 +237,8 @@ def bench(ctx, teacher, student, backend_list, opt_list, gpus, nproc, device, ba
 @click.option("--workers", "-j", type=int, default=None, help="DataLoader workers [min(8, CPU cores)].")
 @click.option("--batch-size", "-b", type=int, default=256, show_default=True)
 @click.option("--image-size", type=int, default=224, show_default=True)
-@click.option("--epochs", type=int, default=2, show_default=True, help="Epochs over train/ (the first starts the workers).")
+@click.option("--epochs", type=int, default=2, show_default=True,
+              help="Epochs over train/ (the first starts the workers).")
 @click.option("--limit-batches", type=int, default=None, help="At most this many batches per epoch.")
 @click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
 @click.option("--mp-context", type=click.Choice(MP_CONTEXTS), default=None)
@@ -249,7 +254,6 @@ def bench_data_cmd(data, loader, workers, batch_size, image_size, epochs, limit_
 def losses_cmd():
     """The registered KD methods and their hyper-parameters (every one has ce_weight and label_smoothing)."""
     from kd.losses import LOSSES
-
     from kd.table import aligned
 
     rows = []
@@ -272,8 +276,8 @@ def backends_cmd():
 
 def main(argv=None) -> int:
     """Entry point of the ``kd`` console script: one line and exit code 2 for any user error."""
-    from kd.signals import Interrupted
     from kd.logging import START_ENV, mark_command_start
+    from kd.signals import Interrupted
 
     mark_command_start()  # processes that kd launches inherit it
     try:
@@ -320,7 +324,8 @@ def run() -> None:
 
     def force_exit():
         left = [t.name for t in threading.enumerate() if t is not threading.current_thread() and t.is_alive()]
-        sys.stderr.write(f"kd: exiting after {EXIT_GRACE_S:.0f} s of shutdown; still running: {', '.join(left) or '-'}\n")
+        sys.stderr.write(f"kd: exiting after {EXIT_GRACE_S:.0f} s of shutdown; "
+                         f"still running: {', '.join(left) or '-'}\n")
         sys.stderr.flush()
         os._exit(code)
 

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from kd import table
 from kd.errors import KDError
@@ -22,7 +22,7 @@ from kd.runfolder import RunFolder
 COLUMNS = ["backend", "opt", "s_per_20_iters", "img_per_s", "peak_mem_gb", "speedup", "impl", "note"]
 
 
-def combo_command(backend: str, opt: str, args: Dict[str, object], out: Path) -> List[str]:
+def combo_command(backend: str, opt: str, args: Dict[str, Any], out: Path) -> List[str]:
     cmd = [sys.executable, "-m", "cli", "train", "--backend", backend, "--opt", opt, "--epochs", "1",
            "--out", str(out), "--overwrite", "--no-progress",
            "--limit-train-batches", str(args["warmup"] + args["iters"]), "--set", f"timing_warmup={args['warmup']}"]
@@ -46,7 +46,8 @@ def combo_command(backend: str, opt: str, args: Dict[str, object], out: Path) ->
     return cmd
 
 
-def run_combo(backend: str, opt: str, args: Dict[str, object], out: Path, timeout: Optional[float]) -> Dict[str, object]:
+def run_combo(backend: str, opt: str, args: Dict[str, object], out: Path,
+              timeout: Optional[float]) -> Dict[str, object]:
     row: Dict[str, object] = {"backend": backend, "opt": opt}
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(
         [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")])}
@@ -67,7 +68,7 @@ def run_combo(backend: str, opt: str, args: Dict[str, object], out: Path, timeou
     return row
 
 
-def bench(backends: Sequence[str], opts: Sequence[str], args: Dict[str, object], out: Optional[Path] = None,
+def bench(backends: Sequence[str], opts: Sequence[str], args: Dict[str, Any], out: Optional[Path] = None,
           timeout: Optional[float] = None) -> List[Dict[str, object]]:
     """All combinations; a combination that cannot run shows why in its row."""
     if args.get("iters", 0) < 1 or args.get("warmup", 0) < 1:
@@ -75,7 +76,7 @@ def bench(backends: Sequence[str], opts: Sequence[str], args: Dict[str, object],
     out = Path(out or tempfile.mkdtemp(prefix="kd-bench-"))
     out.mkdir(parents=True, exist_ok=True)
     warn_slow_cpu_precision(opts, args)
-    rows = []
+    rows: List[Dict[str, Any]] = []
     for backend in backends:
         for opt in opts:
             print(f"kd bench: {backend} {opt} ...", file=sys.stderr, flush=True)

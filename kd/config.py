@@ -10,7 +10,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import yaml
 
@@ -75,7 +75,8 @@ class RunConfig:
     backend: str = "single"
     gpus: Optional[List[int]] = None
     nproc: Optional[int] = None
-    dist_backend: str = "auto"  # process group: auto (nccl on GPUs, gloo on the CPU or where processes share a GPU), nccl, gloo
+    # process group: auto (nccl on GPUs, gloo on the CPU or where processes share a GPU), nccl, gloo
+    dist_backend: str = "auto"
     dp_output_device: Optional[int] = None
     find_unused_parameters: Optional[bool] = None  # None: detect
     static_graph: bool = False
@@ -85,10 +86,12 @@ class RunConfig:
     amp_impl: str = "auto"
     channels_last: Optional[bool] = None  # None: on for CUDA
     compile: bool = False
-    compile_mode: str = "default"  # torch.compile mode; reduce-overhead adds CUDA graphs (the compiled step is host-bound)
+    # torch.compile mode; reduce-overhead adds CUDA graphs (the compiled step is host-bound)
+    compile_mode: str = "default"
     cudnn_benchmark: bool = True  # let cuDNN time its algorithms for the (fixed) input shapes
     fuse_teacher: Optional[bool] = None  # None: on for CUDA; BatchNorm folded, conv+bias(+add)+ReLU as one cuDNN call
-    fused_optimizer: Optional[bool] = None  # None: fused SGD where torch has it (CUDA, CPU): skipped steps without a host sync
+    # None: fused SGD where torch has it (CUDA, CPU): skipped steps without a host sync
+    fused_optimizer: Optional[bool] = None
     # run
     seed: int = 0
     out: str = "runs/kd"
@@ -206,7 +209,7 @@ def find_recipe(name: str) -> Path:
 
 def load_yaml(path: Union[str, Path], what: str = "recipe") -> Dict[str, Any]:
     try:
-        with open(path, "r", encoding="utf-8") as fh:
+        with open(path, encoding="utf-8") as fh:
             data = yaml.safe_load(fh)
     except OSError as exc:
         raise KDError(f"cannot read {what} {path}: {exc.strerror}") from None
@@ -324,7 +327,8 @@ def validate(cfg: RunConfig) -> RunConfig:
             raise KDError(msg)
 
     need(cfg.student is not None, "--student is required (a torchvision model name or timm:NAME)")
-    need(cfg.no_teacher or cfg.teacher is not None, "--teacher is required (or --no-teacher to train the student alone)")
+    need(cfg.no_teacher or cfg.teacher is not None,
+         "--teacher is required (or --no-teacher to train the student alone)")
     need(cfg.data is not None, "--data is required (a folder with train/ and val/ ImageFolders, or 'synthetic')")
     need(cfg.opt in OPT_LEVELS, f"--opt must be one of {', '.join(OPT_LEVELS)}, got {cfg.opt!r}")
     need(cfg.device in DEVICES, f"--device must be {_one_of(DEVICES)}, got {cfg.device!r}")
@@ -333,7 +337,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     need(cfg.amp_impl in AMP_IMPLS, f"--amp-impl must be {_one_of(AMP_IMPLS)}, got {cfg.amp_impl!r}")
     need(cfg.teacher_precision in TEACHER_PRECISIONS,
          f"--teacher-precision must be one of {', '.join(TEACHER_PRECISIONS)}, got {cfg.teacher_precision!r}")
-    need(cfg.compile_mode in COMPILE_MODES, f"compile_mode must be one of {', '.join(COMPILE_MODES)}, got {cfg.compile_mode!r}")
+    need(cfg.compile_mode in COMPILE_MODES,
+         f"compile_mode must be one of {', '.join(COMPILE_MODES)}, got {cfg.compile_mode!r}")
     need(cfg.lr_schedule in LR_SCHEDULES, f"--lr-schedule must be {_one_of(LR_SCHEDULES)}, got {cfg.lr_schedule!r}")
     need(cfg.epochs >= 1, "--epochs must be at least 1")
     need(cfg.batch_size >= 1, "--batch-size must be at least 1")
@@ -377,7 +382,7 @@ def validate_loss_options(cfg: RunConfig) -> None:
                           f"its hyper-parameters: {', '.join(known)}")
 
 
-def save(cfg: RunConfig, path: Union[str, Path], notes: List[str] = ()) -> None:
+def save(cfg: RunConfig, path: Union[str, Path], notes: Sequence[str] = ()) -> None:
     """``cfg`` as YAML; ``notes`` (what kd chose, and why) follow as comments."""
     with open(path, "w", encoding="utf-8") as fh:
         yaml.safe_dump(cfg.to_dict(), fh, sort_keys=False)
@@ -477,7 +482,8 @@ TRAIN_OPTIONS = (
     Option("device", ("--device",), "Where it runs.", choices=DEVICES, note="cuda where available"),
     Option("backend", ("--backend",), "Parallel backend: {names}; see 'kd backends'.", "NAME"),
     Option("gpus", ("--gpus",), "GPU indices to use (any subset).", "0,1,3"),
-    Option("nproc", ("--nproc",), "Processes for a multi-process backend: on the CPU, or sharing the --gpus (over gloo)."),
+    Option("nproc", ("--nproc",),
+           "Processes for a multi-process backend: on the CPU, or sharing the --gpus (over gloo)."),
     Option("dp_output_device", ("--dp-output-device",), "dp: GPU that gathers outputs.", note="first of --gpus"),
     Option("find_unused_parameters", ("--find-unused-parameters/--no-find-unused-parameters",),
            "torch_ddp: parameters without a gradient in a step.", note="detect"),

@@ -10,7 +10,7 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 import numpy as np
 from PIL import Image
@@ -43,7 +43,9 @@ def write_digits(root: Path, size: int = IMAGE_SIZE, val_fraction: float = 0.25,
             folder.mkdir(parents=True, exist_ok=True)
             for i in part:
                 pixels = (digits.images[i] * (255.0 / 16.0)).astype(np.uint8)
-                img = Image.fromarray(pixels, mode="L").resize((size, size), Image.BILINEAR).convert("RGB")
+                # the ignore: Pillow defines Image.BILINEAR in a loop over its enums, which mypy cannot see
+                bilinear = Image.BILINEAR  # type: ignore[attr-defined]
+                img = Image.fromarray(pixels, mode="L").resize((size, size), bilinear).convert("RGB")
                 img.save(folder / f"{i:04d}.jpg", quality=95)
     return root
 
@@ -66,12 +68,14 @@ def run_demo(out: Path, epochs: Optional[int] = None, overwrite: bool = False) -
     teacher_epochs = epochs or TEACHER_EPOCHS
     student_epochs = epochs or STUDENT_EPOCHS
     data = write_digits(out / "data")
-    common = dict(data=str(data), image_size=IMAGE_SIZE, val_resize=IMAGE_SIZE, min_crop_scale=0.8, batch_size=64,
-                  lr=0.1, lr_schedule="cosine", warmup_epochs=1, weight_decay=5e-4,
-                  device="cpu", workers=1, log_every=5, seed=0)
+    common: Dict[str, Any] = dict(data=str(data), image_size=IMAGE_SIZE, val_resize=IMAGE_SIZE, min_crop_scale=0.8,
+                                  batch_size=64, lr=0.1, lr_schedule="cosine", warmup_epochs=1, weight_decay=5e-4,
+                                  device="cpu", workers=1, log_every=5, seed=0)
     runs = {
-        "teacher": RunConfig(**common, epochs=teacher_epochs, student=TEACHER, no_teacher=True, out=str(out / "teacher")),
-        "student": RunConfig(**common, epochs=student_epochs, student=STUDENT, no_teacher=True, out=str(out / "student")),
+        "teacher": RunConfig(**common, epochs=teacher_epochs, student=TEACHER, no_teacher=True,
+                             out=str(out / "teacher")),
+        "student": RunConfig(**common, epochs=student_epochs, student=STUDENT, no_teacher=True,
+                             out=str(out / "student")),
     }
     started = time.perf_counter()
     results = {}

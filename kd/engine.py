@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, cast
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -16,7 +16,7 @@ from kd import config as kd_config
 from kd import data as kd_data
 from kd import teacher as kd_teacher
 from kd.cpu import slow_precision_warning
-from kd.data.loader import Batch
+from kd.data.loader import Batch, Loader
 from kd.errors import KDError
 from kd.evaluate import teacher_preprocessing_note
 from kd.logging import NullLogger, RunLogger, command_start
@@ -29,19 +29,6 @@ from kd.sides import LOGITS_SUM, StudentSide, TeacherSide, build_models
 from kd.signals import Interrupted, StopFlag
 from kd.step import StepHook, StepOutput
 from kd.validation import evaluate
-
-
-class EpochLoader(Protocol):
-    """What the loop needs of ``Data.train`` (a :class:`kd.data.loader.DeviceLoader` or ``SyntheticLoader``;
-    :class:`kd.data.loader.Data` declares it only as ``object``)."""
-
-    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None: ...
-
-    def __len__(self) -> int: ...
-
-    def __iter__(self) -> Any: ...
-
-    def describe(self) -> str: ...
 
 
 class Trainer:
@@ -140,8 +127,8 @@ class Trainer:
         self.data.close()
 
     # ----------------------------------------------------------------- set-up helpers
-    def _train_loader(self) -> EpochLoader:
-        return cast(EpochLoader, self.data.train)
+    def _train_loader(self) -> Loader:
+        return self.data.train
 
     def _choose_teacher_precision(self, teacher: nn.Module, layers: List[str]) -> nn.Module:
         """``teacher`` in the precision :func:`kd.teacher.choose` finds it runs well in (sets ``teacher_precision``)."""

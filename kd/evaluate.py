@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-
 from kd import checkpoint, models
 from kd.config import RunConfig
 from kd.data.folder import default_val_resize, scan_split
@@ -36,7 +35,8 @@ def run_settings(weights: str) -> Dict[str, Any]:
         return {}
     if not (isinstance(obj, dict) and "kd_version" in obj and isinstance(obj.get("student"), dict)):
         return {}
-    config = obj.get("config") if isinstance(obj.get("config"), dict) else {}
+    stored = obj.get("config")
+    config: Dict[str, Any] = stored if isinstance(stored, dict) else {}
     return {"model": obj.get("student_name") or config.get("student"),
             "num_classes": obj.get("num_classes") or config.get("num_classes"), "config": config}
 
@@ -117,8 +117,10 @@ def evaluate_model(model: Optional[str], weights: str, data: str, batch_size: in
     net = models.freeze(models.build(s.model, n, weights))
     runtime = resolve_runtime(cfg, backend.device)
     channels_last = runtime.channels_last
-    net = net.to(backend.device, memory_format=runtime.memory_format)
-    precision = TeacherPrecision(backend.device, make_precision(cfg, backend.device).dtype)  # frozen, as kd runs a teacher
+    # the ignore: torch's stub has no overload of Module.to with both, which Module.to takes
+    net = net.to(backend.device, memory_format=runtime.memory_format)  # type: ignore[call-overload]
+    # frozen, as kd runs a teacher
+    precision = TeacherPrecision(backend.device, make_precision(cfg, backend.device).dtype)
     net = precision.prepare(net)
     loader = make_loader(dataclasses.replace(cfg), samples, False, 1, 0, batch_size, backend.device, channels_last)
     try:

@@ -20,7 +20,7 @@ are, so their forward hooks still see their outputs; nothing inside them is fuse
 from __future__ import annotations
 
 import operator
-from typing import Iterable, Optional, Tuple
+from typing import Dict, Iterable, Optional, Tuple, Type, TypeVar, Union
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,10 @@ from torch import fx, nn
 
 RELUS = (F.relu, torch.relu, torch.relu_)
 ADDS = (operator.add, operator.iadd, torch.add)
+
+M = TypeVar("M", bound=nn.Module)
+#: How often the graph calls each submodule (by qualified name).
+Calls = Dict[str, int]
 
 
 def conv_bias_relu(x, weight, bias, stride, padding, dilation, groups: int):
@@ -55,9 +59,15 @@ class _Tracer(fx.Tracer):
         return qualname in self.keep or super().is_leaf_module(m, qualname)
 
 
-def _module(gm: fx.GraphModule, node, kinds) -> Optional[nn.Module]:
+def _target(node: fx.Node) -> str:
+    """The qualified name of the submodule a ``call_module`` or ``get_attr`` node refers to."""
+    assert isinstance(node.target, str), f"{node.op} node with target {node.target!r}"
+    return node.target
+
+
+def _module(gm: fx.GraphModule, node: object, kinds: Union[Type[M], Tuple[Type[M], ...]]) -> Optional[M]:
     if isinstance(node, fx.Node) and node.op == "call_module":
-        mod = gm.get_submodule(node.target)
+        mod = gm.get_submodule(_target(node))
         if isinstance(mod, kinds):
             return mod
     return None
@@ -76,27 +86,39 @@ def _is_add(node: fx.Node) -> bool:
             and all(isinstance(a, fx.Node) for a in node.args))
 
 
-def _fusable_conv(gm: fx.GraphModule, node, calls) -> Optional[nn.Conv2d]:
+def _fusable_conv(gm: fx.GraphModule, node: fx.Node, calls: Calls) -> Optional[nn.Conv2d]:
     """The Conv2d this node calls, if its output has no other use and it is called only here."""
     conv = _module(gm, node, nn.Conv2d)
     if conv is None or conv.padding_mode != "zeros" or isinstance(conv.padding, str):
         return None
-    if len(node.users) != 1 or calls[node.target] != 1:
+    if len(node.users) != 1 or calls[_target(node)] != 1:
         return None
     return conv
 
 
-def _fold_batchnorms(gm: fx.GraphModule, calls) -> int:
+def _conv_operand(gm: fx.GraphModule, add: fx.Node, calls: Calls) -> Optional[Tuple[fx.Node, fx.Node, nn.Conv2d]]:
+    """The first operand of ``add`` that is a fusable convolution: its node, the other operand, the Conv2d."""
+    for a, other in (add.args, add.args[::-1]):
+        if isinstance(a, fx.Node) and isinstance(other, fx.Node):
+            conv = _fusable_conv(gm, a, calls)
+            if conv is not None:
+                return a, other, conv
+    return None
+
+
+def _fold_batchnorms(gm: fx.GraphModule, calls: Calls) -> int:
     from torch.nn.utils.fusion import fuse_conv_bn_weights
 
     folded = 0
     for node in list(gm.graph.nodes):
         bn = _module(gm, node, nn.modules.batchnorm._BatchNorm)
-        if bn is None or bn.running_mean is None or calls[node.target] != 1 or not node.args:
+        if bn is None or bn.running_mean is None or bn.running_var is None:
+            continue
+        if calls[node.target] != 1 or not node.args:
             continue
         src = node.args[0]
         conv = _module(gm, src, (nn.Conv1d, nn.Conv2d, nn.Conv3d))
-        if conv is None or len(src.users) != 1 or calls[src.target] != 1:
+        if conv is None or not isinstance(src, fx.Node) or len(src.users) != 1 or calls[_target(src)] != 1:
             continue
         weight, bias = fuse_conv_bn_weights(conv.weight, conv.bias, bn.running_mean, bn.running_var, bn.eps,
                                             bn.weight, bn.bias)
@@ -113,7 +135,7 @@ def _conv_args(gm: fx.GraphModule, conv_node: fx.Node, conv: nn.Conv2d) -> Tuple
     return weight, bias, tuple(conv.stride), tuple(conv.padding), tuple(conv.dilation), conv.groups
 
 
-def _fuse_relus(gm: fx.GraphModule, calls) -> Tuple[int, int]:
+def _fuse_relus(gm: fx.GraphModule, calls: Calls) -> Tuple[int, int]:
     convs = adds = 0
     for node in list(gm.graph.nodes):
         if not _is_relu(gm, node) or not node.args:
@@ -128,11 +150,10 @@ def _fuse_relus(gm: fx.GraphModule, calls) -> Tuple[int, int]:
                 fused = gm.graph.call_function(conv_bias_relu, (src.args[0], w, b, *rest))
                 convs += 1
             elif _is_add(src) and len(src.users) == 1:
-                pick = [(a, o) for a, o in (src.args, src.args[::-1]) if _fusable_conv(gm, a, calls) is not None]
-                if not pick:
+                pick = _conv_operand(gm, src, calls)
+                if pick is None:
                     continue
-                conv_node, z = pick[0]
-                conv = gm.get_submodule(conv_node.target)
+                conv_node, z, conv = pick
                 w, b, *rest = _conv_args(gm, conv_node, conv)
                 fused = gm.graph.call_function(conv_bias_add_relu, (conv_node.args[0], w, z, b, *rest))
                 adds += 1
@@ -158,7 +179,7 @@ def fuse_teacher(model: nn.Module, keep: Iterable[str] = ()) -> Tuple[nn.Module,
     except Exception as exc:  # dynamic control flow and the like: run the model as it is
         return model, f"not fused (torch.fx cannot trace it: {type(exc).__name__})"
     gm = fx.GraphModule(model, graph, class_name=type(model).__name__ + "Fused")
-    calls: dict = {}
+    calls: Calls = {}
     for node in gm.graph.nodes:
         if node.op == "call_module":
             calls[node.target] = calls.get(node.target, 0) + 1

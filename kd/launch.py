@@ -28,11 +28,11 @@ import shutil
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, Optional, Type
 
 from kd.errors import KDError
-from kd.runfolder import RunFolder
 from kd.placement import Placement, slurm_env
+from kd.runfolder import RunFolder
 
 
 def prepare_out(cfg, resume: Optional[str], overwrite: bool) -> Optional[Path]:
@@ -81,7 +81,8 @@ def preflight(cfg) -> None:
         for split in ("train", "val"):
             if not (Path(cfg.data) / split).is_dir():
                 what = "does not exist" if not Path(cfg.data).is_dir() else f"has no {split}/ subfolder"
-                raise KDError(f"data folder {cfg.data} {what} (expected DIR/train/<class>/*.jpg and DIR/val/<class>/*.jpg)")
+                raise KDError(f"data folder {cfg.data} {what} "
+                              f"(expected DIR/train/<class>/*.jpg and DIR/val/<class>/*.jpg)")
 
 
 
@@ -140,10 +141,12 @@ def launch_local(cfg, nproc: int, resume_from: Optional[Path]):
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    signal_exception: Type[BaseException]
     try:
         from torch.distributed.elastic.multiprocessing.api import SignalException
+        signal_exception = SignalException
     except ImportError:  # pragma: no cover - older torch
-        SignalException = KeyboardInterrupt  # noqa: N806
+        signal_exception = KeyboardInterrupt
 
     visible = visible_devices(cfg, nproc)
     error_dir = tempfile.mkdtemp(prefix="kd-launch-")
@@ -154,17 +157,17 @@ def launch_local(cfg, nproc: int, resume_from: Optional[Path]):
     logging.disable(logging.ERROR)  # the agent's own failure report; kd reports the cause below
     try:
         results = elastic_launch(config, worker)(cfg, str(cfg.out), resume_from, error_dir, visible)
-    except (ChildFailedError, SignalException) as exc:
+    except (ChildFailedError, signal_exception) as exc:
         stopped = Path(error_dir, "interrupted.txt")
         if stopped.exists():  # the workers stopped on a signal after writing their checkpoint
             from kd.signals import Interrupted
 
             signame, message = stopped.read_text(encoding="utf-8").split("\n", 1)
             raise Interrupted(signame, message=message) from None
-        message = first_error(error_dir)
-        if message is not None:
-            raise KDError(message) from None
-        if isinstance(exc, SignalException):
+        error = first_error(error_dir)
+        if error is not None:
+            raise KDError(error) from None
+        if isinstance(exc, signal_exception):
             raise KeyboardInterrupt from None
         raise
     finally:
@@ -214,7 +217,8 @@ def accept_legacy_local_rank(local_rank: Optional[int]) -> None:
         os.environ.setdefault("LOCAL_RANK", str(local_rank))
 
 
-def run_worker(cfg, out: Path, resume_from: Optional[Path] = None, place: Optional[Placement] = None) -> Dict[str, float]:
+def run_worker(cfg, out: Path, resume_from: Optional[Path] = None,
+               place: Optional[Placement] = None) -> Dict[str, float]:
     """Everything one process does for a run, from backend set-up to teardown, where ``place`` (as the
     launcher found it) says. ``timing_warmup`` (``kd bench``) adds the step timer and skips validation."""
     import backends

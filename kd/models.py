@@ -59,7 +59,8 @@ def _pretrained_state(name: str) -> Dict[str, torch.Tensor]:
         raise
     except Exception as exc:  # network errors come in many types (URLError, HF hub errors, ...)
         raise KDError(
-            f"cannot get pretrained weights for {name} ({type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else 'no detail'}); "
+            f"cannot get pretrained weights for {name} "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else 'no detail'}); "
             f"offline? pass a local file with --teacher-weights PATH (or --student-weights PATH)"
         ) from None
 
@@ -148,7 +149,8 @@ def load_into(model: nn.Module, state: Dict[str, torch.Tensor], name: str, sourc
         parts = []
         if shape:
             k = shape[0]
-            parts.append(f"{len(shape)} shape mismatches (e.g. {k}: file {tuple(state[k].shape)} vs model {tuple(own[k].shape)})")
+            parts.append(f"{len(shape)} shape mismatches "
+                         f"(e.g. {k}: file {tuple(state[k].shape)} vs model {tuple(own[k].shape)})")
         if missing:
             parts.append(f"{len(missing)} missing keys (e.g. {missing[0]})")
         if unexpected:

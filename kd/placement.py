@@ -56,7 +56,7 @@ class Placement:
     timeout: timedelta = timedelta(seconds=600)
 
     @classmethod
-    def for_visible_gpus(cls, visible: str, environ: Optional[Mapping[str, str]] = None) -> "Placement":
+    def for_visible_gpus(cls, visible: str, environ: Optional[Mapping[str, str]] = None) -> Placement:
         """The placement of a process kd's launcher started with exactly the GPUs ``visible`` (its
         ``CUDA_VISIBLE_DEVICES``, in ``--gpus`` order), numbered 0, 1, ... inside the process."""
         return dataclasses.replace(cls.from_environment(None, environ), gpus=tuple(range(len(visible.split(",")))))

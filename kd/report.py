@@ -9,7 +9,7 @@ import io
 import json
 import os
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import yaml
 
@@ -45,7 +45,7 @@ def collect(run: Path) -> Dict[str, object]:
     evals = [r for r in records if "val_top1" in r]
     if not evals:
         raise KDError(f"{run} has no evaluated epoch yet")
-    cfg = {}
+    cfg: Dict[str, Any] = {}
     if folder.config.is_file():
         cfg = yaml.safe_load(folder.config.read_text()) or {}
     best = max(evals, key=lambda r: r["val_top1"])
@@ -105,8 +105,9 @@ def report(runs: Sequence[Path], note: Optional[Callable[[str], None]] = None) -
     if not rows:
         reasons = "; ".join(s[len("skipped "):] for s in skipped[:3]) or "no path given"
         raise KDError(f"no kd run to report: {reasons}{' ...' if len(skipped) > 3 else ''}")
-    for line in skipped if note else ():
-        note(line)
+    if note is not None:
+        for line in skipped:
+            note(line)
     return rows
 
 

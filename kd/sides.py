@@ -44,7 +44,7 @@ class TeacherSide(nn.Module):
         self.teacher = teacher
         self.layers = layers
 
-    def forward(self, images):
+    def forward(self, images: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         feats: Dict[str, torch.Tensor] = {}
         with tap(self.teacher, self.layers, feats):
             logits = self.teacher(images)

@@ -89,7 +89,7 @@ class Sample(NamedTuple):
     flip: bool
     label: int
     path: str
-    index: int
+    sample_index: int  # not ``index``: that would hide tuple.index
     seed: int
 
 
@@ -148,6 +148,12 @@ class JpegBytes:
         return Sample(PIL_CROP, img.numpy(), img.shape[1], img.shape[2], (0, 0, 0, 0), False, label, path, index, seed)
 
 
+def _payload(sample: Sample) -> np.ndarray:
+    """``sample.data`` of a sample that has one (all but BAD samples)."""
+    assert sample.data is not None, f"{sample.kind} sample {sample.path} without data"
+    return sample.data
+
+
 def collate_packed(batch: Sequence[Sample]) -> dict:
     """One batch as a few tensors: the device samples packed into ``data`` (one uint8 tensor).
 
@@ -158,8 +164,8 @@ def collate_packed(batch: Sequence[Sample]) -> dict:
     """
     dev = [s for s in batch if s.kind in (ENCODED, PIXELS)]
     pil = [s for s in batch if s.kind == PIL_CROP]
-    arrays = [s.data.reshape(-1) for s in dev]
-    pil_images = (torch.from_numpy(np.stack([s.data for s in pil])) if pil
+    arrays = [_payload(s).reshape(-1) for s in dev]
+    pil_images = (torch.from_numpy(np.stack([_payload(s) for s in pil])) if pil
                   else torch.empty(0, 3, 1, 1, dtype=torch.uint8))
     return {
         "data": torch.from_numpy(np.concatenate(arrays)) if arrays else torch.empty(0, dtype=torch.uint8),
@@ -168,7 +174,7 @@ def collate_packed(batch: Sequence[Sample]) -> dict:
         "boxes": torch.tensor([s.box for s in dev], dtype=torch.float32).view(-1, 4),
         "flips": torch.tensor([s.flip for s in dev], dtype=torch.bool),
         "labels": torch.tensor([s.label for s in dev], dtype=torch.long),
-        "index": torch.tensor([s.index for s in dev], dtype=torch.long),
+        "index": torch.tensor([s.sample_index for s in dev], dtype=torch.long),
         "seeds": torch.tensor([s.seed for s in dev], dtype=torch.long),
         "paths": [s.path for s in dev],
         "pixels": bool(dev) and dev[0].kind == PIXELS,

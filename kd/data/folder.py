@@ -28,8 +28,8 @@ def _scan_split(root: Path, split: str) -> Tuple[List[str], List[Tuple[str, int]
     classes = sorted(e.name for e in os.scandir(folder) if e.is_dir() and not e.name.startswith("."))
     if not classes:
         raise KDError(f"{folder} has no class folders (expected {folder}/<class>/*.jpg)")
-    samples = []
-    empty = []
+    samples: List[Tuple[str, int]] = []
+    empty: List[str] = []
     for label, cls in enumerate(classes):
         count = len(samples)
         for dirpath, _, files in sorted(os.walk(folder / cls, followlinks=True)):

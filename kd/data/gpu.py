@@ -301,7 +301,7 @@ class GpuLoader(DeviceLoader):
                 if len(keep) < len(item.images):
                     index = torch.tensor(keep)
                     boxes, flips, kept_labels = boxes[index], flips[index], kept_labels[index]
-                crops = crop_resize([item.images[i] for i in keep], boxes, self.size)
+                crops = crop_resize([img for img in item.images if img is not None], boxes, self.size)
                 flips = flips.to(dev, non_blocking=True).view(-1, 1, 1, 1)
                 parts.append(torch.where(flips, crops.flip(3), crops))
                 labels.append(kept_labels)

@@ -13,7 +13,7 @@ import os
 import random
 import sys
 from dataclasses import dataclass, field
-from typing import Iterator, List, Optional
+from typing import Iterator, List, Optional, Protocol
 
 import numpy as np
 import torch
@@ -78,6 +78,26 @@ class Batch:
         return int(self.labels.shape[0])
 
 
+class Loader(Protocol):
+    """What every loader is (:class:`DeviceLoader`, :class:`kd.data.gpu.GpuLoader`, :class:`SyntheticLoader`):
+    an epoch of :class:`Batch` objects on the device, ``len`` of them, after ``set_epoch``."""
+
+    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
+        """Order the next epoch as ``epoch``'s, without its first ``skip_batches`` batches (a resume)."""
+
+    def __len__(self) -> int:
+        """Batches the next epoch yields."""
+
+    def __iter__(self) -> Iterator[Batch]:
+        """One epoch."""
+
+    def describe(self) -> str:
+        """One line for the log: where decoding and normalisation happen."""
+
+    def close(self) -> None:
+        """Stop the loader's worker processes and threads."""
+
+
 class DeviceLoader:
     """A DataLoader plus the move to the device and normalisation there (uint8 crosses the bus)."""
 
@@ -92,12 +112,19 @@ class DeviceLoader:
         self.std = torch.tensor(STD, device=device).view(1, 3, 1, 1)
         self.skipped_batches = 0
 
+    @property
+    def batch_size(self) -> int:
+        """The DataLoader's batch size (kd's DataLoaders always batch)."""
+        bs = self.loader.batch_size
+        assert bs is not None, "DeviceLoader needs a DataLoader with a batch_size"
+        return bs
+
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
         self.skipped_batches = skip_batches
-        self.sampler.set_epoch(epoch, skip_batches * self.loader.batch_size)
+        self.sampler.set_epoch(epoch, skip_batches * self.batch_size)
 
     def __len__(self) -> int:
-        bs = self.loader.batch_size
+        bs = self.batch_size
         total = self.sampler.total()
         n = total // bs if self.loader.drop_last and total >= bs else (total + bs - 1) // bs
         n = n if self.limit is None else min(n, self.limit)
@@ -173,8 +200,8 @@ def make_data_loader(cfg, dataset, collate_fn, train: bool, num_replicas: int, r
     kwargs = {}
     if workers > 0:
         # prefetch 2 per worker: in-flight batches live in /dev/shm, which containers often keep small
-        kwargs = dict(multiprocessing_context=mp_context(cfg.mp_context or default_mp_context()), persistent_workers=True,
-                      prefetch_factor=2, worker_init_fn=seed_worker,
+        kwargs = dict(multiprocessing_context=mp_context(cfg.mp_context or default_mp_context()),
+                      persistent_workers=True, prefetch_factor=2, worker_init_fn=seed_worker,
                       generator=torch.Generator().manual_seed(cfg.seed * 1000 + rank * 2 + int(train)))
     drop_last = train and len(sampler) >= local_batch
     loader = DataLoader(dataset, batch_size=local_batch, sampler=sampler, num_workers=workers,

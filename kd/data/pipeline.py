@@ -12,7 +12,7 @@ import torch
 
 from kd.data.folder import scan
 from kd.data.gpu import make_gpu_loader
-from kd.data.loader import SyntheticLoader, make_loader
+from kd.data.loader import Loader, SyntheticLoader, make_loader
 from kd.errors import KDError
 from kd.registry import suggest
 
@@ -24,8 +24,8 @@ SYNTHETIC_STEPS = 100
 
 @dataclass
 class Data:
-    train: object
-    val: object
+    train: Loader
+    val: Loader
     classes: List[str]
     num_train: int
     num_val: int
@@ -40,11 +40,13 @@ def build(cfg, num_replicas: int, rank: int, local_batch: int, device: torch.dev
     if cfg.data == "synthetic":
         n = cfg.num_classes or SYNTHETIC_CLASSES
         steps = cfg.limit_train_batches or SYNTHETIC_STEPS
-        train = SyntheticLoader(local_batch, cfg.image_size, n, steps, device, channels_last, cfg.seed + rank)
-        val = SyntheticLoader(local_batch, cfg.image_size, n, cfg.limit_val_batches or 2, device, channels_last, cfg.seed + 999)
+        train: Loader = SyntheticLoader(local_batch, cfg.image_size, n, steps, device, channels_last, cfg.seed + rank)
+        val: Loader = SyntheticLoader(local_batch, cfg.image_size, n, cfg.limit_val_batches or 2, device, channels_last,
+                              cfg.seed + 999)
         return Data(train, val, [str(i) for i in range(n)], steps * local_batch * num_replicas, 0)
     if cfg.loader not in LOADERS:
-        raise KDError(f"unknown --loader {cfg.loader!r}{suggest(cfg.loader, LOADERS)}; choose from: {', '.join(LOADERS)}")
+        raise KDError(f"unknown --loader {cfg.loader!r}{suggest(cfg.loader, LOADERS)}; "
+                      f"choose from: {', '.join(LOADERS)}")
     classes, train_samples, val_samples = scan(cfg.data)
     make = LOADERS[cfg.loader]
     train = make(cfg, train_samples, True, num_replicas, rank, local_batch, device, channels_last)

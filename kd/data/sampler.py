@@ -33,8 +33,10 @@ class SeededSampler(Sampler):
         self.epoch = 0
         self.skip = 0
         if pad:
-            self.inner = DistributedSampler(range(size), num_replicas=num_replicas, rank=rank,
-                                            shuffle=shuffle, seed=seed, drop_last=False)
+            # the ignore: torch's stub asks for a Dataset, but DistributedSampler only takes len() of it
+            self.inner: DistributedSampler[int] = DistributedSampler(
+                range(size), num_replicas=num_replicas, rank=rank,  # type: ignore[arg-type]
+                shuffle=shuffle, seed=seed, drop_last=False)
 
     def set_epoch(self, epoch: int, skip: int = 0) -> None:
         self.epoch = epoch
