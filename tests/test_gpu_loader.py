@@ -370,6 +370,9 @@ def test_device_decoders_match_pil(name):
         # decoders differ by a level or two; nvJPEG's chroma upsampling gave 3.005 on a 97x181 image on an H200
         assert np.abs(got.astype(np.float32) - ref).mean() < 4.0
     assert decoder.describe()
+    # progressive files go to PIL in the workers: they would take the batch off the hardware engine
+    assert decoder.frame_types == BASELINE_ONLY
+    assert jpeg_size(jpeg_bytes(natural_image(rng, 64, 48), progressive=True), decoder.frame_types) is None
 
 
 @pytest.mark.gpu

@@ -46,11 +46,16 @@ class Decoder:
 
     name: ClassVar[str] = ""
     in_workers: ClassVar[bool] = False
+    #: Whether progressive JPEGs go to this decoder. The GPU decoders say no: their hardware engines
+    #: take baseline files only, and a progressive file sends them to a CPU Huffman path that held a
+    #: whole batch up (decode alone: 4,400-4,600 images/s on an ImageNet-like folder with 5 %
+    #: progressive files on the H200, docs/benchmarks.md); the workers decode those with PIL instead.
+    progressive: ClassVar[bool] = True
 
     def __init__(self, device: torch.device):
         self.device = device
         #: JPEG frame types (SOF markers) this decoder takes; others go through PIL in the workers.
-        self.frame_types: Tuple[int, ...] = DEVICE_SOF
+        self.frame_types: Tuple[int, ...] = DEVICE_SOF if self.progressive else BASELINE_ONLY
 
     @classmethod
     def unavailable(cls, device: torch.device) -> Optional[str]:
@@ -73,7 +78,7 @@ class Decoder:
         """Decode small JPEGs and compare with PIL: None if fine, else what went wrong."""
         baseline, progressive = probe_jpegs(False), probe_jpegs(True)
         reason = _compare(self._probe_decode(baseline), baseline)
-        if reason is None and _compare(self._probe_decode(progressive), progressive) is not None:
+        if reason is None and self.progressive and _compare(self._probe_decode(progressive), progressive) is not None:
             self.frame_types = BASELINE_ONLY
         return reason
 
@@ -85,6 +90,7 @@ class NvImageCodec(Decoder):
     """nvImageCodec's batched decoder, hardware JPEG engine first, then CUDA, then hybrid."""
 
     name = "nvimgcodec"
+    progressive = False
 
     @classmethod
     def unavailable(cls, device):
@@ -140,6 +146,7 @@ class Nvjpeg(Decoder):
     """torchvision.io.decode_jpeg(list, device='cuda'): nvJPEG, batched, hardware engine where present."""
 
     name = "nvjpeg"
+    progressive = False
 
     @classmethod
     def unavailable(cls, device):
