@@ -108,27 +108,28 @@ def markdown(rows: List[Dict[str, object]]) -> str:
     return table.markdown(rows, COLUMNS)
 
 
-def write_outputs(rows: List[Dict[str, object]], out: Path, baseline: str) -> None:
+def write_outputs(rows: List[Dict[str, object]], out: Path, baseline: str, note=None) -> None:
+    """bench.json, bench.csv, bench.md and the chart bench.png; ``note`` hears (stderr by default)
+    when the chart cannot be drawn, as matplotlib is missing."""
     (out / "bench.json").write_text(json.dumps({"baseline": baseline, "rows": rows}, indent=2))
     with open(out / "bench.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=COLUMNS)
+        writer = csv.DictWriter(fh, fieldnames=COLUMNS, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
     (out / "bench.md").write_text(markdown(rows) + "\n")
-    try:
-        import matplotlib
+    from kd.report import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    try:
+        plt = pyplot()
+    except KDError as exc:
+        (note or (lambda line: print(f"kd bench: {line}", file=sys.stderr, flush=True)))(
+            f"no bench.png: {exc}")
         return
     ok = [r for r in rows if isinstance(r.get("img_per_s"), (int, float))]
-    if not ok:
-        return
     fig, ax = plt.subplots(figsize=(max(4, 0.9 * len(ok)), 3.2))
     ax.bar([f"{r['backend']}\n{r['opt']}" for r in ok], [r["img_per_s"] for r in ok], color="#4a7ab7")
-    ax.set_ylabel("images/s")
-    ax.set_title("kd bench")
+    ax.set_ylabel("images/s per student")
+    ax.set_title("kd bench" if ok else "kd bench: no combination ran")
     fig.tight_layout()
     fig.savefig(out / "bench.png", dpi=120)
     plt.close(fig)

@@ -15,7 +15,7 @@ from kd import config as kd_config
 from kd import data as kd_data
 from kd.data.loader import Batch
 from kd.cpu import slow_precision_warning
-from kd.errors import KDError
+from kd.errors import KDError, NonFinite
 from kd.logging import NullLogger, RunLogger, command_start, first_step_record
 from kd.meter import Meter, format_record, nonfinite_flags, nonfinite_message
 from kd.optim import build_optimizer, build_scheduler
@@ -209,7 +209,7 @@ class Trainer:
         ended_nonfinite = self.meter.streak.clone()
         self.backend.all_reduce_sum(ended_nonfinite)
         if ended_nonfinite.item() > 0:  # a run is not done on weights that the last steps could not train
-            raise KDError(self._nonfinite_message(f"in its last {int(self.meter.streak.item())} step(s)", self.epoch))
+            raise NonFinite(self._nonfinite_message(f"in its last {int(self.meter.streak.item())} step(s)", self.epoch))
         self.logger.close()
 
     def train_epoch(self) -> Dict[str, float]:
@@ -297,7 +297,7 @@ class Trainer:
             self._interval = Meter(self.device)
             self._t_interval = time.perf_counter()
             if worst >= cfg.max_nonfinite_steps:
-                raise KDError(self._nonfinite_message(f"for {cfg.max_nonfinite_steps} consecutive steps"))
+                raise NonFinite(self._nonfinite_message(f"for {cfg.max_nonfinite_steps} consecutive steps"))
             if self.bad_images + bad_epoch > cfg.max_bad_images:
                 raise KDError(f"{int(self.bad_images + bad_epoch)} unreadable images, more than "
                               f"--max-bad-images {cfg.max_bad_images}; see the log for their names")
