@@ -232,12 +232,14 @@ def report(runs, csv_path, plot_path):
 @click.option("--amp-dtype", type=click.Choice(AMP_DTYPES), default=None)
 @click.option("--compile/--no-compile", default=False, show_default=True)
 @click.option("--loader", type=click.Choice(["pil", "gpu"]), default=None, help="With --data DIR (default pil).")
+@click.option("--methods", default=None, metavar="kd,dkd,..",
+              help="Time these KD methods trained together (one teacher forward) against each alone.")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Passed to every combination's kd train.")
 @click.option("--out", "-o", type=click.Path(path_type=Path), default=Path("runs/bench"), show_default=True)
 @click.option("--timeout", type=float, default=1800, show_default=True, help="Seconds per combination.")
 @click.pass_context
 def bench(ctx, teacher, student, backend_list, opt_list, gpus, nproc, device, batch_size, image_size, iters, warmup,
-          data, workers, amp_dtype, compile, loader, sets, out, timeout):
+          data, workers, amp_dtype, compile, loader, methods, sets, out, timeout):
     """Compare backends x opt levels on this machine: s/20 iters, img/s, peak memory per GPU.
 
     'kd bench data --data DIR' measures the input pipeline alone.
@@ -248,7 +250,8 @@ def bench(ctx, teacher, student, backend_list, opt_list, gpus, nproc, device, ba
 
     args = dict(teacher=teacher, student=student, gpus=gpus, nproc=nproc, device=device, batch_size=batch_size,
                 image_size=image_size, iters=iters, warmup=warmup, data=data, workers=workers,
-                amp_dtype=amp_dtype, compile=compile, loader=loader, sets=list(sets))
+                amp_dtype=amp_dtype, compile=compile, loader=loader, sets=list(sets),
+                methods=[m.strip() for m in (methods or "").split(",") if m.strip()])
     from kd import config as kd_config
 
     for key, value in kd_config.parse_set(list(sets)).items():  # a bad --set fails here, not in every row
@@ -256,7 +259,7 @@ def bench(ctx, teacher, student, backend_list, opt_list, gpus, nproc, device, ba
     rows = run_bench([b for b in backend_list.split(",") if b], [o for o in opt_list.split(",") if o], args, out,
                      timeout)
     click.echo(markdown(rows))
-    click.echo(f"\n{out}/bench.csv, bench.json, bench.md{', bench.png' if (out / 'bench.png').exists() else ''}")
+    click.echo(f"\n{out}/bench.csv, bench.json, bench.md{', bench.png' if (out / 'bench.png').exists() else ' (no bench.png)'}")
 
 
 @bench.command("data")
