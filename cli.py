@@ -79,7 +79,8 @@ def cli(local_rank):
 
 
 @cli.command(context_settings={"ignore_unknown_options": False})
-@click.option("--recipe", "-r", metavar="NAME|PATH", help="YAML recipe; options override it.")
+@click.option("--recipe", "-r", "recipes", multiple=True, metavar="NAME|PATH",
+              help="YAML recipe; options override it. Repeat it to train several students at once.")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override any config key (repeatable).")
 @click.option("--loss-arg", "loss_arg", multiple=True, metavar="KEY=VALUE",
               help="A KD method hyper-parameter (repeatable).")
@@ -91,8 +92,12 @@ def cli(local_rank):
 # the former label weight of --kd-loss kd (ce_weight = alpha, kd_weight = 1 - alpha), with a deprecation line
 @click.option("--alpha", "alpha", type=float, default=None, hidden=True)
 @click.pass_context
-def train(ctx, recipe, sets, loss_arg, resume, overwrite, local_rank, **options):
-    """Distil a student from a teacher (or train one model with --no-teacher)."""
+def train(ctx, recipes, sets, loss_arg, resume, overwrite, local_rank, **options):
+    """Distil a student from a teacher (or train one model with --no-teacher).
+
+    Several students at once, from one input pipeline and one teacher forward per batch:
+    --kd-loss kd,dkd,dist,lskd or --recipe A --recipe B; each gets OUT/<method or recipe>/.
+    """
     import kd
     from kd import config as kd_config
     from kd.launch import accept_legacy_local_rank
@@ -104,14 +109,35 @@ def train(ctx, recipe, sets, loss_arg, resume, overwrite, local_rank, **options)
              and ctx.get_parameter_source(k) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)}
     if loss_arg:
         given["loss_args"] = kd_config.parse_set([f"loss_args.{item}" for item in loss_arg])["loss_args"]
+    if _several_students(recipes, given, resume):
+        return _train_students(recipes, given, sets, resume, overwrite)
     base = None
     if resume:
         out = RunFolder(given.get("out") or (Path(resume).parent.parent if resume != "last" else "runs/kd"))
         given["out"] = str(out.root)
         if out.config.is_file():
             base = kd_config.load(out.config)
-    cfg = kd_config.resolve(recipe=recipe, options=given, sets=list(sets), base=base)
+    cfg = kd_config.resolve(recipe=recipes[0] if recipes else None, options=given, sets=list(sets), base=base)
     kd.train(cfg, resume=resume, overwrite=overwrite)
+
+
+def _several_students(recipes, given, resume) -> bool:
+    from kd.multi import is_students_folder
+
+    if len(recipes) > 1 or "," in str(given.get("kd_loss") or ""):
+        return True
+    return bool(resume) and is_students_folder(Path(given.get("out") or "runs/kd"))
+
+
+def _train_students(recipes, given, sets, resume, overwrite) -> None:
+    """``kd train`` of several students (kd.multi): planned from the options, or those of --out resumed."""
+    from kd import multi
+
+    if not resume:
+        return multi.train(multi.plan(recipes, given, sets), overwrite=overwrite)
+    if recipes or given.get("kd_loss"):
+        raise KDError("--resume continues the students that --out holds; leave out --recipe and --kd-loss")
+    multi.train(multi.resumed(Path(given.get("out") or "runs/kd"), given, sets), resume=resume, overwrite=overwrite)
 
 
 @cli.command("eval")
@@ -172,18 +198,24 @@ def recipes_show(name):
 @cli.command()
 @click.argument("runs", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--csv", "csv_path", type=click.Path(path_type=Path), help="Also write the table as CSV.")
-def report(runs, csv_path):
+@click.option("--plot", "plot_path", type=click.Path(path_type=Path), metavar="FILE.png",
+              help="Also draw val top-1 (paper references dashed) and train loss per epoch (needs matplotlib).")
+def report(runs, csv_path, plot_path):
     """Several runs' results as one table: best/last top-1/top-5, reference, difference, wall time.
 
     RUNS are run folders or folders of runs (kd report runs/demo); what is not a run is skipped with a note.
     """
-    from kd.report import markdown, to_csv
+    from kd.report import markdown, plot, pyplot, to_csv
     from kd.report import report as collect
 
+    if plot_path:
+        pyplot()  # a missing matplotlib stops here, before anything is written
     rows = collect(runs, note=lambda line: click.echo(f"kd report: {line}", err=True))
     click.echo(markdown(rows))
     if csv_path:
         csv_path.write_text(to_csv(rows))
+    if plot_path:
+        click.echo(f"figure: {plot(runs, plot_path)}")
 
 
 @cli.group(invoke_without_command=True)
@@ -203,12 +235,14 @@ def report(runs, csv_path):
 @click.option("--amp-dtype", type=click.Choice(AMP_DTYPES), default=None)
 @click.option("--compile/--no-compile", default=False, show_default=True)
 @click.option("--loader", type=click.Choice(["pil", "gpu"]), default=None, help="With --data DIR (default pil).")
+@click.option("--methods", default=None, metavar="kd,dkd,..",
+              help="Time these KD methods trained together (one teacher forward) against each alone.")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Passed to every combination's kd train.")
 @click.option("--out", "-o", type=click.Path(path_type=Path), default=Path("runs/bench"), show_default=True)
 @click.option("--timeout", type=float, default=1800, show_default=True, help="Seconds per combination.")
 @click.pass_context
 def bench(ctx, teacher, student, backend_list, opt_list, gpus, nproc, device, batch_size, image_size, iters, warmup,
-          data, workers, amp_dtype, compile, loader, sets, out, timeout):
+          data, workers, amp_dtype, compile, loader, methods, sets, out, timeout):
     """Compare backends x opt levels on this machine: s/20 iters, img/s, peak memory per GPU.
 
     'kd bench data --data DIR' measures the input pipeline alone.
@@ -220,7 +254,8 @@ def bench(ctx, teacher, student, backend_list, opt_list, gpus, nproc, device, ba
 
     args = dict(teacher=teacher, student=student, gpus=gpus, nproc=nproc, device=device, batch_size=batch_size,
                 image_size=image_size, iters=iters, warmup=warmup, data=data, workers=workers,
-                amp_dtype=amp_dtype, compile=compile, loader=loader, sets=list(sets))
+                amp_dtype=amp_dtype, compile=compile, loader=loader, sets=list(sets),
+                methods=[m.strip() for m in (methods or "").split(",") if m.strip()])
     from kd import config as kd_config
 
     for key, value in kd_config.parse_set(list(sets)).items():  # a bad --set fails here, not in every row
@@ -228,7 +263,7 @@ def bench(ctx, teacher, student, backend_list, opt_list, gpus, nproc, device, ba
     rows = run_bench([b for b in backend_list.split(",") if b], [o for o in opt_list.split(",") if o], args, out,
                      timeout)
     click.echo(markdown(rows))
-    click.echo(f"\n{out}/bench.csv, bench.json, bench.md{', bench.png' if (out / 'bench.png').exists() else ''}")
+    click.echo(f"\n{out}/bench.csv, bench.json, bench.md{', bench.png' if (out / 'bench.png').exists() else ' (no bench.png)'}")
 
 
 @bench.command("data")

@@ -6,7 +6,8 @@ actions:
 * roles: ``rank``, ``world_size``, ``is_main`` (the only process that writes ``--out``);
 * placement: ``device``; ``local_batch(global_batch)``, the per-process share of the batch;
 * data: ``data_shard()`` -> ``(num_replicas, rank)`` for the samplers;
-* models: ``prepare_model(student_side)`` before the optimizer exists (layers replaced, parameter
+* models: ``fork()`` for each further trained model of a run (several students),
+  ``prepare_model(student_side)`` before the optimizer exists (layers replaced, parameter
   layout), ``wrap(student_side)`` for gradient sync, ``wrap_forward(module)`` for the teacher
   and evaluation (forward only, never for gradient sync);
 * the step: ``prefers_apex_amp`` (a wish the run's precision choice honours where it can),
@@ -22,6 +23,8 @@ A backend registers itself with ``@register("name")``; third-party backends can 
 registered through the Python entry point group ``kd.backends``.
 """
 from __future__ import annotations
+
+import copy
 
 from typing import ClassVar, Optional, Sequence, Tuple
 
@@ -102,6 +105,12 @@ class Backend:
 
     def data_shard(self) -> Tuple[int, int]:
         return self.world_size, self.rank
+
+    def fork(self) -> "Backend":
+        """This set-up backend for one more trained model (each student of ``kd train --kd-loss a,b``):
+        the same process group and device, and per-model state of its own (wrapping choices,
+        gradient buckets); only the original is torn down."""
+        return copy.copy(self)
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """Called once on the student side, on its device, before the optimizer and precision are

@@ -19,7 +19,7 @@ from kd import table
 from kd.errors import KDError
 from kd.runfolder import RunFolder
 
-COLUMNS = ["backend", "opt", "s_per_20_iters", "img_per_s", "peak_mem_gb", "speedup", "impl", "note"]
+COLUMNS = ["backend", "opt", "methods", "s_per_20_iters", "img_per_s", "peak_mem_gb", "speedup", "impl", "note"]
 
 
 def combo_command(backend: str, opt: str, args: Dict[str, Any], out: Path) -> List[str]:
@@ -60,8 +60,12 @@ def run_combo(backend: str, opt: str, args: Dict[str, object], out: Path,
         lines = [line for line in proc.stderr.splitlines() if line.startswith("kd: error:")]
         why = lines[-1][len("kd: error: "):] if lines else (proc.stderr.strip().splitlines() or ["failed"])[-1]
         return {**row, "note": why[:200]}
-    record = json.loads(RunFolder(out).metrics.read_text().splitlines()[-1])
-    said = [line for line in proc.stderr.splitlines() if line.startswith(("backend ", "precision "))]
+    metrics = RunFolder(out).metrics
+    if not metrics.is_file():  # several students: each its own folder, each timed on the same steps
+        metrics = RunFolder(out / str(args["kd_loss"]).split(",")[0]).metrics
+    record = json.loads(metrics.read_text().splitlines()[-1])
+    lines = [line.split("] ", 1)[1] if line.startswith("[") and "] " in line else line for line in proc.stderr.splitlines()]
+    said = list(dict.fromkeys(line for line in lines if line.startswith(("backend ", "precision "))))
     row["impl"] = "; ".join(said[-2:]).replace("|", "/")
     row.update(s_per_20_iters=round(record["s_per_20_iters"], 3), img_per_s=round(record["timed_img_per_s"], 1),
                peak_mem_gb="/".join(f"{m:.2f}" for m in record.get("peak_mem_gb", [])) or "-", note="")
@@ -76,6 +80,9 @@ def bench(backends: Sequence[str], opts: Sequence[str], args: Dict[str, Any], ou
     out = Path(out or tempfile.mkdtemp(prefix="kd-bench-"))
     out.mkdir(parents=True, exist_ok=True)
     warn_slow_cpu_precision(opts, args)
+    methods = [m for m in args.get("methods") or () if m]
+    if methods:
+        return bench_methods(backends, opts, methods, args, out, timeout)
     rows: List[Dict[str, Any]] = []
     for backend in backends:
         for opt in opts:
@@ -85,9 +92,37 @@ def bench(backends: Sequence[str], opts: Sequence[str], args: Dict[str, Any], ou
     base = base or next((r for r in rows if "img_per_s" in r), None)
     for r in rows:
         r["speedup"] = round(r["img_per_s"] / base["img_per_s"], 2) if base and "img_per_s" in r else "-"
+        r.setdefault("methods", args.get("kd_loss") or "kd")
         for c in COLUMNS:
             r.setdefault(c, "-")
     write_outputs(rows, out, f"{base['backend']} {base['opt']}" if base else "-")
+    return rows
+
+
+def bench_methods(backends: Sequence[str], opts: Sequence[str], methods: Sequence[str], args: Dict[str, object],
+                  out: Path, timeout: Optional[float]) -> List[Dict[str, object]]:
+    """``kd bench --methods kd,dkd,...``: per backend and opt level, the students trained together
+    (one teacher forward per batch) against each trained alone. The together row's img/s is each
+    student's; its speed-up is the time of the separate runs over the time together
+    (img/s together x the sum over methods of 1 / img/s alone)."""
+    rows = []
+    for backend in backends:
+        for opt in opts:
+            group = []
+            for label in [",".join(methods), *methods]:
+                print(f"kd bench: {backend} {opt} {label} ...", file=sys.stderr, flush=True)
+                folder = out / "runs" / f"{backend}_{opt}_{label.replace(',', '+')}"
+                group.append({**run_combo(backend, opt, {**args, "kd_loss": label}, folder, timeout), "methods": label})
+            together, alone = group[0], group[1:]
+            ok = "img_per_s" in together and all("img_per_s" in r for r in alone)
+            together["speedup"] = round(together["img_per_s"] * sum(1 / r["img_per_s"] for r in alone), 2) if ok else "-"
+            for r in alone:
+                r["speedup"] = 1.0 if "img_per_s" in r else "-"
+            rows += group
+    for r in rows:
+        for c in COLUMNS:
+            r.setdefault(c, "-")
+    write_outputs(rows, out, "each method alone")
     return rows
 
 
@@ -109,27 +144,28 @@ def markdown(rows: List[Dict[str, object]]) -> str:
     return table.markdown(rows, COLUMNS)
 
 
-def write_outputs(rows: List[Dict[str, object]], out: Path, baseline: str) -> None:
+def write_outputs(rows: List[Dict[str, object]], out: Path, baseline: str, note=None) -> None:
+    """bench.json, bench.csv, bench.md and the chart bench.png; ``note`` hears (stderr by default)
+    when the chart cannot be drawn, as matplotlib is missing."""
     (out / "bench.json").write_text(json.dumps({"baseline": baseline, "rows": rows}, indent=2))
     with open(out / "bench.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=COLUMNS)
+        writer = csv.DictWriter(fh, fieldnames=COLUMNS, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
     (out / "bench.md").write_text(markdown(rows) + "\n")
-    try:
-        import matplotlib
+    from kd.report import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    try:
+        plt = pyplot()
+    except KDError as exc:
+        (note or (lambda line: print(f"kd bench: {line}", file=sys.stderr, flush=True)))(
+            f"no bench.png: {exc}")
         return
     ok = [r for r in rows if isinstance(r.get("img_per_s"), (int, float))]
-    if not ok:
-        return
     fig, ax = plt.subplots(figsize=(max(4, 0.9 * len(ok)), 3.2))
-    ax.bar([f"{r['backend']}\n{r['opt']}" for r in ok], [r["img_per_s"] for r in ok], color="#4a7ab7")
-    ax.set_ylabel("images/s")
-    ax.set_title("kd bench")
+    ax.bar([f"{r['backend']} {r['opt']}\n{r.get('methods', '')}".strip() for r in ok], [r["img_per_s"] for r in ok], color="#4a7ab7")
+    ax.set_ylabel("images/s per student")
+    ax.set_title("kd bench" if ok else "kd bench: no combination ran")
     fig.tight_layout()
     fig.savefig(out / "bench.png", dpi=120)
     plt.close(fig)

@@ -451,7 +451,8 @@ TRAIN_OPTIONS = (
     Option("student_weights", ("--student-weights",), "Student initial weights.", "pretrained|none|PATH"),
     Option("num_classes", ("--num-classes",), "Classes.", note="the number of class folders"),
     Option("no_teacher", ("--no-teacher",), "Train the student alone on the labels."),
-    Option("kd_loss", ("--kd-loss",), "KD method: {names}; see 'kd losses'.", "NAME"),
+    Option("kd_loss", ("--kd-loss",), "KD method: {names}; see 'kd losses'. A comma list (kd,dkd) trains one "
+           "student per method at once, from one teacher forward.", "NAME[,NAME..]"),
     Option("ce_weight", ("--ce-weight",), "Weight of the label (cross-entropy) term.", note="method default"),
     Option("label_smoothing", ("--label-smoothing",), "Label smoothing of the label term, any method.", note="0"),
     Option("temperature", ("--temperature", "-T"), "Softmax temperature of methods that have one.",

@@ -86,8 +86,9 @@ def preflight(cfg) -> None:
 
 
 
-def train(cfg, resume: Optional[str] = None, overwrite: bool = False):
-    """Run ``cfg`` to the end; returns the last epoch's metrics (those of the main process)."""
+def train(cfg, resume: Optional[str] = None, overwrite: bool = False, students=None):
+    """Run ``cfg`` to the end; returns the last epoch's metrics (those of the main process).
+    ``students`` (a :class:`kd.multi.Students`, ``cfg`` its first) trains several students at once."""
     import backends
 
     backend_cls = backends.get(cfg.backend)
@@ -98,16 +99,30 @@ def train(cfg, resume: Optional[str] = None, overwrite: bool = False):
             raise KDError(f"{place.world_size} processes were started (torchrun / srun), but --backend {cfg.backend} "
                           f"runs in one; use --backend torch_ddp or apex_ddp, or start one process")
         _check_available(cfg, backend_cls)
-        preflight(cfg)
-        resume_from = prepare_out(cfg, resume, overwrite)
-        return run_worker(cfg, Path(cfg.out), resume_from, place)
+        resume_from = _preflight_all(cfg, resume, overwrite, students)
+        return run_worker(cfg, _out(cfg, students), resume_from, place, students)
     nproc = backend_cls.num_processes(cfg)  # refuses requests that cannot be met, before any work
     _check_available(cfg, backend_cls)
-    preflight(cfg)
-    resume_from = prepare_out(cfg, resume, overwrite)
+    resume_from = _preflight_all(cfg, resume, overwrite, students)
     if nproc == 1:
-        return run_worker(cfg, Path(cfg.out), resume_from, place)
-    return launch_local(cfg, nproc, resume_from)
+        return run_worker(cfg, _out(cfg, students), resume_from, place, students)
+    return launch_local(cfg, nproc, resume_from, students)
+
+
+def _out(cfg, students) -> Path:
+    return Path(students.out) if students is not None else Path(cfg.out)
+
+
+def _preflight_all(cfg, resume: Optional[str], overwrite: bool, students) -> Optional[Path]:
+    """:func:`preflight` and :func:`prepare_out` for the run, or for each of its students."""
+    if students is None:
+        preflight(cfg)
+        return prepare_out(cfg, resume, overwrite)
+    from kd import multi
+
+    for student in students.cfgs:
+        preflight(student)
+    return multi.prepare_out(students, resume, overwrite)
 
 
 def _check_available(cfg, backend_cls) -> None:
@@ -136,7 +151,7 @@ def visible_devices(cfg, nproc: int) -> Optional[str]:
     return ",".join(ids[i] for i in indices)
 
 
-def launch_local(cfg, nproc: int, resume_from: Optional[Path]):
+def launch_local(cfg, nproc: int, resume_from: Optional[Path], students=None):
     """Start ``nproc`` workers on this machine through torch's elastic launcher; rank 0's result."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -156,7 +171,7 @@ def launch_local(cfg, nproc: int, resume_from: Optional[Path]):
     previous = logging.root.manager.disable
     logging.disable(logging.ERROR)  # the agent's own failure report; kd reports the cause below
     try:
-        results = elastic_launch(config, worker)(cfg, str(cfg.out), resume_from, error_dir, visible)
+        results = elastic_launch(config, worker)(cfg, str(_out(cfg, students)), resume_from, error_dir, visible, students)
     except (ChildFailedError, signal_exception) as exc:
         stopped = Path(error_dir, "interrupted.txt")
         if stopped.exists():  # the workers stopped on a signal after writing their checkpoint
@@ -176,7 +191,7 @@ def launch_local(cfg, nproc: int, resume_from: Optional[Path]):
     return results.get(0)
 
 
-def worker(cfg, out: str, resume_from: Optional[Path], error_dir: str, visible: Optional[str]):
+def worker(cfg, out: str, resume_from: Optional[Path], error_dir: str, visible: Optional[str], students=None):
     """The entrypoint of each process kd's launcher starts (module level, so it pickles)."""
     from kd.signals import Interrupted
 
@@ -191,11 +206,12 @@ def worker(cfg, out: str, resume_from: Optional[Path], error_dir: str, visible: 
         except AttributeError:  # not on Linux
             cores = os.cpu_count() or 1
         torch.set_num_threads(max(1, cores // max(place.local_world_size, 1)))
-    last = RunFolder(out).last
-    if place.restart > 0 and last.is_file():
-        resume_from = last  # --max-restarts: the restarted group continues from the last checkpoint
+    last = [RunFolder(s.out).last for s in students.cfgs] if students is not None else [RunFolder(out).last]
+    if place.restart > 0 and all(path.is_file() for path in last):
+        # --max-restarts: the restarted group continues from the last checkpoint(s)
+        resume_from = Path(out) if students is not None else last[0]
     try:
-        return run_worker(cfg, Path(out), resume_from, place)
+        return run_worker(cfg, Path(out), resume_from, place, students)
     except Interrupted as exc:
         if place.rank == 0:
             Path(error_dir, "interrupted.txt").write_text(f"{exc.signame}\n{exc}", encoding="utf-8")
@@ -217,10 +233,12 @@ def accept_legacy_local_rank(local_rank: Optional[int]) -> None:
         os.environ.setdefault("LOCAL_RANK", str(local_rank))
 
 
-def run_worker(cfg, out: Path, resume_from: Optional[Path] = None,
-               place: Optional[Placement] = None) -> Dict[str, float]:
+def run_worker(cfg, out: Path, resume_from: Optional[Path] = None, place: Optional[Placement] = None,
+               students=None) -> Dict[str, float]:
     """Everything one process does for a run, from backend set-up to teardown, where ``place`` (as the
-    launcher found it) says. ``timing_warmup`` (``kd bench``) adds the step timer and skips validation."""
+    launcher found it) says. ``timing_warmup`` (``kd bench``) adds the step timer and skips validation.
+    ``students``: several students at once (:mod:`kd.multi`), each resuming from its own last.pt
+    where ``resume_from`` is given."""
     import backends
     from kd.engine import Trainer
 
@@ -233,7 +251,12 @@ def run_worker(cfg, out: Path, resume_from: Optional[Path] = None,
 
         hooks.append(StepTimer(cfg.timing_warmup, backend))
     try:
-        trainer = Trainer(cfg, backend, out, resume_from, hooks=hooks, validate=not hooks)
+        if students is not None:
+            from kd.multi import MultiTrainer
+
+            trainer = MultiTrainer(students, backend, resume_from is not None, hooks=hooks, validate=not hooks)
+        else:
+            trainer = Trainer(cfg, backend, out, resume_from, hooks=hooks, validate=not hooks)
         return trainer.fit()
     finally:
         if trainer is not None:

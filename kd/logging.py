@@ -49,6 +49,21 @@ def mark_command_start() -> None:
     os.environ[START_ENV] = repr(time.time() - process_age())
 
 
+def first_step_record(started: float, setup_s: float, asked: float, waited: float, device, log) -> Dict[str, float]:
+    """Seconds from the command (``started``) to this process's first step, which began by asking for
+    its batch at ``asked`` (``perf_counter``) and waited ``waited`` for it: logged, and returned for
+    metrics.jsonl (one device sync, once)."""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+    step = time.perf_counter() - asked - waited
+    total = time.time() - started
+    log(f"first step done {total:.1f} s after the command (set-up {setup_s:.1f} s, "
+        f"then the first batch {waited:.1f} s and the step {step:.1f} s)")
+    return {"startup_s": total, "startup_setup_s": setup_s, "startup_first_batch_s": waited}
+
+
 class NullLogger:
     """The logger of non-main processes: accepts everything, writes nothing."""
 
@@ -90,8 +105,10 @@ class _NullBar:
 class RunLogger(NullLogger):
     """Writes ``OUT/tb/`` event files and ``OUT/metrics.jsonl``; prints to stderr."""
 
-    def __init__(self, out: Path, progress_bar: Optional[bool] = None):
+    def __init__(self, out: Path, progress_bar: Optional[bool] = None, prefix: str = ""):
+        """``prefix`` starts every line printed (the student's name when several train at once)."""
         self.out = Path(out)
+        self.prefix = prefix
         self._writer = None
         self.metrics_path = RunFolder(out).metrics
         self.bar_enabled = sys.stderr.isatty() if progress_bar is None else progress_bar
@@ -106,6 +123,7 @@ class RunLogger(NullLogger):
         return self._writer
 
     def info(self, msg: str) -> None:
+        msg = self.prefix + msg
         if tqdm is not None and self.bar_enabled:
             tqdm.write(msg, file=sys.stderr)
         else:

@@ -83,6 +83,16 @@ class Meter:
 
 
 
+def nonfinite_flags(parts: Dict[str, torch.Tensor], t_logits: Optional[torch.Tensor], terms: List[str]) -> torch.Tensor:
+    """1 for each source (the teacher's logits, the student's, each loss term of ``terms``) not finite in
+    this step, on the device; takes the student's logits sum (``LOGITS_SUM``) out of ``parts``."""
+    from kd.sides import LOGITS_SUM
+
+    student = parts.pop(LOGITS_SUM)
+    teacher = t_logits.sum() if t_logits is not None else torch.zeros((), device=student.device)
+    return (~torch.isfinite(torch.stack([teacher, student, *[parts[k] for k in terms]]))).float()
+
+
 def format_record(record: Dict[str, float], epochs: int) -> str:
     parts = [f"epoch {record['epoch']}/{epochs}", f"loss {record.get('train_loss', float('nan')):.4f}"]
     if "val_top1" in record:

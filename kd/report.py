@@ -111,6 +111,56 @@ def report(runs: Sequence[Path], note: Optional[Callable[[str], None]] = None) -
     return rows
 
 
+MATPLOTLIB_MISSING = "matplotlib is not installed; install it with: pip install matplotlib (or pip install 'kd[plot]')"
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (files only, no display), or a KDError saying how to get it."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise KDError(MATPLOTLIB_MISSING) from None
+    return plt
+
+
+def plot(runs: Sequence[Path], path: Path, note: Optional[Callable[[str], None]] = None) -> Path:
+    """The figure of a table: val top-1 per epoch of each run found in ``runs`` (with its recipe's
+    paper reference as a dashed line of the same colour), and its train loss per epoch."""
+    plt = pyplot()
+    found = [run for p in runs for run in find_runs(Path(p), note or (lambda line: None))]
+    if not found:
+        raise KDError("no kd run to plot")
+    fig, (top1, loss) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for i, run in enumerate(found):
+        folder = RunFolder(run)
+        records = [json.loads(line) for line in folder.metrics.read_text().splitlines() if line.strip()]
+        cfg = (yaml.safe_load(folder.config.read_text()) or {}) if folder.config.is_file() else {}
+        color = f"C{i % 10}"
+        label = Path(run).name if len(found) > 1 else str(run)
+        evals = [r for r in records if "val_top1" in r]
+        top1.plot([r["epoch"] for r in evals], [r["val_top1"] for r in evals], color=color, marker=".", label=label)
+        ref = (cfg.get("reference") or {}).get("top1")
+        if ref is not None:
+            top1.axhline(ref, color=color, linestyle="--", linewidth=1, label=f"{label}: paper {ref}")
+        trained = [r for r in records if "train_loss" in r]
+        loss.plot([r["epoch"] for r in trained], [r["train_loss"] for r in trained], color=color, marker=".",
+                  label=label)
+    top1.set(xlabel="epoch", ylabel="val top-1 (%)", title="validation top-1 (dashed: paper)")
+    loss.set(xlabel="epoch", ylabel="train loss", title="training loss")
+    for ax in (top1, loss):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def markdown(rows: List[Dict[str, object]]) -> str:
     return table.markdown(rows, COLUMNS)
 

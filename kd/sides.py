@@ -77,8 +77,9 @@ def setup_feature_layers(loss: DistillLoss, student: nn.Module, teacher: Optiona
     return s_layers, t_layers
 
 
-def build_models(cfg, num_classes: int):
-    """(student, loss, frozen teacher or None, student layers, teacher layers to tap), on the CPU."""
+def build_models(cfg, num_classes: int, teacher: Optional[nn.Module] = None):
+    """(student, loss, frozen teacher or None, student layers, teacher layers to tap), on the CPU.
+    ``teacher``: the frozen teacher already built (for another student of the same run), or None."""
     loss_args = cfg.loss_kwargs()
     if cfg.no_teacher:  # KD hyper-parameters (from a recipe, say) mean nothing without a teacher
         from kd.losses.kd import CrossEntropy
@@ -86,8 +87,9 @@ def build_models(cfg, num_classes: int):
         loss_args = {k: v for k, v in loss_args.items() if k in CrossEntropy.defaults}
     loss = build_loss("ce" if cfg.no_teacher else cfg.kd_loss, num_classes, loss_args)
     student = models.build(cfg.student, num_classes, cfg.student_weights)
-    teacher = None
-    if loss.needs_teacher:
+    if not loss.needs_teacher:
+        teacher = None
+    elif teacher is None:
         teacher = models.freeze(models.build(cfg.teacher, num_classes, cfg.teacher_weights))
     s_layers, t_layers = setup_feature_layers(loss, student, teacher, cfg)
     return student, loss, teacher, s_layers, t_layers

@@ -32,3 +32,13 @@ class StepHook:
 
     def on_epoch_end(self, trainer: Any, record: Dict[str, object]) -> None:
         pass
+
+
+def check_batch(batch, log) -> None:
+    """Unreadable images of a batch named through ``log``; a batch of nothing else stops the run."""
+    from kd.errors import KDError
+
+    for path in batch.bad:
+        log(f"skipped unreadable image {path}")
+    if len(batch) == 0:
+        raise KDError("a whole batch of images was unreadable; check the data folder")

@@ -41,3 +41,16 @@ def evaluate(forward, loader, backend, precision, limit: Optional[int] = None) -
     n = max(n, 1.0)
     return {"top1": 100.0 * c1 / n, "top5": 100.0 * c5 / n, "loss": loss / n, "count": int(sums[2].item()),
             "nonfinite": int(nonfinite)}
+
+
+def validate_student(side, forward, loader, backend, precision) -> Dict[str, float]:
+    """The student on the val split, as the record's ``val_*`` keys: the model the checkpoint holds
+    (every process's buffers as rank 0's)."""
+    import time
+
+    side.eval()
+    backend.sync_buffers(side)
+    start = time.perf_counter()
+    val = evaluate(forward, loader, backend, precision)
+    return {"val_top1": val["top1"], "val_top5": val["top5"], "val_loss": val["loss"],
+            "val_s": time.perf_counter() - start}

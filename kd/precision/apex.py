@@ -72,6 +72,7 @@ class ApexAmpPrecision(MasterStateMixin, Precision):
 
     impl = "apex"
     fused_optimizer_ok = False  # amp.initialize patches the optimizer's step
+    one_per_process = True  # amp.initialize patches torch for the process: one student per run
 
     def __init__(self, cfg, device: torch.device):
         amp, reason = _import_amp()

@@ -116,6 +116,7 @@ class Precision:
     opt = "O0"
     impl = "native"
     fused_optimizer_ok = True  # False where the precision patches the optimizer itself
+    one_per_process = False  # True where it patches torch for the whole process (one student per run)
 
     def __init__(self, device: torch.device, dtype: torch.dtype = torch.float32, note: Optional[str] = None):
         self.device = device

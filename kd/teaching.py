@@ -1,0 +1,83 @@
+"""The frozen teacher of a run, prepared once: on its device, fused, its precision chosen on a few
+validation batches (:mod:`kd.teacher`), wrapped forward-only by the backend, compiled where asked.
+
+One :class:`Teacher` serves one student (``kd train``) or several (``kd train --kd-loss kd,dkd``,
+:mod:`kd.multi`): its outputs are float32 logits and tapped features, computed without gradients,
+that any number of students may read.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from kd import teacher as kd_teacher
+from kd.evaluate import teacher_preprocessing_note
+from kd.sides import TeacherSide
+from kd.validation import evaluate
+
+
+class Teacher:
+    """``model`` (frozen, on the CPU) ready to run: ``forward(images)`` gives its float32 logits and the
+    features of ``layers``; ``precision`` is the :class:`kd.teacher.TeacherPrecision` it runs in.
+
+    ``precision`` (the student's) gives the dtype the choice starts from and the context another
+    model's forward needs; ``val`` is the loader the choice probes; ``notes`` receives the choice
+    when kd made it (``--teacher-precision auto``), for ``config.yaml``.
+    """
+
+    def __init__(self, model: nn.Module, layers: List[str], cfg, backend, runtime, precision, val,
+                 log: Callable[[str], None], notes: List[str]):
+        self.cfg = cfg
+        self.backend = backend
+        self.layers = list(layers)
+        self.val = val
+        self.log = log
+        self.graph_step = cfg.compile and cfg.compile_mode in ("reduce-overhead", "max-autotune")
+        self.precision: Optional[kd_teacher.TeacherPrecision] = None
+
+        def choose(candidate: nn.Module) -> nn.Module:
+            def probe(m, p):
+                side = backend.wrap_forward(TeacherSide(m, self.layers))
+                return evaluate(lambda images: side(images)[0], val, backend, p, limit=kd_teacher.PROBE_BATCHES)
+
+            self.precision, chosen, line = kd_teacher.choose(
+                candidate, probe, cfg.teacher_precision, precision.dtype, backend.device, cfg.teacher,
+                outer=precision.other_model_context)
+            log(line)
+            if cfg.teacher_precision == "auto":
+                notes.append(line)
+            return chosen
+
+        memory_format = runtime.memory_format
+        model = kd_teacher.prepare(model, self.layers, runtime.fuse_teacher, memory_format, choose, log)
+        self.module = backend.wrap_forward(TeacherSide(model, self.layers))
+        if cfg.compile:
+            self.module = torch.compile(self.module, mode=cfg.compile_mode)
+
+    @property
+    def dtype_name(self) -> str:
+        return kd_teacher.dtype_name(self.precision.dtype)
+
+    def forward(self, images: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        """The frozen teacher's float32 logits and tapped features for a batch, in its own precision."""
+        with torch.no_grad(), self.precision.autocast():
+            return self.module(self.precision.input_cast(images))
+
+    def _logits(self, images: torch.Tensor) -> torch.Tensor:
+        if self.graph_step:  # under CUDA graphs a new call may overwrite the last call's outputs
+            torch.compiler.cudagraph_mark_step_begin()
+        return self.module(images)[0]
+
+    def validate(self) -> float:
+        """Top-1 on the val split, logged with the teacher's precision (and a preprocessing note)."""
+        start = time.perf_counter()
+        top1 = evaluate(self._logits, self.val, self.backend, self.precision)["top1"]
+        self.log(f"teacher {self.cfg.teacher}: val top-1 {top1:.2f} (in {self.dtype_name}, "
+                 f"{time.perf_counter() - start:.1f}s)")
+        note = teacher_preprocessing_note(self.cfg)
+        if note:
+            self.log(note)
+        return top1

@@ -1,0 +1,153 @@
+"""Several students in one run (kd.multi): bit for bit equal to separate runs, a non-finite student
+stopped alone, shared settings enforced, resume, and the figure of ``kd report --plot``."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from torch import nn
+
+import kd
+from kd import config as kd_config, multi
+from kd.errors import KDError
+from conftest import make_image_folder
+
+
+class DropNet(nn.Module):
+    """A BatchNorm and a dropout: a student whose step draws random masks, as real ones do."""
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, 2, 1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                                  nn.Flatten(), nn.Dropout(0.3))
+        self.fc = nn.Linear(8, num_classes)
+
+    def forward(self, x):
+        return self.fc(self.body(x))
+
+
+def _register():
+    import timm
+    from timm.models import register_model
+
+    if "kd_drop_net" not in timm.list_models():
+        @register_model
+        def kd_drop_net(pretrained=False, num_classes=10, **kwargs):
+            return DropNet(num_classes)
+
+
+_register()
+
+TINY = dict(image_size=16, batch_size=4, workers=0, lr=0.05, device="cpu", log_every=1, seed=5, epochs=1,
+            limit_train_batches=3, limit_val_batches=1, progress_bar=False, teacher="timm:kd_drop_net",
+            teacher_weights="none", student="timm:kd_drop_net")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_image_folder(tmp_path_factory.mktemp("rebuttal"), classes=3, train_per_class=4, val_per_class=2,
+                             size=(20, 16))
+
+
+def options(data, out, **kw):
+    return {**TINY, "data": str(data), "out": str(out), **kw}
+
+
+def state(out: Path):
+    return torch.load(out / "checkpoints" / "last.pt", weights_only=True)
+
+
+def test_students_together_equal_separate_runs_bit_for_bit(data, tmp_path):
+    students = multi.plan([], options(data, tmp_path / "table", kd_loss="kd,dkd"), [])
+    assert students.names == ("kd", "dkd")
+    multi.train(students)
+    for method in ("kd", "dkd"):
+        kd.train(kd_config.resolve(options=options(data, tmp_path / "alone" / method, kd_loss=method)))
+        together, alone = state(tmp_path / "table" / method), state(tmp_path / "alone" / method)
+        assert together["global_step"] == alone["global_step"] == 3
+        for key, value in alone["student"].items():
+            assert torch.equal(together["student"][key], value), (method, key)
+        assert torch.equal(together["rng"]["0"]["torch"], alone["rng"]["0"]["torch"])  # its own dropout masks
+        records = [json.loads(line) for line in (tmp_path / "table" / method / "metrics.jsonl").read_text().splitlines()]
+        assert records[0]["teacher_top1"] >= 0 and "val_top1" in records[0]
+        saved = yaml.safe_load((tmp_path / "table" / method / "config.yaml").read_text())
+        assert saved["kd_loss"] == method and saved["out"] == str(tmp_path / "table" / method)
+    assert yaml.safe_load((tmp_path / "table" / "students.yaml").read_text()) == {"students": ["kd", "dkd"]}
+
+    # --resume on the parent folder continues every student from its own last.pt
+    multi.train(multi.resumed(tmp_path / "table", {"epochs": 2}, []), resume="last")
+    for method in ("kd", "dkd"):
+        records = (tmp_path / "table" / method / "metrics.jsonl").read_text().splitlines()
+        assert [json.loads(line)["epoch"] for line in records] == [1, 2]
+
+
+def test_a_diverging_student_stops_alone(data, tmp_path):
+    good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
+    good.write_text(yaml.safe_dump({"kd_loss": "kd", "lr": 0.05}))
+    bad.write_text(yaml.safe_dump({"kd_loss": "dkd", "lr": 1e30}))
+    shared = {k: v for k, v in options(data, tmp_path / "table", max_nonfinite_steps=1, epochs=2).items() if k != "lr"}
+    students = multi.plan([str(good), str(bad)], shared, [])
+    with pytest.raises(KDError, match=r"student bad stopped: the loss was not finite .*\(completed: good\)"):
+        multi.train(students)
+    records = [json.loads(line) for line in (tmp_path / "table" / "good" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records] == [1, 2]
+
+
+def test_students_must_agree_on_what_they_share(data, tmp_path):
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    a.write_text(yaml.safe_dump({"kd_loss": "kd", "batch_size": 8, "lr": 0.1}))
+    b.write_text(yaml.safe_dump({"kd_loss": "dist", "batch_size": 16, "lr": 0.2}))
+    with pytest.raises(KDError, match=r"disagree on what they share: batch_size \(a: 8, b: 16\)"):
+        multi.plan([str(a), str(b)], {k: v for k, v in options(data, tmp_path / "t").items() if k != "batch_size"}, [])
+    with pytest.raises(KDError, match="not both"):
+        multi.plan([str(a), str(b)], options(data, tmp_path / "t", kd_loss="kd,dkd"), [])
+
+
+def test_a_recipe_for_one_method_gives_the_others_their_defaults(data, tmp_path):
+    students = multi.plan(["imagenet/r34_r18_kd"], options(data, tmp_path / "t", kd_loss="kd,dkd,dist,lskd"), [])
+    cfgs = dict(zip(students.names, students.cfgs))
+    assert cfgs["kd"].loss_args["kd_weight"] == 0.5
+    assert "kd_weight" not in cfgs["dkd"].loss_args and cfgs["dkd"].batch_size == 4
+
+
+def test_report_plot_draws_the_runs(tmp_path):
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    for name, ref in (("kd", 71.03), ("dkd", 71.7)):
+        run = tmp_path / "table" / name
+        run.mkdir(parents=True)
+        (run / "config.yaml").write_text(yaml.safe_dump({"kd_loss": name, "reference": {"top1": ref}}))
+        (run / "metrics.jsonl").write_text("".join(json.dumps({"epoch": e, "val_top1": 60 + e, "val_top5": 90,
+                                                               "train_loss": 3 - e}) + "\n" for e in (1, 2, 3)))
+    from cli import main
+
+    assert main(["report", str(tmp_path / "table"), "--plot", str(tmp_path / "fig.png")]) == 0
+    with Image.open(tmp_path / "fig.png") as image:
+        assert image.size[0] > 100 and image.size[1] > 100
+
+
+def test_missing_matplotlib_is_said_not_skipped(tmp_path, monkeypatch):
+    import builtins
+
+    from kd import bench
+    from kd.report import plot
+
+    real = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError("No module named 'matplotlib'")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    with pytest.raises(KDError, match=r"matplotlib.*pip install"):
+        plot([], tmp_path / "fig.png")
+    notes = []
+    row = {**{c: "-" for c in bench.COLUMNS}, "backend": "single", "opt": "O0", "img_per_s": 10.0}
+    bench.write_outputs([row], tmp_path, "single O0", notes.append)
+    assert any("matplotlib" in note and "bench.png" in note for note in notes)
+    assert (tmp_path / "bench.csv").is_file()
