@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, make_image_folder, run_kd
+from conftest import ROOT, kd_main, make_image_folder, run_kd
 from kd import launch
 
 STUDENT = "timm:test_convnext"  # LayerNorm, no BatchNorm: N processes equal one
@@ -184,7 +184,7 @@ def test_mismatch_is_one_line_exit_2_before_any_work(args, message, data9, teach
     if "--gpus" in args and torch.cuda.device_count() > 7:
         pytest.skip("this machine has a GPU 7")
     out = tmp_path / "run"
-    r = run_kd(*train_args(data9, out, teacher_file, "-j", 0, *args))
+    r = kd_main(*train_args(data9, out, teacher_file, "-j", 0, *args))  # refused before any process starts
     assert re.search(message, one_line_error(r))
     assert not out.exists() or not any(out.iterdir())
 
