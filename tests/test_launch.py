@@ -78,7 +78,7 @@ def test_kd_starts_two_cpu_processes_with_loader_workers_and_only_main_writes(da
         "checkpoints/best.pt", "checkpoints/last.pt", "config.yaml", "metrics.jsonl"], files
     assert len(metrics(multi)) == 1
 
-    r = run_kd(*train_args(data9, single, teacher_file, "-j", 2))
+    r = kd_main(*train_args(data9, single, teacher_file, "-j", 2))  # the one-process reference
     assert r.returncode == 0, r.stderr
     one, two = metrics(single)[0], metrics(multi)[0]
     assert two["teacher_top1"] == one["teacher_top1"]  # the same fixed teacher, 9 images over 2 processes

@@ -166,8 +166,8 @@ def test_compiled_run_trains_like_the_eager_one(image_folder, tmp_path):
               "--student", "resnet18", "--image-size", 32, "-b", 8, "-j", 0, "--epochs", 1, "--device", "cpu",
               "--no-progress")
     runs = {}
-    for name, extra in (("eager", ()), ("compiled", ("--compile",))):
-        r = run_kd(*common, *extra, "--out", tmp_path / name)
+    for name, extra, runner in (("eager", (), kd_main), ("compiled", ("--compile",), run_kd)):  # compiled apart
+        r = runner(*common, *extra, "--out", tmp_path / name)
         assert r.returncode == 0, r.stderr
         runs[name] = json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[-1])
     assert runs["compiled"]["train_loss"] == pytest.approx(runs["eager"]["train_loss"], rel=1e-3)
