@@ -1,9 +1,15 @@
-"""Shared fixtures: small real JPEG ImageFolders and a runner for the kd command line."""
+"""Shared fixtures: small real JPEG ImageFolders, and two runners for the kd command line: in a
+fresh interpreter (``run_kd``), where the process itself is under test (signals, launchers, exit
+codes of the console script), and in this one (``kd_main``), where a fresh interpreter adds only
+its start-up time."""
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +49,64 @@ def run_kd(*args, cwd=None, env=None, timeout=600) -> subprocess.CompletedProces
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "cli", *map(str, args)], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+@contextlib.contextmanager
+def _captured_output():
+    """stdout and stderr of this process, both the Python streams and file descriptors 1 and 2
+    (what C++ and child processes write), into two temporary files; yields a reader of them."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    files = {fd: tempfile.TemporaryFile() for fd in (1, 2)}
+    saved_fds = {fd: os.dup(fd) for fd in files}
+    saved_streams = sys.stdout, sys.stderr
+    streams = {fd: io.TextIOWrapper(open(os.dup(f.fileno()), "wb", buffering=0), encoding="utf-8",
+                                    errors="replace", write_through=True) for fd, f in files.items()}
+    try:
+        for fd, f in files.items():
+            os.dup2(f.fileno(), fd)
+        sys.stdout, sys.stderr = streams[1], streams[2]
+
+        def read(fd):
+            files[fd].seek(0)
+            return files[fd].read().decode("utf-8", errors="replace")
+
+        yield read
+    finally:
+        sys.stdout, sys.stderr = saved_streams
+        for fd, saved in saved_fds.items():
+            os.dup2(saved, fd)
+            os.close(saved)
+        for fd in files:
+            streams[fd].close()
+            files[fd].close()
+
+
+def kd_main(*args, env=None, threads=None) -> subprocess.CompletedProcess:
+    """``kd ARGS`` through the console script's body (``cli.main``) in this process; the same
+    result as :func:`run_kd`. Environment variables kd sets (``--local_rank``, a start time) and
+    ``env`` are undone afterwards; ``threads`` sets torch's thread count for the call (as
+    OMP_NUM_THREADS does for a fresh interpreter). Not for multi-process runs: torch's launcher
+    installs signal handlers in the process that calls it."""
+    from cli import main
+
+    argv = [str(a) for a in args]
+    environ = dict(os.environ)
+    before = torch.get_num_threads()
+    os.environ.update(env or {})
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        with _captured_output() as read:
+            code = main(argv)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            out, err = read(1), read(2)
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+        torch.set_num_threads(before)
+    return subprocess.CompletedProcess(["kd", *argv], code, out, err)
 
 
 @pytest.fixture(autouse=True)

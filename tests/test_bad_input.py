@@ -1,4 +1,7 @@
-"""Every bad input ends with one clear line on stderr, exit code 2, and no change to existing files."""
+"""Every bad input ends with one clear line on stderr, exit code 2, and no change to existing files.
+
+Every case runs through the console script's body in this process; a few, one per layer that
+refuses (click, kd.config, the weights loader, kd eval), also in a fresh ``kd`` process."""
 from __future__ import annotations
 
 import hashlib
@@ -9,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_image_folder, run_kd
+from conftest import kd_main, make_image_folder, run_kd
 
 BASE = ["--image-size", "32", "-b", "8", "-j", "0", "--epochs", "1", "--device", "cpu"]
 
@@ -40,8 +43,8 @@ def world(tmp_path_factory):
     with open(root / "evil.pt", "wb") as fh:
         pickle.dump({"state_dict": Evil()}, fh)
     run = root / "run"
-    r = run_kd("train", "--data", data, "--teacher", "resnet18", "--teacher-weights", "none",
-               "--student", "resnet18", "--out", run, *BASE)
+    r = kd_main("train", "--data", data, "--teacher", "resnet18", "--teacher-weights", "none",
+                "--student", "resnet18", "--out", run, *BASE)
     assert r.returncode == 0, r.stderr
     return root
 
@@ -112,11 +115,23 @@ if torch.cuda.is_available():
     CASES.pop("cuda without cuda")
 
 
+IN_A_FRESH_PROCESS = ["unknown option", "zero epochs", "weights do not fit", "eval without val"]
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_bad_input_one_line_exit_2_nothing_lost(world, name):
+    check(world, name, kd_main)
+
+
+@pytest.mark.parametrize("name", IN_A_FRESH_PROCESS)
+def test_bad_input_from_the_console_script(world, name):
+    check(world, name, run_kd)
+
+
+def check(world, name, runner):
     args, expected = CASES[name]
     before = snapshot(world)
-    r = run_kd(*[a.format(root=world) for a in args])
+    r = runner(*[a.format(root=world) for a in args])
     lines = [line for line in r.stderr.splitlines() if line.strip() and "Warning" not in line
              and not line.startswith(("backend ", "precision ", "  "))]
     assert r.returncode == 2, (r.returncode, r.stderr)

@@ -4,14 +4,26 @@ from __future__ import annotations
 import csv
 import json
 
-from conftest import run_kd
+import pytest
+
+from conftest import kd_main, make_image_folder
+
+SETS = ["--set", "fuse_teacher=false", "--set", "momentum=0.5"]
 
 
-def test_bench_table_csv_json_on_cpu(tmp_path):
-    out = tmp_path / "bench"
-    r = run_kd("bench", "--teacher", "resnet18", "--student", "resnet18", "--device", "cpu", "--nproc", "2",
-               "--backends", "single,torch_ddp,dp", "--opt", "O0,O1", "-b", "4", "--image-size", "32",
-               "--iters", "3", "--warmup", "1", "--out", out)
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    """One ``kd bench`` over single, torch_ddp and dp at O0 and O1 with two --set options; the
+    combinations are real ``kd train`` processes (bench starts them), the bench itself runs here."""
+    out = tmp_path_factory.mktemp("bench") / "bench"
+    r = kd_main("bench", "--teacher", "resnet18", "--student", "resnet18", "--device", "cpu", "--nproc", "2",
+                "--backends", "single,torch_ddp,dp", "--opt", "O0,O1", "-b", "4", "--image-size", "32",
+                "--iters", "3", "--warmup", "1", "--out", out, *SETS)
+    return out, r
+
+
+def test_bench_table_csv_json_on_cpu(bench):
+    out, r = bench
     assert r.returncode == 0, r.stderr
     rows = json.loads((out / "bench.json").read_text())["rows"]
     assert [(x["backend"], x["opt"]) for x in rows] == [(b, o) for b in ("single", "torch_ddp", "dp") for o in ("O0", "O1")]
@@ -27,26 +39,22 @@ def test_bench_table_csv_json_on_cpu(tmp_path):
     assert "| torch_ddp | O1 |" in r.stdout
 
 
-def test_bench_passes_set_to_every_combination(tmp_path):
-    out = tmp_path / "bench"
-    r = run_kd("bench", "--teacher", "resnet18", "--student", "resnet18", "--device", "cpu", "--backends", "single",
-               "--opt", "O0", "-b", "4", "--image-size", "32", "--iters", "2", "--warmup", "1", "--out", out,
-               "--set", "fuse_teacher=false", "--set", "momentum=0.5")
+def test_bench_passes_set_to_every_combination(bench):
+    out, r = bench
     assert r.returncode == 0, r.stderr
-    saved = (out / "runs" / "single_O0" / "config.yaml").read_text()
-    assert "fuse_teacher: false" in saved and "momentum: 0.5" in saved
+    for combo in ("single_O0", "single_O1", "torch_ddp_O0", "torch_ddp_O1"):  # every one that ran
+        saved = (out / "runs" / combo / "config.yaml").read_text()
+        assert "fuse_teacher: false" in saved and "momentum: 0.5" in saved, combo
 
 
 def test_bench_data_reports_the_loader_alone(tmp_path):
-    from conftest import make_image_folder
-
     data = make_image_folder(tmp_path / "data", classes=2, train_per_class=6)
     for loader in ("pil", "gpu"):  # gpu falls back to CPU decoding here, and says so
-        r = run_kd("bench", "data", "--data", data, "--loader", loader, "-b", "4", "-j", "2", "--epochs", "2",
-                   "--device", "cpu", "--image-size", "32")
+        r = kd_main("bench", "data", "--data", data, "--loader", loader, "-b", "4", "-j", "2", "--epochs", "2",
+                    "--device", "cpu", "--image-size", "32")
         assert r.returncode == 0, r.stderr
         lines = [x for x in r.stdout.splitlines() if x.startswith("epoch ")]
         assert len(lines) == 2 and all("12 images in" in x and "images/s" in x for x in lines), r.stdout
         assert r.stdout.startswith(f"loader {loader}")
-    r = run_kd("bench", "data", "--data", tmp_path / "missing")
+    r = kd_main("bench", "data", "--data", tmp_path / "missing")
     assert r.returncode == 2 and r.stderr.startswith("kd: error:") and "Traceback" not in r.stderr

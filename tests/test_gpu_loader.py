@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 from torchvision.transforms import RandomResizedCrop
 
-from conftest import make_image_folder, run_kd
+from conftest import kd_main, make_image_folder, run_kd
 from kd import config as kd_config
 from kd.data import build
 from kd.data import gpu as gpu_mod
@@ -340,9 +340,9 @@ def test_val_box_is_the_pil_resize_and_centre_crop():
 
 
 def test_cli_train_with_gpu_loader(image_folder, tmp_path):
-    r = run_kd("train", "--data", image_folder, "--teacher", "resnet18", "--teacher-weights", "none",
-               "--student", "resnet18", "--image-size", 32, "-b", 8, "--workers", 2, "--epochs", 1,
-               "--device", "cpu", "--loader", "gpu", "--out", tmp_path / "run")
+    r = kd_main("train", "--data", image_folder, "--teacher", "resnet18", "--teacher-weights", "none",
+                "--student", "resnet18", "--image-size", 32, "-b", 8, "--workers", 2, "--epochs", 1,
+                "--device", "cpu", "--loader", "gpu", "--out", tmp_path / "run")
     assert r.returncode == 0, r.stderr
     assert "loader gpu" in r.stderr and "decoder cpu" in r.stderr, r.stderr
     assert (tmp_path / "run" / "metrics.jsonl").is_file()

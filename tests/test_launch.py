@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, make_image_folder, run_kd
+from conftest import ROOT, kd_main, make_image_folder, run_kd
+from kd import launch
 
 STUDENT = "timm:test_convnext"  # LayerNorm, no BatchNorm: N processes equal one
 
@@ -77,7 +78,7 @@ def test_kd_starts_two_cpu_processes_with_loader_workers_and_only_main_writes(da
         "checkpoints/best.pt", "checkpoints/last.pt", "config.yaml", "metrics.jsonl"], files
     assert len(metrics(multi)) == 1
 
-    r = run_kd(*train_args(data9, single, teacher_file, "-j", 2))
+    r = kd_main(*train_args(data9, single, teacher_file, "-j", 2))  # the one-process reference
     assert r.returncode == 0, r.stderr
     one, two = metrics(single)[0], metrics(multi)[0]
     assert two["teacher_top1"] == one["teacher_top1"]  # the same fixed teacher, 9 images over 2 processes
@@ -183,7 +184,7 @@ def test_mismatch_is_one_line_exit_2_before_any_work(args, message, data9, teach
     if "--gpus" in args and torch.cuda.device_count() > 7:
         pytest.skip("this machine has a GPU 7")
     out = tmp_path / "run"
-    r = run_kd(*train_args(data9, out, teacher_file, "-j", 0, *args))
+    r = kd_main(*train_args(data9, out, teacher_file, "-j", 0, *args))  # refused before any process starts
     assert re.search(message, one_line_error(r))
     assert not out.exists() or not any(out.iterdir())
 

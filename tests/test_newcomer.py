@@ -14,7 +14,7 @@ from click.testing import CliRunner
 import kd
 from kd import config as kd_config
 from kd.errors import KDError
-from conftest import ROOT, make_image_folder, run_kd
+from conftest import ROOT, kd_main, make_image_folder
 
 TINY = dict(student="timm:resnet10t", no_teacher=True, image_size=32, val_resize=32, batch_size=8, workers=0,
             epochs=1, lr=0.05, device="cpu", log_every=1, seed=0)
@@ -44,7 +44,7 @@ def one_error_line(r):
 
 def test_eval_cli_takes_model_and_preprocessing_from_the_checkpoint(trained):
     data, ckpt, logged = trained
-    r = run_kd("eval", "--weights", ckpt, "--data", data, "-b", 8, "-j", 0, "--device", "cpu")
+    r = kd_main("eval", "--weights", ckpt, "--data", data, "-b", 8, "-j", 0, "--device", "cpu")
     assert r.returncode == 0, r.stderr
     assert "timm:resnet10t" in r.stdout and "image size 32" in r.stdout and "val resize 32" in r.stdout, r.stdout
     assert "checkpoint" in r.stdout
@@ -88,7 +88,7 @@ def test_eval_plain_weights_file_needs_model(trained, tmp_path):
 def test_eval_class_count_must_fit_the_data(trained, tmp_path):
     data, ckpt, _ = trained
     other = make_image_folder(tmp_path / "four", classes=4, train_per_class=1, val_per_class=1)
-    r = run_kd("eval", "--weights", ckpt, "--data", other, "-j", 0, "--device", "cpu")
+    r = kd_main("eval", "--weights", ckpt, "--data", other, "-j", 0, "--device", "cpu")
     line = one_error_line(r)
     assert "3 classes" in line and "4 class folders" in line, line
 
@@ -158,8 +158,8 @@ def test_train_with_an_empty_class_folder_is_one_clear_error(tmp_path):
     data = make_image_folder(tmp_path / "d", classes=3, train_per_class=2, val_per_class=1)
     for split in ("train", "val"):
         (data / split / "class_03").mkdir()
-    r = run_kd("train", "--data", data, "--student", "resnet18", "--no-teacher", "--image-size", 32, "-b", 4,
-               "-j", 0, "--epochs", 1, "--device", "cpu", "--out", tmp_path / "run")
+    r = kd_main("train", "--data", data, "--student", "resnet18", "--no-teacher", "--image-size", 32, "-b", 4,
+                "-j", 0, "--epochs", 1, "--device", "cpu", "--out", tmp_path / "run")
     line = one_error_line(r)
     assert "class_03" in line, line
 
@@ -189,13 +189,13 @@ def test_report_a_folder_of_runs(tmp_path):
     _fake_run(runs / "student_kd", 95.3, 720.0)
     make_image_folder(runs / "data", classes=2, train_per_class=1, val_per_class=1)
     (runs / "notes.txt").write_text("a file beside the runs")
-    r = run_kd("report", runs)
+    r = kd_main("report", runs)
     assert r.returncode == 0, r.stderr
     body = [line for line in r.stdout.splitlines() if line.startswith(f"| {runs}")]
     assert len(body) == 2, r.stdout
     assert "| 97.1 |" in r.stdout and "| 2.1m |" in r.stdout and "| 12m |" in r.stdout, r.stdout
     assert "data" in r.stderr and "skipped" in r.stderr, r.stderr
-    r = run_kd("report", *sorted(runs.iterdir()))  # the shell's runs/demo/*
+    r = kd_main("report", *sorted(runs.iterdir()))  # the shell's runs/demo/*
     assert r.returncode == 0, r.stderr
     assert len([line for line in r.stdout.splitlines() if line.startswith(f"| {runs}")]) == 2
     assert "skipped" in r.stderr and "notes.txt" in r.stderr

@@ -21,11 +21,16 @@ from kd.sides import StudentSide
 from kd.errors import KDError
 from kd.losses import DistillInputs, DistillLoss
 from kd.precision import AutocastPrecision, MasterWeightPrecision, Precision, make_precision
-from conftest import make_image_folder, run_kd
+from conftest import kd_main, make_image_folder, run_kd
 
 LEVELS = ["O0", "O1", "O2", "O3"]
 EPOCHS = 5
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # deterministic and unhurt by other jobs
+
+
+def kd_one_thread(*args):
+    """``kd ARGS`` in this process on one thread."""
+    return kd_main(*args, env=ONE_THREAD, threads=1)
 TRAIN = ["--teacher", "resnet18", "--teacher-weights", "none", "--student", "mobilenet_v3_small",
          "--image-size", 32, "-b", 8, "-j", 0, "--lr", 0.03, "--lr-schedule", "constant", "--device", "cpu",
          "--log-every", 1]
@@ -45,7 +50,7 @@ needs_apex = pytest.mark.skipif(not has_apex_amp(), reason="needs NVIDIA apex wi
 
 
 def train(data, out, *args):
-    r = run_kd("train", "--data", data, *TRAIN, "--out", out, *map(str, args), env=ONE_THREAD)
+    r = kd_one_thread("train", "--data", data, *TRAIN, "--out", out, *args)
     assert r.returncode == 0, r.stderr
     return r
 
@@ -129,8 +134,8 @@ def test_checkpoints_hold_float32_weights(runs, opt):
 
 def test_o2_checkpoint_evaluates_at_o0(runs, data):
     out, _ = runs["O2"]
-    r = run_kd("eval", "--model", "mobilenet_v3_small", "--weights", out / "checkpoints" / "last.pt", "--data", data,
-               "--image-size", 32, "-b", 8, "-j", 0, "--device", "cpu", env=ONE_THREAD)
+    r = kd_one_thread("eval", "--model", "mobilenet_v3_small", "--weights", out / "checkpoints" / "last.pt",
+                      "--data", data, "--image-size", 32, "-b", 8, "-j", 0, "--device", "cpu")
     assert r.returncode == 0, r.stderr
     assert "top-1" in r.stdout and "(12 images)" in r.stdout
 
@@ -150,7 +155,7 @@ def test_resume_equals_uninterrupted_run(runs, data, tmp_path, opt):
     full, _ = runs[opt]
     part = tmp_path / "part"
     train(data, part, "--epochs", 1, "--opt", opt)
-    r = run_kd("train", "--out", part, "--resume", "--epochs", EPOCHS, env=ONE_THREAD)
+    r = kd_one_thread("train", "--out", part, "--resume", "--epochs", EPOCHS)
     assert r.returncode == 0, r.stderr
     a, b = last_checkpoint(full), last_checkpoint(part)
     assert a["global_step"] == b["global_step"] == EPOCHS * 3
@@ -163,7 +168,7 @@ def test_resume_equals_uninterrupted_run(runs, data, tmp_path, opt):
 def test_a_checkpoint_resumes_at_another_level(data, tmp_path):
     out = tmp_path / "o1_then_o2"
     train(data, out, "--epochs", 1, "--opt", "O1")
-    r = run_kd("train", "--out", out, "--resume", "--epochs", 2, "--opt", "O2", env=ONE_THREAD)
+    r = kd_one_thread("train", "--out", out, "--resume", "--epochs", 2, "--opt", "O2")
     assert r.returncode == 0, r.stderr
     assert "precision O2 (native" in r.stderr
     state = last_checkpoint(out)
@@ -394,8 +399,8 @@ def error_lines(r):
 
 
 def test_float16_on_the_cpu_is_a_clear_error(data, tmp_path):
-    r = run_kd("train", "--data", data, *TRAIN, "--out", tmp_path / "f16", "--epochs", 1, "--opt", "O1",
-               "--amp-dtype", "float16", env=ONE_THREAD)
+    r = kd_one_thread("train", "--data", data, *TRAIN, "--out", tmp_path / "f16", "--epochs", 1, "--opt", "O1",
+                      "--amp-dtype", "float16")
     lines = error_lines(r)
     assert len(lines) == 1 and "float16 needs CUDA" in lines[0], r.stderr
     assert not (tmp_path / "f16" / "config.yaml").exists()
@@ -403,8 +408,8 @@ def test_float16_on_the_cpu_is_a_clear_error(data, tmp_path):
 
 @pytest.mark.skipif(has_apex_amp(), reason="apex.amp is installed here")
 def test_amp_impl_apex_without_apex_is_one_line_exit_2(data, tmp_path):
-    r = run_kd("train", "--data", data, *TRAIN, "--out", tmp_path / "apex", "--epochs", 1, "--opt", "O2",
-               "--amp-impl", "apex", env=ONE_THREAD)
+    r = kd_one_thread("train", "--data", data, *TRAIN, "--out", tmp_path / "apex", "--epochs", 1, "--opt", "O2",
+                      "--amp-impl", "apex")
     lines = error_lines(r)
     assert len(lines) == 1, r.stderr
     assert "--amp-impl apex" in lines[0] and "25.05" in lines[0] and "--amp-impl native" in lines[0]

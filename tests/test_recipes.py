@@ -8,7 +8,7 @@ import pytest
 from kd import config as kd_config
 from kd import recipes
 from kd.losses import build_loss
-from conftest import run_kd
+from conftest import kd_main
 
 NAMES = recipes.names()
 
@@ -36,9 +36,9 @@ def test_short_schedule_scales_milestones():
 
 
 def test_recipes_cli_and_report(tmp_path):
-    r = run_kd("recipes", "list")
+    r = kd_main("recipes", "list")
     assert r.returncode == 0 and "imagenet/r34_r18_dkd" in r.stdout and "71.7" in r.stdout
-    r = run_kd("recipes", "show", "imagenet/r34_r18_dist")
+    r = kd_main("recipes", "show", "imagenet/r34_r18_dist")
     assert r.returncode == 0 and "kd_loss: dist" in r.stdout
     run = tmp_path / "run"
     run.mkdir()
@@ -46,11 +46,11 @@ def test_recipes_cli_and_report(tmp_path):
                                      "reference: {top1: 71.7}\n")
     rows = [{"epoch": e, "val_top1": v, "val_top5": v + 20, "seconds": 1800} for e, v in ((1, 60.0), (2, 70.5), (3, 70.1))]
     (run / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in rows) + "\n")
-    r = run_kd("report", run, "--csv", tmp_path / "t.csv")
+    r = kd_main("report", run, "--csv", tmp_path / "t.csv")
     assert r.returncode == 0, r.stderr
     assert "| dkd | resnet34 | resnet18 | 3/3 | 70.5 | 90.5 | 70.1 | 90.1 | 71.7 | -1.2 | 1.5h |" in r.stdout
     assert (tmp_path / "t.csv").read_text().startswith("run,method")
-    r = run_kd("report", tmp_path / "nothing")
+    r = kd_main("report", tmp_path / "nothing")
     assert r.returncode == 2 and "does not exist" in r.stderr
 
 

@@ -14,7 +14,7 @@ import torch
 
 import kd
 from kd import config as kd_config
-from conftest import ROOT, make_image_folder, run_kd
+from conftest import ROOT, kd_main, make_image_folder, run_kd
 
 ARGS = ["--teacher", "resnet18", "--teacher-weights", "none", "--student", "resnet18", "--image-size", "32",
         "-b", "4", "--epochs", "3", "--device", "cpu", "--lr", "0.02", "--log-every", "1", "-T", "2"]
@@ -39,9 +39,13 @@ def wait_for(pred, proc, timeout=300):
         time.sleep(0.05)
 
 
-def reference(data, tmp_path, workers):
-    out = tmp_path / "ref"
-    r = run_kd("train", "--data", data, *ARGS, "-j", workers, "--out", out)
+@pytest.fixture(scope="module")
+def reference(data, tmp_path_factory):
+    """The uninterrupted run that the interrupted ones must equal, with two loader workers; its
+    steps do not depend on the number of workers (every sample draws from its own seed), so the
+    kill -9 run without workers is held against it too."""
+    out = tmp_path_factory.mktemp("reference") / "ref"
+    r = run_kd("train", "--data", data, *ARGS, "-j", 2, "--out", out)
     assert r.returncode == 0, r.stderr
     return out
 
@@ -63,8 +67,7 @@ def assert_same_run(a: Path, b: Path):
 
 
 @pytest.mark.slow
-def test_sigterm_mid_epoch_then_resume_is_exact(data, tmp_path):
-    ref = reference(data, tmp_path, 2)
+def test_sigterm_mid_epoch_then_resume_is_exact(data, reference, tmp_path):
     out = tmp_path / "run"
     proc = start("train", "--data", data, *ARGS, "-j", 2, "--out", out)
     wait_for(lambda: (out / "metrics.jsonl").exists(), proc)  # epoch 1 done: now in epoch 2
@@ -76,12 +79,11 @@ def test_sigterm_mid_epoch_then_resume_is_exact(data, tmp_path):
     assert 0 < state["batch_in_epoch"] < 12, state["batch_in_epoch"]  # 48 images / batch 4
     r = run_kd("train", "--out", out, "--resume")
     assert r.returncode == 0, r.stderr
-    assert_same_run(ref, out)
+    assert_same_run(reference, out)
 
 
 @pytest.mark.slow
-def test_kill_9_after_step_checkpoint_then_resume_is_exact(data, tmp_path):
-    ref = reference(data, tmp_path, 0)
+def test_kill_9_after_step_checkpoint_then_resume_is_exact(data, reference, tmp_path):
     out = tmp_path / "run"
     proc = start("train", "--data", data, *ARGS, "-j", 0, "--out", out, "--save-every-steps", 5, "--keep-last", 2)
     wait_for(lambda: (out / "checkpoints" / "step_00000015.pt").exists(), proc)  # in epoch 2 of 12 steps each
@@ -92,13 +94,13 @@ def test_kill_9_after_step_checkpoint_then_resume_is_exact(data, tmp_path):
     assert not list((out / "checkpoints").glob("*.tmp"))
     r = run_kd("train", "--out", out, "--resume")
     assert r.returncode == 0, r.stderr
-    assert_same_run(ref, out)
+    assert_same_run(reference, out)
 
 
 def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(data, tmp_path):
     out = tmp_path / "nan"
-    r = run_kd("train", "--data", data, *ARGS, "-j", 0, "--out", out, "--lr", "1e12", "--save-every-steps", "1",
-               "--max-nonfinite-steps", "3", "--epochs", "1")
+    r = kd_main("train", "--data", data, *ARGS, "-j", 0, "--out", out, "--lr", "1e12", "--save-every-steps", "1",
+                "--max-nonfinite-steps", "3", "--epochs", "1")
     assert r.returncode == 2, r.stderr
     assert "not finite for 3 consecutive steps" in r.stderr and "Traceback" not in r.stderr
     state = torch.load(out / "checkpoints" / "last.pt", weights_only=True)

@@ -12,7 +12,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import kd
 from kd import config as kd_config
 from kd.engine import Trainer
-from conftest import run_kd
+from conftest import kd_main, run_kd
 
 TINY = dict(image_size=32, batch_size=8, workers=0, lr=0.05, device="cpu", log_every=1, seed=0)
 
@@ -116,7 +116,7 @@ def test_resume_equals_uninterrupted_run(image_folder, tmp_path):
     kd.train(full)
     part = tiny_cfg(image_folder, tmp_path / "part", epochs=1, lr_schedule="cosine", warmup_epochs=1)
     kd.train(part)
-    r = run_kd("train", "--out", tmp_path / "part", "--resume", "--epochs", 3)
+    r = kd_main("train", "--out", tmp_path / "part", "--resume", "--epochs", 3)
     assert r.returncode == 0, r.stderr
     a, b = _final_params(tmp_path / "full"), _final_params(tmp_path / "part")
     assert a["epoch"] == b["epoch"] == 3 and a["global_step"] == b["global_step"]
@@ -135,8 +135,8 @@ def test_no_teacher_then_eval_matches_metrics(image_folder, tmp_path):
     kd.train(tiny_cfg(image_folder, out, no_teacher=True, teacher=None, epochs=1))
     rec = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert "train_kd" not in rec and "train_ce" in rec
-    r = run_kd("eval", "--model", "resnet18", "--weights", out / "checkpoints" / "last.pt", "--data", image_folder,
-               "--image-size", 32, "-b", 5, "-j", 0, "--device", "cpu")
+    r = kd_main("eval", "--model", "resnet18", "--weights", out / "checkpoints" / "last.pt", "--data", image_folder,
+                "--image-size", 32, "-b", 5, "-j", 0, "--device", "cpu")
     assert r.returncode == 0, r.stderr
     assert f"top-1 {rec['val_top1']:.2f}" in r.stdout
     assert "(12 images)" in r.stdout
@@ -151,7 +151,7 @@ def test_kd_checkpoint_as_teacher_weights(image_folder, tmp_path):
 
 
 def test_demo_runs_through_kd_train(tmp_path):
-    r = run_kd("demo", "--out", tmp_path / "demo", "--epochs", 1)
+    r = kd_main("demo", "--out", tmp_path / "demo", "--epochs", 1)
     assert r.returncode == 0, r.stderr
     assert "student timm:resnet10t with KD" in r.stdout
     for name in ("teacher", "student", "student_kd"):
@@ -166,8 +166,8 @@ def test_compiled_run_trains_like_the_eager_one(image_folder, tmp_path):
               "--student", "resnet18", "--image-size", 32, "-b", 8, "-j", 0, "--epochs", 1, "--device", "cpu",
               "--no-progress")
     runs = {}
-    for name, extra in (("eager", ()), ("compiled", ("--compile",))):
-        r = run_kd(*common, *extra, "--out", tmp_path / name)
+    for name, extra, runner in (("eager", (), kd_main), ("compiled", ("--compile",), run_kd)):  # compiled apart
+        r = runner(*common, *extra, "--out", tmp_path / name)
         assert r.returncode == 0, r.stderr
         runs[name] = json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[-1])
     assert runs["compiled"]["train_loss"] == pytest.approx(runs["eager"]["train_loss"], rel=1e-3)
@@ -190,5 +190,5 @@ def test_feature_method_connectors_are_trained_and_checkpointed(image_folder, tm
     assert not any(k.startswith(("connectors", "loss.")) for k in state["student"])  # export drops them
     if method == "fitnet":
         assert any(k.startswith("connectors.") for k in state["loss"])
-    r = run_kd("train", "--out", out, "--resume", "--epochs", 2)
+    r = kd_main("train", "--out", out, "--resume", "--epochs", 2)
     assert r.returncode == 0, r.stderr

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from conftest import make_image_folder, run_kd
+from conftest import kd_main, make_image_folder, run_kd
 
 
 @pytest.fixture(scope="module")
@@ -82,11 +82,11 @@ def test_corrupt_image_is_skipped_named_and_counted(tmp_path):
     broken.write_bytes(broken.read_bytes()[:40])  # truncated JPEG
     args = ["train", "--data", data, "--teacher", "resnet18", "--teacher-weights", "none", "--student", "resnet18",
             "--image-size", "32", "-b", "4", "--epochs", "1", "--device", "cpu", "-j", "2", "--log-every", "1"]
-    r = run_kd(*args, "--out", tmp_path / "ok")
+    r = kd_main(*args, "--out", tmp_path / "ok")
     assert r.returncode == 0, r.stderr
     assert f"skipped unreadable image {broken}" in r.stderr
     events = EventAccumulator(str(tmp_path / "ok" / "tb"))
     events.Reload()
     assert events.Scalars("train/bad_images")[-1].value == 1
-    r = run_kd(*args, "--max-bad-images", "0", "--out", tmp_path / "strict")
+    r = kd_main(*args, "--max-bad-images", "0", "--out", tmp_path / "strict")
     assert r.returncode == 2 and "more than --max-bad-images 0" in r.stderr, r.stderr
