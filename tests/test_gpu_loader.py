@@ -13,13 +13,12 @@ import torch
 from PIL import Image
 from torchvision.transforms import RandomResizedCrop
 
-from conftest import kd_main, make_image_folder, run_kd
+from conftest import kd_main, run_kd
 from kd import config as kd_config
 from kd.data import build
 from kd.data import gpu as gpu_mod
 from kd.data.bytes_dataset import JpegBytes, collate_packed, jpeg_size, train_box, val_box
 from kd.data.decoders import BASELINE_ONLY, CpuThread, DECODERS, make_decoder, pil_rgb
-from kd.data.folder import ImageFolderPIL
 from kd.data.gpu import GpuLoader, crop_resize, make_gpu_loader
 from kd.data.loader import MEAN, STD, make_data_loader, make_loader
 from kd.data.sampler import sample_seed

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from conftest import ROOT, kd_main, make_image_folder, run_kd
-from kd import launch
 
 STUDENT = "timm:test_convnext"  # LayerNorm, no BatchNorm: N processes equal one
 

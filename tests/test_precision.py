@@ -14,7 +14,6 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch import nn
 
 import backends
-import kd
 from kd import config as kd_config
 from kd.engine import Trainer
 from kd.sides import StudentSide

@@ -8,7 +8,7 @@ import pytest
 from kd import config as kd_config
 from kd import recipes
 from kd.losses import build_loss
-from conftest import kd_main
+from conftest import kd_main, run_kd
 
 NAMES = recipes.names()
 

@@ -12,8 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import kd
-from kd import config as kd_config
 from conftest import ROOT, kd_main, make_image_folder, run_kd
 
 ARGS = ["--teacher", "resnet18", "--teacher-weights", "none", "--student", "resnet18", "--image-size", "32",
