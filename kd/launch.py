@@ -28,11 +28,15 @@ import shutil
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Dict, Optional, Type
+from typing import TYPE_CHECKING, Dict, Optional, Type, Union
 
 from kd.errors import KDError
 from kd.placement import Placement, slurm_env
 from kd.runfolder import RunFolder
+
+if TYPE_CHECKING:  # imported where used: a launcher process builds no Trainer
+    from kd.engine import Trainer
+    from kd.multi import MultiTrainer
 
 
 def prepare_out(cfg, resume: Optional[str], overwrite: bool) -> Optional[Path]:
@@ -171,7 +175,8 @@ def launch_local(cfg, nproc: int, resume_from: Optional[Path], students=None):
     previous = logging.root.manager.disable
     logging.disable(logging.ERROR)  # the agent's own failure report; kd reports the cause below
     try:
-        results = elastic_launch(config, worker)(cfg, str(_out(cfg, students)), resume_from, error_dir, visible, students)
+        results = elastic_launch(config, worker)(cfg, str(_out(cfg, students)), resume_from, error_dir, visible,
+                                                 students)
     except (ChildFailedError, signal_exception) as exc:
         stopped = Path(error_dir, "interrupted.txt")
         if stopped.exists():  # the workers stopped on a signal after writing their checkpoint
@@ -244,7 +249,7 @@ def run_worker(cfg, out: Path, resume_from: Optional[Path] = None, place: Option
 
     backend = backends.get(cfg.backend)(cfg, place)
     backend.setup()
-    trainer = None
+    trainer: Optional[Union[Trainer, MultiTrainer]] = None
     hooks = []
     if cfg.timing_warmup:
         from kd.timing import StepTimer

@@ -83,17 +83,23 @@ def plan(recipes: Sequence[str], options: Dict[str, Any], sets: Sequence[str]) -
     if len(set(methods)) < len(methods) or len(set(recipes)) < len(recipes):
         raise KDError("a method or recipe is named twice; each student needs its own")
     parent = Path(options.get("out") or kd_config.RunConfig.out)
-    cfgs, names = [], []
+    cfgs: List[Any] = []
+    names: List[str] = []
     for recipe in recipes if len(recipes) > 1 else [recipes[0] if recipes else None] * len(methods):
         method = methods[len(cfgs)] if len(methods) > 1 else None
         cfg = kd_config.resolve(recipe=recipe, options={**options, **({"kd_loss": method} if method else {})},
                                 sets=list(sets))
         if method and recipe:
             cfg = _method_defaults(cfg, recipe, options, sets)
-        names.append(method or Path(recipe).stem)
+        if method:
+            names.append(method)
+        else:
+            assert recipe is not None  # with one method or none, the students are the recipes
+            names.append(Path(recipe).stem)
         cfgs.append(cfg)
     if len(set(names)) < len(names):
-        raise KDError(f"two students would share a folder name ({', '.join(names)}); give recipes of different names")
+        raise KDError(f"two students would share a folder name ({', '.join(names)}); "
+                      f"give recipes of different names")
     check_shared(names, cfgs)
     cfgs = [dataclasses.replace(cfg, out=str(parent / name)) for name, cfg in zip(names, cfgs)]
     return Students(parent, tuple(names), tuple(cfgs))
@@ -101,12 +107,13 @@ def plan(recipes: Sequence[str], options: Dict[str, Any], sets: Sequence[str]) -
 
 def _method_defaults(cfg, recipe: str, options: Dict[str, Any], sets: Sequence[str]):
     """``cfg`` without the recipe's method hyper-parameters where the recipe was written for another method."""
-    own = kd_config.resolve(recipe=recipe, options={k: v for k, v in options.items() if k != "kd_loss"}, sets=list(sets))
+    own = kd_config.resolve(recipe=recipe, options={k: v for k, v in options.items() if k != "kd_loss"},
+                            sets=list(sets))
     if own.kd_loss == cfg.kd_loss:
         return cfg
     given = set(options.get("loss_args") or {}) | set(kd_config.parse_set(list(sets)).get("loss_args", {}))
     given |= {k for k in kd_config.LOSS_OPTIONS if options.get(k) is not None}
-    changes = {k: None for k in kd_config.LOSS_OPTIONS if k not in given and k not in options}
+    changes: Dict[str, Any] = {k: None for k in kd_config.LOSS_OPTIONS if k not in given and k not in options}
     changes["loss_args"] = {k: v for k, v in cfg.loss_args.items() if k in given}
     return kd_config.validate(dataclasses.replace(cfg, **changes))
 
@@ -204,7 +211,8 @@ class MultiTrainer:
         self.failed: Dict[str, str] = {}
         runtime = resolve_runtime(cfg, backend.device)
         self.stop = StopFlag()
-        self.data = kd_data.build(cfg, *backend.data_shard(), backend.local_batch(cfg.batch_size), backend.device,
+        num_replicas, rank = backend.data_shard()
+        self.data = kd_data.build(cfg, num_replicas, rank, backend.local_batch(cfg.batch_size), backend.device,
                                   runtime.channels_last)
         shared = Shared(self.data, None, self.stop)
         self.lanes: List[Trainer] = []
@@ -221,7 +229,8 @@ class MultiTrainer:
             self._prepare_teacher(shared, runtime)
             positions = {(lane.epoch, lane.batch_in_epoch) for lane in self.lanes}
             if len(positions) > 1:
-                where = ", ".join(f"{lane.name}: epoch {lane.epoch + 1} step {lane.batch_in_epoch}" for lane in self.lanes)
+                where = ", ".join(f"{lane.name}: epoch {lane.epoch + 1} step {lane.batch_in_epoch}"
+                                  for lane in self.lanes)
                 raise KDError(f"the students' checkpoints are at different places ({where}); resume each alone "
                               f"with kd train --out {students.out}/NAME --resume")
         except BaseException:
@@ -293,7 +302,8 @@ class MultiTrainer:
             for hook in self.hooks:
                 hook.on_epoch_end(self, extra)
             for lane in list(self.active):
-                record = self._run(lane, lambda: lane.end_epoch(totals[lane.name], start, seconds, extra))
+                record = self._run(lane, lambda lane=lane, totals=totals, start=start, seconds=seconds, extra=extra:
+                                   lane.end_epoch(totals[lane.name], start, seconds, extra))
                 if record is not None:
                     records[lane.name] = record
         for lane in list(self.active):
@@ -330,7 +340,7 @@ class MultiTrainer:
                     teacher_out = self.teacher.forward(self.active[0].precision.input_cast(batch.images))
                 stop = False
                 for lane in list(self.active):
-                    def one(lane=lane):
+                    def one(lane=lane, batch=batch, teacher_out=teacher_out, t0=t0, waited=waited):
                         out = lane.step(batch, teacher_out if lane.needs_teacher else None)
                         return lane.after_step(out, batch, t0, waited)
                     stop = bool(self._run(lane, one)) or stop
@@ -353,7 +363,8 @@ class MultiTrainer:
                 lane.interrupt()
         out = self.students.out
         raise Interrupted(self.stop.signame, message=f"stopped by {self.stop.signame} at step {self.global_step}; "
-                          f"every student's checkpoint written below {out}; continue with: kd train --out {out} --resume")
+                          f"every student's checkpoint written below {out}; "
+                          f"continue with: kd train --out {out} --resume")
 
 
 def train(students: Students, resume: Optional[str] = None, overwrite: bool = False) -> Dict[str, float]:
