@@ -42,7 +42,7 @@ class Trainer:
     def __init__(self, cfg, backend, out: Path, resume_from: Optional[Path] = None, hooks: Sequence[StepHook] = (),
                  validate: bool = True, shared=None):
         """``hooks`` see every step and epoch record; ``validate=False`` skips the teacher's and the
-        student's validation passes (timed benchmark runs); ``shared`` is a :class:`kd.multi.Shared`."""
+        student's validation passes (timed benchmark runs); ``shared`` is a :class:`kd.together.Shared`."""
         self.started = command_start(default=time.time())
         self.hooks = list(hooks)
         self.validates = validate

@@ -36,7 +36,7 @@ from kd.runfolder import RunFolder
 
 if TYPE_CHECKING:  # imported where used: a launcher process builds no Trainer
     from kd.engine import Trainer
-    from kd.multi import MultiTrainer
+    from kd.together import MultiTrainer
 
 
 def prepare_out(cfg, resume: Optional[str], overwrite: bool) -> Optional[Path]:
@@ -122,11 +122,25 @@ def _preflight_all(cfg, resume: Optional[str], overwrite: bool, students) -> Opt
     if students is None:
         preflight(cfg)
         return prepare_out(cfg, resume, overwrite)
-    from kd import multi
-
     for student in students.cfgs:
         preflight(student)
-    return multi.prepare_out(students, resume, overwrite)
+    return prepare_students_out(students, resume, overwrite)
+
+
+def prepare_students_out(students, resume: Optional[str], overwrite: bool) -> Optional[Path]:
+    """:func:`prepare_out` for every folder of ``students`` (a :class:`kd.together.Students`);
+    ``students.out`` when resuming."""
+    from kd.together import STUDENTS_FILE, is_students_folder
+
+    if resume not in (None, "last"):
+        raise KDError(f"--resume {resume}: several students resume from their own last.pt; "
+                      f"give --out {students.out} --resume")
+    if not resume and not overwrite and is_students_folder(students.out):
+        raise KDError(f"--out {students.out} already holds students ({STUDENTS_FILE}); "
+                      f"continue them with --resume or replace them with --overwrite")
+    for cfg in students.cfgs:
+        prepare_out(cfg, resume, overwrite)
+    return students.out if resume else None
 
 
 def _check_available(cfg, backend_cls) -> None:
@@ -257,7 +271,7 @@ def run_worker(cfg, out: Path, resume_from: Optional[Path] = None, place: Option
         hooks.append(StepTimer(cfg.timing_warmup, backend))
     try:
         if students is not None:
-            from kd.multi import MultiTrainer
+            from kd.together import MultiTrainer
 
             trainer = MultiTrainer(students, backend, resume_from is not None, hooks=hooks, validate=not hooks)
         else:
