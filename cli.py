@@ -263,7 +263,8 @@ def bench(ctx, teacher, student, backend_list, opt_list, gpus, nproc, device, ba
     rows = run_bench([b for b in backend_list.split(",") if b], [o for o in opt_list.split(",") if o], args, out,
                      timeout)
     click.echo(markdown(rows))
-    click.echo(f"\n{out}/bench.csv, bench.json, bench.md{', bench.png' if (out / 'bench.png').exists() else ' (no bench.png)'}")
+    png = ", bench.png" if (out / "bench.png").exists() else " (no bench.png)"
+    click.echo(f"\n{out}/bench.csv, bench.json, bench.md{png}")
 
 
 @bench.command("data")

@@ -25,7 +25,6 @@ registered through the Python entry point group ``kd.backends``.
 from __future__ import annotations
 
 import copy
-
 from typing import ClassVar, Optional, Sequence, Tuple
 
 import torch
@@ -106,7 +105,7 @@ class Backend:
     def data_shard(self) -> Tuple[int, int]:
         return self.world_size, self.rank
 
-    def fork(self) -> "Backend":
+    def fork(self) -> Backend:
         """This set-up backend for one more trained model (each student of ``kd train --kd-loss a,b``):
         the same process group and device, and per-model state of its own (wrapping choices,
         gradient buckets); only the original is torn down."""

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, cast
 
 from kd import table
 from kd.errors import KDError
@@ -64,7 +64,8 @@ def run_combo(backend: str, opt: str, args: Dict[str, object], out: Path,
     if not metrics.is_file():  # several students: each its own folder, each timed on the same steps
         metrics = RunFolder(out / str(args["kd_loss"]).split(",")[0]).metrics
     record = json.loads(metrics.read_text().splitlines()[-1])
-    lines = [line.split("] ", 1)[1] if line.startswith("[") and "] " in line else line for line in proc.stderr.splitlines()]
+    lines = [line.split("] ", 1)[1] if line.startswith("[") and "] " in line else line
+             for line in proc.stderr.splitlines()]
     said = list(dict.fromkeys(line for line in lines if line.startswith(("backend ", "precision "))))
     row["impl"] = "; ".join(said[-2:]).replace("|", "/")
     row.update(s_per_20_iters=round(record["s_per_20_iters"], 3), img_per_s=round(record["timed_img_per_s"], 1),
@@ -112,10 +113,15 @@ def bench_methods(backends: Sequence[str], opts: Sequence[str], methods: Sequenc
             for label in [",".join(methods), *methods]:
                 print(f"kd bench: {backend} {opt} {label} ...", file=sys.stderr, flush=True)
                 folder = out / "runs" / f"{backend}_{opt}_{label.replace(',', '+')}"
-                group.append({**run_combo(backend, opt, {**args, "kd_loss": label}, folder, timeout), "methods": label})
+                row = run_combo(backend, opt, {**args, "kd_loss": label}, folder, timeout)
+                group.append({**row, "methods": label})
             together, alone = group[0], group[1:]
             ok = "img_per_s" in together and all("img_per_s" in r for r in alone)
-            together["speedup"] = round(together["img_per_s"] * sum(1 / r["img_per_s"] for r in alone), 2) if ok else "-"
+            if ok:  # run_combo's img_per_s, where it has one, is a float
+                rate = cast(float, together["img_per_s"])
+                together["speedup"] = round(rate * sum(1 / cast(float, r["img_per_s"]) for r in alone), 2)
+            else:
+                together["speedup"] = "-"
             for r in alone:
                 r["speedup"] = 1.0 if "img_per_s" in r else "-"
             rows += group
@@ -163,7 +169,8 @@ def write_outputs(rows: List[Dict[str, object]], out: Path, baseline: str, note=
         return
     ok = [r for r in rows if isinstance(r.get("img_per_s"), (int, float))]
     fig, ax = plt.subplots(figsize=(max(4, 0.9 * len(ok)), 3.2))
-    ax.bar([f"{r['backend']} {r['opt']}\n{r.get('methods', '')}".strip() for r in ok], [r["img_per_s"] for r in ok], color="#4a7ab7")
+    ax.bar([f"{r['backend']} {r['opt']}\n{r.get('methods', '')}".strip() for r in ok], [r["img_per_s"] for r in ok],
+           color="#4a7ab7")
     ax.set_ylabel("images/s per student")
     ax.set_title("kd bench" if ok else "kd bench: no combination ran")
     fig.tight_layout()

@@ -6,15 +6,15 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
 from kd import checkpoint
 from kd import config as kd_config
 from kd import data as kd_data
-from kd.data.loader import Batch
 from kd.cpu import slow_precision_warning
+from kd.data.loader import Batch
 from kd.errors import KDError, NonFinite
 from kd.logging import NullLogger, RunLogger, command_start, first_step_record
 from kd.meter import Meter, format_record, nonfinite_flags, nonfinite_message
@@ -42,7 +42,7 @@ class Trainer:
     def __init__(self, cfg, backend, out: Path, resume_from: Optional[Path] = None, hooks: Sequence[StepHook] = (),
                  validate: bool = True, shared=None):
         """``hooks`` see every step and epoch record; ``validate=False`` skips the teacher's and the
-        student's validation passes (timed benchmark runs); ``shared`` is a :class:`kd.multi.Shared`."""
+        student's validation passes (timed benchmark runs); ``shared`` is a :class:`kd.together.Shared`."""
         self.started = command_start(default=time.time())
         self.hooks = list(hooks)
         self.validates = validate
@@ -61,6 +61,8 @@ class Trainer:
         if dev.type == "cuda":
             torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
 
+        self.name = self.out.name  # the student's name beside others (kd.multi); its run folder's name
+        self.rng: Dict[str, Any] = {}  # kd.multi: its generators' state between its calls (checkpoint.rng_state)
         self.owns_inputs = shared is None
         if shared is None:
             num_replicas, rank = backend.data_shard()
@@ -106,7 +108,7 @@ class Trainer:
         if cfg.compile:
             self.model = torch.compile(self.model, mode=cfg.compile_mode)
         self.params = [p for p in self.side.parameters() if p.requires_grad]
-        self.scheduler = build_scheduler(cfg, self.optimizer, len(self._train_loader()))
+        self.scheduler = build_scheduler(cfg, self.optimizer, len(self.data.train))
 
         self.epoch = 0
         self.batch_in_epoch = 0
@@ -216,7 +218,7 @@ class Trainer:
     def train_epoch(self) -> Dict[str, float]:
         """One epoch (or its rest, after a mid-epoch resume) of :meth:`step` under the loop's rules:
         unreadable images, non-finite losses, stop signals, logging and step checkpoints."""
-        loader = self._train_loader()
+        loader = self.data.train
         loader.set_epoch(self.epoch, self.batch_in_epoch)
         self.begin_epoch(len(loader) + self.batch_in_epoch)
         it = iter(loader)

@@ -28,11 +28,15 @@ import shutil
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Dict, Optional, Type
+from typing import TYPE_CHECKING, Dict, Optional, Type, Union
 
 from kd.errors import KDError
 from kd.placement import Placement, slurm_env
 from kd.runfolder import RunFolder
+
+if TYPE_CHECKING:  # imported where used: a launcher process builds no Trainer
+    from kd.engine import Trainer
+    from kd.together import MultiTrainer
 
 
 def prepare_out(cfg, resume: Optional[str], overwrite: bool) -> Optional[Path]:
@@ -118,11 +122,25 @@ def _preflight_all(cfg, resume: Optional[str], overwrite: bool, students) -> Opt
     if students is None:
         preflight(cfg)
         return prepare_out(cfg, resume, overwrite)
-    from kd import multi
-
     for student in students.cfgs:
         preflight(student)
-    return multi.prepare_out(students, resume, overwrite)
+    return prepare_students_out(students, resume, overwrite)
+
+
+def prepare_students_out(students, resume: Optional[str], overwrite: bool) -> Optional[Path]:
+    """:func:`prepare_out` for every folder of ``students`` (a :class:`kd.together.Students`);
+    ``students.out`` when resuming."""
+    from kd.together import STUDENTS_FILE, is_students_folder
+
+    if resume not in (None, "last"):
+        raise KDError(f"--resume {resume}: several students resume from their own last.pt; "
+                      f"give --out {students.out} --resume")
+    if not resume and not overwrite and is_students_folder(students.out):
+        raise KDError(f"--out {students.out} already holds students ({STUDENTS_FILE}); "
+                      f"continue them with --resume or replace them with --overwrite")
+    for cfg in students.cfgs:
+        prepare_out(cfg, resume, overwrite)
+    return students.out if resume else None
 
 
 def _check_available(cfg, backend_cls) -> None:
@@ -171,7 +189,8 @@ def launch_local(cfg, nproc: int, resume_from: Optional[Path], students=None):
     previous = logging.root.manager.disable
     logging.disable(logging.ERROR)  # the agent's own failure report; kd reports the cause below
     try:
-        results = elastic_launch(config, worker)(cfg, str(_out(cfg, students)), resume_from, error_dir, visible, students)
+        results = elastic_launch(config, worker)(cfg, str(_out(cfg, students)), resume_from, error_dir, visible,
+                                                 students)
     except (ChildFailedError, signal_exception) as exc:
         stopped = Path(error_dir, "interrupted.txt")
         if stopped.exists():  # the workers stopped on a signal after writing their checkpoint
@@ -244,7 +263,7 @@ def run_worker(cfg, out: Path, resume_from: Optional[Path] = None, place: Option
 
     backend = backends.get(cfg.backend)(cfg, place)
     backend.setup()
-    trainer = None
+    trainer: Optional[Union[Trainer, MultiTrainer]] = None
     hooks = []
     if cfg.timing_warmup:
         from kd.timing import StepTimer
@@ -252,7 +271,7 @@ def run_worker(cfg, out: Path, resume_from: Optional[Path] = None, place: Option
         hooks.append(StepTimer(cfg.timing_warmup, backend))
     try:
         if students is not None:
-            from kd.multi import MultiTrainer
+            from kd.together import MultiTrainer
 
             trainer = MultiTrainer(students, backend, resume_from is not None, hooks=hooks, validate=not hooks)
         else:

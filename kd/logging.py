@@ -67,6 +67,8 @@ def first_step_record(started: float, setup_s: float, asked: float, waited: floa
 class NullLogger:
     """The logger of non-main processes: accepts everything, writes nothing."""
 
+    bar_enabled: bool = False  # whether progress() shows a bar (RunLogger: its progress_bar setting)
+
     def info(self, msg: str) -> None:
         pass
 

@@ -22,15 +22,17 @@ class Meter:
         self.bad = 0
         self.wait = 0.0
 
-    def add(self, parts: Dict[str, torch.Tensor], n: int, skipped: torch.Tensor, bad: int,
+    def add(self, parts: Dict[str, torch.Tensor], n: int, skipped: Optional[torch.Tensor], bad: int,
             flags: Optional[torch.Tensor] = None) -> None:
-        """One step: its loss parts (0-dim), images, skipped flag, unreadable images and non-finite flags."""
+        """One step: its loss parts (0-dim), images, skipped flag, unreadable images and non-finite flags
+        (a :class:`kd.step.StepOutput`'s, whose ``skipped`` and ``flags`` may be None)."""
         finite = torch.isfinite(parts["loss"].detach())
         for k, v in parts.items():  # the means are over the steps with a finite loss
             self.sums[k] = self.sums.get(k, 0.0) + torch.where(finite, v.detach() * n, 0.0)
         self.count += n
         self.finite += finite * n
-        self.skipped += skipped.float()
+        if skipped is not None:
+            self.skipped += skipped.float()
         self.streak = torch.where(finite, torch.zeros_like(self.streak), self.streak + 1)
         self.worst = torch.maximum(self.worst, self.streak)
         if flags is not None:

@@ -18,27 +18,20 @@ names them, so ``kd train --out OUT --resume`` continues them all.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 import yaml
 
-from kd import checkpoint
 from kd import config as kd_config
-from kd import data as kd_data
-from kd.engine import Trainer
-from kd.errors import KDError, NonFinite
+from kd.errors import KDError
 from kd.runfolder import RunFolder
-from kd.runtime import resolve as resolve_runtime
-from kd.signals import Interrupted, StopFlag
-from kd.step import StepHook, StepOutput, check_batch
-from kd.teaching import Teacher
+from kd.together import STUDENTS_FILE, MultiTrainer, Shared, Students, is_students_folder, own_generators
 
-STUDENTS_FILE = "students.yaml"
+# the training loop lives in kd.together (kd.launch runs it there); its names are this module's too
+__all__ = ["STUDENTS_FILE", "MultiTrainer", "Shared", "Students", "is_students_folder", "own_generators", "plan",
+           "check_shared", "load", "resumed", "train", "PER_STUDENT", "TEACHER_KEYS"]
 
 #: The keys each student may set for itself; every other key is shared by the run's students.
 PER_STUDENT = (
@@ -49,25 +42,6 @@ PER_STUDENT = (
     # a student trained alone on the labels (a baseline row) needs no teacher of its own
     "no_teacher")
 TEACHER_KEYS = ("teacher", "teacher_weights", "teacher_precision")
-
-
-@dataclass(frozen=True)
-class Students:
-    """The students of one run: their names (folders below ``out``) and their resolved configs."""
-
-    out: Path
-    names: Tuple[str, ...]
-    cfgs: Tuple[Any, ...]
-
-
-@dataclass
-class Shared:
-    """What the students of a run share: the data pipeline, the teacher's model (built by the first
-    student that needs it, right after that student, as its own run builds it) and the stop flag."""
-
-    data: Any
-    teacher_model: Any
-    stop: StopFlag
 
 
 # ----------------------------------------------------------------------------- planning
@@ -83,17 +57,23 @@ def plan(recipes: Sequence[str], options: Dict[str, Any], sets: Sequence[str]) -
     if len(set(methods)) < len(methods) or len(set(recipes)) < len(recipes):
         raise KDError("a method or recipe is named twice; each student needs its own")
     parent = Path(options.get("out") or kd_config.RunConfig.out)
-    cfgs, names = [], []
+    cfgs: List[Any] = []
+    names: List[str] = []
     for recipe in recipes if len(recipes) > 1 else [recipes[0] if recipes else None] * len(methods):
         method = methods[len(cfgs)] if len(methods) > 1 else None
         cfg = kd_config.resolve(recipe=recipe, options={**options, **({"kd_loss": method} if method else {})},
                                 sets=list(sets))
         if method and recipe:
             cfg = _method_defaults(cfg, recipe, options, sets)
-        names.append(method or Path(recipe).stem)
+        if method:
+            names.append(method)
+        else:
+            assert recipe is not None  # with one method or none, the students are the recipes
+            names.append(Path(recipe).stem)
         cfgs.append(cfg)
     if len(set(names)) < len(names):
-        raise KDError(f"two students would share a folder name ({', '.join(names)}); give recipes of different names")
+        raise KDError(f"two students would share a folder name ({', '.join(names)}); "
+                      f"give recipes of different names")
     check_shared(names, cfgs)
     cfgs = [dataclasses.replace(cfg, out=str(parent / name)) for name, cfg in zip(names, cfgs)]
     return Students(parent, tuple(names), tuple(cfgs))
@@ -101,12 +81,13 @@ def plan(recipes: Sequence[str], options: Dict[str, Any], sets: Sequence[str]) -
 
 def _method_defaults(cfg, recipe: str, options: Dict[str, Any], sets: Sequence[str]):
     """``cfg`` without the recipe's method hyper-parameters where the recipe was written for another method."""
-    own = kd_config.resolve(recipe=recipe, options={k: v for k, v in options.items() if k != "kd_loss"}, sets=list(sets))
+    own = kd_config.resolve(recipe=recipe, options={k: v for k, v in options.items() if k != "kd_loss"},
+                            sets=list(sets))
     if own.kd_loss == cfg.kd_loss:
         return cfg
     given = set(options.get("loss_args") or {}) | set(kd_config.parse_set(list(sets)).get("loss_args", {}))
     given |= {k for k in kd_config.LOSS_OPTIONS if options.get(k) is not None}
-    changes = {k: None for k in kd_config.LOSS_OPTIONS if k not in given and k not in options}
+    changes: Dict[str, Any] = {k: None for k in kd_config.LOSS_OPTIONS if k not in given and k not in options}
     changes["loss_args"] = {k: v for k, v in cfg.loss_args.items() if k in given}
     return kd_config.validate(dataclasses.replace(cfg, **changes))
 
@@ -150,210 +131,6 @@ def resumed(out: Path, options: Dict[str, Any], sets: Sequence[str]) -> Students
     check_shared(students.names, cfgs)
     return dataclasses.replace(students, cfgs=tuple(cfgs))
 
-
-def is_students_folder(out: Path) -> bool:
-    return (Path(out) / STUDENTS_FILE).is_file()
-
-
-def prepare_out(students: Students, resume: Optional[str], overwrite: bool) -> Optional[Path]:
-    """:func:`kd.launch.prepare_out` for every student's folder; ``students.out`` when resuming."""
-    from kd.launch import prepare_out as prepare_one
-
-    if resume not in (None, "last"):
-        raise KDError(f"--resume {resume}: several students resume from their own last.pt; "
-                      f"give --out {students.out} --resume")
-    if not resume and not overwrite and is_students_folder(students.out):
-        raise KDError(f"--out {students.out} already holds students ({STUDENTS_FILE}); "
-                      f"continue them with --resume or replace them with --overwrite")
-    for cfg in students.cfgs:
-        prepare_one(cfg, resume, overwrite)
-    return students.out if resume else None
-
-
-# ----------------------------------------------------------------------------- training
-@contextlib.contextmanager
-def own_generators(lane: Trainer):
-    """``lane``'s own random generators in place for its calls (its dropout masks, and its checkpoint's
-    generator state), as if it trained alone."""
-    outer = checkpoint.rng_state()
-    checkpoint.set_rng_state(lane.rng)
-    try:
-        yield
-    finally:
-        lane.rng = checkpoint.rng_state()
-        checkpoint.set_rng_state(outer)
-
-
-class MultiTrainer:
-    """One process's part of a run of several students (:class:`Students`): one data pipeline, one
-    teacher forward per batch, each student's step, rules, log and checkpoints as its own run's."""
-
-    def __init__(self, students: Students, backend, resume: bool = False, hooks: Sequence[StepHook] = (),
-                 validate: bool = True):
-        """``resume``: every student continues from its own ``last.pt``; ``hooks`` see each shared step
-        (with this object as trainer) and each epoch's shared record (``kd bench``'s timer)."""
-        cfg = students.cfgs[0]
-        if cfg.compile and cfg.compile_mode in ("reduce-overhead", "max-autotune"):
-            raise KDError(f"compile_mode {cfg.compile_mode} (CUDA graphs) cannot share the teacher's outputs between "
-                          f"students; use compile_mode default or max-autotune-no-cudagraphs")
-        self.students = students
-        self.backend = backend
-        self.hooks = list(hooks)
-        self.validates = validate
-        self.global_step = 0
-        self.failed: Dict[str, str] = {}
-        runtime = resolve_runtime(cfg, backend.device)
-        self.stop = StopFlag()
-        self.data = kd_data.build(cfg, *backend.data_shard(), backend.local_batch(cfg.batch_size), backend.device,
-                                  runtime.channels_last)
-        shared = Shared(self.data, None, self.stop)
-        self.lanes: List[Trainer] = []
-        self.teacher: Optional[Teacher] = None
-        try:
-            for name, lane_cfg in zip(students.names, students.cfgs):
-                out = students.out / name
-                lane = Trainer(lane_cfg, backend.fork(), out, RunFolder(out).last if resume else None,
-                               validate=validate, shared=shared)
-                lane.name, lane.rng = name, checkpoint.rng_state()
-                self.lanes.append(lane)
-            if len(self.lanes) > 1 and self.lanes[0].precision.one_per_process:
-                raise KDError("apex.amp holds one model per process; several students need --amp-impl native")
-            self._prepare_teacher(shared, runtime)
-            positions = {(lane.epoch, lane.batch_in_epoch) for lane in self.lanes}
-            if len(positions) > 1:
-                where = ", ".join(f"{lane.name}: epoch {lane.epoch + 1} step {lane.batch_in_epoch}" for lane in self.lanes)
-                raise KDError(f"the students' checkpoints are at different places ({where}); resume each alone "
-                              f"with kd train --out {students.out}/NAME --resume")
-        except BaseException:
-            self.close()
-            raise
-        self.global_step = self.lanes[0].global_step
-        for lane in self.lanes[1:]:
-            lane.logger.bar_enabled = False  # one progress bar for all
-        self.lanes[0].logger.info(self.data.train.describe())
-        if backend.is_main:
-            students.out.mkdir(parents=True, exist_ok=True)
-            (students.out / STUDENTS_FILE).write_text(yaml.safe_dump({"students": list(students.names)}))
-        for lane in self.lanes:
-            lane.start_folder()
-        self.active = list(self.lanes)
-
-    def _prepare_teacher(self, shared: Shared, runtime) -> None:
-        """One teacher for every student that needs one, tapping the layers of them all."""
-        taught = [lane for lane in self.lanes if lane.needs_teacher]
-        if not taught:
-            return
-        lead = taught[0]
-        model = shared.teacher_model.to(self.backend.device, memory_format=runtime.memory_format)
-        shared.teacher_model = None
-        for hook in self.hooks:
-            hook.on_teacher(lead, model)
-        layers = list(dict.fromkeys(layer for lane in taught for layer in lane.t_layers))
-        notes: List[str] = []
-        self.teacher = Teacher(model, layers, lead.cfg, self.backend, runtime, lead.precision, self.data.val,
-                               lead.logger.info, notes)
-        for lane in taught:
-            lane.use_teacher(self.teacher)
-            lane.notes.extend(notes)
-
-    def close(self) -> None:
-        """Every student's logs, the data pipeline's workers and the signal handlers: nothing outlives the run."""
-        for lane in self.lanes:
-            lane.close()
-        self.stop.restore()
-        self.data.close()
-
-    def _run(self, lane: Trainer, call):
-        """``call()`` with ``lane``'s generators; a non-finite loss stops that student only (the decision
-        is a collective, so every process stops it at the same step)."""
-        try:
-            with own_generators(lane):
-                return call()
-        except NonFinite as exc:
-            lane.logger.info(f"stopped: {exc}")
-            lane.logger.close()
-            self.failed[lane.name] = str(exc)
-            self.active.remove(lane)
-            return None
-
-    def fit(self) -> Dict[str, float]:
-        """Every student's epochs; the first student's last record, or a KDError naming the students
-        stopped by a non-finite loss once the others are done."""
-        lead = self.lanes[0]
-        if self.teacher is not None and self.validates and lead.epoch == 0 and lead.batch_in_epoch == 0:
-            top1 = self.teacher.validate()
-            for lane in self.lanes:
-                lane.teacher_top1 = top1 if lane.needs_teacher else None
-        records: Dict[str, Dict[str, float]] = {}
-        while self.active and self.active[0].epoch < self.active[0].cfg.epochs:
-            start = time.perf_counter()
-            totals = self.train_epoch()
-            seconds = time.perf_counter() - start
-            extra: Dict[str, object] = {}
-            for hook in self.hooks:
-                hook.on_epoch_end(self, extra)
-            for lane in list(self.active):
-                record = self._run(lane, lambda: lane.end_epoch(totals[lane.name], start, seconds, extra))
-                if record is not None:
-                    records[lane.name] = record
-        for lane in list(self.active):
-            self._run(lane, lane.finish)
-        if self.failed:
-            done = ", ".join(lane.name for lane in self.active) or "none"
-            raise KDError("; ".join(f"student {name} stopped: {why}" for name, why in self.failed.items())
-                          + f" (completed: {done})")
-        return records.get(self.lanes[0].name, {})
-
-    def train_epoch(self) -> Dict[str, Dict[str, float]]:
-        """One epoch of shared batches: the teacher's forward once, then each student's step and rules."""
-        lead = self.active[0]
-        loader = self.data.train
-        loader.set_epoch(lead.epoch, lead.batch_in_epoch)
-        steps = len(loader) + lead.batch_in_epoch
-        for lane in self.active:
-            lane.begin_epoch(steps)
-        it = iter(loader)
-        try:
-            first_wait = None
-            while self.active:
-                t0 = time.perf_counter()
-                batch = next(it, None)
-                waited = time.perf_counter() - t0
-                first_wait = waited if first_wait is None else first_wait
-                for lane in self.active:
-                    lane.meter.wait += waited
-                if batch is None:
-                    break
-                check_batch(batch, self.active[0].logger.info)
-                teacher_out = None
-                if self.teacher is not None:
-                    teacher_out = self.teacher.forward(self.active[0].precision.input_cast(batch.images))
-                stop = False
-                for lane in list(self.active):
-                    def one(lane=lane):
-                        out = lane.step(batch, teacher_out if lane.needs_teacher else None)
-                        return lane.after_step(out, batch, t0, waited)
-                    stop = bool(self._run(lane, one)) or stop
-                self.global_step += 1
-                for hook in self.hooks:
-                    hook.on_step(self, StepOutput({}, None, None, len(batch)))
-                if stop:
-                    self._interrupt()
-            return {lane.name: self._run(lane, lambda lane=lane: lane.end_train_epoch(first_wait))
-                    for lane in list(self.active)}
-        finally:
-            close = getattr(it, "close", None)
-            if close is not None:
-                close()
-
-    def _interrupt(self) -> None:
-        """A stop signal: every student's checkpoint of this step, then Interrupted."""
-        for lane in self.active:
-            with own_generators(lane):
-                lane.interrupt()
-        out = self.students.out
-        raise Interrupted(self.stop.signame, message=f"stopped by {self.stop.signame} at step {self.global_step}; "
-                          f"every student's checkpoint written below {out}; continue with: kd train --out {out} --resume")
 
 
 def train(students: Students, resume: Optional[str] = None, overwrite: bool = False) -> Dict[str, float]:

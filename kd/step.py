@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 from torch import nn
@@ -12,11 +12,12 @@ from torch import nn
 class StepOutput:
     """What :meth:`Trainer.step` leaves on the device: the loss parts (0-dim float32: ``loss``, the
     method's terms), whether the optimizer step was skipped, the non-finite flags per source, and
-    the number of images."""
+    the number of images. The step of several students (:mod:`kd.multi`) hands its hooks no loss
+    parts and None for ``skipped`` and ``flags``: each student's optimizer step is its own."""
 
     parts: Dict[str, torch.Tensor]
-    skipped: torch.Tensor
-    flags: torch.Tensor
+    skipped: Optional[torch.Tensor]
+    flags: Optional[torch.Tensor]
     images: int
 
 

@@ -8,7 +8,7 @@ that any number of students may read.
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import torch
 from torch import nn
@@ -36,7 +36,7 @@ class Teacher:
         self.val = val
         self.log = log
         self.graph_step = cfg.compile and cfg.compile_mode in ("reduce-overhead", "max-autotune")
-        self.precision: Optional[kd_teacher.TeacherPrecision] = None
+        self.precision: kd_teacher.TeacherPrecision  # set by choose() below, which kd_teacher.prepare always calls
 
         def choose(candidate: nn.Module) -> nn.Module:
             def probe(m, p):

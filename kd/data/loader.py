@@ -13,7 +13,7 @@ import os
 import random
 import sys
 from dataclasses import dataclass, field
-from typing import Iterator, List, Optional, Protocol
+from typing import Any, Dict, Iterator, List, Optional, Protocol
 
 import numpy as np
 import torch
@@ -198,11 +198,11 @@ def make_data_loader(cfg, dataset, collate_fn, train: bool, num_replicas: int, r
     sampler = SeededSampler(len(dataset), num_replicas, rank, shuffle=train, seed=cfg.seed, pad=train)
     workers = default_workers(num_replicas) if cfg.workers is None else cfg.workers
     # its own generator, with workers or without: iterating never draws from the training's (dropout) generators
-    kwargs = dict(generator=torch.Generator().manual_seed(cfg.seed * 1000 + rank * 2 + int(train)))
+    kwargs: Dict[str, Any] = dict(generator=torch.Generator().manual_seed(cfg.seed * 1000 + rank * 2 + int(train)))
     if workers > 0:
         # prefetch 2 per worker: in-flight batches live in /dev/shm, which containers often keep small
-        kwargs.update(multiprocessing_context=mp_context(cfg.mp_context or default_mp_context()), persistent_workers=True,
-                      prefetch_factor=2, worker_init_fn=seed_worker)
+        kwargs.update(multiprocessing_context=mp_context(cfg.mp_context or default_mp_context()),
+                      persistent_workers=True, prefetch_factor=2, worker_init_fn=seed_worker)
     drop_last = train and len(sampler) >= local_batch
     loader = DataLoader(dataset, batch_size=local_batch, sampler=sampler, num_workers=workers,
                         collate_fn=collate_fn, pin_memory=device.type == "cuda", drop_last=drop_last, **kwargs)
