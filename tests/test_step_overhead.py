@@ -86,5 +86,7 @@ def test_public_step_reads_nothing_from_the_device(tmp_path, count_reads, opt):
     assert {k: count_reads[k] - before[k] for k in READS} == {k: 0 for k in READS}
     assert trainer.global_step == 2 and out.images == len(batch)
     assert set(out.parts) >= {"loss", "ce", "kd"} and all(v.dim() == 0 for v in out.parts.values())
-    assert not bool(out.skipped) and not bool(out.flags.any())
-    assert any(not torch.equal(a, b) for a, b in zip(before_weights, trainer.params))  # it trained
+    assert not bool(out.flags.any()) and out.skipped is not None and out.skipped.dim() == 0
+    if opt == "O0":  # float32: this step trained (a bfloat16 step of this 8-pixel model may be skipped)
+        assert not bool(out.skipped)
+        assert any(not torch.equal(a, b) for a, b in zip(before_weights, trainer.params))
