@@ -135,9 +135,15 @@ def _train_students(recipes, given, sets, resume, overwrite) -> None:
 
     if not resume:
         return multi.train(multi.plan(recipes, given, sets), overwrite=overwrite)
-    if recipes or given.get("kd_loss"):
-        raise KDError("--resume continues the students that --out holds; leave out --recipe and --kd-loss")
-    multi.train(multi.resumed(Path(given.get("out") or "runs/kd"), given, sets), resume=resume, overwrite=overwrite)
+    out = Path(given.get("out") or "runs/kd")
+    if recipes or given.get("kd_loss"):  # the same command again with --resume: fine when it names the same students
+        asked = [Path(r).stem for r in recipes] if recipes else str(given["kd_loss"]).split(",")
+        held = list(multi.load(out).names) if multi.is_students_folder(out) else []
+        if sorted(asked) != sorted(held):
+            raise KDError(f"--resume continues the students --out {out} holds ({', '.join(held) or 'none'}), "
+                          f"not {', '.join(asked)}; leave out --recipe and --kd-loss, or name the same ones")
+        given = {k: v for k, v in given.items() if k != "kd_loss"}
+    multi.train(multi.resumed(out, given, sets), resume=resume, overwrite=overwrite)
 
 
 @cli.command("eval")

@@ -151,3 +151,33 @@ def test_missing_matplotlib_is_said_not_skipped(tmp_path, monkeypatch):
     bench.write_outputs([row], tmp_path, "single O0", notes.append)
     assert any("matplotlib" in note and "bench.png" in note for note in notes)
     assert (tmp_path / "bench.csv").is_file()
+
+
+def test_the_command_line_trains_a_table_and_resumes_it(data, tmp_path):
+    from conftest import kd_main
+
+    out = tmp_path / "table"
+    args = ["train", "--data", data, "--teacher", "timm:kd_drop_net", "--teacher-weights", "none",
+            "--student", "timm:kd_drop_net", "--kd-loss", "kd,dkd", "--image-size", "16", "-b", "4", "-j", "0",
+            "--device", "cpu", "--epochs", "1", "--limit-train-batches", "2", "--limit-val-batches", "1",
+            "--no-progress", "--out", out]
+    r = kd_main(*args)
+    assert r.returncode == 0, r.stderr
+    assert "[kd] epoch 1/1" in r.stderr and "[dkd] epoch 1/1" in r.stderr
+    for name in ("kd", "dkd"):
+        records = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
+        assert [rec["epoch"] for rec in records] == [1]
+        assert yaml.safe_load((out / name / "config.yaml").read_text())["kd_loss"] == name
+    table = kd_main("report", out)
+    assert table.returncode == 0 and "| kd |" in table.stdout and "| dkd |" in table.stdout, table.stdout
+    args[args.index("--epochs") + 1] = "2"
+    wrong = list(args)
+    wrong[wrong.index("kd,dkd")] = "kd,dist"
+    r = kd_main(*wrong, "--resume")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"kd: error: --resume continues the students --out {out} holds (kd, dkd), not kd, dist; "
+        "leave out --recipe and --kd-loss, or name the same ones"], r.stderr
+    r = kd_main(*args, "--resume")  # the same command again, with --resume and more epochs
+    assert r.returncode == 0, r.stderr
+    for name in ("kd", "dkd"):
+        assert [json.loads(line)["epoch"] for line in (out / name / "metrics.jsonl").read_text().splitlines()] == [1, 2]
