@@ -1,0 +1,139 @@
+"""Building a run: what :class:`kd.engine.Trainer` holds before its first step (data, precision,
+student side, teacher, optimizer, schedule, counters), in the order that keeps a failed start
+from leaving anything behind."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from kd import checkpoint
+from kd import config as kd_config
+from kd import data as kd_data
+from kd.cpu import slow_precision_warning
+from kd.errors import KDError
+from kd.logging import NullLogger, RunLogger
+from kd.meter import Meter
+from kd.optim import build_optimizer, build_scheduler
+from kd.precision import make_precision
+from kd.runfolder import RunFolder
+from kd.runtime import resolve as resolve_runtime
+from kd.sides import StudentSide, build_models
+from kd.signals import StopFlag
+from kd.step import StepHook
+from kd.teaching import Teacher
+
+
+class RunBuilder:
+    """The set-up half of :class:`kd.engine.Trainer` (which runs the loop)."""
+
+    started: float
+    hooks: List[StepHook]
+
+    def _build(self, cfg, backend, out: Path, resume_from: Optional[Path], shared=None) -> None:
+        """Set up for ``cfg`` on the set-up ``backend``: one student's run in ``out``, resumed from
+        ``resume_from`` where given; ``shared`` (:class:`kd.together.Shared`) brings the data, the
+        teacher and the stop flag of a run of several students."""
+        self.first_step: Optional[Dict[str, float]] = None  # seconds to the first step, once taken
+        self.loss_terms: List[str] = []  # the loss parts besides the total, in the order of the non-finite flags
+        resumed = checkpoint.load(resume_from) if resume_from is not None else None  # a broken file fails first
+        self.cfg = cfg
+        self.backend = backend
+        self.out = out
+        self.resume_from = resume_from
+        self.device = dev = backend.device
+        self.runtime = resolve_runtime(cfg, dev)
+        self.memory_format = self.runtime.memory_format
+        prefix = f"[{self.out.name}] " if shared is not None else ""
+        self.logger = RunLogger(self.out, cfg.progress_bar, prefix) if backend.is_main else NullLogger()
+        if dev.type == "cuda":
+            torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
+
+        self.name = self.out.name  # the student's name beside others (kd.multi); its run folder's name
+        self.rng: Dict[str, Any] = {}  # kd.multi: its generators' state between its calls (checkpoint.rng_state)
+        self.owns_inputs = shared is None
+        if shared is None:
+            num_replicas, rank = backend.data_shard()
+            self.data = kd_data.build(cfg, num_replicas, rank, backend.local_batch(cfg.batch_size), dev,
+                                       self.runtime.channels_last)
+        else:
+            self.data = shared.data
+        self.num_classes = num_classes = cfg.num_classes or len(self.data.classes)
+        if cfg.num_classes and cfg.data != "synthetic" and cfg.num_classes != len(self.data.classes):
+            raise KDError(f"--num-classes {cfg.num_classes} but {cfg.data} has {len(self.data.classes)} class folders")
+
+        self.precision = make_precision(cfg, dev, prefer_apex=backend.prefers_apex_amp)
+        self.logger.info(self.precision.describe())
+        warning = slow_precision_warning(cfg.opt, self.precision.dtype, dev)
+        if warning:
+            self.logger.info(warning)
+        torch.manual_seed(cfg.seed)  # the same initial student on every process, and beside other students
+        student, loss, teacher, s_layers, self.t_layers = build_models(
+            cfg, num_classes, shared.teacher_model if shared is not None else None)
+        if shared is not None and teacher is not None:
+            shared.teacher_model = teacher  # built after this student, as its own run builds it
+        self.needs_teacher = teacher is not None
+
+        # Module.to(device, memory_format=...) is valid at run time; torch's overloads list the two apart
+        self.side = StudentSide(student, loss, s_layers).to(dev, memory_format=self.memory_format)  # type: ignore[call-overload]
+        self.side = backend.prepare_model(self.side)  # before the optimizer: sync-BN layers, parameter layout
+        self.prepared_teacher: Optional[Teacher] = None
+        self.notes: List[str] = []  # what kd chose for the user, kept as comments in config.yaml
+        if teacher is not None and shared is None:
+            teacher = teacher.to(dev, memory_format=self.memory_format)
+            for hook in self.hooks:
+                hook.on_teacher(self, teacher)
+            self.use_teacher(Teacher(teacher, self.t_layers, cfg, backend, self.runtime, self.precision, self.data.val,
+                                     self.logger.info, self.notes))
+        optimizer = build_optimizer(cfg, self.side.named_parameters(), fused_ok=self.precision.fused_optimizer_ok)
+        self.side, self.optimizer = self.precision.prepare(self.side, optimizer)
+        self.model = backend.wrap(self.side)
+        torch.manual_seed(cfg.seed + backend.rank)  # each process its own dropout / drop-path masks
+        self.logger.info(backend.describe())  # after wrap: what the backend decided there (e.g. torch_ddp's detection)
+        self.eval_forward = backend.wrap_forward(self.side.student)
+        # CUDA-graph modes: each step starts a new graph generation (the last step's outputs are dead)
+        self.graph_step = cfg.compile and cfg.compile_mode in ("reduce-overhead", "max-autotune")
+        if cfg.compile:
+            self.model = torch.compile(self.model, mode=cfg.compile_mode)
+        self.params = [p for p in self.side.parameters() if p.requires_grad]
+        self.scheduler = build_scheduler(cfg, self.optimizer, len(self.data.train))
+
+        self.epoch = 0
+        self.batch_in_epoch = 0
+        self.global_step = 0
+        self.best_top1 = -1.0
+        self.bad_images = 0
+        self.meter = Meter(dev)
+        self.stop = StopFlag() if shared is None else shared.stop
+        self.steps_in_epoch = len(self.data.train)
+        self.stop_every = min(cfg.log_every, 10)  # steps between stop checks across processes
+        self.epoch_ended: Optional[float] = None
+        self.teacher_top1: Optional[float] = None
+        if resumed is not None:
+            checkpoint.restore_run(self, resumed)
+            self.logger.info(f"resumed from {resume_from} at epoch {self.epoch + 1}")
+        self._resumed_step = self.global_step
+        if shared is None:
+            self.logger.info(self.data.train.describe())  # after set-up, so a failed start stays one line
+            self.start_folder()
+        self._setup_seconds = time.time() - self.started
+
+    @property
+    def teacher(self):
+        """The frozen teacher's module (wrapped forward-only), or None."""
+        return self.prepared_teacher.module if self.prepared_teacher is not None else None
+
+    def use_teacher(self, teacher: Teacher) -> None:
+        """The prepared teacher this student learns from (its own, or one shared with other students)."""
+        self.prepared_teacher = teacher
+        self.cfg = dataclasses.replace(self.cfg, teacher_precision=teacher.dtype_name)
+
+    def start_folder(self) -> None:
+        """Once set-up has succeeded, the main process starts the run folder (a failed start leaves no
+        run behind) and writes config.yaml."""
+        if self.backend.is_main:
+            RunFolder(self.out).start() if self.resume_from is None else self.out.mkdir(parents=True, exist_ok=True)
+            kd_config.save(self.cfg, RunFolder(self.out).config, notes=self.notes)
