@@ -2,6 +2,7 @@
 
 Every user error ends with one line on stderr and exit code 2.
 """
+
 from __future__ import annotations
 
 import os
@@ -79,14 +80,27 @@ def cli(local_rank):
 
 
 @cli.command(context_settings={"ignore_unknown_options": False})
-@click.option("--recipe", "-r", "recipes", multiple=True, metavar="NAME|PATH",
-              help="YAML recipe; options override it. Repeat it to train several students at once.")
+@click.option(
+    "--recipe",
+    "-r",
+    "recipes",
+    multiple=True,
+    metavar="NAME|PATH",
+    help="YAML recipe; options override it. Repeat it to train several students at once.",
+)
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override any config key (repeatable).")
-@click.option("--loss-arg", "loss_arg", multiple=True, metavar="KEY=VALUE",
-              help="A KD method hyper-parameter (repeatable).")
+@click.option(
+    "--loss-arg", "loss_arg", multiple=True, metavar="KEY=VALUE", help="A KD method hyper-parameter (repeatable)."
+)
 @train_options
-@click.option("--resume", is_flag=False, flag_value="last", default=None, metavar="[PATH]",
-              help="Continue from OUT/checkpoints/last.pt, or from PATH.")
+@click.option(
+    "--resume",
+    is_flag=False,
+    flag_value="last",
+    default=None,
+    metavar="[PATH]",
+    help="Continue from OUT/checkpoints/last.pt, or from PATH.",
+)
 @click.option("--overwrite", is_flag=True, help="Replace a run already in --out.")
 @click.option("--local_rank", "--local-rank", "local_rank", type=int, default=None, hidden=True)
 # the former label weight of --kd-loss kd (ce_weight = alpha, kd_weight = 1 - alpha), with a deprecation line
@@ -104,9 +118,11 @@ def train(ctx, recipes, sets, loss_arg, resume, overwrite, local_rank, **options
     from kd.runfolder import RunFolder
 
     accept_legacy_local_rank(local_rank)
-    given = {k: v for k, v in options.items()
-             if v is not None
-             and ctx.get_parameter_source(k) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)}
+    given = {
+        k: v
+        for k, v in options.items()
+        if v is not None and ctx.get_parameter_source(k) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
+    }
     if loss_arg:
         given["loss_args"] = kd_config.parse_set([f"loss_args.{item}" for item in loss_arg])["loss_args"]
     if _several_students(recipes, given, resume):
@@ -140,21 +156,31 @@ def _train_students(recipes, given, sets, resume, overwrite) -> None:
         asked = [Path(r).stem for r in recipes] if recipes else str(given["kd_loss"]).split(",")
         held = list(multi.load(out).names) if multi.is_students_folder(out) else []
         if sorted(asked) != sorted(held):
-            raise KDError(f"--resume continues the students --out {out} holds ({', '.join(held) or 'none'}), "
-                          f"not {', '.join(asked)}; leave out --recipe and --kd-loss, or name the same ones")
+            raise KDError(
+                f"--resume continues the students --out {out} holds ({', '.join(held) or 'none'}), "
+                f"not {', '.join(asked)}; leave out --recipe and --kd-loss, or name the same ones"
+            )
         given = {k: v for k, v in given.items() if k != "kd_loss"}
     multi.train(multi.resumed(out, given, sets), resume=resume, overwrite=overwrite)
 
 
 @cli.command("eval")
-@click.option("--model", default=None, metavar="NAME",
-              help="torchvision model name or timm:NAME [a kd checkpoint's own; required for other weights].")
+@click.option(
+    "--model",
+    default=None,
+    metavar="NAME",
+    help="torchvision model name or timm:NAME [a kd checkpoint's own; required for other weights].",
+)
 @click.option("--weights", required=True, metavar="PATH|pretrained", help="Weights file (kd checkpoints too).")
 @click.option("--data", required=True, metavar="DIR", help="Folder with a val/ ImageFolder.")
 @click.option("--batch-size", "-b", type=int, default=256, show_default=True)
 @click.option("--image-size", type=int, default=None, help="Val crop size [a kd checkpoint's run's, else 224].")
-@click.option("--val-resize", type=int, default=None,
-              help="Short-side resize before the crop [the run's at its image size, else image-size * 256/224].")
+@click.option(
+    "--val-resize",
+    type=int,
+    default=None,
+    help="Short-side resize before the crop [the run's at its image size, else image-size * 256/224].",
+)
 @click.option("--workers", "-j", type=int, default=None, help="DataLoader worker processes [min(8, CPU cores)].")
 @click.option("--num-classes", type=int, default=None, help="[a kd checkpoint's, else the class folders of val/]")
 @click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
@@ -162,8 +188,9 @@ def eval_cmd(model, weights, data, batch_size, image_size, val_resize, workers, 
     """Top-1/top-5 of a model on DATA/val; a kd checkpoint evaluates with its run's settings."""
     from kd.evaluate import evaluate_model
 
-    r = evaluate_model(model, weights, data, batch_size, device, image_size, workers, num_classes,
-                       val_resize=val_resize)
+    r = evaluate_model(
+        model, weights, data, batch_size, device, image_size, workers, num_classes, val_resize=val_resize
+    )
     click.echo(f"settings: {r['settings']}")
     click.echo(f"{r['model']} {weights}: top-1 {r['top1']:.2f}  top-5 {r['top5']:.2f}  ({r['count']} images)")
 
@@ -204,8 +231,13 @@ def recipes_show(name):
 @cli.command()
 @click.argument("runs", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--csv", "csv_path", type=click.Path(path_type=Path), help="Also write the table as CSV.")
-@click.option("--plot", "plot_path", type=click.Path(path_type=Path), metavar="FILE.png",
-              help="Also draw val top-1 (paper references dashed) and train loss per epoch (needs matplotlib).")
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(path_type=Path),
+    metavar="FILE.png",
+    help="Also draw val top-1 (paper references dashed) and train loss per epoch (needs matplotlib).",
+)
 def report(runs, csv_path, plot_path):
     """Several runs' results as one table: best/last top-1/top-5, reference, difference, wall time.
 
@@ -241,14 +273,39 @@ def report(runs, csv_path, plot_path):
 @click.option("--amp-dtype", type=click.Choice(AMP_DTYPES), default=None)
 @click.option("--compile/--no-compile", default=False, show_default=True)
 @click.option("--loader", type=click.Choice(["pil", "gpu"]), default=None, help="With --data DIR (default pil).")
-@click.option("--methods", default=None, metavar="kd,dkd,..",
-              help="Time these KD methods trained together (one teacher forward) against each alone.")
+@click.option(
+    "--methods",
+    default=None,
+    metavar="kd,dkd,..",
+    help="Time these KD methods trained together (one teacher forward) against each alone.",
+)
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Passed to every combination's kd train.")
 @click.option("--out", "-o", type=click.Path(path_type=Path), default=Path("runs/bench"), show_default=True)
 @click.option("--timeout", type=float, default=1800, show_default=True, help="Seconds per combination.")
 @click.pass_context
-def bench(ctx, teacher, student, backend_list, opt_list, gpus, nproc, device, batch_size, image_size, iters, warmup,
-          data, workers, amp_dtype, compile, loader, methods, sets, out, timeout):
+def bench(
+    ctx,
+    teacher,
+    student,
+    backend_list,
+    opt_list,
+    gpus,
+    nproc,
+    device,
+    batch_size,
+    image_size,
+    iters,
+    warmup,
+    data,
+    workers,
+    amp_dtype,
+    compile,
+    loader,
+    methods,
+    sets,
+    out,
+    timeout,
+):
     """Compare backends x opt levels on this machine: s/20 iters, img/s, peak memory per GPU.
 
     'kd bench data --data DIR' measures the input pipeline alone.
@@ -258,16 +315,31 @@ def bench(ctx, teacher, student, backend_list, opt_list, gpus, nproc, device, ba
     from kd.bench import bench as run_bench
     from kd.bench import markdown
 
-    args = dict(teacher=teacher, student=student, gpus=gpus, nproc=nproc, device=device, batch_size=batch_size,
-                image_size=image_size, iters=iters, warmup=warmup, data=data, workers=workers,
-                amp_dtype=amp_dtype, compile=compile, loader=loader, sets=list(sets),
-                methods=[m.strip() for m in (methods or "").split(",") if m.strip()])
+    args = dict(
+        teacher=teacher,
+        student=student,
+        gpus=gpus,
+        nproc=nproc,
+        device=device,
+        batch_size=batch_size,
+        image_size=image_size,
+        iters=iters,
+        warmup=warmup,
+        data=data,
+        workers=workers,
+        amp_dtype=amp_dtype,
+        compile=compile,
+        loader=loader,
+        sets=list(sets),
+        methods=[m.strip() for m in (methods or "").split(",") if m.strip()],
+    )
     from kd import config as kd_config
 
     for key, value in kd_config.parse_set(list(sets)).items():  # a bad --set fails here, not in every row
         kd_config.coerce(key, value)
-    rows = run_bench([b for b in backend_list.split(",") if b], [o for o in opt_list.split(",") if o], args, out,
-                     timeout)
+    rows = run_bench(
+        [b for b in backend_list.split(",") if b], [o for o in opt_list.split(",") if o], args, out, timeout
+    )
     click.echo(markdown(rows))
     png = ", bench.png" if (out / "bench.png").exists() else " (no bench.png)"
     click.echo(f"\n{out}/bench.csv, bench.json, bench.md{png}")
@@ -279,8 +351,9 @@ def bench(ctx, teacher, student, backend_list, opt_list, gpus, nproc, device, ba
 @click.option("--workers", "-j", type=int, default=None, help="DataLoader workers [min(8, CPU cores)].")
 @click.option("--batch-size", "-b", type=int, default=256, show_default=True)
 @click.option("--image-size", type=int, default=224, show_default=True)
-@click.option("--epochs", type=int, default=2, show_default=True,
-              help="Epochs over train/ (the first starts the workers).")
+@click.option(
+    "--epochs", type=int, default=2, show_default=True, help="Epochs over train/ (the first starts the workers)."
+)
 @click.option("--limit-batches", type=int, default=None, help="At most this many batches per epoch.")
 @click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
 @click.option("--mp-context", type=click.Choice(MP_CONTEXTS), default=None)
@@ -288,8 +361,20 @@ def bench_data_cmd(data, loader, workers, batch_size, image_size, epochs, limit_
     """Images/s of the input pipeline alone (decode, crop, flip, normalise, to the device)."""
     from kd.bench import bench_data
 
-    bench_data(dict(data=data, loader=loader, workers=workers, batch_size=batch_size, image_size=image_size,
-                    limit_train_batches=limit_batches, device=device, mp_context=mp_context), epochs, click.echo)
+    bench_data(
+        dict(
+            data=data,
+            loader=loader,
+            workers=workers,
+            batch_size=batch_size,
+            image_size=image_size,
+            limit_train_batches=limit_batches,
+            device=device,
+            mp_context=mp_context,
+        ),
+        epochs,
+        click.echo,
+    )
 
 
 @cli.command("losses")
@@ -366,8 +451,9 @@ def run() -> None:
 
     def force_exit():
         left = [t.name for t in threading.enumerate() if t is not threading.current_thread() and t.is_alive()]
-        sys.stderr.write(f"kd: exiting after {EXIT_GRACE_S:.0f} s of shutdown; "
-                         f"still running: {', '.join(left) or '-'}\n")
+        sys.stderr.write(
+            f"kd: exiting after {EXIT_GRACE_S:.0f} s of shutdown; still running: {', '.join(left) or '-'}\n"
+        )
         sys.stderr.flush()
         os._exit(code)
 

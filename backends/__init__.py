@@ -1,4 +1,5 @@
 """Parallel backends, one module each, registered by name (``--backend NAME``)."""
+
 # isort: off
 # Registration order is the order ``--backend`` choices and ``kd backends`` list them in.
 from backends.base import BACKENDS, Backend, register
@@ -31,8 +32,11 @@ def report():
             import torch
 
             impl = implementation("cuda" if torch.cuda.is_available() else "cpu")
-            note = ("uses real apex.parallel" if impl == "apex"
-                    else f"uses kd's native implementation ({impl[len('native: '):]})")
+            note = (
+                "uses real apex.parallel"
+                if impl == "apex"
+                else f"uses kd's native implementation ({impl[len('native: ') :]})"
+            )
         rows.append((name, reason is None, note))
     return rows
 

@@ -26,6 +26,7 @@ NVIDIA removed ``apex.parallel`` in May 2025 (the last tag with it is 25.05); ap
 dependency of kd and is imported only here. ``apex.parallel`` runs on CUDA only, so on the CPU
 the native implementation is used.
 """
+
 from __future__ import annotations
 
 from typing import List, Optional
@@ -59,8 +60,10 @@ class GradientAverager:
         self.params = params
         self.world_size = world_size
         self.buckets = kd_dist.buckets(params, cap_bytes)
-        self.flats = [torch.empty(sum(params[i].numel() for i in b), dtype=params[b[0]].dtype,
-                                  device=params[b[0]].device) for b in self.buckets]
+        self.flats = [
+            torch.empty(sum(params[i].numel() for i in b), dtype=params[b[0]].dtype, device=params[b[0]].device)
+            for b in self.buckets
+        ]
         device = params[0].device if params else torch.device("cpu")
         self.present = torch.empty(len(params), dtype=torch.float32, device=device)
 
@@ -76,9 +79,9 @@ class GradientAverager:
                 p = self.params[i]
                 n = p.numel()
                 if p.grad is None:
-                    flat[offset:offset + n].zero_()
+                    flat[offset : offset + n].zero_()
                 else:
-                    flat[offset:offset + n].copy_(p.grad.reshape(-1))
+                    flat[offset : offset + n].copy_(p.grad.reshape(-1))
                 offset += n
             dist.all_reduce(flat)
             flat.div_(self.world_size)
@@ -86,7 +89,7 @@ class GradientAverager:
             for i in bucket:
                 p = self.params[i]
                 n = p.numel()
-                averaged = flat[offset:offset + n].view_as(p)
+                averaged = flat[offset : offset + n].view_as(p)
                 if p.grad is not None:
                     p.grad.copy_(averaged)
                 elif self.present[i] > 0:  # used elsewhere, not here: this process's share was zero
@@ -96,8 +99,10 @@ class GradientAverager:
 
 @register("apex_ddp")
 class ApexDDP(ProcessGroupBackend):
-    description = ("apex DistributedDataParallel(delay_allreduce=True): real apex.parallel where importable "
-                   "and right for the run, else the same algorithm natively")
+    description = (
+        "apex DistributedDataParallel(delay_allreduce=True): real apex.parallel where importable "
+        "and right for the run, else the same algorithm natively"
+    )
     prefers_apex_amp = True
 
     @classmethod
@@ -121,10 +126,14 @@ class ApexDDP(ProcessGroupBackend):
         self.impl = self.implementation(self.device.type)
 
     def describe(self, details: str = "") -> str:
-        impl = "real apex.parallel.DistributedDataParallel(delay_allreduce=True)" if self.impl == "apex" \
-            else f"kd's native delayed all-reduce ({self.impl[len('native: '):]})"
-        return super().describe(f"{impl}{self.layout_note}{', sync_bn' if self.cfg.sync_bn else ''}"
-                                f"{', ' if details else ''}{details}")
+        impl = (
+            "real apex.parallel.DistributedDataParallel(delay_allreduce=True)"
+            if self.impl == "apex"
+            else f"kd's native delayed all-reduce ({self.impl[len('native: ') :]})"
+        )
+        return super().describe(
+            f"{impl}{self.layout_note}{', sync_bn' if self.cfg.sync_bn else ''}{', ' if details else ''}{details}"
+        )
 
     def native_reason(self, model: nn.Module) -> Optional[str]:
         """Why real apex.parallel would average ``model``'s gradients wrongly, or None where it would not:
@@ -135,11 +144,14 @@ class ApexDDP(ProcessGroupBackend):
         cast = self.cfg.opt in ("O2", "O3") and amp_dtype(self.cfg, self.device) == torch.bfloat16
         if cast or any(p.dtype == torch.bfloat16 for p in model.parameters() if p.requires_grad):
             return "bfloat16 weights, whose gradients apex.parallel never all-reduces (half, float and double only)"
-        unused, how = (self.find_unused, self.find_unused_how) if self.find_unused is not None \
-            else self.detect_unused(model)
+        unused, how = (
+            (self.find_unused, self.find_unused_how) if self.find_unused is not None else self.detect_unused(model)
+        )
         if unused:
-            return (f"find_unused_parameters ({how}); apex.parallel buckets only the gradients present, "
-                    f"which may differ between processes")
+            return (
+                f"find_unused_parameters ({how}); apex.parallel buckets only the gradients present, "
+                f"which may differ between processes"
+            )
         return None
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
@@ -152,8 +164,10 @@ class ApexDDP(ProcessGroupBackend):
             return super().prepare_model(model)
         if any(not p.is_contiguous() for p in model.parameters()):
             model = model.to(memory_format=torch.contiguous_format)
-            self.layout_note = (", parameters contiguous (apex copies averaged gradients back through raw memory, "
-                                "which permutes channels_last ones; activations stay channels_last)")
+            self.layout_note = (
+                ", parameters contiguous (apex copies averaged gradients back through raw memory, "
+                "which permutes channels_last ones; activations stay channels_last)"
+            )
         if self.cfg.sync_bn:
             model = apex_parallel()[0].convert_syncbn_model(model)
         return model

@@ -22,6 +22,7 @@ multi-process backends derive from :class:`backends.process_group.ProcessGroupBa
 A backend registers itself with ``@register("name")``; third-party backends can also be
 registered through the Python entry point group ``kd.backends``.
 """
+
 from __future__ import annotations
 
 import copy
@@ -51,8 +52,10 @@ def check_gpu_indices(gpus: Sequence[int], count: int) -> None:
     """KDError unless every one of ``gpus`` (``--gpus``) is one of the ``count`` visible GPUs."""
     missing = [g for g in gpus if g >= count]
     if missing:
-        raise KDError(f"--gpus {','.join(map(str, gpus))}: GPU {missing[0]} does not exist, "
-                      f"this machine has {count} visible GPU(s)" + (f" (0..{count - 1})" if count else ""))
+        raise KDError(
+            f"--gpus {','.join(map(str, gpus))}: GPU {missing[0]} does not exist, "
+            f"this machine has {count} visible GPU(s)" + (f" (0..{count - 1})" if count else "")
+        )
 
 
 class Backend:

@@ -8,6 +8,7 @@ node, local rank r taking entry r modulo its length): NCCL refuses two ranks on 
 a group runs over gloo, which all-reduces CUDA tensors through host memory. Slow, but it lets a
 one-GPU workstation run and debug multi-rank code.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, Iterable, List, Optional, Tuple
@@ -31,23 +32,29 @@ def process_device(cfg, place: Placement, device_type: str) -> torch.device:
     """
     if device_type != "cuda":
         if cfg.nproc is not None and place.launched and cfg.nproc != place.local_world_size:
-            raise KDError(f"the launcher started {place.local_world_size} process(es) on this node but --nproc is "
-                          f"{cfg.nproc}; give one of them (drop --nproc under torchrun / srun)")
+            raise KDError(
+                f"the launcher started {place.local_world_size} process(es) on this node but --nproc is "
+                f"{cfg.nproc}; give one of them (drop --nproc under torchrun / srun)"
+            )
         return torch.device("cpu")
     count = torch.cuda.device_count()
     gpus = place.gpus
     if gpus:
         if len(gpus) > place.local_world_size:
-            raise KDError(f"--gpus lists {len(gpus)} GPU(s) but the launcher started {place.local_world_size} "
-                          f"process(es) on this node (torchrun --nproc_per_node / srun tasks per node); "
-                          f"list at most one GPU per process (fewer GPUs are shared by the processes)")
+            raise KDError(
+                f"--gpus lists {len(gpus)} GPU(s) but the launcher started {place.local_world_size} "
+                f"process(es) on this node (torchrun --nproc_per_node / srun tasks per node); "
+                f"list at most one GPU per process (fewer GPUs are shared by the processes)"
+            )
         index = gpus[place.local_rank % len(gpus)]
     elif count == 1 and place.local_world_size > 1:
         index = 0  # srun --gpus-per-task=1: every task sees just its own GPU
     else:
         if place.local_world_size > count:
-            raise KDError(f"{place.local_world_size} processes on this node but only {count} visible GPU(s); "
-                          f"start one process per GPU, or list the GPUs to share with --gpus")
+            raise KDError(
+                f"{place.local_world_size} processes on this node but only {count} visible GPU(s); "
+                f"start one process per GPU, or list the GPUs to share with --gpus"
+            )
         index = place.local_rank
     if index >= count:
         raise KDError(f"GPU {index} does not exist: this process sees {count} GPU(s)")
@@ -89,10 +96,14 @@ def init_group(place: Placement, device: torch.device, backend: str) -> None:
         if place.restart and place.agent_store:
             # a restarted group (--max-restarts) must not read the dead group's addresses from the store
             assert place.master_addr is not None and place.master_port is not None  # checked just above
-            store = dist.TCPStore(place.master_addr, place.master_port, place.world_size, is_master=False,
-                                  timeout=place.timeout)
-            kwargs.update(store=dist.PrefixStore(f"kd/attempt_{place.restart}", store), rank=place.rank,
-                          world_size=place.world_size)
+            store = dist.TCPStore(
+                place.master_addr, place.master_port, place.world_size, is_master=False, timeout=place.timeout
+            )
+            kwargs.update(
+                store=dist.PrefixStore(f"kd/attempt_{place.restart}", store),
+                rank=place.rank,
+                world_size=place.world_size,
+            )
         else:  # torch reads MASTER_ADDR and MASTER_PORT itself
             kwargs.update(init_method="env://", rank=place.rank, world_size=place.world_size)
     dist.init_process_group(**kwargs)
@@ -122,7 +133,7 @@ def broadcast(tensors: List[torch.Tensor], src: int = 0) -> None:
             dist.broadcast(flat, src)
             offset = 0
             for t in parts:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
 
 

@@ -1,4 +1,5 @@
 """torch.nn.DataParallel: one process, the global batch split over ``--gpus``."""
+
 from __future__ import annotations
 
 from typing import List, Optional
@@ -40,9 +41,11 @@ class _DataParallel(nn.DataParallel):
 
 def _under_autocast(module: nn.Module, dtype: torch.dtype):
     """``module`` as a callable that runs it under ``torch.autocast('cuda', dtype)``, in any thread."""
+
     def run(*args, **kwargs):
         with torch.autocast("cuda", dtype=dtype):
             return module(*args, **kwargs)
+
     return run
 
 
@@ -58,12 +61,16 @@ class DataParallelBackend(Backend):
     def num_processes(cls, cfg) -> int:
         """Always one; a request for more, or for the CPU, is refused before any work."""
         if cfg.nproc not in (None, 1):
-            raise KDError(f"--backend dp runs one process that drives all --gpus; --nproc {cfg.nproc} needs "
-                          f"--backend torch_ddp or apex_ddp")
+            raise KDError(
+                f"--backend dp runs one process that drives all --gpus; --nproc {cfg.nproc} needs "
+                f"--backend torch_ddp or apex_ddp"
+            )
         if cfg.amp_impl == "apex" and cfg.opt in ("O2", "O3"):
-            raise KDError(f"--backend dp cannot run --amp-impl apex at {cfg.opt}: apex.amp patches the forward of the "
-                          f"module on the first GPU, and every replica would run that one (apex issue #227); "
-                          f"use --amp-impl native, or --backend torch_ddp or apex_ddp")
+            raise KDError(
+                f"--backend dp cannot run --amp-impl apex at {cfg.opt}: apex.amp patches the forward of the "
+                f"module on the first GPU, and every replica would run that one (apex issue #227); "
+                f"use --amp-impl native, or --backend torch_ddp or apex_ddp"
+            )
         if cfg.device == "cpu":
             raise KDError("--backend dp needs CUDA GPUs; on the CPU use --backend torch_ddp --nproc N --device cpu")
         if cfg.sync_bn:
@@ -91,8 +98,10 @@ class DataParallelBackend(Backend):
         return global_batch
 
     def describe(self) -> str:
-        return (f"backend dp: 1 process, DataParallel over GPUs {','.join(map(str, self.gpus))}, "
-                f"module on {self.device}, outputs gathered on cuda:{self.output_device}")
+        return (
+            f"backend dp: 1 process, DataParallel over GPUs {','.join(map(str, self.gpus))}, "
+            f"module on {self.device}, outputs gathered on cuda:{self.output_device}"
+        )
 
     def memory_devices(self):
         """Every GPU of the DataParallel group: the output GPU's extra memory shows in kd bench."""

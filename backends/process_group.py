@@ -7,6 +7,7 @@ student may leave parameters without gradient (``detect_unused``), and the colle
 (``all_reduce_sum``, ``all_gather_object``, ``sync_buffers``, ``barrier``). A subclass says how
 gradients are synchronised: ``wrap`` and ``sync_gradients``, and ``describe`` what it chose.
 """
+
 from __future__ import annotations
 
 from typing import List, Optional, Tuple, cast
@@ -41,8 +42,10 @@ class ProcessGroupBackend(Backend):
         Raises KDError for a request this machine cannot meet, before any process starts.
         """
         if cfg.gpus and not torch.cuda.is_available():
-            raise KDError(f"--gpus {','.join(map(str, cfg.gpus))}: no such GPU, this machine has no usable CUDA GPU; "
-                          f"on the CPU use --device cpu --nproc N")
+            raise KDError(
+                f"--gpus {','.join(map(str, cfg.gpus))}: no such GPU, this machine has no usable CUDA GPU; "
+                f"on the CPU use --device cpu --nproc N"
+            )
         device = resolve_device(cfg)
         if device.type == "cpu":
             if cfg.sync_bn:
@@ -54,8 +57,10 @@ class ProcessGroupBackend(Backend):
         gpus = cfg.gpus or list(range(min(cfg.nproc or count, count)))
         nproc = cfg.nproc or len(gpus)
         if nproc < len(gpus):
-            raise KDError(f"--nproc {nproc} is fewer than the {len(gpus)} GPUs of --gpus; give --gpus alone "
-                          f"(one process per GPU), or list fewer GPUs")
+            raise KDError(
+                f"--nproc {nproc} is fewer than the {len(gpus)} GPUs of --gpus; give --gpus alone "
+                f"(one process per GPU), or list fewer GPUs"
+            )
         kd_dist.group_backend(cfg, "cuda", nproc, len(gpus))  # refuses nccl on shared GPUs
         return nproc
 
@@ -76,8 +81,9 @@ class ProcessGroupBackend(Backend):
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         gpus = place.gpus if self.device.type == "cuda" else None
-        self.group_backend, self.group_note = kd_dist.group_backend(self.cfg, self.device.type, place.local_world_size,
-                                                                    len(gpus) if gpus else None)
+        self.group_backend, self.group_note = kd_dist.group_backend(
+            self.cfg, self.device.type, place.local_world_size, len(gpus) if gpus else None
+        )
         kd_dist.init_group(place, self.device, self.group_backend)
         self.rank, self.world_size, self.local_rank = place.rank, place.world_size, place.local_rank
 
@@ -87,8 +93,10 @@ class ProcessGroupBackend(Backend):
 
     def describe(self, details: str = "") -> str:
         """What every process-group backend reports, then ``details`` of the subclass."""
-        return (f"backend {self.name}: {self.world_size} process(es) over {self.group()}, rank {self.rank}, "
-                f"device {self.device}{', ' if details else ''}{details}")
+        return (
+            f"backend {self.name}: {self.world_size} process(es) over {self.group()}, rank {self.rank}, "
+            f"device {self.device}{', ' if details else ''}{details}"
+        )
 
     def group(self) -> str:
         """The process group's backend, and why where it is not the usual one."""

@@ -1,4 +1,5 @@
 """One device, no wrapper."""
+
 from __future__ import annotations
 
 import torch

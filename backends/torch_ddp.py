@@ -1,5 +1,6 @@
 """torch.nn.parallel.DistributedDataParallel: one process per GPU (nccl), or per CPU process or
 processes sharing GPUs (gloo)."""
+
 from __future__ import annotations
 
 from torch import nn
@@ -9,10 +10,12 @@ from backends.base import register
 from backends.process_group import ProcessGroupBackend
 from kd.errors import KDError
 
-UNUSED_HINT = ("some parameters of the student (or of the loss's connectors) got no gradient in this step; "
-               "DistributedDataParallel needs --find-unused-parameters for such models "
-               "(or use --backend apex_ddp --find-unused-parameters: "
-               "kd's native averager counts a missing gradient as zero)")
+UNUSED_HINT = (
+    "some parameters of the student (or of the loss's connectors) got no gradient in this step; "
+    "DistributedDataParallel needs --find-unused-parameters for such models "
+    "(or use --backend apex_ddp --find-unused-parameters: "
+    "kd's native averager counts a missing gradient as zero)"
+)
 
 
 class _DDP(DistributedDataParallel):
@@ -46,9 +49,14 @@ class TorchDDP(ProcessGroupBackend):
         if self.find_unused is None:
             self.find_unused, self.find_unused_how = self.detect_unused(model)
         ids = [self.device.index] if self.device.type == "cuda" else None
-        return _DDP(model, device_ids=ids, output_device=ids[0] if ids else None,
-                    find_unused_parameters=self.find_unused, static_graph=self.cfg.static_graph,
-                    gradient_as_bucket_view=True)
+        return _DDP(
+            model,
+            device_ids=ids,
+            output_device=ids[0] if ids else None,
+            find_unused_parameters=self.find_unused,
+            static_graph=self.cfg.static_graph,
+            gradient_as_bucket_view=True,
+        )
 
     def sync_gradients(self, model: nn.Module) -> None:
         # With find_unused_parameters off, DDP would only complain at the next forward, after a step

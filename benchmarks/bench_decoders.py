@@ -7,6 +7,7 @@ batches) and prints images/s and the mean absolute difference from PIL's pixels 
 images. ``fancy`` is nvImageCodec's libjpeg-style chroma upsampling, which kd's decoder asks
 for. nvImageCodec rows need its wheels (nvidia-nvimgcodec-cu13, nvidia-nvjpeg).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,9 @@ def timed(name, decode, count: int, batch: int, ref) -> None:
     torch.cuda.synchronize()
     rate = count / (time.perf_counter() - start)
     first = decode(0, len(ref))
-    diff = np.mean([np.abs(first[i].permute(1, 2, 0).cpu().numpy().astype(np.float32) - ref[i]).mean()
-                    for i in range(len(ref))])
+    diff = np.mean(
+        [np.abs(first[i].permute(1, 2, 0).cpu().numpy().astype(np.float32) - ref[i]).mean() for i in range(len(ref))]
+    )
     print(f"| {name} | {rate:,.0f} | {diff:.2f} |", flush=True)
 
 
@@ -47,17 +49,22 @@ def nvimgcodec_rows(arrays, count, batch, ref) -> None:
     params = nv.DecodeParams()
     params.apply_exif_orientation = False
     params.color_spec = nv.ColorSpec.SRGB if hasattr(nv.ColorSpec, "SRGB") else nv.ColorSpec.RGB
-    rows = [("hardware, CUDA, hybrid; fancy (kd's)", [kind.HW_GPU_ONLY, kind.GPU_ONLY, kind.HYBRID_CPU_GPU], True),
-            ("hardware, CUDA, hybrid", [kind.HW_GPU_ONLY, kind.GPU_ONLY, kind.HYBRID_CPU_GPU], False),
-            ("hardware only; fancy", [kind.HW_GPU_ONLY], True),
-            ("hardware only", [kind.HW_GPU_ONLY], False)]
+    rows = [
+        ("hardware, CUDA, hybrid; fancy (kd's)", [kind.HW_GPU_ONLY, kind.GPU_ONLY, kind.HYBRID_CPU_GPU], True),
+        ("hardware, CUDA, hybrid", [kind.HW_GPU_ONLY, kind.GPU_ONLY, kind.HYBRID_CPU_GPU], False),
+        ("hardware only; fancy", [kind.HW_GPU_ONLY], True),
+        ("hardware only", [kind.HW_GPU_ONLY], False),
+    ]
     for name, kinds, fancy in rows:
         try:
-            dec = nv.Decoder(device_id=torch.cuda.current_device(), backends=[nv.Backend(k) for k in kinds],
-                             options=":fancy_upsampling=1" if fancy else "")
+            dec = nv.Decoder(
+                device_id=torch.cuda.current_device(),
+                backends=[nv.Backend(k) for k in kinds],
+                options=":fancy_upsampling=1" if fancy else "",
+            )
 
             def decode(s, n, dec=dec):
-                out = dec.decode(arrays[s:s + n], params=params, cuda_stream=torch.cuda.current_stream().cuda_stream)
+                out = dec.decode(arrays[s : s + n], params=params, cuda_stream=torch.cuda.current_stream().cuda_stream)
                 return [torch.as_tensor(o, device="cuda").permute(2, 0, 1) for o in out]
 
             timed(f"nvImageCodec {nv.__version__}: {name}", decode, count, batch, ref)
@@ -71,7 +78,7 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=1024)
     ap.add_argument("--batch-size", type=int, default=256)
     args = ap.parse_args()
-    files = sorted(args.data.glob("train/*/*.jpg"))[:args.images]
+    files = sorted(args.data.glob("train/*/*.jpg"))[: args.images]
     if not files:
         raise SystemExit(f"no JPEGs under {args.data}/train/ (write them with benchmarks/bench_loader.py)")
     blobs = [f.read_bytes() for f in files]
@@ -83,8 +90,13 @@ def main() -> None:
     from torchvision.io import ImageReadMode, decode_jpeg
 
     tensors = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in blobs]
-    timed("torchvision nvJPEG, batched", lambda s, n: decode_jpeg(tensors[s:s + n], mode=ImageReadMode.RGB,
-                                                                    device="cuda"), count, args.batch_size, ref)
+    timed(
+        "torchvision nvJPEG, batched",
+        lambda s, n: decode_jpeg(tensors[s : s + n], mode=ImageReadMode.RGB, device="cuda"),
+        count,
+        args.batch_size,
+        ref,
+    )
 
 
 if __name__ == "__main__":

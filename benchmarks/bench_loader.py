@@ -12,6 +12,7 @@ for comparison, a per-image F.interpolate(antialias=True) loop. ``--e2e``: a KD 
 (resnet101 teacher -> resnet18 student, random init, bf16 autocast, channels_last, SGD) on
 synthetic input, then fed by each loader. Prints a markdown table. Self-contained apart from kd.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,7 +50,7 @@ def synthetic_jpeg(seed: int, width: int = 500, height: int = 375, quality: int 
     img = img + 18 * np.sin(x / f[0] + y / f[1] + rng.uniform(0, 6))[..., None]
     for _ in range(6):
         x0, y0 = rng.integers(0, width - 20), rng.integers(0, height - 20)
-        img[y0:y0 + rng.integers(10, height // 2), x0:x0 + rng.integers(10, width // 2)] = rng.random(3) * 255
+        img[y0 : y0 + rng.integers(10, height // 2), x0 : x0 + rng.integers(10, width // 2)] = rng.random(3) * 255
     img += rng.normal(0, 4.2, img.shape)
     buf = io.BytesIO()
     Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(buf, format="JPEG", quality=quality)
@@ -131,7 +132,7 @@ def stages(loader, device, max_batches: int):
     def crop_each(images, host):
         out = torch.empty(len(images), 3, loader.size, loader.size, device=device)
         for i, (img, (x1, y1, x2, y2)) in enumerate(zip(images, host["boxes"].tolist())):
-            part = img[:, int(y1):math.ceil(y2), int(x1):math.ceil(x2)].unsqueeze(0).float()
+            part = img[:, int(y1) : math.ceil(y2), int(x1) : math.ceil(x2)].unsqueeze(0).float()
             out[i] = F.interpolate(part, size=(loader.size, loader.size), mode="bilinear", antialias=True)[0]
         return torch.addcmul(loader.bias, out, loader.scale)
 
@@ -186,8 +187,10 @@ def kd_step_factory(device, num_classes: int):
 def synthetic_rate(step, device, batch_size: int, num_classes: int, steps: int) -> float:
     from kd.data.loader import Batch
 
-    batch = Batch(torch.randn(batch_size, 3, 224, 224, device=device).contiguous(memory_format=torch.channels_last),
-                  torch.randint(0, num_classes, (batch_size,), device=device))
+    batch = Batch(
+        torch.randn(batch_size, 3, 224, 224, device=device).contiguous(memory_format=torch.channels_last),
+        torch.randint(0, num_classes, (batch_size,), device=device),
+    )
     for _ in range(5):
         step(batch)
     sync(device)
@@ -207,8 +210,11 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--pil-workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     ap.add_argument("--gpu-workers", type=int, default=8)
-    ap.add_argument("--decoders", default="auto,nvjpeg,nvimgcodec",
-                    help=f"gpu-loader decoders to measure, from auto,{','.join(DECODERS)}")
+    ap.add_argument(
+        "--decoders",
+        default="auto,nvjpeg,nvimgcodec",
+        help=f"gpu-loader decoders to measure, from auto,{','.join(DECODERS)}",
+    )
     ap.add_argument("--no-pil", action="store_true", help="skip the PIL loader")
     ap.add_argument("--stage-batches", type=int, default=16, help="batches for the decode/crop-alone rows")
     ap.add_argument("--e2e", action="store_true", help="also a KD step r101 -> r18 fed by the loaders")
@@ -224,13 +230,23 @@ def main() -> None:
     import torchvision
 
     gpu_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "no GPU"
-    print(f"torch {torch.__version__}, torchvision {torchvision.__version__}, {gpu_name}, "
-          f"{os.cpu_count()} CPU cores, {len(train)} train images, batch {args.batch_size}\n")
+    print(
+        f"torch {torch.__version__}, torchvision {torchvision.__version__}, {gpu_name}, "
+        f"{os.cpu_count()} CPU cores, {len(train)} train images, batch {args.batch_size}\n"
+    )
 
     def cfg(loader: str, workers: int):
-        return kd_config.resolve(options=dict(data=str(args.data), teacher="resnet101", student="resnet18",
-                                              loader=loader, workers=workers, batch_size=args.batch_size,
-                                              device=device.type))
+        return kd_config.resolve(
+            options=dict(
+                data=str(args.data),
+                teacher="resnet101",
+                student="resnet18",
+                loader=loader,
+                workers=workers,
+                batch_size=args.batch_size,
+                device=device.type,
+            )
+        )
 
     rows = []  # (loader, decoder, measured, img/s)
     loaders = {}
@@ -245,8 +261,9 @@ def main() -> None:
             continue
         os.environ[gpu_loader.DECODER_ENV] = choice
         try:
-            loader = gpu_loader.make_gpu_loader(cfg("gpu", args.gpu_workers), train, True, 1, 0, args.batch_size,
-                                                device, True)
+            loader = gpu_loader.make_gpu_loader(
+                cfg("gpu", args.gpu_workers), train, True, 1, 0, args.batch_size, device, True
+            )
         except Exception as exc:  # report and go on with the others
             print(f"skipped decoder {choice}: {exc}")
             continue
@@ -256,20 +273,30 @@ def main() -> None:
         print(loader.describe())
         total = loader_alone(loader, device)
         decode, crop, crop_each = stages(loader, device, args.stage_batches)
-        rows += [("gpu", name, "decode alone", decode), ("gpu", name, "crop+flip+normalise alone (roi_align groups)", crop),
-                 ("gpu", name, "crop per image, F.interpolate antialias (comparison)", crop_each),
-                 ("gpu", name, "loader alone (total)", total)]
+        rows += [
+            ("gpu", name, "decode alone", decode),
+            ("gpu", name, "crop+flip+normalise alone (roi_align groups)", crop),
+            ("gpu", name, "crop per image, F.interpolate antialias (comparison)", crop_each),
+            ("gpu", name, "loader alone (total)", total),
+        ]
         loaders[f"gpu {loader.decoder.name}"] = loader
 
     if args.e2e:
         step = kd_step_factory(device, len(classes))
         steps = max(10, len(train) // args.batch_size)
-        rows.append(("synthetic", "-", "KD step r101->r18 bf16 channels_last",
-                     synthetic_rate(step, device, args.batch_size, len(classes), steps)))
+        rows.append(
+            (
+                "synthetic",
+                "-",
+                "KD step r101->r18 bf16 channels_last",
+                synthetic_rate(step, device, args.batch_size, len(classes), steps),
+            )
+        )
         for key, loader in loaders.items():
             time_epoch(loader, device, 3, step)  # warm
-            rows.append((key.split(" ")[0], key, "KD step fed by the loader (end to end)",
-                         time_epoch(loader, device, 4, step)))
+            rows.append(
+                (key.split(" ")[0], key, "KD step fed by the loader (end to end)", time_epoch(loader, device, 4, step))
+            )
 
     print("\n| loader | decoder | measured | images/s |\n|---|---|---|---|")
     for loader, decoder, what, rate in rows:

@@ -8,6 +8,7 @@ and when the GPU has finished it (equal: the host is the bottleneck, or a sync h
 the synchronising CUDA calls of one epoch (torch.cuda.set_sync_debug_mode) with kd's frames
 that made them; and the host functions that took the time (cProfile, by own time).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,21 +48,34 @@ def main() -> None:
     ap.add_argument("--amp-dtype", default="bfloat16")
     ap.add_argument("--compile", action="store_true")
     cli = ap.parse_args()
-    args = argparse.Namespace(teacher="resnet101", student="resnet18", batch_size=256, opt=cli.opt,
-                              amp_dtype=cli.amp_dtype, warmup=5, iters=STEPS - 5, compile=cli.compile)
+    args = argparse.Namespace(
+        teacher="resnet101",
+        student="resnet18",
+        batch_size=256,
+        opt=cli.opt,
+        amp_dtype=cli.amp_dtype,
+        warmup=5,
+        iters=STEPS - 5,
+        compile=cli.compile,
+    )
     trainer, timer = build(args, [])
     trainer.train_epoch()
     host, done = epoch(trainer, timer)
-    print(f"{cli.opt} {cli.amp_dtype}{' compiled' if cli.compile else ''}: wall per step {1000 * host:.2f} ms "
-          f"when the host has queued it, {1000 * done:.2f} ms when the GPU has run it")
+    print(
+        f"{cli.opt} {cli.amp_dtype}{' compiled' if cli.compile else ''}: wall per step {1000 * host:.2f} ms "
+        f"when the host has queued it, {1000 * done:.2f} ms when the GPU has run it"
+    )
 
     seen = {}
 
     def record(message, *_args, **_kwargs):
         key = str(message)[:90]
         if key not in seen:
-            frames = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_stack()
-                      if "/kd/" in f.filename or "/backends/" in f.filename]
+            frames = [
+                f"{Path(f.filename).name}:{f.lineno} {f.name}"
+                for f in traceback.extract_stack()
+                if "/kd/" in f.filename or "/backends/" in f.filename
+            ]
             seen[key] = frames[-3:]
 
     warnings.showwarning = record

@@ -7,6 +7,7 @@ waiting for batches and in :meth:`Trainer.step` measured apart.
 Prints the seconds per step of: waiting for the loader, the step's host side, the device, and the
 25 functions with the most cumulative time. Needs CUDA.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,9 +37,20 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--set", dest="sets", action="append", default=[])
     args = ap.parse_args()
-    options = dict(teacher="resnet101", student="resnet18", teacher_weights="none", data=args.data,
-                   loader=args.loader, workers=args.workers, batch_size=args.batch_size, opt="O1",
-                   amp_dtype="float16", epochs=2, progress_bar=False, device="cuda")
+    options = dict(
+        teacher="resnet101",
+        student="resnet18",
+        teacher_weights="none",
+        data=args.data,
+        loader=args.loader,
+        workers=args.workers,
+        batch_size=args.batch_size,
+        opt="O1",
+        amp_dtype="float16",
+        epochs=2,
+        progress_bar=False,
+        device="cuda",
+    )
     cfg = kd_config.resolve(options=options, sets=args.sets)
     backend = backends.get("single")(cfg)
     backend.setup()
@@ -71,9 +83,11 @@ def main() -> None:
         close = getattr(it, "close", None)
         if close:
             close()
-        print(f"epoch {epoch}: {steps} steps, {steps * args.batch_size / total:.0f} img/s; per step: "
-              f"{1000 * total / steps:.1f} ms, waiting for the loader {1000 * wait / steps:.1f} ms, "
-              f"the step's host side {1000 * step_host / steps:.1f} ms")
+        print(
+            f"epoch {epoch}: {steps} steps, {steps * args.batch_size / total:.0f} img/s; per step: "
+            f"{1000 * total / steps:.1f} ms, waiting for the loader {1000 * wait / steps:.1f} ms, "
+            f"the step's host side {1000 * step_host / steps:.1f} ms"
+        )
     text = io.StringIO()
     pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(25)
     print(text.getvalue())

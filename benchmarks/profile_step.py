@@ -11,6 +11,7 @@ engine runs it. ``--variant KEY=VALUE[,KEY=VALUE]`` (repeatable) adds a row buil
 config overrides, for A/B comparisons. One torch.profiler pass over whole steps of the
 first configuration groups the GPU kernel time by kind. Prints markdown tables.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,10 +32,22 @@ from kd.timing import StepTimer  # noqa: E402
 
 
 def build(args, overrides):
-    options = dict(teacher=args.teacher, student=args.student, data="synthetic", batch_size=args.batch_size,
-                   opt=args.opt, amp_dtype=args.amp_dtype, teacher_weights="none", student_weights="none",
-                   epochs=1, limit_train_batches=args.warmup + args.iters, compile=args.compile,
-                   progress_bar=False, backend="single", device="cuda")
+    options = dict(
+        teacher=args.teacher,
+        student=args.student,
+        data="synthetic",
+        batch_size=args.batch_size,
+        opt=args.opt,
+        amp_dtype=args.amp_dtype,
+        teacher_weights="none",
+        student_weights="none",
+        epochs=1,
+        limit_train_batches=args.warmup + args.iters,
+        compile=args.compile,
+        progress_bar=False,
+        backend="single",
+        device="cuda",
+    )
     cfg = kd_config.resolve(options=options, sets=overrides)
     backend = backends.get("single")(cfg)
     backend.setup()
@@ -88,14 +101,16 @@ def phases(trainer, timer, iters: int):
     return rows
 
 
-KINDS = [("conv / matmul", r"conv|gemm|xmma|cudnn|cutlass|wgmma|sm90|sm80|implicit|winograd|fprop|dgrad|wgrad"),
-         ("batchnorm", r"batch_?norm|bn_"),
-         ("optimizer", r"sgd|adam|multi_tensor"),
-         ("pooling", r"pool"),
-         ("softmax / reductions", r"softmax|reduce|norm|sum|topk"),
-         ("layout / copy / cast", r"copy|cast|nchw|nhwc|transpose|memcpy|memset|fill"),
-         ("compiled (triton)", r"^triton"),
-         ("elementwise", r"elementwise|vectorized|unrolled|relu|add|mul|threshold")]
+KINDS = [
+    ("conv / matmul", r"conv|gemm|xmma|cudnn|cutlass|wgmma|sm90|sm80|implicit|winograd|fprop|dgrad|wgrad"),
+    ("batchnorm", r"batch_?norm|bn_"),
+    ("optimizer", r"sgd|adam|multi_tensor"),
+    ("pooling", r"pool"),
+    ("softmax / reductions", r"softmax|reduce|norm|sum|topk"),
+    ("layout / copy / cast", r"copy|cast|nchw|nhwc|transpose|memcpy|memset|fill"),
+    ("compiled (triton)", r"^triton"),
+    ("elementwise", r"elementwise|vectorized|unrolled|relu|add|mul|threshold"),
+]
 
 
 def kernel_kinds(trainer, timer, steps: int):
@@ -134,8 +149,10 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]")
     args = ap.parse_args()
 
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, {args.teacher} -> {args.student}, "
-          f"batch {args.batch_size}, {args.opt} {args.amp_dtype}{' compiled' if args.compile else ''}\n")
+    print(
+        f"torch {torch.__version__}, {torch.cuda.get_device_name()}, {args.teacher} -> {args.student}, "
+        f"batch {args.batch_size}, {args.opt} {args.amp_dtype}{' compiled' if args.compile else ''}\n"
+    )
     table = []
     profile = None
     for variant in ["", *args.variant]:

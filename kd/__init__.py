@@ -3,6 +3,7 @@
 ``kd.train(config)`` runs a training (a :class:`kd.config.RunConfig`, or a dict of options);
 the ``kd`` command line is a thin layer over it.
 """
+
 from kd.version import __version__
 
 __all__ = ["__version__", "train"]

@@ -4,6 +4,7 @@ Every combination runs ``kd train`` as a subprocess (the real launch path), time
 after a warm-up, and reports seconds per 20 iterations, images/s, the peak memory of every
 GPU, and the speed-up against the first row that ran (``dp O0`` when asked for).
 """
+
 from __future__ import annotations
 
 import csv
@@ -23,14 +24,44 @@ COLUMNS = ["backend", "opt", "methods", "s_per_20_iters", "img_per_s", "peak_mem
 
 
 def combo_command(backend: str, opt: str, args: Dict[str, Any], out: Path) -> List[str]:
-    cmd = [sys.executable, "-m", "cli", "train", "--backend", backend, "--opt", opt, "--epochs", "1",
-           "--out", str(out), "--overwrite", "--no-progress",
-           "--limit-train-batches", str(args["warmup"] + args["iters"]), "--set", f"timing_warmup={args['warmup']}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "cli",
+        "train",
+        "--backend",
+        backend,
+        "--opt",
+        opt,
+        "--epochs",
+        "1",
+        "--out",
+        str(out),
+        "--overwrite",
+        "--no-progress",
+        "--limit-train-batches",
+        str(args["warmup"] + args["iters"]),
+        "--set",
+        f"timing_warmup={args['warmup']}",
+    ]
     import backends
 
     multiprocess = backend in backends.BACKENDS and backends.get(backend).multiprocess
-    for key in ("teacher", "student", "data", "batch_size", "image_size", "device", "gpus", "nproc", "amp_dtype",
-                "workers", "loader", "compile", "kd_loss"):
+    for key in (
+        "teacher",
+        "student",
+        "data",
+        "batch_size",
+        "image_size",
+        "device",
+        "gpus",
+        "nproc",
+        "amp_dtype",
+        "workers",
+        "loader",
+        "compile",
+        "kd_loss",
+    ):
         value = args.get(key)
         if key == "nproc" and not multiprocess:
             continue
@@ -46,35 +77,50 @@ def combo_command(backend: str, opt: str, args: Dict[str, Any], out: Path) -> Li
     return cmd
 
 
-def run_combo(backend: str, opt: str, args: Dict[str, object], out: Path,
-              timeout: Optional[float]) -> Dict[str, object]:
+def run_combo(
+    backend: str, opt: str, args: Dict[str, object], out: Path, timeout: Optional[float]
+) -> Dict[str, object]:
     row: Dict[str, object] = {"backend": backend, "opt": opt}
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(
-        [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")]),
+    }
     try:
-        proc = subprocess.run(combo_command(backend, opt, args, out), capture_output=True, text=True, env=env,
-                              timeout=timeout)
+        proc = subprocess.run(
+            combo_command(backend, opt, args, out), capture_output=True, text=True, env=env, timeout=timeout
+        )
     except subprocess.TimeoutExpired:
         return {**row, "note": f"timed out after {timeout:.0f}s"}
     if proc.returncode != 0:
         lines = [line for line in proc.stderr.splitlines() if line.startswith("kd: error:")]
-        why = lines[-1][len("kd: error: "):] if lines else (proc.stderr.strip().splitlines() or ["failed"])[-1]
+        why = lines[-1][len("kd: error: ") :] if lines else (proc.stderr.strip().splitlines() or ["failed"])[-1]
         return {**row, "note": why[:200]}
     metrics = RunFolder(out).metrics
     if not metrics.is_file():  # several students: each its own folder, each timed on the same steps
         metrics = RunFolder(out / str(args["kd_loss"]).split(",")[0]).metrics
     record = json.loads(metrics.read_text().splitlines()[-1])
-    lines = [line.split("] ", 1)[1] if line.startswith("[") and "] " in line else line
-             for line in proc.stderr.splitlines()]
+    lines = [
+        line.split("] ", 1)[1] if line.startswith("[") and "] " in line else line for line in proc.stderr.splitlines()
+    ]
     said = list(dict.fromkeys(line for line in lines if line.startswith(("backend ", "precision "))))
     row["impl"] = "; ".join(said[-2:]).replace("|", "/")
-    row.update(s_per_20_iters=round(record["s_per_20_iters"], 3), img_per_s=round(record["timed_img_per_s"], 1),
-               peak_mem_gb="/".join(f"{m:.2f}" for m in record.get("peak_mem_gb", [])) or "-", note="")
+    row.update(
+        s_per_20_iters=round(record["s_per_20_iters"], 3),
+        img_per_s=round(record["timed_img_per_s"], 1),
+        peak_mem_gb="/".join(f"{m:.2f}" for m in record.get("peak_mem_gb", [])) or "-",
+        note="",
+    )
     return row
 
 
-def bench(backends: Sequence[str], opts: Sequence[str], args: Dict[str, Any], out: Optional[Path] = None,
-          timeout: Optional[float] = None) -> List[Dict[str, object]]:
+def bench(
+    backends: Sequence[str],
+    opts: Sequence[str],
+    args: Dict[str, Any],
+    out: Optional[Path] = None,
+    timeout: Optional[float] = None,
+) -> List[Dict[str, object]]:
     """All combinations; a combination that cannot run shows why in its row."""
     if args.get("iters", 0) < 1 or args.get("warmup", 0) < 1:
         raise KDError("--iters and --warmup must be at least 1")
@@ -100,8 +146,14 @@ def bench(backends: Sequence[str], opts: Sequence[str], args: Dict[str, Any], ou
     return rows
 
 
-def bench_methods(backends: Sequence[str], opts: Sequence[str], methods: Sequence[str], args: Dict[str, object],
-                  out: Path, timeout: Optional[float]) -> List[Dict[str, object]]:
+def bench_methods(
+    backends: Sequence[str],
+    opts: Sequence[str],
+    methods: Sequence[str],
+    args: Dict[str, object],
+    out: Path,
+    timeout: Optional[float],
+) -> List[Dict[str, object]]:
     """``kd bench --methods kd,dkd,...``: per backend and opt level, the students trained together
     (one teacher forward per batch) against each trained alone. The together row's img/s is each
     student's; its speed-up is the time of the separate runs over the time together
@@ -164,13 +216,15 @@ def write_outputs(rows: List[Dict[str, object]], out: Path, baseline: str, note=
     try:
         plt = pyplot()
     except KDError as exc:
-        (note or (lambda line: print(f"kd bench: {line}", file=sys.stderr, flush=True)))(
-            f"no bench.png: {exc}")
+        (note or (lambda line: print(f"kd bench: {line}", file=sys.stderr, flush=True)))(f"no bench.png: {exc}")
         return
     ok = [r for r in rows if isinstance(r.get("img_per_s"), (int, float))]
     fig, ax = plt.subplots(figsize=(max(4, 0.9 * len(ok)), 3.2))
-    ax.bar([f"{r['backend']} {r['opt']}\n{r.get('methods', '')}".strip() for r in ok], [r["img_per_s"] for r in ok],
-           color="#4a7ab7")
+    ax.bar(
+        [f"{r['backend']} {r['opt']}\n{r.get('methods', '')}".strip() for r in ok],
+        [r["img_per_s"] for r in ok],
+        color="#4a7ab7",
+    )
     ax.set_ylabel("images/s per student")
     ax.set_title("kd bench" if ok else "kd bench: no combination ran")
     fig.tight_layout()
@@ -220,9 +274,16 @@ def bench_data(options: Dict[str, object], epochs: int, echo=print) -> List[Dict
             images += len(batch)
         sync()
         seconds = time.perf_counter() - start
-        row = {"epoch": epoch + 1, "images": images, "seconds": seconds, "img_per_s": images / max(seconds, 1e-9),
-               "first_batch_s": first or 0.0}
+        row = {
+            "epoch": epoch + 1,
+            "images": images,
+            "seconds": seconds,
+            "img_per_s": images / max(seconds, 1e-9),
+            "first_batch_s": first or 0.0,
+        }
         rows.append(row)
-        echo(f"epoch {epoch + 1}: {images} images in {seconds:.1f}s, {row['img_per_s']:,.0f} images/s "
-             f"(first batch after {row['first_batch_s']:.2f}s)")
+        echo(
+            f"epoch {epoch + 1}: {images} images in {seconds:.1f}s, {row['img_per_s']:,.0f} images/s "
+            f"(first batch after {row['first_batch_s']:.2f}s)"
+        )
     return rows

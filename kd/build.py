@@ -1,6 +1,7 @@
 """Building a run: what :class:`kd.engine.Trainer` holds before its first step (data, precision,
 student side, teacher, optimizer, schedule, counters), in the order that keeps a failed start
 from leaving anything behind."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -57,8 +58,9 @@ class RunBuilder:
         self.owns_inputs = shared is None
         if shared is None:
             num_replicas, rank = backend.data_shard()
-            self.data = kd_data.build(cfg, num_replicas, rank, backend.local_batch(cfg.batch_size), dev,
-                                       self.runtime.channels_last)
+            self.data = kd_data.build(
+                cfg, num_replicas, rank, backend.local_batch(cfg.batch_size), dev, self.runtime.channels_last
+            )
         else:
             self.data = shared.data
         self.num_classes = num_classes = cfg.num_classes or len(self.data.classes)
@@ -72,7 +74,8 @@ class RunBuilder:
             self.logger.info(warning)
         torch.manual_seed(cfg.seed)  # the same initial student on every process, and beside other students
         student, loss, teacher, s_layers, self.t_layers = build_models(
-            cfg, num_classes, shared.teacher_model if shared is not None else None)
+            cfg, num_classes, shared.teacher_model if shared is not None else None
+        )
         if shared is not None and teacher is not None:
             shared.teacher_model = teacher  # built after this student, as its own run builds it
         self.needs_teacher = teacher is not None
@@ -86,8 +89,19 @@ class RunBuilder:
             teacher = teacher.to(dev, memory_format=self.memory_format)
             for hook in self.hooks:
                 hook.on_teacher(self, teacher)
-            self.use_teacher(Teacher(teacher, self.t_layers, cfg, backend, self.runtime, self.precision, self.data.val,
-                                     self.logger.info, self.notes))
+            self.use_teacher(
+                Teacher(
+                    teacher,
+                    self.t_layers,
+                    cfg,
+                    backend,
+                    self.runtime,
+                    self.precision,
+                    self.data.val,
+                    self.logger.info,
+                    self.notes,
+                )
+            )
         optimizer = build_optimizer(cfg, self.side.named_parameters(), fused_ok=self.precision.fused_optimizer_ok)
         self.side, self.optimizer = self.precision.prepare(self.side, optimizer)
         self.model = backend.wrap(self.side)

@@ -1,4 +1,5 @@
 """Checkpoints: full state, written atomically by the main process, loaded with weights_only=True."""
+
 from __future__ import annotations
 
 import os
@@ -24,10 +25,13 @@ def rng_state() -> Dict[str, Any]:
     # get_state() is the legacy tuple (name, keys, pos, has_gauss, cached_gaussian); numpy's stubs
     # also allow the dict form, which only get_state(legacy=False) returns
     np_state = cast(Tuple[str, np.ndarray, int, int, float], np.random.get_state())
-    state = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1]),
-             "python_pos": random.getstate()[2],
-             "numpy": torch.from_numpy(np_state[1].astype(np.int64)),
-             "numpy_pos": int(np_state[2])}
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": list(random.getstate()[1]),
+        "python_pos": random.getstate()[2],
+        "numpy": torch.from_numpy(np_state[1].astype(np.int64)),
+        "numpy_pos": int(np_state[2]),
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -98,8 +102,9 @@ def read(path: Union[str, Path], cannot: str, mmap: bool = False) -> Any:
     except Exception as exc:
         first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
         if isinstance(exc, pickle.UnpicklingError) and "weights only" in str(exc).lower():
-            raise KDError(f"{cannot} {path}: it needs code to be unpickled, which kd refuses "
-                          f"(weights_only=True). {first}") from None
+            raise KDError(
+                f"{cannot} {path}: it needs code to be unpickled, which kd refuses (weights_only=True). {first}"
+            ) from None
         raise KDError(f"{cannot} {path}: {type(exc).__name__}: {first}") from None
 
 
@@ -144,8 +149,8 @@ def run_state(t, rng: Optional[Dict[str, Any]] = None, meter: Optional[dict] = N
     return {
         "format": FORMAT_VERSION,
         "kd_version": __version__,
-        "student": {k[len("student."):]: v for k, v in side.items() if k.startswith("student.")},
-        "loss": {k[len("loss."):]: v for k, v in side.items() if k.startswith("loss.")},
+        "student": {k[len("student.") :]: v for k, v in side.items() if k.startswith("student.")},
+        "loss": {k[len("loss.") :]: v for k, v in side.items() if k.startswith("loss.")},
         "optimizer": t.optimizer.state_dict(),
         "scheduler": t.scheduler.state_dict(),
         "precision": t.precision.state_dict(),
@@ -184,9 +189,10 @@ def save_run(t, best: bool, step_copy: bool = False) -> None:
                 copy_atomic(path, run.best)
             if step_copy:
                 copy_atomic(path, folder / f"step_{t.global_step:08d}.pt")
-                for old in sorted(folder.glob("step_*.pt"))[:-t.cfg.keep_last]:
+                for old in sorted(folder.glob("step_*.pt"))[: -t.cfg.keep_last]:
                     old.unlink()
         except OSError as exc:
-            raise KDError(f"could not write a checkpoint to {folder}: {exc.strerror or exc}; "
-                          f"the previous checkpoint is intact") from None
+            raise KDError(
+                f"could not write a checkpoint to {folder}: {exc.strerror or exc}; the previous checkpoint is intact"
+            ) from None
     t.backend.barrier()

@@ -4,6 +4,7 @@ A :class:`RunConfig` is plain data. Recipes are YAML files with the same keys
 (``yaml.safe_load`` only); the resolved config is saved as ``OUT/config.yaml``.
 Every problem found here raises :class:`~kd.errors.KDError`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -251,11 +252,15 @@ def _loss_changes(cfg: RunConfig, changes: Dict[str, Any], alpha: Any, source: s
     if alpha is not None:
         if method != "kd":
             extra = "; it set DKD's TCKD weight, now --loss-arg tckd_weight=X" if method == "dkd" else ""
-            raise KDError(f"option 'alpha' ({source}) is gone: it was the label weight of --kd-loss kd; "
-                          f"use --ce-weight for {method}'s label term{extra}")
+            raise KDError(
+                f"option 'alpha' ({source}) is gone: it was the label weight of --kd-loss kd; "
+                f"use --ce-weight for {method}'s label term{extra}"
+            )
         if changes.get("ce_weight") is not None or FORMER_ALPHA in own:
-            raise KDError(f"{source} gives 'alpha', the former name of ce_weight (and 1 - kd_weight), and ce_weight "
-                          "or loss_args alpha: give ce_weight and kd_weight, not both")
+            raise KDError(
+                f"{source} gives 'alpha', the former name of ce_weight (and 1 - kd_weight), and ce_weight "
+                "or loss_args alpha: give ce_weight and kd_weight, not both"
+            )
         own[FORMER_ALPHA] = alpha
     if own:
         from kd.losses import LOSSES
@@ -273,8 +278,12 @@ def _loss_changes(cfg: RunConfig, changes: Dict[str, Any], alpha: Any, source: s
     return out
 
 
-def resolve(recipe: Optional[str] = None, options: Optional[Dict[str, Any]] = None,
-            sets: Optional[List[str]] = None, base: Optional[RunConfig] = None) -> RunConfig:
+def resolve(
+    recipe: Optional[str] = None,
+    options: Optional[Dict[str, Any]] = None,
+    sets: Optional[List[str]] = None,
+    base: Optional[RunConfig] = None,
+) -> RunConfig:
     """Defaults (or ``base``) < recipe < ``options`` < ``--set`` items, then validated."""
     cfg = base or RunConfig()
     if recipe:
@@ -322,23 +331,31 @@ def _one_of(names) -> str:
 
 def validate(cfg: RunConfig) -> RunConfig:
     """Checks that need no data, models or devices; returns ``cfg`` unchanged."""
+
     def need(cond: bool, msg: str) -> None:
         if not cond:
             raise KDError(msg)
 
     need(cfg.student is not None, "--student is required (a torchvision model name or timm:NAME)")
-    need(cfg.no_teacher or cfg.teacher is not None,
-         "--teacher is required (or --no-teacher to train the student alone)")
+    need(
+        cfg.no_teacher or cfg.teacher is not None, "--teacher is required (or --no-teacher to train the student alone)"
+    )
     need(cfg.data is not None, "--data is required (a folder with train/ and val/ ImageFolders, or 'synthetic')")
     need(cfg.opt in OPT_LEVELS, f"--opt must be one of {', '.join(OPT_LEVELS)}, got {cfg.opt!r}")
     need(cfg.device in DEVICES, f"--device must be {_one_of(DEVICES)}, got {cfg.device!r}")
-    need(cfg.amp_dtype is None or cfg.amp_dtype in AMP_DTYPES,
-         f"--amp-dtype must be {_one_of(AMP_DTYPES)}, got {cfg.amp_dtype!r}")
+    need(
+        cfg.amp_dtype is None or cfg.amp_dtype in AMP_DTYPES,
+        f"--amp-dtype must be {_one_of(AMP_DTYPES)}, got {cfg.amp_dtype!r}",
+    )
     need(cfg.amp_impl in AMP_IMPLS, f"--amp-impl must be {_one_of(AMP_IMPLS)}, got {cfg.amp_impl!r}")
-    need(cfg.teacher_precision in TEACHER_PRECISIONS,
-         f"--teacher-precision must be one of {', '.join(TEACHER_PRECISIONS)}, got {cfg.teacher_precision!r}")
-    need(cfg.compile_mode in COMPILE_MODES,
-         f"compile_mode must be one of {', '.join(COMPILE_MODES)}, got {cfg.compile_mode!r}")
+    need(
+        cfg.teacher_precision in TEACHER_PRECISIONS,
+        f"--teacher-precision must be one of {', '.join(TEACHER_PRECISIONS)}, got {cfg.teacher_precision!r}",
+    )
+    need(
+        cfg.compile_mode in COMPILE_MODES,
+        f"compile_mode must be one of {', '.join(COMPILE_MODES)}, got {cfg.compile_mode!r}",
+    )
     need(cfg.lr_schedule in LR_SCHEDULES, f"--lr-schedule must be {_one_of(LR_SCHEDULES)}, got {cfg.lr_schedule!r}")
     need(cfg.epochs >= 1, "--epochs must be at least 1")
     need(cfg.batch_size >= 1, "--batch-size must be at least 1")
@@ -346,8 +363,10 @@ def validate(cfg: RunConfig) -> RunConfig:
     need(0.0 < cfg.min_crop_scale <= 1.0, "--min-crop-scale must be in (0, 1]")
     need(cfg.image_size >= 8, "--image-size must be at least 8")
     need(cfg.workers is None or cfg.workers >= 0, "--workers must be 0 or more")
-    need(cfg.mp_context is None or cfg.mp_context in MP_CONTEXTS,
-         f"--mp-context must be {_one_of(MP_CONTEXTS)}, got {cfg.mp_context!r}")
+    need(
+        cfg.mp_context is None or cfg.mp_context in MP_CONTEXTS,
+        f"--mp-context must be {_one_of(MP_CONTEXTS)}, got {cfg.mp_context!r}",
+    )
     need(cfg.log_every >= 1, "--log-every must be at least 1")
     need(cfg.nproc is None or cfg.nproc >= 1, "--nproc must be at least 1")
     need(cfg.gpus is None or len(set(cfg.gpus)) == len(cfg.gpus), f"--gpus lists a GPU twice: {cfg.gpus}")
@@ -366,9 +385,11 @@ def validate_loss_options(cfg: RunConfig) -> None:
         if getattr(cfg, name) is not None and name in cfg.loss_args:
             raise KDError(f"{name} is given twice, as --{name.replace('_', '-')} and in loss_args")
     args = {**cfg.loss_args, **{k: getattr(cfg, k) for k in LOSS_OPTIONS if getattr(cfg, k) is not None}}
-    checks = {"ce_weight": (lambda v: v >= 0, "must be 0 or more"),
-              "label_smoothing": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
-              "temperature": (lambda v: v > 0, "must be positive")}
+    checks = {
+        "ce_weight": (lambda v: v >= 0, "must be 0 or more"),
+        "label_smoothing": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
+        "temperature": (lambda v: v > 0, "must be positive"),
+    }
     for name, (ok, what) in checks.items():
         value = args.get(name)
         if isinstance(value, (int, float)) and not ok(value):
@@ -378,8 +399,9 @@ def validate_loss_options(cfg: RunConfig) -> None:
 
         known = LOSSES.get(cfg.kd_loss).defaults
         if "temperature" not in known:
-            raise KDError(f"--temperature: KD loss {cfg.kd_loss!r} has no temperature; "
-                          f"its hyper-parameters: {', '.join(known)}")
+            raise KDError(
+                f"--temperature: KD loss {cfg.kd_loss!r} has no temperature; its hyper-parameters: {', '.join(known)}"
+            )
 
 
 def save(cfg: RunConfig, path: Union[str, Path], notes: Sequence[str] = ()) -> None:
@@ -445,18 +467,29 @@ TRAIN_OPTIONS = (
     Option("data", ("--data",), "ImageNet-layout folder (train/ and val/ ImageFolders), or 'synthetic'.", "DIR"),
     Option("teacher", ("--teacher",), "Teacher: torchvision model name or timm:NAME.", "NAME"),
     Option("teacher_weights", ("--teacher-weights",), "Teacher weights.", "pretrained|none|PATH"),
-    Option("teacher_precision", ("--teacher-precision",), "The frozen teacher's precision.", choices=TEACHER_PRECISIONS,
-           note="the run's, checked on val batches, falling back to bfloat16/float32"),
+    Option(
+        "teacher_precision",
+        ("--teacher-precision",),
+        "The frozen teacher's precision.",
+        choices=TEACHER_PRECISIONS,
+        note="the run's, checked on val batches, falling back to bfloat16/float32",
+    ),
     Option("student", ("--student",), "Student: torchvision model name or timm:NAME.", "NAME"),
     Option("student_weights", ("--student-weights",), "Student initial weights.", "pretrained|none|PATH"),
     Option("num_classes", ("--num-classes",), "Classes.", note="the number of class folders"),
     Option("no_teacher", ("--no-teacher",), "Train the student alone on the labels."),
-    Option("kd_loss", ("--kd-loss",), "KD method: {names}; see 'kd losses'. A comma list (kd,dkd) trains one "
-           "student per method at once, from one teacher forward.", "NAME[,NAME..]"),
+    Option(
+        "kd_loss",
+        ("--kd-loss",),
+        "KD method: {names}; see 'kd losses'. A comma list (kd,dkd) trains one "
+        "student per method at once, from one teacher forward.",
+        "NAME[,NAME..]",
+    ),
     Option("ce_weight", ("--ce-weight",), "Weight of the label (cross-entropy) term.", note="method default"),
     Option("label_smoothing", ("--label-smoothing",), "Label smoothing of the label term, any method.", note="0"),
-    Option("temperature", ("--temperature", "-T"), "Softmax temperature of methods that have one.",
-           note="method default"),
+    Option(
+        "temperature", ("--temperature", "-T"), "Softmax temperature of methods that have one.", note="method default"
+    ),
     Option("feature_layers", ("--feature-layers",), "Modules tapped by feature methods.", "A,B,.."),
     Option("epochs", ("--epochs",), "Epochs."),
     Option("batch_size", ("--batch-size", "-b"), "GLOBAL batch size, whatever the backend."),
@@ -474,8 +507,9 @@ TRAIN_OPTIONS = (
     Option("val_resize", ("--val-resize",), "Val short-side resize.", note="image-size * 256/224"),
     Option("min_crop_scale", ("--min-crop-scale",), "Smallest crop area of RandomResizedCrop."),
     Option("loader", ("--loader",), "Input pipeline: {names} (gpu: decode and crop on the GPU).", "NAME"),
-    Option("workers", ("--workers", "-j"), "DataLoader worker processes per process.",
-           note="min(8, CPU cores per process)"),
+    Option(
+        "workers", ("--workers", "-j"), "DataLoader worker processes per process.", note="min(8, CPU cores per process)"
+    ),
     Option("mp_context", ("--mp-context",), "Worker start method.", choices=MP_CONTEXTS, note="forkserver on Linux"),
     Option("max_bad_images", ("--max-bad-images",), "Unreadable images tolerated before failing."),
     Option("limit_train_batches", ("--limit-train-batches",), "At most this many steps per epoch."),
@@ -483,16 +517,26 @@ TRAIN_OPTIONS = (
     Option("device", ("--device",), "Where it runs.", choices=DEVICES, note="cuda where available"),
     Option("backend", ("--backend",), "Parallel backend: {names}; see 'kd backends'.", "NAME"),
     Option("gpus", ("--gpus",), "GPU indices to use (any subset).", "0,1,3"),
-    Option("nproc", ("--nproc",),
-           "Processes for a multi-process backend: on the CPU, or sharing the --gpus (over gloo)."),
+    Option(
+        "nproc", ("--nproc",), "Processes for a multi-process backend: on the CPU, or sharing the --gpus (over gloo)."
+    ),
     Option("dp_output_device", ("--dp-output-device",), "dp: GPU that gathers outputs.", note="first of --gpus"),
-    Option("find_unused_parameters", ("--find-unused-parameters/--no-find-unused-parameters",),
-           "torch_ddp: parameters without a gradient in a step.", note="detect"),
+    Option(
+        "find_unused_parameters",
+        ("--find-unused-parameters/--no-find-unused-parameters",),
+        "torch_ddp: parameters without a gradient in a step.",
+        note="detect",
+    ),
     Option("static_graph", ("--static-graph",), "torch_ddp static graph."),
     Option("sync_bn", ("--sync-bn",), "Synchronised BatchNorm across processes."),
     Option("opt", ("--opt",), "Opt level as in apex.", choices=OPT_LEVELS),
-    Option("amp_dtype", ("--amp-dtype",), "Reduced precision of O1-O3.", choices=AMP_DTYPES,
-           note="float16 on CUDA, bfloat16 on CPU"),
+    Option(
+        "amp_dtype",
+        ("--amp-dtype",),
+        "Reduced precision of O1-O3.",
+        choices=AMP_DTYPES,
+        note="float16 on CUDA, bfloat16 on CPU",
+    ),
     Option("amp_impl", ("--amp-impl",), "Mixed precision: torch.amp (native) or apex.amp.", choices=AMP_IMPLS),
     Option("channels_last", ("--channels-last/--no-channels-last",), "NHWC memory format.", note="on for CUDA"),
     Option("compile", ("--compile/--no-compile",), "torch.compile teacher and student."),

@@ -1,4 +1,5 @@
 """What this CPU runs fast: reduced precision without the instructions for it is far slower than float32."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -29,8 +30,9 @@ def cpu_flags() -> Set[str]:
     return set()
 
 
-def slow_precision_warning(opt: str, dtype: torch.dtype, device: torch.device,
-                           flags: Optional[Set[str]] = None) -> Optional[str]:
+def slow_precision_warning(
+    opt: str, dtype: torch.dtype, device: torch.device, flags: Optional[Set[str]] = None
+) -> Optional[str]:
     """One log line when ``opt`` computes in ``dtype`` on a CPU without native kernels for it, else None.
 
     Without them the dtype is emulated. Measured (resnet10t training step, batch 32 at 32 px, 2
@@ -53,5 +55,7 @@ def slow_precision_warning(opt: str, dtype: torch.dtype, device: torch.device,
             what, cost = f"no {X86_NAMES[dtype]}", "likely much slower than float32"
     else:
         what, cost = f"no {ARM_NAMES[dtype]} instructions", "likely much slower than float32"
-    return (f"warning: --opt {opt} computes in {name}; this CPU has {what}, so {name} is emulated, {cost}: "
-            f"use --opt O0 on this CPU")
+    return (
+        f"warning: --opt {opt} computes in {name}; this CPU has {what}, so {name} is emulated, {cost}: "
+        f"use --opt O0 on this CPU"
+    )

@@ -4,6 +4,7 @@ The data are scikit-learn's bundled handwritten digits (1,797 real 8x8 scans, sh
 the package), written out as an ImageNet-layout JPEG folder. Three runs go through the same
 ``kd train`` path: a teacher, the student alone, and the student distilled from the teacher.
 """
+
 from __future__ import annotations
 
 import json
@@ -68,33 +69,72 @@ def run_demo(out: Path, epochs: Optional[int] = None, overwrite: bool = False) -
     teacher_epochs = epochs or TEACHER_EPOCHS
     student_epochs = epochs or STUDENT_EPOCHS
     data = write_digits(out / "data")
-    common: Dict[str, Any] = dict(data=str(data), image_size=IMAGE_SIZE, val_resize=IMAGE_SIZE, min_crop_scale=0.8,
-                                  batch_size=64, lr=0.1, lr_schedule="cosine", warmup_epochs=1, weight_decay=5e-4,
-                                  device="cpu", workers=1, log_every=5, seed=0)
+    common: Dict[str, Any] = dict(
+        data=str(data),
+        image_size=IMAGE_SIZE,
+        val_resize=IMAGE_SIZE,
+        min_crop_scale=0.8,
+        batch_size=64,
+        lr=0.1,
+        lr_schedule="cosine",
+        warmup_epochs=1,
+        weight_decay=5e-4,
+        device="cpu",
+        workers=1,
+        log_every=5,
+        seed=0,
+    )
     runs = {
-        "teacher": RunConfig(**common, epochs=teacher_epochs, student=TEACHER, no_teacher=True,
-                             out=str(out / "teacher")),
-        "student": RunConfig(**common, epochs=student_epochs, student=STUDENT, no_teacher=True,
-                             out=str(out / "student")),
+        "teacher": RunConfig(
+            **common, epochs=teacher_epochs, student=TEACHER, no_teacher=True, out=str(out / "teacher")
+        ),
+        "student": RunConfig(
+            **common, epochs=student_epochs, student=STUDENT, no_teacher=True, out=str(out / "student")
+        ),
     }
     started = time.perf_counter()
     results = {}
     for name in ("teacher", "student", "student_kd"):
         if name == "student_kd":
-            runs[name] = RunConfig(**common, epochs=student_epochs, student=STUDENT, teacher=TEACHER,
-                                   teacher_weights=str(RunFolder(out / "teacher").best),
-                                   kd_loss="kd", ce_weight=0.5, temperature=4.0, loss_args={"kd_weight": 0.5},
-                                   out=str(out / "student_kd"))
+            runs[name] = RunConfig(
+                **common,
+                epochs=student_epochs,
+                student=STUDENT,
+                teacher=TEACHER,
+                teacher_weights=str(RunFolder(out / "teacher").best),
+                kd_loss="kd",
+                ce_weight=0.5,
+                temperature=4.0,
+                loss_args={"kd_weight": 0.5},
+                out=str(out / "student_kd"),
+            )
         print(f"== kd demo: {name} ==", flush=True)
         kd.train(runs[name])
         results[name] = _best(Path(runs[name].out))
     minutes = (time.perf_counter() - started) / 60
-    rows = [("teacher " + TEACHER, "teacher"), ("student " + STUDENT + " alone", "student"),
-            ("student " + STUDENT + " with KD", "student_kd")]
-    print(f"\nkd demo: sklearn digits ({IMAGE_SIZE}px); teacher {teacher_epochs} epochs, students {student_epochs} "
-          f"epochs; {minutes:.1f} min on the CPU\n")
-    print(markdown([{"run": label, "top-1": f"{results[key]['val_top1']:.2f}",
-                     "top-5": f"{results[key]['val_top5']:.2f}", "folder": out / key} for label, key in rows],
-                   ["run", "top-1", "top-5", "folder"], pad=True))
+    rows = [
+        ("teacher " + TEACHER, "teacher"),
+        ("student " + STUDENT + " alone", "student"),
+        ("student " + STUDENT + " with KD", "student_kd"),
+    ]
+    print(
+        f"\nkd demo: sklearn digits ({IMAGE_SIZE}px); teacher {teacher_epochs} epochs, students {student_epochs} "
+        f"epochs; {minutes:.1f} min on the CPU\n"
+    )
+    print(
+        markdown(
+            [
+                {
+                    "run": label,
+                    "top-1": f"{results[key]['val_top1']:.2f}",
+                    "top-5": f"{results[key]['val_top5']:.2f}",
+                    "folder": out / key,
+                }
+                for label, key in rows
+            ],
+            ["run", "top-1", "top-5", "folder"],
+            pad=True,
+        )
+    )
     print(f"\nTensorBoard: tensorboard --logdir {out}")
     return {k: v["val_top1"] for k, v in results.items()}

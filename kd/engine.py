@@ -1,6 +1,7 @@
 """The training loop: :meth:`Trainer.step` (one public step) and the rules around it (non-finite
 losses, unreadable images, stop signals, logging, checkpoints). It asks the backend and the
 precision object; it never branches on which backend or opt level is in use."""
+
 from __future__ import annotations
 
 import time
@@ -32,8 +33,16 @@ class Trainer(RunBuilder):
     :meth:`end_epoch` as :meth:`fit` does for one student.
     """
 
-    def __init__(self, cfg, backend, out: Path, resume_from: Optional[Path] = None, hooks: Sequence[StepHook] = (),
-                 validate: bool = True, shared=None):
+    def __init__(
+        self,
+        cfg,
+        backend,
+        out: Path,
+        resume_from: Optional[Path] = None,
+        hooks: Sequence[StepHook] = (),
+        validate: bool = True,
+        shared=None,
+    ):
         """``hooks`` see every step and epoch record; ``validate=False`` skips the teacher's and the
         student's validation passes (timed benchmark runs); ``shared`` is a :class:`kd.together.Shared`."""
         self.started = command_start(default=time.time())
@@ -69,14 +78,20 @@ class Trainer(RunBuilder):
         self.finish()
         return record
 
-    def end_epoch(self, train: Dict[str, float], start: float, seconds: float,
-                  extra: Optional[Dict[str, object]] = None) -> Dict[str, float]:
+    def end_epoch(
+        self, train: Dict[str, float], start: float, seconds: float, extra: Optional[Dict[str, object]] = None
+    ) -> Dict[str, float]:
         """The epoch's record from its training totals: hooks, validation, the log, metrics.jsonl and
         the checkpoint; the epoch counter moves on. ``extra`` joins the record first."""
         cfg = self.cfg
-        record = {"epoch": self.epoch + 1, **{f"train_{k}": v for k, v in train.items()},
-                  "lr": self.optimizer.param_groups[0]["lr"], "seconds": seconds,
-                  "img_per_s": train.get("images", 0) / max(seconds, 1e-9), **(extra or {})}
+        record = {
+            "epoch": self.epoch + 1,
+            **{f"train_{k}": v for k, v in train.items()},
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "seconds": seconds,
+            "img_per_s": train.get("images", 0) / max(seconds, 1e-9),
+            **(extra or {}),
+        }
         if self.epoch_ended is not None:  # the last epoch's checkpoint and logging, this epoch's loader start
             record["between_epochs_s"] = start - self.epoch_ended
         for hook in self.hooks:
@@ -154,8 +169,13 @@ class Trainer(RunBuilder):
         parts = {k: v.float().mean() for k, v in parts.items()}
         self.loss_terms = self.loss_terms or sorted(k for k in parts if k not in ("loss", LOGITS_SUM))
         flags = nonfinite_flags(parts, t_logits, self.loss_terms)
-        skipped = precision.step(parts["loss"], self.optimizer, self.params,
-                                 lambda: self.backend.sync_gradients(self.model), self.cfg.grad_clip)
+        skipped = precision.step(
+            parts["loss"],
+            self.optimizer,
+            self.params,
+            lambda: self.backend.sync_gradients(self.model),
+            self.cfg.grad_clip,
+        )
         self.scheduler.step()
         self.global_step += 1
         self.batch_in_epoch += 1
@@ -182,13 +202,15 @@ class Trainer(RunBuilder):
                 m.add(out.parts, out.images, out.skipped, len(batch.bad), out.flags)
         self._bar.update(1)
         if self.first_step is None and self.global_step == self._resumed_step + 1:
-            self.first_step = first_step_record(self.started, self._setup_seconds, asked, waited, self.device,
-                                                self.logger.info)
+            self.first_step = first_step_record(
+                self.started, self._setup_seconds, asked, waited, self.device, self.logger.info
+            )
         end_of_epoch = self.batch_in_epoch == self.steps_in_epoch
         stop_check = self.stop.requested if backend.world_size == 1 else self.global_step % self.stop_every == 0
         if self.global_step % cfg.log_every == 0 or end_of_epoch or stop_check:
-            stats = self._interval.reduce(backend, extra=[float(self.stop.requested), meter.worst, meter.streak,
-                                                          float(meter.bad)])
+            stats = self._interval.reduce(
+                backend, extra=[float(self.stop.requested), meter.worst, meter.streak, float(meter.bad)]
+            )
             stop_all, worst, _, bad_epoch = stats.pop("_extra")
             self._log_interval(stats, time.perf_counter() - self._t_interval, self._bar)
             self._interval = Meter(self.device)
@@ -196,8 +218,10 @@ class Trainer(RunBuilder):
             if worst >= cfg.max_nonfinite_steps:
                 raise NonFinite(self._nonfinite_message(f"for {cfg.max_nonfinite_steps} consecutive steps"))
             if self.bad_images + bad_epoch > cfg.max_bad_images:
-                raise KDError(f"{int(self.bad_images + bad_epoch)} unreadable images, more than "
-                              f"--max-bad-images {cfg.max_bad_images}; see the log for their names")
+                raise KDError(
+                    f"{int(self.bad_images + bad_epoch)} unreadable images, more than "
+                    f"--max-bad-images {cfg.max_bad_images}; see the log for their names"
+                )
             if stop_all > 0 and not end_of_epoch:
                 return True
         if cfg.save_every_steps and self.global_step % cfg.save_every_steps == 0 and not end_of_epoch:
@@ -226,14 +250,22 @@ class Trainer(RunBuilder):
         sources = self.meter.sources.clone()
         self.backend.all_reduce_sum(sources)
         teacher = (self.cfg.teacher, self.prepared_teacher.dtype_name) if self.prepared_teacher else None
-        return nonfinite_message(how_long, sources.tolist(), self.loss_terms, epoch or self.epoch + 1, self.global_step,
-                                 teacher, RunFolder(self.out).last)
+        return nonfinite_message(
+            how_long,
+            sources.tolist(),
+            self.loss_terms,
+            epoch or self.epoch + 1,
+            self.global_step,
+            teacher,
+            RunFolder(self.out).last,
+        )
 
     def _log_interval(self, stats: Dict[str, float], elapsed: float, bar) -> None:
         scale = self.precision.loss_scale()
-        extra = {"lr": self.optimizer.param_groups[0]["lr"], "bad_images": self.bad_images + self.meter.bad,
-                 **({"loss_scale": float(scale)} if scale is not None else {}),
-                 **({"gpu_mem_gb": torch.cuda.memory_allocated(self.device) / 2**30}
-                    if self.device.type == "cuda" else {})}
+        extra = {
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "bad_images": self.bad_images + self.meter.bad,
+            **({"loss_scale": float(scale)} if scale is not None else {}),
+            **({"gpu_mem_gb": torch.cuda.memory_allocated(self.device) / 2**30} if self.device.type == "cuda" else {}),
+        }
         self.logger.interval(stats, extra, elapsed, self.global_step, bar)
-

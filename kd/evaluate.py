@@ -4,6 +4,7 @@ A kd checkpoint names its model and holds its run's config: the model, the numbe
 the image size and the val resize come from there unless given, so a checkpoint evaluates as
 its run validated it. Other weights (plain state dicts, ``pretrained``) need the model's name.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,8 +38,11 @@ def run_settings(weights: str) -> Dict[str, Any]:
         return {}
     stored = obj.get("config")
     config: Dict[str, Any] = stored if isinstance(stored, dict) else {}
-    return {"model": obj.get("student_name") or config.get("student"),
-            "num_classes": obj.get("num_classes") or config.get("num_classes"), "config": config}
+    return {
+        "model": obj.get("student_name") or config.get("student"),
+        "num_classes": obj.get("num_classes") or config.get("num_classes"),
+        "config": config,
+    }
 
 
 @dataclass
@@ -53,17 +57,25 @@ class EvalSettings:
     sources: Dict[str, str]
 
     def describe(self, num_classes: int) -> str:
-        return ", ".join([
-            f"model {self.model} ({self.sources['model']})",
-            f"{num_classes} classes ({self.sources['classes']})",
-            f"image size {self.image_size} ({self.sources['image size']})",
-            f"val resize {self.val_resize} ({self.sources['val resize']})",
-            f"workers {self.workers} ({self.sources['workers']})",
-        ])
+        return ", ".join(
+            [
+                f"model {self.model} ({self.sources['model']})",
+                f"{num_classes} classes ({self.sources['classes']})",
+                f"image size {self.image_size} ({self.sources['image size']})",
+                f"val resize {self.val_resize} ({self.sources['val resize']})",
+                f"workers {self.workers} ({self.sources['workers']})",
+            ]
+        )
 
 
-def resolve(model: Optional[str], weights: str, image_size: Optional[int] = None, val_resize: Optional[int] = None,
-            num_classes: Optional[int] = None, workers: Optional[int] = None) -> EvalSettings:
+def resolve(
+    model: Optional[str],
+    weights: str,
+    image_size: Optional[int] = None,
+    val_resize: Optional[int] = None,
+    num_classes: Optional[int] = None,
+    workers: Optional[int] = None,
+) -> EvalSettings:
     """The settings of an evaluation: what is given, else the checkpoint's run, else the defaults."""
     run = run_settings(weights)
     cfg = run.get("config", {})
@@ -86,15 +98,30 @@ def resolve(model: Optional[str], weights: str, image_size: Optional[int] = None
     num_classes = pick("classes", num_classes, run.get("num_classes"), None, "class folders of val/")
     image_size = pick("image size", image_size, cfg.get("image_size"), DEFAULT_IMAGE_SIZE)
     same_size = bool(run) and image_size == cfg.get("image_size")  # the run's resize belongs to the run's size
-    val_resize = pick("val resize", val_resize, (cfg.get("val_resize") or default_val_resize(image_size)) if same_size
-                      else None, default_val_resize(image_size), "default: image size * 256/224")
+    val_resize = pick(
+        "val resize",
+        val_resize,
+        (cfg.get("val_resize") or default_val_resize(image_size)) if same_size else None,
+        default_val_resize(image_size),
+        "default: image size * 256/224",
+    )
     workers = pick("workers", workers, None, default_workers(1), "default: min(8, CPU cores)")
     return EvalSettings(model, num_classes, image_size, val_resize, workers, sources)
 
 
-def evaluate_model(model: Optional[str], weights: str, data: str, batch_size: int = 256, device: str = "auto",
-                   image_size: Optional[int] = None, workers: Optional[int] = None, num_classes: Optional[int] = None,
-                   opt: str = "O0", amp_dtype=None, val_resize: Optional[int] = None) -> Dict[str, Any]:
+def evaluate_model(
+    model: Optional[str],
+    weights: str,
+    data: str,
+    batch_size: int = 256,
+    device: str = "auto",
+    image_size: Optional[int] = None,
+    workers: Optional[int] = None,
+    num_classes: Optional[int] = None,
+    opt: str = "O0",
+    amp_dtype=None,
+    val_resize: Optional[int] = None,
+) -> Dict[str, Any]:
     """Evaluate ``model`` with ``weights`` (a file, or pretrained) on the ``val/`` split of ``data``.
 
     None means: from the kd checkpoint ``weights`` where it is one (see :func:`resolve`), else the
@@ -107,11 +134,23 @@ def evaluate_model(model: Optional[str], weights: str, data: str, batch_size: in
     classes, samples = scan_split(Path(data), "val")
     n = s.num_classes or len(classes)
     if n != len(classes):
-        raise KDError(f"{s.model} from {weights} has {n} classes ({s.sources['classes']}) but {data}/val has "
-                      f"{len(classes)} class folders; evaluate it on data with its own classes")
-    cfg = RunConfig(data=data, student=s.model, teacher=s.model, batch_size=batch_size, device=device,
-                    image_size=s.image_size, val_resize=s.val_resize, workers=s.workers, num_classes=n, opt=opt,
-                    amp_dtype=amp_dtype)
+        raise KDError(
+            f"{s.model} from {weights} has {n} classes ({s.sources['classes']}) but {data}/val has "
+            f"{len(classes)} class folders; evaluate it on data with its own classes"
+        )
+    cfg = RunConfig(
+        data=data,
+        student=s.model,
+        teacher=s.model,
+        batch_size=batch_size,
+        device=device,
+        image_size=s.image_size,
+        val_resize=s.val_resize,
+        workers=s.workers,
+        num_classes=n,
+        opt=opt,
+        amp_dtype=amp_dtype,
+    )
     backend = backends.get("single")(cfg)
     backend.setup()
     net = models.freeze(models.build(s.model, n, weights))
@@ -127,8 +166,16 @@ def evaluate_model(model: Optional[str], weights: str, data: str, batch_size: in
         result = evaluate(net, loader, backend, precision)
     finally:
         loader.close()
-    return {"model": s.model, "weights": weights, **result, "num_classes": n, "image_size": s.image_size,
-            "val_resize": s.val_resize, "workers": s.workers, "settings": s.describe(n)}
+    return {
+        "model": s.model,
+        "weights": weights,
+        **result,
+        "num_classes": n,
+        "image_size": s.image_size,
+        "val_resize": s.val_resize,
+        "workers": s.workers,
+        "settings": s.describe(n),
+    }
 
 
 def teacher_preprocessing_note(cfg) -> Optional[str]:
@@ -140,5 +187,7 @@ def teacher_preprocessing_note(cfg) -> Optional[str]:
     ours = (cfg.image_size, cfg.val_resize or default_val_resize(cfg.image_size))
     if theirs == ours:
         return None
-    return (f"teacher {cfg.teacher}: trained and validated at image size {theirs[0]}, val resize {theirs[1]}; this run "
-            f"validates at {ours[0]}, {ours[1]}, so its top-1 here differs from its own run's")
+    return (
+        f"teacher {cfg.teacher}: trained and validated at image size {theirs[0]}, val resize {theirs[1]}; this run "
+        f"validates at {ours[0]}, {ours[1]}, so its top-1 here differs from its own run's"
+    )

@@ -4,6 +4,7 @@ Hooks are registered for the duration of one forward call on the module that run
 DataParallel replicas copy each module's ``__dict__`` shallowly, so they share its hook dict: a
 replica's hook fires for every replica's module, and keeps the output of its own module only.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,9 +37,11 @@ def tap(model: nn.Module, layers: List[str], store: Dict[str, torch.Tensor]):
     modules = dict(model.named_modules())
     handles = []
     for layer in layers:
+
         def hook(module, _inputs, output, layer=layer, mine=modules[layer]):
             if module is mine:
                 store[layer] = output
+
         handles.append(modules[layer].register_forward_hook(hook))
     try:
         yield store

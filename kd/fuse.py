@@ -17,6 +17,7 @@ in the reduced dtype at O1-O3 (after fusion), and the calls cast their inputs to
 what autocast would do. Modules named in ``keep`` (tapped feature layers) are called as they
 are, so their forward hooks still see their outputs; nothing inside them is fused.
 """
+
 from __future__ import annotations
 
 import operator
@@ -82,8 +83,13 @@ def _is_relu(gm: fx.GraphModule, node: fx.Node) -> bool:
 
 
 def _is_add(node: fx.Node) -> bool:
-    return (node.op == "call_function" and node.target in ADDS and len(node.args) == 2 and not node.kwargs
-            and all(isinstance(a, fx.Node) for a in node.args))
+    return (
+        node.op == "call_function"
+        and node.target in ADDS
+        and len(node.args) == 2
+        and not node.kwargs
+        and all(isinstance(a, fx.Node) for a in node.args)
+    )
 
 
 def _fusable_conv(gm: fx.GraphModule, node: fx.Node, calls: Calls) -> Optional[nn.Conv2d]:
@@ -120,8 +126,9 @@ def _fold_batchnorms(gm: fx.GraphModule, calls: Calls) -> int:
         conv = _module(gm, src, (nn.Conv1d, nn.Conv2d, nn.Conv3d))
         if conv is None or not isinstance(src, fx.Node) or len(src.users) != 1 or calls[_target(src)] != 1:
             continue
-        weight, bias = fuse_conv_bn_weights(conv.weight, conv.bias, bn.running_mean, bn.running_var, bn.eps,
-                                            bn.weight, bn.bias)
+        weight, bias = fuse_conv_bn_weights(
+            conv.weight, conv.bias, bn.running_mean, bn.running_var, bn.eps, bn.weight, bn.bias
+        )
         conv.weight, conv.bias = weight.requires_grad_(False), bias.requires_grad_(False)
         node.replace_all_uses_with(src)
         gm.graph.erase_node(node)
@@ -193,5 +200,7 @@ def fuse_teacher(model: nn.Module, keep: Iterable[str] = ()) -> Tuple[nn.Module,
     gm.graph.lint()
     gm.recompile()
     on_cuda = any(p.is_cuda for p in gm.parameters())
-    return gm, (f"{folded} BatchNorm layers folded, {convs} conv+ReLU and {adds} conv+add+ReLU fused "
-                f"({'cuDNN fused convolutions' if on_cuda else 'plain ops off CUDA'})")
+    return gm, (
+        f"{folded} BatchNorm layers folded, {convs} conv+ReLU and {adds} conv+add+ReLU fused "
+        f"({'cuDNN fused convolutions' if on_cuda else 'plain ops off CUDA'})"
+    )

@@ -19,6 +19,7 @@ Who starts the processes, as the environment tells:
 Each process reads its place once, as a :class:`kd.placement.Placement`. A ``KDError`` in any
 worker reaches the user as one line and exit code 2 from the parent.
 """
+
 from __future__ import annotations
 
 import errno
@@ -59,8 +60,10 @@ def prepare_out(cfg, resume: Optional[str], overwrite: bool) -> Optional[Path]:
         raise KDError(f"--out {out} exists and is not a folder")
     held = RunFolder(out).held()
     if held and not overwrite:
-        raise KDError(f"--out {out} already holds a run ({', '.join(held)}); "
-                      f"continue it with --resume or replace it with --overwrite")
+        raise KDError(
+            f"--out {out} already holds a run ({', '.join(held)}); "
+            f"continue it with --resume or replace it with --overwrite"
+        )
     folder = next(p for p in (out, *out.absolute().parents) if p.exists())
     if not os.access(folder, os.W_OK | os.X_OK):
         raise KDError(f"--out {out} is not writable: {os.strerror(errno.EACCES)}")
@@ -85,9 +88,9 @@ def preflight(cfg) -> None:
         for split in ("train", "val"):
             if not (Path(cfg.data) / split).is_dir():
                 what = "does not exist" if not Path(cfg.data).is_dir() else f"has no {split}/ subfolder"
-                raise KDError(f"data folder {cfg.data} {what} "
-                              f"(expected DIR/train/<class>/*.jpg and DIR/val/<class>/*.jpg)")
-
+                raise KDError(
+                    f"data folder {cfg.data} {what} (expected DIR/train/<class>/*.jpg and DIR/val/<class>/*.jpg)"
+                )
 
 
 def train(cfg, resume: Optional[str] = None, overwrite: bool = False, students=None):
@@ -100,8 +103,10 @@ def train(cfg, resume: Optional[str] = None, overwrite: bool = False, students=N
     place = Placement.from_environment(cfg.gpus)
     if place.launched:
         if place.world_size > 1 and not backend_cls.multiprocess:
-            raise KDError(f"{place.world_size} processes were started (torchrun / srun), but --backend {cfg.backend} "
-                          f"runs in one; use --backend torch_ddp or apex_ddp, or start one process")
+            raise KDError(
+                f"{place.world_size} processes were started (torchrun / srun), but --backend {cfg.backend} "
+                f"runs in one; use --backend torch_ddp or apex_ddp, or start one process"
+            )
         _check_available(cfg, backend_cls)
         resume_from = _preflight_all(cfg, resume, overwrite, students)
         return run_worker(cfg, _out(cfg, students), resume_from, place, students)
@@ -133,11 +138,14 @@ def prepare_students_out(students, resume: Optional[str], overwrite: bool) -> Op
     from kd.together import STUDENTS_FILE, is_students_folder
 
     if resume not in (None, "last"):
-        raise KDError(f"--resume {resume}: several students resume from their own last.pt; "
-                      f"give --out {students.out} --resume")
+        raise KDError(
+            f"--resume {resume}: several students resume from their own last.pt; give --out {students.out} --resume"
+        )
     if not resume and not overwrite and is_students_folder(students.out):
-        raise KDError(f"--out {students.out} already holds students ({STUDENTS_FILE}); "
-                      f"continue them with --resume or replace them with --overwrite")
+        raise KDError(
+            f"--out {students.out} already holds students ({STUDENTS_FILE}); "
+            f"continue them with --resume or replace them with --overwrite"
+        )
     for cfg in students.cfgs:
         prepare_out(cfg, resume, overwrite)
     return students.out if resume else None
@@ -160,8 +168,11 @@ def visible_devices(cfg, nproc: int) -> Optional[str]:
     import torch
 
     current = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = [d.strip() for d in current.split(",") if d.strip()] if current else \
-        [str(i) for i in range(torch.cuda.device_count())]
+    ids = (
+        [d.strip() for d in current.split(",") if d.strip()]
+        if current
+        else [str(i) for i in range(torch.cuda.device_count())]
+    )
     indices = cfg.gpus or list(range(min(nproc, len(ids))))
     if len(indices) > nproc:
         raise KDError(f"--gpus lists {len(indices)} GPU(s) but {nproc} processes were asked for")
@@ -177,20 +188,30 @@ def launch_local(cfg, nproc: int, resume_from: Optional[Path], students=None):
     signal_exception: Type[BaseException]
     try:
         from torch.distributed.elastic.multiprocessing.api import SignalException
+
         signal_exception = SignalException
     except ImportError:  # pragma: no cover - older torch
         signal_exception = KeyboardInterrupt
 
     visible = visible_devices(cfg, nproc)
     error_dir = tempfile.mkdtemp(prefix="kd-launch-")
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"kd-{uuid.uuid4().hex[:12]}",
-                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", local_addr="127.0.0.1",
-                          max_restarts=cfg.max_restarts, start_method="spawn")
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"kd-{uuid.uuid4().hex[:12]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        local_addr="127.0.0.1",
+        max_restarts=cfg.max_restarts,
+        start_method="spawn",
+    )
     previous = logging.root.manager.disable
     logging.disable(logging.ERROR)  # the agent's own failure report; kd reports the cause below
     try:
-        results = elastic_launch(config, worker)(cfg, str(_out(cfg, students)), resume_from, error_dir, visible,
-                                                 students)
+        results = elastic_launch(config, worker)(
+            cfg, str(_out(cfg, students)), resume_from, error_dir, visible, students
+        )
     except (ChildFailedError, signal_exception) as exc:
         stopped = Path(error_dir, "interrupted.txt")
         if stopped.exists():  # the workers stopped on a signal after writing their checkpoint
@@ -252,8 +273,9 @@ def accept_legacy_local_rank(local_rank: Optional[int]) -> None:
         os.environ.setdefault("LOCAL_RANK", str(local_rank))
 
 
-def run_worker(cfg, out: Path, resume_from: Optional[Path] = None, place: Optional[Placement] = None,
-               students=None) -> Dict[str, float]:
+def run_worker(
+    cfg, out: Path, resume_from: Optional[Path] = None, place: Optional[Placement] = None, students=None
+) -> Dict[str, float]:
     """Everything one process does for a run, from backend set-up to teardown, where ``place`` (as the
     launcher found it) says. ``timing_warmup`` (``kd bench``) adds the step timer and skips validation.
     ``students``: several students at once (:mod:`kd.multi`), each resuming from its own last.pt

@@ -2,6 +2,7 @@
 
 Other processes get a :class:`NullLogger`: quiet by design, nothing patched.
 """
+
 from __future__ import annotations
 
 import json
@@ -59,8 +60,10 @@ def first_step_record(started: float, setup_s: float, asked: float, waited: floa
         torch.cuda.synchronize(device)
     step = time.perf_counter() - asked - waited
     total = time.time() - started
-    log(f"first step done {total:.1f} s after the command (set-up {setup_s:.1f} s, "
-        f"then the first batch {waited:.1f} s and the step {step:.1f} s)")
+    log(
+        f"first step done {total:.1f} s after the command (set-up {setup_s:.1f} s, "
+        f"then the first batch {waited:.1f} s and the step {step:.1f} s)"
+    )
     return {"startup_s": total, "startup_setup_s": setup_s, "startup_first_batch_s": waited}
 
 

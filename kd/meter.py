@@ -1,4 +1,5 @@
 """Loss and counter sums kept on the device, read only when reduced; the epoch line of the log."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,8 +23,14 @@ class Meter:
         self.bad = 0
         self.wait = 0.0
 
-    def add(self, parts: Dict[str, torch.Tensor], n: int, skipped: Optional[torch.Tensor], bad: int,
-            flags: Optional[torch.Tensor] = None) -> None:
+    def add(
+        self,
+        parts: Dict[str, torch.Tensor],
+        n: int,
+        skipped: Optional[torch.Tensor],
+        bad: int,
+        flags: Optional[torch.Tensor] = None,
+    ) -> None:
         """One step: its loss parts (0-dim), images, skipped flag, unreadable images and non-finite flags
         (a :class:`kd.step.StepOutput`'s, whose ``skipped`` and ``flags`` may be None)."""
         finite = torch.isfinite(parts["loss"].detach())
@@ -48,18 +55,20 @@ class Meter:
         vec = torch.stack([self.sums[k] for k in keys] + tail)
         backend.all_reduce_sum(vec)
         values = vec.tolist()
-        count, finite, skipped, bad = values[len(keys):len(keys) + 4]
+        count, finite, skipped, bad = values[len(keys) : len(keys) + 4]
         out = {k: values[i] / finite if finite else float("nan") for i, k in enumerate(keys)}
         out.update(images=count, skipped_steps=skipped, bad=bad)
         if extra:
-            out["_extra"] = values[len(keys) + 4:]
+            out["_extra"] = values[len(keys) + 4 :]
         return out
 
     def global_state(self, backend) -> dict:
         """:meth:`state_dict` with the sums and counters added up over every process (a collective)."""
         keys = sorted(self.sums)
-        vec = torch.stack([self.sums[k] for k in keys] + [self.count, self.finite, self.skipped,
-                                                          torch.tensor(float(self.bad), device=self.device)])
+        vec = torch.stack(
+            [self.sums[k] for k in keys]
+            + [self.count, self.finite, self.skipped, torch.tensor(float(self.bad), device=self.device)]
+        )
         backend.all_reduce_sum(vec)
         state = self.state_dict()
         state["sums"] = {k: vec[i].cpu() for i, k in enumerate(keys)}
@@ -68,9 +77,17 @@ class Meter:
         return state
 
     def state_dict(self) -> dict:
-        return {"sums": {k: v.cpu() for k, v in self.sums.items()}, "count": self.count.cpu(),
-                "finite": self.finite.cpu(), "skipped": self.skipped.cpu(), "streak": self.streak.cpu(),
-                "worst": self.worst.cpu(), "sources": self.sources.cpu(), "bad": self.bad, "wait": self.wait}
+        return {
+            "sums": {k: v.cpu() for k, v in self.sums.items()},
+            "count": self.count.cpu(),
+            "finite": self.finite.cpu(),
+            "skipped": self.skipped.cpu(),
+            "streak": self.streak.cpu(),
+            "worst": self.worst.cpu(),
+            "sources": self.sources.cpu(),
+            "bad": self.bad,
+            "wait": self.wait,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.sums = {k: v.to(self.device) for k, v in state["sums"].items()}
@@ -82,7 +99,6 @@ class Meter:
         self.worst = state["worst"].to(self.device)
         self.bad = state["bad"]
         self.wait = state["wait"]
-
 
 
 def nonfinite_flags(parts: Dict[str, torch.Tensor], t_logits: Optional[torch.Tensor], terms: List[str]) -> torch.Tensor:
@@ -104,21 +120,32 @@ def format_record(record: Dict[str, float], epochs: int) -> str:
     return " | ".join(parts)
 
 
-def nonfinite_message(how_long: str, hits: List[float], loss_terms: List[str], epoch: int, step: int,
-                      teacher: Optional[Tuple[str, str]], last: Path) -> str:
+def nonfinite_message(
+    how_long: str,
+    hits: List[float],
+    loss_terms: List[str],
+    epoch: int,
+    step: int,
+    teacher: Optional[Tuple[str, str]],
+    last: Path,
+) -> str:
     """The error for a run whose loss stayed non-finite: which sources were (``hits``, in the order of
     the teacher's logits, the student's, then ``loss_terms``), and what to do. ``teacher`` is its
     (name, dtype) or None."""
     names = ["the teacher's logits", "the student's logits"] + [f"the loss term {k!r}" for k in loss_terms]
     found = [name for name, hit in zip(names, hits) if hit > 0]
     if found and found[0] == "the teacher's logits" and teacher:
-        hint = (f"the teacher {teacher[0]} runs in {teacher[1]}: try --teacher-precision float32, "
-                "and check --teacher-weights")
+        hint = (
+            f"the teacher {teacher[0]} runs in {teacher[1]}: try --teacher-precision float32, "
+            "and check --teacher-weights"
+        )
     elif found and found[0] == "the student's logits":
         hint = "lower --lr, add --warmup-epochs or --grad-clip, or use --opt O0 or --amp-dtype bfloat16"
     else:
         hint = "check the method's hyper-parameters (--loss-arg) and lower --lr"
     source = f"{' and '.join(found)} {'was' if len(found) == 1 else 'were'} not finite" if found else "source unknown"
     kept = f"the last good checkpoint is {last}" if last.exists() else "no checkpoint was written"
-    return (f"the loss was not finite {how_long} (epoch {epoch}, step {step}): {source}; "
-            f"those steps were skipped and the run stopped, {kept}; {hint}")
+    return (
+        f"the loss was not finite {how_long} (epoch {epoch}, step {step}): {source}; "
+        f"those steps were skipped and the run stopped, {kept}; {hint}"
+    )

@@ -1,4 +1,5 @@
 """Models by name (torchvision, or ``timm:NAME``) and weight loading from local files."""
+
 from __future__ import annotations
 
 import functools
@@ -31,7 +32,7 @@ def timm_names() -> List[str]:
 def check_name(name: str) -> None:
     """Raise a KDError with close matches if ``name`` is no known model."""
     if name.startswith(TIMM_PREFIX):
-        arch = name[len(TIMM_PREFIX):]
+        arch = name[len(TIMM_PREFIX) :]
         names = timm_names()
         if arch not in names:
             raise KDError(f"unknown timm model {arch!r}{suggest(arch, names)}")
@@ -50,7 +51,7 @@ def _pretrained_state(name: str) -> Dict[str, torch.Tensor]:
         if name.startswith(TIMM_PREFIX):
             import timm
 
-            return timm.create_model(name[len(TIMM_PREFIX):], pretrained=True).state_dict()
+            return timm.create_model(name[len(TIMM_PREFIX) :], pretrained=True).state_dict()
         import torchvision.models as tvm
 
         weights = tvm.get_model_weights(name).DEFAULT
@@ -82,7 +83,7 @@ def build(name: str, num_classes: int, weights: str = "none") -> nn.Module:
     if name.startswith(TIMM_PREFIX):
         import timm
 
-        model = timm.create_model(name[len(TIMM_PREFIX):], pretrained=False, num_classes=num_classes)
+        model = timm.create_model(name[len(TIMM_PREFIX) :], pretrained=False, num_classes=num_classes)
     else:
         import torchvision.models as tvm
 
@@ -130,7 +131,7 @@ def extract_state(obj: Any, path: str) -> Dict[str, torch.Tensor]:
     for key, value in obj.items():
         for prefix in prefixes:
             while key.startswith(prefix):
-                key = key[len(prefix):]
+                key = key[len(prefix) :]
         out[key] = value
     return out
 
@@ -149,8 +150,9 @@ def load_into(model: nn.Module, state: Dict[str, torch.Tensor], name: str, sourc
         parts = []
         if shape:
             k = shape[0]
-            parts.append(f"{len(shape)} shape mismatches "
-                         f"(e.g. {k}: file {tuple(state[k].shape)} vs model {tuple(own[k].shape)})")
+            parts.append(
+                f"{len(shape)} shape mismatches (e.g. {k}: file {tuple(state[k].shape)} vs model {tuple(own[k].shape)})"
+            )
         if missing:
             parts.append(f"{len(missing)} missing keys (e.g. {missing[0]})")
         if unexpected:

@@ -16,6 +16,7 @@ names them, so ``kd train --out OUT --resume`` continues them all.
   backend (its own DDP module and gradient buckets); the teacher is wrapped forward-only once,
   so under dp its outputs are computed once and scattered with the batch to every student.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,17 +31,54 @@ from kd.runfolder import RunFolder
 from kd.together import STUDENTS_FILE, MultiTrainer, Shared, Students, is_students_folder, own_generators
 
 # the training loop lives in kd.together (kd.launch runs it there); its names are this module's too
-__all__ = ["STUDENTS_FILE", "MultiTrainer", "Shared", "Students", "is_students_folder", "own_generators", "plan",
-           "check_shared", "load", "resumed", "train", "PER_STUDENT", "TEACHER_KEYS"]
+__all__ = [
+    "STUDENTS_FILE",
+    "MultiTrainer",
+    "Shared",
+    "Students",
+    "is_students_folder",
+    "own_generators",
+    "plan",
+    "check_shared",
+    "load",
+    "resumed",
+    "train",
+    "PER_STUDENT",
+    "TEACHER_KEYS",
+]
 
 #: The keys each student may set for itself; every other key is shared by the run's students.
 PER_STUDENT = (
-    "student", "student_weights", "kd_loss", "ce_weight", "label_smoothing", "temperature", "loss_args",
-    "feature_layers", "lr", "momentum", "nesterov", "weight_decay", "wd_bn_bias", "lr_schedule", "lr_milestones",
-    "lr_gamma", "warmup_epochs", "grad_clip", "fused_optimizer", "eval_every", "save_every_steps", "keep_last",
-    "max_nonfinite_steps", "recipe", "description", "reference", "out",
+    "student",
+    "student_weights",
+    "kd_loss",
+    "ce_weight",
+    "label_smoothing",
+    "temperature",
+    "loss_args",
+    "feature_layers",
+    "lr",
+    "momentum",
+    "nesterov",
+    "weight_decay",
+    "wd_bn_bias",
+    "lr_schedule",
+    "lr_milestones",
+    "lr_gamma",
+    "warmup_epochs",
+    "grad_clip",
+    "fused_optimizer",
+    "eval_every",
+    "save_every_steps",
+    "keep_last",
+    "max_nonfinite_steps",
+    "recipe",
+    "description",
+    "reference",
+    "out",
     # a student trained alone on the labels (a baseline row) needs no teacher of its own
-    "no_teacher")
+    "no_teacher",
+)
 TEACHER_KEYS = ("teacher", "teacher_weights", "teacher_precision")
 
 
@@ -61,8 +99,9 @@ def plan(recipes: Sequence[str], options: Dict[str, Any], sets: Sequence[str]) -
     names: List[str] = []
     for recipe in recipes if len(recipes) > 1 else [recipes[0] if recipes else None] * len(methods):
         method = methods[len(cfgs)] if len(methods) > 1 else None
-        cfg = kd_config.resolve(recipe=recipe, options={**options, **({"kd_loss": method} if method else {})},
-                                sets=list(sets))
+        cfg = kd_config.resolve(
+            recipe=recipe, options={**options, **({"kd_loss": method} if method else {})}, sets=list(sets)
+        )
         if method and recipe:
             cfg = _method_defaults(cfg, recipe, options, sets)
         if method:
@@ -72,8 +111,7 @@ def plan(recipes: Sequence[str], options: Dict[str, Any], sets: Sequence[str]) -
             names.append(Path(recipe).stem)
         cfgs.append(cfg)
     if len(set(names)) < len(names):
-        raise KDError(f"two students would share a folder name ({', '.join(names)}); "
-                      f"give recipes of different names")
+        raise KDError(f"two students would share a folder name ({', '.join(names)}); give recipes of different names")
     check_shared(names, cfgs)
     cfgs = [dataclasses.replace(cfg, out=str(parent / name)) for name, cfg in zip(names, cfgs)]
     return Students(parent, tuple(names), tuple(cfgs))
@@ -81,8 +119,9 @@ def plan(recipes: Sequence[str], options: Dict[str, Any], sets: Sequence[str]) -
 
 def _method_defaults(cfg, recipe: str, options: Dict[str, Any], sets: Sequence[str]):
     """``cfg`` without the recipe's method hyper-parameters where the recipe was written for another method."""
-    own = kd_config.resolve(recipe=recipe, options={k: v for k, v in options.items() if k != "kd_loss"},
-                            sets=list(sets))
+    own = kd_config.resolve(
+        recipe=recipe, options={k: v for k, v in options.items() if k != "kd_loss"}, sets=list(sets)
+    )
     if own.kd_loss == cfg.kd_loss:
         return cfg
     given = set(options.get("loss_args") or {}) | set(kd_config.parse_set(list(sets)).get("loss_args", {}))
@@ -107,9 +146,11 @@ def check_shared(names: Sequence[str], cfgs: Sequence[Any]) -> None:
         if len(values) > 1:
             differ.append(f"{key} ({', '.join(f'{n}: {getattr(c, key)}' for n, c in group)})")
     if differ:
-        raise KDError(f"the students disagree on what they share: {'; '.join(differ)}. Students of one run share the "
-                      f"data, the teacher, the batch, image size, epochs, seed, hardware and precision; each may set "
-                      f"only {', '.join(k for k in PER_STUDENT if k not in ('recipe', 'description', 'out'))}")
+        raise KDError(
+            f"the students disagree on what they share: {'; '.join(differ)}. Students of one run share the "
+            f"data, the teacher, the batch, image size, epochs, seed, hardware and precision; each may set "
+            f"only {', '.join(k for k in PER_STUDENT if k not in ('recipe', 'description', 'out'))}"
+        )
 
 
 def load(out: Path) -> Students:
@@ -130,7 +171,6 @@ def resumed(out: Path, options: Dict[str, Any], sets: Sequence[str]) -> Students
     cfgs = [kd_config.resolve(options={**options, "out": cfg.out}, sets=list(sets), base=cfg) for cfg in students.cfgs]
     check_shared(students.names, cfgs)
     return dataclasses.replace(students, cfgs=tuple(cfgs))
-
 
 
 def train(students: Students, resume: Optional[str] = None, overwrite: bool = False) -> Dict[str, float]:

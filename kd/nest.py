@@ -1,5 +1,6 @@
 """Tensors inside the nested containers that models and losses return: dicts, lists, tuples,
 named tuples (torchvision's GoogLeNet and Inception in training) and dataclass instances."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,8 +21,9 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], obj):
     if isinstance(obj, (list, tuple)):
         return type(obj)(map_tensors(fn, v) for v in obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: map_tensors(fn, getattr(obj, f.name))
-                                           for f in dataclasses.fields(obj) if f.init})
+        return dataclasses.replace(
+            obj, **{f.name: map_tensors(fn, getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+        )
     return obj
 
 

@@ -1,4 +1,5 @@
 """SGD with decay on weights only (unless asked), and per-step LR schedules with warm-up."""
+
 from __future__ import annotations
 
 import bisect
@@ -39,11 +40,14 @@ def build_optimizer(cfg, named_params, fused_ok: bool = True) -> torch.optim.Opt
     if cfg.fused_optimizer and not fused:
         from kd.errors import KDError
 
-        raise KDError(f"fused_optimizer=true needs every trainable parameter on a device with fused SGD "
-                      f"({', '.join(sorted(supported))}) and a precision other than apex.amp")
+        raise KDError(
+            f"fused_optimizer=true needs every trainable parameter on a device with fused SGD "
+            f"({', '.join(sorted(supported))}) and a precision other than apex.amp"
+        )
     kind = {"fused": True} if fused else {"foreach": True}
-    optimizer = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum,
-                                nesterov=cfg.nesterov and cfg.momentum > 0, **kind)
+    optimizer = torch.optim.SGD(
+        groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0, **kind
+    )
     if fused:
         zero_momentum_buffers(optimizer)
     return optimizer

@@ -15,6 +15,7 @@ one place that reads it (:meth:`Placement.from_environment`); the backends recei
 
 A process nobody launched is rank 0 of 1.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -62,8 +63,9 @@ class Placement:
         return dataclasses.replace(cls.from_environment(None, environ), gpus=tuple(range(len(visible.split(",")))))
 
     @classmethod
-    def from_environment(cls, gpus: Optional[Sequence[int]] = None,
-                         environ: Optional[Mapping[str, str]] = None) -> Placement:
+    def from_environment(
+        cls, gpus: Optional[Sequence[int]] = None, environ: Optional[Mapping[str, str]] = None
+    ) -> Placement:
         """The placement of this process, given ``--gpus`` and its environment (``os.environ``).
 
         Raises KDError for variables that are not numbers.
@@ -84,11 +86,24 @@ class Placement:
             port = int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else None
             restart = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
         except ValueError:
-            raise KDError("RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE / MASTER_PORT must be integers "
-                          f"(got {env.get('RANK')!r}, {env.get('WORLD_SIZE')!r}, {env.get('LOCAL_RANK')!r}, "
-                          f"{env.get('LOCAL_WORLD_SIZE')!r}, {env.get('MASTER_PORT')!r})") from None
-        return cls(rank, world, local_rank, local_world, True, given, env.get("MASTER_ADDR") or None, port, restart,
-                   env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true", timeout)
+            raise KDError(
+                "RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE / MASTER_PORT must be integers "
+                f"(got {env.get('RANK')!r}, {env.get('WORLD_SIZE')!r}, {env.get('LOCAL_RANK')!r}, "
+                f"{env.get('LOCAL_WORLD_SIZE')!r}, {env.get('MASTER_PORT')!r})"
+            ) from None
+        return cls(
+            rank,
+            world,
+            local_rank,
+            local_world,
+            True,
+            given,
+            env.get("MASTER_ADDR") or None,
+            port,
+            restart,
+            env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
+            timeout,
+        )
 
 
 # ----------------------------------------------------------------------------- Slurm
@@ -103,10 +118,12 @@ def slurm_env(environ: Mapping[str, str]) -> Dict[str, str]:
     ntasks = _int(environ.get("SLURM_STEP_NUM_TASKS"), 1)  # set by srun only, not in a batch script
     if "SLURM_PROCID" not in environ or ntasks <= 1:
         return {}
-    nodes = expand_hostlist(environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
-                            or environ.get("SLURM_NODELIST") or "")
-    per_node = expand_tasks_per_node(environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
-                                     or "")
+    nodes = expand_hostlist(
+        environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST") or ""
+    )
+    per_node = expand_tasks_per_node(
+        environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE") or ""
+    )
     host = environ.get("SLURMD_NODENAME")
     index = nodes.index(host) if host in nodes else _int(environ.get("SLURM_NODEID"), 0)
     local_world = per_node[index] if index < len(per_node) else (per_node[0] if per_node else ntasks)
@@ -135,7 +152,7 @@ def expand_hostlist(text: str) -> List[str]:
         if not match:
             hosts.append(item)
             continue
-        prefix, rest = item[:match.start()], item[match.end():]
+        prefix, rest = item[: match.start()], item[match.end() :]
         for part in match.group(1).split(","):
             lo, _, hi = part.partition("-")
             for n in range(int(lo), int(hi or lo) + 1):

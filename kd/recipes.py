@@ -1,4 +1,5 @@
 """``kd recipes list|show``: the YAML recipes shipped in ``recipes/``."""
+
 from __future__ import annotations
 
 from typing import Dict, List
@@ -16,11 +17,16 @@ def summary(name: str) -> Dict[str, object]:
     ref = data.get("reference") or {}
     method = "baseline" if data.get("no_teacher") else data.get("kd_loss", "kd")
     return {
-        "recipe": name, "teacher": data.get("teacher", "-") if method != "baseline" else "-",
-        "student": data.get("student", "-"), "method": method, "epochs": data.get("epochs", "-"),
-        "batch": data.get("batch_size", "-"), "lr": data.get("lr", "-"),
+        "recipe": name,
+        "teacher": data.get("teacher", "-") if method != "baseline" else "-",
+        "student": data.get("student", "-"),
+        "method": method,
+        "epochs": data.get("epochs", "-"),
+        "batch": data.get("batch_size", "-"),
+        "lr": data.get("lr", "-"),
         "paper_setup": f"{ref.get('gpus', '?')} GPUs x {ref.get('per_gpu_batch', '?')}" if ref else "-",
-        "reference_top1": top1(ref.get("top1")), "source": ref.get("source", "-"),
+        "reference_top1": top1(ref.get("top1")),
+        "source": ref.get("source", "-"),
     }
 
 

@@ -1,4 +1,5 @@
 """A small name -> class registry shared by backends and KD losses."""
+
 from __future__ import annotations
 
 import difflib

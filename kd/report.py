@@ -2,6 +2,7 @@
 
 A path is a run folder (it holds ``metrics.jsonl``) or a folder of runs, searched below.
 """
+
 from __future__ import annotations
 
 import csv
@@ -17,8 +18,20 @@ from kd import table
 from kd.errors import KDError
 from kd.runfolder import RunFolder
 
-COLUMNS = ["run", "method", "teacher", "student", "epochs", "best_top1", "best_top5", "last_top1", "last_top5",
-           "reference_top1", "diff", "wall"]
+COLUMNS = [
+    "run",
+    "method",
+    "teacher",
+    "student",
+    "epochs",
+    "best_top1",
+    "best_top5",
+    "last_top1",
+    "last_top5",
+    "reference_top1",
+    "diff",
+    "wall",
+]
 CSV_COLUMNS = COLUMNS[:-1] + ["wall_s"]  # seconds for programs, as the markdown's "12m" is for people
 
 
@@ -53,14 +66,19 @@ def collect(run: Path) -> Dict[str, object]:
     last = evals[-1]
     ref = (cfg.get("reference") or {}).get("top1")
     return {
-        "run": str(run), "method": "baseline" if cfg.get("no_teacher") else cfg.get("kd_loss", "?"),
-        "teacher": "-" if cfg.get("no_teacher") else cfg.get("teacher", "?"), "student": cfg.get("student", "?"),
+        "run": str(run),
+        "method": "baseline" if cfg.get("no_teacher") else cfg.get("kd_loss", "?"),
+        "teacher": "-" if cfg.get("no_teacher") else cfg.get("teacher", "?"),
+        "student": cfg.get("student", "?"),
         "epochs": f"{records[-1]['epoch']}/{cfg.get('epochs', '?')}",
-        "best_top1": round(best["val_top1"], 2), "best_top5": round(best["val_top5"], 2),
-        "last_top1": round(last["val_top1"], 2), "last_top5": round(last["val_top5"], 2),
+        "best_top1": round(best["val_top1"], 2),
+        "best_top5": round(best["val_top5"], 2),
+        "last_top1": round(last["val_top1"], 2),
+        "last_top5": round(last["val_top5"], 2),
         "reference_top1": ref if ref is not None else "-",
         "diff": round(best["val_top1"] - ref, 2) if ref is not None else "-",
-        "wall": duration(wall), "wall_s": round(wall, 1),
+        "wall": duration(wall),
+        "wall_s": round(wall, 1),
     }
 
 
@@ -103,7 +121,7 @@ def report(runs: Sequence[Path], note: Optional[Callable[[str], None]] = None) -
         except KDError as exc:  # a run that has not evaluated yet, a broken metrics.jsonl
             skipped.append(f"skipped {run}: {exc}")
     if not rows:
-        reasons = "; ".join(s[len("skipped "):] for s in skipped[:3]) or "no path given"
+        reasons = "; ".join(s[len("skipped ") :] for s in skipped[:3]) or "no path given"
         raise KDError(f"no kd run to report: {reasons}{' ...' if len(skipped) > 3 else ''}")
     if note is not None:
         for line in skipped:
@@ -146,8 +164,9 @@ def plot(runs: Sequence[Path], path: Path, note: Optional[Callable[[str], None]]
         if ref is not None:
             top1.axhline(ref, color=color, linestyle="--", linewidth=1, label=f"{label}: paper {ref}")
         trained = [r for r in records if "train_loss" in r]
-        loss.plot([r["epoch"] for r in trained], [r["train_loss"] for r in trained], color=color, marker=".",
-                  label=label)
+        loss.plot(
+            [r["epoch"] for r in trained], [r["train_loss"] for r in trained], color=color, marker=".", label=label
+        )
     top1.set(xlabel="epoch", ylabel="val top-1 (%)", title="validation top-1 (dashed: paper)")
     loss.set(xlabel="epoch", ylabel="train loss", title="training loss")
     for ax in (top1, loss):

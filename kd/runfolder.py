@@ -8,6 +8,7 @@
     RUN/checkpoints/best.pt     a copy of the checkpoint with the best validation top-1
     RUN/tb/                     TensorBoard event files
 """
+
 from __future__ import annotations
 
 import shutil

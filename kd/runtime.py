@@ -5,6 +5,7 @@ config and the device the backend chose, and nowhere else: the engine, the teach
 bench and ``kd eval`` read the resolved :class:`Runtime`. (The DataLoader's worker count is
 resolved by :func:`kd.data.loader.default_workers`, the one owner of the loader's settings.)
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

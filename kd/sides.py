@@ -1,4 +1,5 @@
 """The two sides of a KD step as modules: the trainable student side and the frozen teacher side."""
+
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
@@ -52,8 +53,9 @@ class TeacherSide(nn.Module):
         return logits.float(), feats
 
 
-def setup_feature_layers(loss: DistillLoss, student: nn.Module, teacher: Optional[nn.Module],
-                         cfg) -> Tuple[List[str], List[str]]:
+def setup_feature_layers(
+    loss: DistillLoss, student: nn.Module, teacher: Optional[nn.Module], cfg
+) -> Tuple[List[str], List[str]]:
     """(student layers, teacher layers) to tap for a feature method (``--feature-layers`` or the
     method's default); builds the loss's connectors from a dry run. Empty for logit methods."""
     if not loss.uses_features:

@@ -1,4 +1,5 @@
 """Stops asked for by signals: SIGTERM / SIGINT set a flag the loop checks at step boundaries."""
+
 from __future__ import annotations
 
 import signal
@@ -16,8 +17,10 @@ class Interrupted(Exception):
         self.signame = signame
         if not message:
             assert out is not None, "Interrupted needs the run folder or a message"
-            message = (f"stopped by {signame} at step {step}; checkpoint written to "
-                       f"{RunFolder(out).last}; continue with: kd train --out {out} --resume")
+            message = (
+                f"stopped by {signame} at step {step}; checkpoint written to "
+                f"{RunFolder(out).last}; continue with: kd train --out {out} --resume"
+            )
         super().__init__(message)
 
 

@@ -1,4 +1,5 @@
 """What one training step hands back, and the hooks the loop calls around its steps."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

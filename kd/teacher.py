@@ -22,6 +22,7 @@ would use, and compares it with float32:
 
 Every process of a run takes part in the probe (the counts are summed), so all choose alike.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -64,8 +65,9 @@ class TeacherPrecision:
     (apex.amp O1 turns its patched casts off there, so the teacher runs on torch.autocast alone).
     """
 
-    def __init__(self, device: torch.device, dtype: torch.dtype,
-                 outer: Callable[[], ContextManager] = contextlib.nullcontext):
+    def __init__(
+        self, device: torch.device, dtype: torch.dtype, outer: Callable[[], ContextManager] = contextlib.nullcontext
+    ):
         self.device = device
         self.dtype = dtype
         self.outer = outer
@@ -122,9 +124,15 @@ def bf16_supported(device: torch.device) -> bool:
     return device.type != "cuda" or torch.cuda.is_bf16_supported()
 
 
-def choose(teacher: nn.Module, run: Callable[[nn.Module, TeacherPrecision], Dict[str, float]], setting: str,
-           start: torch.dtype, device: torch.device, name: str,
-           outer: Callable[[], ContextManager] = contextlib.nullcontext) -> Tuple[TeacherPrecision, nn.Module, str]:
+def choose(
+    teacher: nn.Module,
+    run: Callable[[nn.Module, TeacherPrecision], Dict[str, float]],
+    setting: str,
+    start: torch.dtype,
+    device: torch.device,
+    name: str,
+    outer: Callable[[], ContextManager] = contextlib.nullcontext,
+) -> Tuple[TeacherPrecision, nn.Module, str]:
     """The teacher's precision, its prepared model, and a log line saying what was chosen and why.
 
     ``teacher`` is the float32 model (left as it is); ``run(model, precision)`` evaluates it on
@@ -145,7 +153,7 @@ def choose(teacher: nn.Module, run: Callable[[nn.Module, TeacherPrecision], Dict
         return probes[dtype]
 
     tried: List[str] = []
-    for dtype in (fallbacks(start, device) if not explicit else [start]):
+    for dtype in fallbacks(start, device) if not explicit else [start]:
         precision = TeacherPrecision(device, dtype, outer)
         model = precision.prepare(copy.deepcopy(teacher)) if precision.reduced else teacher
         probe = probe_in(dtype, model)
@@ -156,11 +164,15 @@ def choose(teacher: nn.Module, run: Callable[[nn.Module, TeacherPrecision], Dict
             how = "as given" if explicit else "auto"
             return precision, model, f"teacher {name}: runs in {precision.describe()} ({how}: {probe.summary()}{why})"
         if dtype == torch.float32:
-            raise KDError(f"teacher {name} gives non-finite logits even in float32 ({probe.summary()}): "
-                          f"its weights are broken; check --teacher-weights")
+            raise KDError(
+                f"teacher {name} gives non-finite logits even in float32 ({probe.summary()}): "
+                f"its weights are broken; check --teacher-weights"
+            )
         if explicit:
-            raise KDError(f"teacher {name} cannot run in {dtype_name(dtype)}: {problem}; use --teacher-precision "
-                          f"{'bfloat16 or float32' if dtype == torch.float16 else 'float32'}, or auto to let kd choose")
+            raise KDError(
+                f"teacher {name} cannot run in {dtype_name(dtype)}: {problem}; use --teacher-precision "
+                f"{'bfloat16 or float32' if dtype == torch.float16 else 'float32'}, or auto to let kd choose"
+            )
         tried.append(f"{dtype_name(dtype)} was refused: {problem}")
         del model
     raise AssertionError("float32 ends the fallbacks")  # pragma: no cover
@@ -196,8 +208,14 @@ def _problem(probe: Probe, float32: Callable[[], Probe]) -> Optional[str]:
     return None
 
 
-def prepare(teacher: nn.Module, layers: List[str], fuse: bool, memory_format: torch.memory_format,
-            choose: Callable[[nn.Module], nn.Module], log: Callable[[str], None]) -> nn.Module:
+def prepare(
+    teacher: nn.Module,
+    layers: List[str],
+    fuse: bool,
+    memory_format: torch.memory_format,
+    choose: Callable[[nn.Module], nn.Module],
+    log: Callable[[str], None],
+) -> nn.Module:
     """The frozen teacher, fused for inference (:mod:`kd.fuse`) where ``fuse``, then passed to
     ``choose`` (which picks its precision on a few validation batches). Where the device refuses
     the fused model there (a cuDNN without runtime fusion, say), the plain teacher is used and
@@ -207,8 +225,10 @@ def prepare(teacher: nn.Module, layers: List[str], fuse: bool, memory_format: to
         try:
             chosen = choose(fused.to(memory_format=memory_format))
         except RuntimeError as exc:
-            log(f"teacher: not fused, the fused model failed on {next(teacher.parameters()).device} "
-                f"({str(exc).splitlines()[0][:160]})")
+            log(
+                f"teacher: not fused, the fused model failed on {next(teacher.parameters()).device} "
+                f"({str(exc).splitlines()[0][:160]})"
+            )
         else:
             log(f"teacher: {note}")
             return chosen

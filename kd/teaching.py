@@ -5,6 +5,7 @@ One :class:`Teacher` serves one student (``kd train``) or several (``kd train --
 :mod:`kd.multi`): its outputs are float32 logits and tapped features, computed without gradients,
 that any number of students may read.
 """
+
 from __future__ import annotations
 
 import time
@@ -28,8 +29,18 @@ class Teacher:
     when kd made it (``--teacher-precision auto``), for ``config.yaml``.
     """
 
-    def __init__(self, model: nn.Module, layers: List[str], cfg, backend, runtime, precision, val,
-                 log: Callable[[str], None], notes: List[str]):
+    def __init__(
+        self,
+        model: nn.Module,
+        layers: List[str],
+        cfg,
+        backend,
+        runtime,
+        precision,
+        val,
+        log: Callable[[str], None],
+        notes: List[str],
+    ):
         self.cfg = cfg
         self.backend = backend
         self.layers = list(layers)
@@ -44,8 +55,14 @@ class Teacher:
                 return evaluate(lambda images: side(images)[0], val, backend, p, limit=kd_teacher.PROBE_BATCHES)
 
             self.precision, chosen, line = kd_teacher.choose(
-                candidate, probe, cfg.teacher_precision, precision.dtype, backend.device, cfg.teacher,
-                outer=precision.other_model_context)
+                candidate,
+                probe,
+                cfg.teacher_precision,
+                precision.dtype,
+                backend.device,
+                cfg.teacher,
+                outer=precision.other_model_context,
+            )
             log(line)
             if cfg.teacher_precision == "auto":
                 notes.append(line)
@@ -75,8 +92,10 @@ class Teacher:
         """Top-1 on the val split, logged with the teacher's precision (and a preprocessing note)."""
         start = time.perf_counter()
         top1 = evaluate(self._logits, self.val, self.backend, self.precision)["top1"]
-        self.log(f"teacher {self.cfg.teacher}: val top-1 {top1:.2f} (in {self.dtype_name}, "
-                 f"{time.perf_counter() - start:.1f}s)")
+        self.log(
+            f"teacher {self.cfg.teacher}: val top-1 {top1:.2f} (in {self.dtype_name}, "
+            f"{time.perf_counter() - start:.1f}s)"
+        )
         note = teacher_preprocessing_note(self.cfg)
         if note:
             self.log(note)

@@ -1,5 +1,6 @@
 """Benchmark helpers: the timed steps of ``kd bench`` (a step hook) and BatchNorm statistics for a
 random-init teacher."""
+
 from __future__ import annotations
 
 import time
@@ -31,7 +32,6 @@ def calibrate_batchnorm(model: nn.Module, loader, batches: int = 3) -> None:
     for m, momentum in zip(bns, momenta):
         m.momentum = momentum
     model.eval()
-
 
 
 class StepTimer(StepHook):
@@ -85,9 +85,13 @@ class StepTimer(StepHook):
         mine = [torch.cuda.max_memory_allocated(d) / 2**30 for d in backend.memory_devices()]
         slots = torch.zeros(backend.world_size, max(len(mine), 1), device=backend.device)
         if mine:
-            slots[backend.rank, :len(mine)] = torch.tensor(mine)
+            slots[backend.rank, : len(mine)] = torch.tensor(mine)
         backend.all_reduce_sum(slots)
         mem = [round(v, 3) for row in slots.tolist() for v in row if v > 0]
-        return {"timed_steps": self.steps, "timed_seconds": seconds,
-                "timed_img_per_s": images.item() / max(seconds, 1e-9),
-                "s_per_20_iters": 20 * seconds / max(self.steps, 1), "peak_mem_gb": mem}
+        return {
+            "timed_steps": self.steps,
+            "timed_seconds": seconds,
+            "timed_img_per_s": images.item() / max(seconds, 1e-9),
+            "s_per_20_iters": 20 * seconds / max(self.steps, 1),
+            "peak_mem_gb": mem,
+        }

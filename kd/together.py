@@ -1,6 +1,7 @@
 """The training loop of several students in one run (:mod:`kd.multi` plans them): one input
 pipeline and one teacher forward per batch, each student a :class:`kd.engine.Trainer` of its own.
 Apart from :mod:`kd.multi` so that :mod:`kd.launch`, which runs it, imports nothing that imports it back."""
+
 from __future__ import annotations
 
 import contextlib
@@ -43,10 +44,8 @@ class Shared:
     stop: StopFlag
 
 
-
 def is_students_folder(out: Path) -> bool:
     return (Path(out) / STUDENTS_FILE).is_file()
-
 
 
 @contextlib.contextmanager
@@ -66,14 +65,17 @@ class MultiTrainer:
     """One process's part of a run of several students (:class:`Students`): one data pipeline, one
     teacher forward per batch, each student's step, rules, log and checkpoints as its own run's."""
 
-    def __init__(self, students: Students, backend, resume: bool = False, hooks: Sequence[StepHook] = (),
-                 validate: bool = True):
+    def __init__(
+        self, students: Students, backend, resume: bool = False, hooks: Sequence[StepHook] = (), validate: bool = True
+    ):
         """``resume``: every student continues from its own ``last.pt``; ``hooks`` see each shared step
         (with this object as trainer) and each epoch's shared record (``kd bench``'s timer)."""
         cfg = students.cfgs[0]
         if cfg.compile and cfg.compile_mode in ("reduce-overhead", "max-autotune"):
-            raise KDError(f"compile_mode {cfg.compile_mode} (CUDA graphs) cannot share the teacher's outputs between "
-                          f"students; use compile_mode default or max-autotune-no-cudagraphs")
+            raise KDError(
+                f"compile_mode {cfg.compile_mode} (CUDA graphs) cannot share the teacher's outputs between "
+                f"students; use compile_mode default or max-autotune-no-cudagraphs"
+            )
         self.students = students
         self.backend = backend
         self.hooks = list(hooks)
@@ -83,16 +85,23 @@ class MultiTrainer:
         runtime = resolve_runtime(cfg, backend.device)
         self.stop = StopFlag()
         num_replicas, rank = backend.data_shard()
-        self.data = kd_data.build(cfg, num_replicas, rank, backend.local_batch(cfg.batch_size), backend.device,
-                                  runtime.channels_last)
+        self.data = kd_data.build(
+            cfg, num_replicas, rank, backend.local_batch(cfg.batch_size), backend.device, runtime.channels_last
+        )
         shared = Shared(self.data, None, self.stop)
         self.lanes: List[Trainer] = []
         self.teacher: Optional[Teacher] = None
         try:
             for name, lane_cfg in zip(students.names, students.cfgs):
                 out = students.out / name
-                lane = Trainer(lane_cfg, backend.fork(), out, RunFolder(out).last if resume else None,
-                               validate=validate, shared=shared)
+                lane = Trainer(
+                    lane_cfg,
+                    backend.fork(),
+                    out,
+                    RunFolder(out).last if resume else None,
+                    validate=validate,
+                    shared=shared,
+                )
                 lane.name, lane.rng = name, checkpoint.rng_state()
                 self.lanes.append(lane)
             if len(self.lanes) > 1 and self.lanes[0].precision.one_per_process:
@@ -100,10 +109,13 @@ class MultiTrainer:
             self._prepare_teacher(shared, runtime)
             positions = {(lane.epoch, lane.batch_in_epoch) for lane in self.lanes}
             if len(positions) > 1:
-                where = ", ".join(f"{lane.name}: epoch {lane.epoch + 1} step {lane.batch_in_epoch}"
-                                  for lane in self.lanes)
-                raise KDError(f"the students' checkpoints are at different places ({where}); resume each alone "
-                              f"with kd train --out {students.out}/NAME --resume")
+                where = ", ".join(
+                    f"{lane.name}: epoch {lane.epoch + 1} step {lane.batch_in_epoch}" for lane in self.lanes
+                )
+                raise KDError(
+                    f"the students' checkpoints are at different places ({where}); resume each alone "
+                    f"with kd train --out {students.out}/NAME --resume"
+                )
         except BaseException:
             self.close()
             raise
@@ -130,8 +142,9 @@ class MultiTrainer:
             hook.on_teacher(lead, model)
         layers = list(dict.fromkeys(layer for lane in taught for layer in lane.t_layers))
         notes: List[str] = []
-        self.teacher = Teacher(model, layers, lead.cfg, self.backend, runtime, lead.precision, self.data.val,
-                               lead.logger.info, notes)
+        self.teacher = Teacher(
+            model, layers, lead.cfg, self.backend, runtime, lead.precision, self.data.val, lead.logger.info, notes
+        )
         for lane in taught:
             lane.use_teacher(self.teacher)
             lane.notes.extend(notes)
@@ -173,16 +186,22 @@ class MultiTrainer:
             for hook in self.hooks:
                 hook.on_epoch_end(self, extra)
             for lane in list(self.active):
-                record = self._run(lane, lambda lane=lane, totals=totals, start=start, seconds=seconds, extra=extra:
-                                   lane.end_epoch(totals[lane.name], start, seconds, extra))
+                record = self._run(
+                    lane,
+                    lambda lane=lane, totals=totals, start=start, seconds=seconds, extra=extra: lane.end_epoch(
+                        totals[lane.name], start, seconds, extra
+                    ),
+                )
                 if record is not None:
                     records[lane.name] = record
         for lane in list(self.active):
             self._run(lane, lane.finish)
         if self.failed:
             done = ", ".join(lane.name for lane in self.active) or "none"
-            raise KDError("; ".join(f"student {name} stopped: {why}" for name, why in self.failed.items())
-                          + f" (completed: {done})")
+            raise KDError(
+                "; ".join(f"student {name} stopped: {why}" for name, why in self.failed.items())
+                + f" (completed: {done})"
+            )
         return records.get(self.lanes[0].name, {})
 
     def train_epoch(self) -> Dict[str, Dict[str, float]]:
@@ -211,17 +230,21 @@ class MultiTrainer:
                     teacher_out = self.teacher.forward(self.active[0].precision.input_cast(batch.images))
                 stop = False
                 for lane in list(self.active):
+
                     def one(lane=lane, batch=batch, teacher_out=teacher_out, t0=t0, waited=waited):
                         out = lane.step(batch, teacher_out if lane.needs_teacher else None)
                         return lane.after_step(out, batch, t0, waited)
+
                     stop = bool(self._run(lane, one)) or stop
                 self.global_step += 1
                 for hook in self.hooks:
                     hook.on_step(self, StepOutput({}, None, None, len(batch)))
                 if stop:
                     self._interrupt()
-            return {lane.name: self._run(lane, lambda lane=lane: lane.end_train_epoch(first_wait))
-                    for lane in list(self.active)}
+            return {
+                lane.name: self._run(lane, lambda lane=lane: lane.end_train_epoch(first_wait))
+                for lane in list(self.active)
+            }
         finally:
             close = getattr(it, "close", None)
             if close is not None:
@@ -233,7 +256,9 @@ class MultiTrainer:
             with own_generators(lane):
                 lane.interrupt()
         out = self.students.out
-        raise Interrupted(self.stop.signame, message=f"stopped by {self.stop.signame} at step {self.global_step}; "
-                          f"every student's checkpoint written below {out}; "
-                          f"continue with: kd train --out {out} --resume")
-
+        raise Interrupted(
+            self.stop.signame,
+            message=f"stopped by {self.stop.signame} at step {self.global_step}; "
+            f"every student's checkpoint written below {out}; "
+            f"continue with: kd train --out {out} --resume",
+        )

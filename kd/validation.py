@@ -1,4 +1,5 @@
 """Top-1/top-5 over the val split, exact across processes (used by the loop, the teacher probe and kd eval)."""
+
 from __future__ import annotations
 
 from typing import Dict, Optional
@@ -39,8 +40,13 @@ def evaluate(forward, loader, backend, precision, limit: Optional[int] = None) -
     backend.all_reduce_sum(sums)
     c1, c5, n, loss, nonfinite = sums.tolist()
     n = max(n, 1.0)
-    return {"top1": 100.0 * c1 / n, "top5": 100.0 * c5 / n, "loss": loss / n, "count": int(sums[2].item()),
-            "nonfinite": int(nonfinite)}
+    return {
+        "top1": 100.0 * c1 / n,
+        "top5": 100.0 * c5 / n,
+        "loss": loss / n,
+        "count": int(sums[2].item()),
+        "nonfinite": int(nonfinite),
+    }
 
 
 def validate_student(side, forward, loader, backend, precision) -> Dict[str, float]:
@@ -52,5 +58,9 @@ def validate_student(side, forward, loader, backend, precision) -> Dict[str, flo
     backend.sync_buffers(side)
     start = time.perf_counter()
     val = evaluate(forward, loader, backend, precision)
-    return {"val_top1": val["top1"], "val_top5": val["top5"], "val_loss": val["loss"],
-            "val_s": time.perf_counter() - start}
+    return {
+        "val_top1": val["top1"],
+        "val_top5": val["top5"],
+        "val_loss": val["loss"],
+        "val_s": time.perf_counter() - start,
+    }

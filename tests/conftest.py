@@ -2,6 +2,7 @@
 fresh interpreter (``run_kd``), where the process itself is under test (signals, launchers, exit
 codes of the console script), and in this one (``kd_main``), where a fresh interpreter adds only
 its start-up time."""
+
 from __future__ import annotations
 
 import contextlib
@@ -20,8 +21,9 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def make_image_folder(root: Path, classes: int = 3, train_per_class: int = 8, val_per_class: int = 4,
-                      size=(40, 32), seed: int = 0) -> Path:
+def make_image_folder(
+    root: Path, classes: int = 3, train_per_class: int = 8, val_per_class: int = 4, size=(40, 32), seed: int = 0
+) -> Path:
     """ImageNet layout with learnable JPEGs: each class has its own colour and stripe direction."""
     rng = np.random.default_rng(seed)
     for split, count in (("train", train_per_class), ("val", val_per_class)):
@@ -33,7 +35,7 @@ def make_image_folder(root: Path, classes: int = 3, train_per_class: int = 8, va
                 base = np.zeros((h, w, 3), dtype=np.float32)
                 base[..., c % 3] = 180
                 stripes = (np.arange(w if c % 2 else h) // 4 % 2) * 60
-                base += (stripes[None, :, None] if c % 2 else stripes[:, None, None])
+                base += stripes[None, :, None] if c % 2 else stripes[:, None, None]
                 base += rng.normal(0, 20, size=base.shape)
                 Image.fromarray(np.clip(base, 0, 255).astype(np.uint8)).save(folder / f"{i:03d}.jpg", quality=90)
     return root
@@ -47,8 +49,14 @@ def image_folder(tmp_path_factory) -> Path:
 def run_kd(*args, cwd=None, env=None, timeout=600) -> subprocess.CompletedProcess:
     """``kd ARGS`` as a user runs it, in a fresh interpreter."""
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "cli", *map(str, args)], cwd=cwd, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "cli", *map(str, args)],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @contextlib.contextmanager
@@ -60,8 +68,12 @@ def _captured_output():
     files = {fd: tempfile.TemporaryFile() for fd in (1, 2)}
     saved_fds = {fd: os.dup(fd) for fd in files}
     saved_streams = sys.stdout, sys.stderr
-    streams = {fd: io.TextIOWrapper(open(os.dup(f.fileno()), "wb", buffering=0), encoding="utf-8",
-                                    errors="replace", write_through=True) for fd, f in files.items()}
+    streams = {
+        fd: io.TextIOWrapper(
+            open(os.dup(f.fileno()), "wb", buffering=0), encoding="utf-8", errors="replace", write_through=True
+        )
+        for fd, f in files.items()
+    }
     try:
         for fd, f in files.items():
             os.dup2(f.fileno(), fd)

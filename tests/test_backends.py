@@ -5,6 +5,7 @@ torch.distributed), give them torchrun's environment and run the engine's own en
 (``kd.launch.worker``) there, one job after another. The models are registered with timm, as a
 user registers their own models, so ``--student timm:kd_test_net`` works in every process.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,8 +37,14 @@ class TinyNet(nn.Module):
 
     def __init__(self, num_classes: int = 10, spare: bool = False):
         super().__init__()
-        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, 2, 1), nn.ReLU(), nn.Conv2d(8, 8, 3, 2, 1), nn.ReLU(),
-                                  nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.body = nn.Sequential(
+            nn.Conv2d(3, 8, 3, 2, 1),
+            nn.ReLU(),
+            nn.Conv2d(8, 8, 3, 2, 1),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+        )
         self.fc = nn.Linear(8, num_classes)
         self.spare = nn.Linear(8, 8) if spare else None  # never used: gets no gradient
 
@@ -50,9 +57,16 @@ class BnNet(nn.Module):
 
     def __init__(self, num_classes: int = 10):
         super().__init__()
-        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, 2, 1), nn.BatchNorm2d(8), nn.ReLU(),
-                                  nn.Conv2d(8, 8, 3, 2, 1), nn.BatchNorm2d(8), nn.ReLU(),
-                                  nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.body = nn.Sequential(
+            nn.Conv2d(3, 8, 3, 2, 1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.Conv2d(8, 8, 3, 2, 1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+        )
         self.fc = nn.Linear(8, num_classes)
 
     def forward(self, x):
@@ -94,8 +108,14 @@ def _run_jobs(rank: int, world: int, jobs, error_root: str):
     from kd.launch import worker
 
     torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", KD_DIST_TIMEOUT="120")
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        KD_DIST_TIMEOUT="120",
+    )
     for job in jobs:
         os.environ["MASTER_PORT"] = str(job["port"])
         if job["kind"] == "train":
@@ -167,9 +187,22 @@ def evaluate_fixed(cfg, backend):
     return evaluate(net, loader, backend, Precision(backend.device))
 
 
-TINY = dict(image_size=32, batch_size=8, workers=0, lr=0.2, momentum=0.9, weight_decay=1e-3,
-            lr_schedule="constant", device="cpu", log_every=1, seed=3, no_teacher=True, epochs=1,
-            progress_bar=False, student="timm:kd_test_net")
+TINY = dict(
+    image_size=32,
+    batch_size=8,
+    workers=0,
+    lr=0.2,
+    momentum=0.9,
+    weight_decay=1e-3,
+    lr_schedule="constant",
+    device="cpu",
+    log_every=1,
+    seed=3,
+    no_teacher=True,
+    epochs=1,
+    progress_bar=False,
+    student="timm:kd_test_net",
+)
 
 
 def tiny_cfg(data, out, **kw):
@@ -198,15 +231,33 @@ JOBS = {  # name: (student, backend, find_unused_parameters)
 def two_process_runs(data7, tmp_path_factory):
     """Every job of JOBS (plus an evaluation and an averaging job) in the same two processes."""
     root = tmp_path_factory.mktemp("two")
-    jobs = [{"kind": "eval", "fn": _eval_job, "port": free_port(), "result": str(root / "eval.pt"),
-             "cfg": tiny_cfg(data7, root / "eval", backend="torch_ddp")},
-            {"kind": "averager", "fn": _averager_job, "port": free_port(), "result": str(root / "avg"),
-             "cfg": tiny_cfg(data7, root / "avg", backend="apex_ddp")},
-            {"kind": "rng", "fn": _rng_job, "port": free_port(), "result": str(root / "rng"),
-             "cfg": tiny_cfg(data7, root / "rng", backend="torch_ddp")}]
+    jobs = [
+        {
+            "kind": "eval",
+            "fn": _eval_job,
+            "port": free_port(),
+            "result": str(root / "eval.pt"),
+            "cfg": tiny_cfg(data7, root / "eval", backend="torch_ddp"),
+        },
+        {
+            "kind": "averager",
+            "fn": _averager_job,
+            "port": free_port(),
+            "result": str(root / "avg"),
+            "cfg": tiny_cfg(data7, root / "avg", backend="apex_ddp"),
+        },
+        {
+            "kind": "rng",
+            "fn": _rng_job,
+            "port": free_port(),
+            "result": str(root / "rng"),
+            "cfg": tiny_cfg(data7, root / "rng", backend="torch_ddp"),
+        },
+    ]
     for name, (student, backend, unused) in JOBS.items():
-        cfg = tiny_cfg(data7, root / name, student=student, backend=backend, find_unused_parameters=unused,
-                       limit_train_batches=2)
+        cfg = tiny_cfg(
+            data7, root / name, student=student, backend=backend, find_unused_parameters=unused, limit_train_batches=2
+        )
         (root / name).mkdir()  # what the parent's prepare_out does before a launch
         jobs.append({"kind": "train", "name": name, "cfg": cfg, "port": free_port()})
     tmp.spawn(_run_jobs, args=(2, jobs, str(root / "errors")), nprocs=2, join=True)
@@ -335,11 +386,13 @@ def test_apex_ddp_takes_the_native_averager_where_real_apex_would_be_wrong(tmp_p
         assert "2 parameter(s) without gradient: spare.weight, spare.bias" in why
     finally:
         backend.teardown()
-    given = backends.get("apex_ddp")(tiny_cfg("synthetic", tmp_path / "b", backend="apex_ddp",
-                                              find_unused_parameters=True))
+    given = backends.get("apex_ddp")(
+        tiny_cfg("synthetic", tmp_path / "b", backend="apex_ddp", find_unused_parameters=True)
+    )
     assert "find_unused_parameters (given)" in given.native_reason(TinyNet(7))
-    bf16 = backends.get("apex_ddp")(tiny_cfg("synthetic", tmp_path / "c", backend="apex_ddp", opt="O2",
-                                             amp_dtype="bfloat16"))
+    bf16 = backends.get("apex_ddp")(
+        tiny_cfg("synthetic", tmp_path / "c", backend="apex_ddp", opt="O2", amp_dtype="bfloat16")
+    )
     assert "bfloat16" in bf16.native_reason(TinyNet(7))
 
 
@@ -464,8 +517,15 @@ def test_validation_is_that_of_the_saved_model_with_batchnorm(two_process_runs, 
 
     assert not errors_of(two_process_runs, name)
     logged = json.loads((two_process_runs / name / "metrics.jsonl").read_text().splitlines()[-1])
-    saved = evaluate_model("timm:kd_test_bn", str(two_process_runs / name / "checkpoints" / "last.pt"), str(data7),
-                           batch_size=4, device="cpu", image_size=32, workers=0)
+    saved = evaluate_model(
+        "timm:kd_test_bn",
+        str(two_process_runs / name / "checkpoints" / "last.pt"),
+        str(data7),
+        batch_size=4,
+        device="cpu",
+        image_size=32,
+        workers=0,
+    )
     assert saved["count"] == 21
     assert saved["loss"] == pytest.approx(logged["val_loss"], abs=1e-5)
 
@@ -486,7 +546,14 @@ def _gpus(n):
 @_gpus(2)
 def test_dp_over_two_gpus_equals_one_gpu(data7, tmp_path):
     one = single_run(data7, tmp_path / "one", student="timm:kd_test_net", device="cuda", gpus=[0])
-    two = single_run(data7, tmp_path / "two", student="timm:kd_test_net", device="cuda", gpus=[0, 1],
-                     backend="dp", dp_output_device=1)
+    two = single_run(
+        data7,
+        tmp_path / "two",
+        student="timm:kd_test_net",
+        device="cuda",
+        gpus=[0, 1],
+        backend="dp",
+        dp_output_device=1,
+    )
     for key in one:
         torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-5)

@@ -2,6 +2,7 @@
 
 Every case runs through the console script's body in this process; a few, one per layer that
 refuses (click, kd.config, the weights loader, kd eval), also in a fresh ``kd`` process."""
+
 from __future__ import annotations
 
 import hashlib
@@ -43,8 +44,20 @@ def world(tmp_path_factory):
     with open(root / "evil.pt", "wb") as fh:
         pickle.dump({"state_dict": Evil()}, fh)
     run = root / "run"
-    r = kd_main("train", "--data", data, "--teacher", "resnet18", "--teacher-weights", "none",
-                "--student", "resnet18", "--out", run, *BASE)
+    r = kd_main(
+        "train",
+        "--data",
+        data,
+        "--teacher",
+        "resnet18",
+        "--teacher-weights",
+        "none",
+        "--student",
+        "resnet18",
+        "--out",
+        run,
+        *BASE,
+    )
     assert r.returncode == 0, r.stderr
     return root
 
@@ -59,21 +72,39 @@ def snapshot(root: Path):
 
 
 def T(*extra, data="data", out="new"):
-    return ["train", "--data", f"{{root}}/{data}", "--teacher", "resnet18", "--teacher-weights", "none",
-            "--student", "resnet18", "--out", f"{{root}}/{out}", *BASE, *extra]
+    return [
+        "train",
+        "--data",
+        f"{{root}}/{data}",
+        "--teacher",
+        "resnet18",
+        "--teacher-weights",
+        "none",
+        "--student",
+        "resnet18",
+        "--out",
+        f"{{root}}/{out}",
+        *BASE,
+        *extra,
+    ]
 
 
 CASES = {
     "unknown option": (T("--frobnicate"), "no such option"),
-    "unknown student": (["train", "--data", "{root}/data", "--teacher", "resnet18", "--student", "resnet1B",
-                         "--out", "{root}/new"], "did you mean"),
+    "unknown student": (
+        ["train", "--data", "{root}/data", "--teacher", "resnet18", "--student", "resnet1B", "--out", "{root}/new"],
+        "did you mean",
+    ),
     "unknown timm model": (T("--student", "timm:notamodel"), "unknown timm model"),
     "unknown teacher": (T("--teacher", "vgg99"), "unknown torchvision model"),
     "missing data": (T(data="nowhere"), "does not exist"),
     "empty data": (T(data="empty"), "no class folders"),
     "no images": (T(data="noimg"), "no images"),
     "class mismatch": (T(data="mismatch"), "different classes"),
-    "missing student": (["train", "--data", "{root}/data", "--teacher", "resnet18", "--out", "{root}/new"], "--student is required"),
+    "missing student": (
+        ["train", "--data", "{root}/data", "--teacher", "resnet18", "--out", "{root}/new"],
+        "--student is required",
+    ),
     "bad opt level": (T("--opt", "O7"), "O7"),
     "bad number": (T("--epochs", "many"), "many"),
     "zero epochs": (T("--epochs", "0"), "--epochs must be at least 1"),
@@ -94,22 +125,32 @@ CASES = {
     "resume garbage": (T("--resume", "{root}/garbage.pt"), "cannot load checkpoint"),
     "out holds a run": (T(out="run"), "already holds a run"),
     "resume and overwrite": (T("--resume", "--overwrite", out="run"), "contradict"),
-    "overwrite, then a failed start": (T("--overwrite", "--teacher-weights", "{root}/wrong.pt", out="run"), "do not fit"),
+    "overwrite, then a failed start": (
+        T("--overwrite", "--teacher-weights", "{root}/wrong.pt", out="run"),
+        "do not fit",
+    ),
     "cuda without cuda": (T("--device", "cuda"), "CUDA"),
     "gpus on cpu": (T("--gpus", "0"), "--gpus needs --device cuda"),
     "alpha out of range": (T("--alpha", "1.5"), "--alpha must be between 0 and 1"),
     "alpha for another method": (T("--kd-loss", "dkd", "--alpha", "1"), "tckd_weight"),
-    "former and current loss arg": (T("--kd-loss", "dkd", "--loss-arg", "beta=1", "--loss-arg", "nckd_weight=1"), "not both"),
+    "former and current loss arg": (
+        T("--kd-loss", "dkd", "--loss-arg", "beta=1", "--loss-arg", "nckd_weight=1"),
+        "not both",
+    ),
     "negative ce weight": (T("--ce-weight", "-1"), "--ce-weight must be 0 or more"),
     "label smoothing out of range": (T("--label-smoothing", "1"), "--label-smoothing must be in [0, 1)"),
     "temperature without one": (T("--kd-loss", "at", "-T", "2"), "KD loss 'at' has no temperature"),
     "num classes mismatch": (T("--num-classes", "7"), "class folders"),
     "no-teacher with dkd": (T("--no-teacher", "--kd-loss", "dkd"), "conflicts"),
     "fp16 on cpu": (T("--opt", "O1", "--amp-dtype", "float16"), "float16 needs CUDA"),
-    "eval missing weights": (["eval", "--model", "resnet18", "--weights", "{root}/nope.pt", "--data", "{root}/data",
-                              "--device", "cpu"], "does not exist"),
-    "eval without val": (["eval", "--model", "resnet18", "--weights", "none", "--data", "{root}/empty/train",
-                          "--device", "cpu"], "no val/"),
+    "eval missing weights": (
+        ["eval", "--model", "resnet18", "--weights", "{root}/nope.pt", "--data", "{root}/data", "--device", "cpu"],
+        "does not exist",
+    ),
+    "eval without val": (
+        ["eval", "--model", "resnet18", "--weights", "none", "--data", "{root}/empty/train", "--device", "cpu"],
+        "no val/",
+    ),
 }
 if torch.cuda.is_available():
     CASES.pop("cuda without cuda")
@@ -132,8 +173,11 @@ def check(world, name, runner):
     args, expected = CASES[name]
     before = snapshot(world)
     r = runner(*[a.format(root=world) for a in args])
-    lines = [line for line in r.stderr.splitlines() if line.strip() and "Warning" not in line
-             and not line.startswith(("backend ", "precision ", "  "))]
+    lines = [
+        line
+        for line in r.stderr.splitlines()
+        if line.strip() and "Warning" not in line and not line.startswith(("backend ", "precision ", "  "))
+    ]
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert "Traceback" not in r.stderr, r.stderr
     assert len(lines) == 1 and lines[0].startswith("kd: error: "), r.stderr

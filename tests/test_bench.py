@@ -1,4 +1,5 @@
 """kd bench on the CPU: every combination in its own process set, one table, rows that explain failures."""
+
 from __future__ import annotations
 
 import csv
@@ -16,9 +17,32 @@ def bench(tmp_path_factory):
     """One ``kd bench`` over single, torch_ddp and dp at O0 and O1 with two --set options; the
     combinations are real ``kd train`` processes (bench starts them), the bench itself runs here."""
     out = tmp_path_factory.mktemp("bench") / "bench"
-    r = kd_main("bench", "--teacher", "resnet18", "--student", "resnet18", "--device", "cpu", "--nproc", "2",
-                "--backends", "single,torch_ddp,dp", "--opt", "O0,O1", "-b", "4", "--image-size", "32",
-                "--iters", "3", "--warmup", "1", "--out", out, *SETS)
+    r = kd_main(
+        "bench",
+        "--teacher",
+        "resnet18",
+        "--student",
+        "resnet18",
+        "--device",
+        "cpu",
+        "--nproc",
+        "2",
+        "--backends",
+        "single,torch_ddp,dp",
+        "--opt",
+        "O0,O1",
+        "-b",
+        "4",
+        "--image-size",
+        "32",
+        "--iters",
+        "3",
+        "--warmup",
+        "1",
+        "--out",
+        out,
+        *SETS,
+    )
     return out, r
 
 
@@ -26,7 +50,9 @@ def test_bench_table_csv_json_on_cpu(bench):
     out, r = bench
     assert r.returncode == 0, r.stderr
     rows = json.loads((out / "bench.json").read_text())["rows"]
-    assert [(x["backend"], x["opt"]) for x in rows] == [(b, o) for b in ("single", "torch_ddp", "dp") for o in ("O0", "O1")]
+    assert [(x["backend"], x["opt"]) for x in rows] == [
+        (b, o) for b in ("single", "torch_ddp", "dp") for o in ("O0", "O1")
+    ]
     ran = [x for x in rows if x["backend"] != "dp"]
     for x in ran:
         assert x["img_per_s"] > 0 and x["s_per_20_iters"] > 0, x
@@ -50,8 +76,24 @@ def test_bench_passes_set_to_every_combination(bench):
 def test_bench_data_reports_the_loader_alone(tmp_path):
     data = make_image_folder(tmp_path / "data", classes=2, train_per_class=6)
     for loader in ("pil", "gpu"):  # gpu falls back to CPU decoding here, and says so
-        r = kd_main("bench", "data", "--data", data, "--loader", loader, "-b", "4", "-j", "2", "--epochs", "2",
-                    "--device", "cpu", "--image-size", "32")
+        r = kd_main(
+            "bench",
+            "data",
+            "--data",
+            data,
+            "--loader",
+            loader,
+            "-b",
+            "4",
+            "-j",
+            "2",
+            "--epochs",
+            "2",
+            "--device",
+            "cpu",
+            "--image-size",
+            "32",
+        )
         assert r.returncode == 0, r.stderr
         lines = [x for x in r.stdout.splitlines() if x.startswith("epoch ")]
         assert len(lines) == 2 and all("12 images in" in x and "images/s" in x for x in lines), r.stdout

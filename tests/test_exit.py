@@ -5,6 +5,7 @@ runs on the CPU too); each process kd starts inherits a marker in its environmen
 the exit /proc is searched for it. Under apex.amp (GPU, where an apex with apex.amp is
 installed) the same, since apex runs once did not exit after stopping.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,8 +21,25 @@ import torch
 
 from conftest import ROOT, make_image_folder
 
-TINY = ["--teacher", "timm:resnet10t", "--teacher-weights", "none", "--student", "timm:resnet10t", "--image-size", "32",
-        "-b", "4", "--log-every", "1", "--loader", "gpu", "-j", "2", "--no-progress"]
+TINY = [
+    "--teacher",
+    "timm:resnet10t",
+    "--teacher-weights",
+    "none",
+    "--student",
+    "timm:resnet10t",
+    "--image-size",
+    "32",
+    "-b",
+    "4",
+    "--log-every",
+    "1",
+    "--loader",
+    "gpu",
+    "-j",
+    "2",
+    "--no-progress",
+]
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +65,13 @@ def marked_processes(marker: str):
 
 def start(marker: str, *args):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "KD_TEST_MARKER": marker}
-    return subprocess.Popen([sys.executable, "-m", "cli", "train", *map(str, args)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "cli", "train", *map(str, args)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def wait_line(proc, text: str, timeout: float = 300) -> str:
@@ -83,8 +106,11 @@ SIGNALS = {"sigterm": (signal.SIGTERM, 143), "ctrl-c": (signal.SIGINT, 130)}
 
 def stops(extra=()):
     run = [*TINY, "--epochs", 50, *extra]
-    return {"sigterm": run, "ctrl-c": run,
-            "error": [*TINY, "--epochs", 50, "--lr", "1e38", "--max-nonfinite-steps", 2, *extra]}
+    return {
+        "sigterm": run,
+        "ctrl-c": run,
+        "error": [*TINY, "--epochs", 50, "--lr", "1e38", "--max-nonfinite-steps", 2, *extra],
+    }
 
 
 def stop(proc, how: str) -> None:

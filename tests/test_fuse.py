@@ -1,4 +1,5 @@
 """kd.fuse: the frozen teacher's inference rewrite gives the same outputs with fewer ops."""
+
 from __future__ import annotations
 
 import copy
@@ -36,16 +37,23 @@ def fused_calls(gm) -> dict:
         counts["bn"] += isinstance(module, nn.BatchNorm2d)
         counts["conv"] += isinstance(module, nn.Conv2d)
         counts["plain relu/add"] += isinstance(module, nn.ReLU) or node.target in (
-            torch.relu, torch.nn.functional.relu, operator.add, operator.iadd)
+            torch.relu,
+            torch.nn.functional.relu,
+            operator.add,
+            operator.iadd,
+        )
     return counts
 
 
-@pytest.mark.parametrize("name, expected", [
-    ("resnet18", (20, 9, 8, 3)),  # the 3 downsample convs have no ReLU of their own
-    ("resnet50", (53, 33, 16, 4)),
-    ("regnet_y_400mf", (53, 49, 16, 20)),  # squeeze-excitation convs end in a sigmoid
-    ("mobilenet_v2", (52, 0, 0, 52)),  # ReLU6: folded only
-])
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("resnet18", (20, 9, 8, 3)),  # the 3 downsample convs have no ReLU of their own
+        ("resnet50", (53, 33, 16, 4)),
+        ("regnet_y_400mf", (53, 49, 16, 20)),  # squeeze-excitation convs end in a sigmoid
+        ("mobilenet_v2", (52, 0, 0, 52)),  # ReLU6: folded only
+    ],
+)
 def test_fused_model_matches_the_original(name, expected):
     model = scrambled(name)
     x = torch.randn(2, 3, 64, 64)

@@ -1,5 +1,6 @@
 """--loader gpu: header parsing, crop distribution, pixel parity with the PIL path, bad files,
 mid-epoch skip, the decode thread, the CLI; device tests carry the gpu marker."""
+
 from __future__ import annotations
 
 import io
@@ -36,7 +37,7 @@ def natural_image(rng, width: int, height: int) -> np.ndarray:
     img = img + 25 * np.sin(x / 7.0 + y / 11.0)[..., None]
     for _ in range(4):
         x0, y0 = rng.integers(0, width - 10), rng.integers(0, height - 10)
-        img[y0:y0 + rng.integers(5, height // 2), x0:x0 + rng.integers(5, width // 2)] = rng.random(3) * 255
+        img[y0 : y0 + rng.integers(5, height // 2), x0 : x0 + rng.integers(5, width // 2)] = rng.random(3) * 255
     img += rng.normal(0, 5, img.shape)
     return np.clip(img, 0, 255).astype(np.uint8)
 
@@ -60,8 +61,16 @@ def natural_folder(root: Path, sizes=((200, 150), (150, 200), (181, 97)), per_cl
 
 
 def cfg_for(data, **kw):
-    opts = dict(data=str(data), teacher="resnet18", student="resnet18", workers=0, image_size=64, batch_size=8,
-                loader="gpu", device="cpu")
+    opts = dict(
+        data=str(data),
+        teacher="resnet18",
+        student="resnet18",
+        workers=0,
+        image_size=64,
+        batch_size=8,
+        loader="gpu",
+        device="cpu",
+    )
     opts.update(kw)
     return kd_config.resolve(options=opts)
 
@@ -163,14 +172,19 @@ def test_boxes_and_flips_are_the_pil_paths(nat_folder):
 # ----------------------------------------------------------------------------- batched crop
 def test_crop_resize_identity_and_order():
     rng = np.random.default_rng(2)
-    images = [torch.from_numpy(natural_image(rng, w, h)).permute(2, 0, 1).contiguous()
-              for w, h in ((40, 30), (30, 40), (40, 30), (25, 25), (40, 30))]
-    boxes = torch.tensor([[0, 0, 40, 30], [0, 0, 30, 40], [3, 2, 33, 32], [0, 0, 25, 25], [10, 0, 40, 30]],
-                         dtype=torch.float32)
+    images = [
+        torch.from_numpy(natural_image(rng, w, h)).permute(2, 0, 1).contiguous()
+        for w, h in ((40, 30), (30, 40), (40, 30), (25, 25), (40, 30))
+    ]
+    boxes = torch.tensor(
+        [[0, 0, 40, 30], [0, 0, 30, 40], [3, 2, 33, 32], [0, 0, 25, 25], [10, 0, 40, 30]], dtype=torch.float32
+    )
     out = crop_resize(images, boxes, 24)
     assert out.shape == (5, 3, 24, 24) and out.dtype == torch.float32
-    single = [torch.ops.torchvision.roi_align(img[None].float(), torch.cat([torch.zeros(1), b])[None], 1.0,
-                                              24, 24, -1, True) for img, b in zip(images, boxes)]
+    single = [
+        torch.ops.torchvision.roi_align(img[None].float(), torch.cat([torch.zeros(1), b])[None], 1.0, 24, 24, -1, True)
+        for img, b in zip(images, boxes)
+    ]
     assert torch.allclose(out, torch.cat(single), atol=1e-4)  # grouping keeps the input order
     assert torch.allclose(crop_resize(images, boxes, 24, max_elements=3 * 40 * 30), out, atol=1e-4)  # chunked
     same = crop_resize([images[3]], torch.tensor([[0, 0, 25, 25]], dtype=torch.float32), 25)
@@ -215,7 +229,7 @@ def odd_folder(root: Path):
     (folder / "garbage.jpg").write_bytes(b"this is not an image" * 20)
     (folder / "truncated.jpg").write_bytes(good[: len(good) // 2])
     sos = good.find(b"\xff\xda")
-    (folder / "broken_scan.jpg").write_bytes(good[:sos] + b"\xff\xda\x00\x02" + good[sos + 20:])  # header fine
+    (folder / "broken_scan.jpg").write_bytes(good[:sos] + b"\xff\xda\x00\x02" + good[sos + 20 :])  # header fine
     return root, {str(folder / n) for n in ("garbage.jpg", "truncated.jpg", "broken_scan.jpg")}
 
 
@@ -281,6 +295,7 @@ def test_same_batches_as_pil_loader_and_mid_epoch_skip(image_folder):
 def test_limit_and_early_stop_leave_no_thread(image_folder):
     cfg = cfg_for(image_folder, image_size=32, limit_train_batches=2)
     data = build(cfg, 1, 0, 4, CPU, False)
+
     def decode_threads():
         return [t for t in threading.enumerate() if t.name == "kd-gpu-decode"]
 
@@ -339,9 +354,31 @@ def test_val_box_is_the_pil_resize_and_centre_crop():
 
 
 def test_cli_train_with_gpu_loader(image_folder, tmp_path):
-    r = kd_main("train", "--data", image_folder, "--teacher", "resnet18", "--teacher-weights", "none",
-                "--student", "resnet18", "--image-size", 32, "-b", 8, "--workers", 2, "--epochs", 1,
-                "--device", "cpu", "--loader", "gpu", "--out", tmp_path / "run")
+    r = kd_main(
+        "train",
+        "--data",
+        image_folder,
+        "--teacher",
+        "resnet18",
+        "--teacher-weights",
+        "none",
+        "--student",
+        "resnet18",
+        "--image-size",
+        32,
+        "-b",
+        8,
+        "--workers",
+        2,
+        "--epochs",
+        1,
+        "--device",
+        "cpu",
+        "--loader",
+        "gpu",
+        "--out",
+        tmp_path / "run",
+    )
     assert r.returncode == 0, r.stderr
     assert "loader gpu" in r.stderr and "decoder cpu" in r.stderr, r.stderr
     assert (tmp_path / "run" / "metrics.jsonl").is_file()
@@ -405,8 +442,30 @@ def test_cuda_loader_matches_the_cpu_path(nat_folder, monkeypatch, train):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cli_train_with_gpu_loader_on_cuda(image_folder, tmp_path):
-    r = run_kd("train", "--data", image_folder, "--teacher", "resnet18", "--teacher-weights", "none",
-               "--student", "resnet18", "--image-size", 32, "-b", 8, "--workers", 2, "--epochs", 1,
-               "--device", "cuda", "--loader", "gpu", "--out", tmp_path / "run")
+    r = run_kd(
+        "train",
+        "--data",
+        image_folder,
+        "--teacher",
+        "resnet18",
+        "--teacher-weights",
+        "none",
+        "--student",
+        "resnet18",
+        "--image-size",
+        32,
+        "-b",
+        8,
+        "--workers",
+        2,
+        "--epochs",
+        1,
+        "--device",
+        "cuda",
+        "--loader",
+        "gpu",
+        "--out",
+        tmp_path / "run",
+    )
     assert r.returncode == 0, r.stderr
     assert "loader gpu" in r.stderr and "side CUDA streams" in r.stderr, r.stderr

@@ -4,6 +4,7 @@ Every import statement counts, at the top of a module or inside a function: an i
 a function to dodge a circle is still one. A package and its submodules count as modules of
 their own (``kd.losses`` is ``kd/losses/__init__.py``).
 """
+
 from __future__ import annotations
 
 import ast

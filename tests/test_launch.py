@@ -1,5 +1,6 @@
 """Launching as users do: ``kd train --nproc 2``, torchrun, the legacy torch.distributed.launch,
 srun's environment; errors from inside workers and mismatches as one line with exit code 2."""
+
 from __future__ import annotations
 
 import os
@@ -40,9 +41,35 @@ def teacher_file(tmp_path_factory):
 
 
 def train_args(data, out, teacher, *extra):
-    return ["train", "--data", data, "--teacher", STUDENT, "--teacher-weights", teacher, "--student", STUDENT,
-            "--image-size", 32, "-b", 8, "--epochs", 1, "--device", "cpu", "--lr-schedule", "constant",
-            "--lr", 0.05, "--log-every", 1, "--no-progress", "--out", out, *extra]
+    return [
+        "train",
+        "--data",
+        data,
+        "--teacher",
+        STUDENT,
+        "--teacher-weights",
+        teacher,
+        "--student",
+        STUDENT,
+        "--image-size",
+        32,
+        "-b",
+        8,
+        "--epochs",
+        1,
+        "--device",
+        "cpu",
+        "--lr-schedule",
+        "constant",
+        "--lr",
+        0.05,
+        "--log-every",
+        1,
+        "--no-progress",
+        "--out",
+        out,
+        *extra,
+    ]
 
 
 def run_files(out: Path):
@@ -74,7 +101,11 @@ def test_kd_starts_two_cpu_processes_with_loader_workers_and_only_main_writes(da
     files = run_files(multi)
     assert [f for f in files if f.startswith("tb/")] and len([f for f in files if f.startswith("tb/")]) == 1, files
     assert [f for f in files if not f.startswith("tb/")] == [
-        "checkpoints/best.pt", "checkpoints/last.pt", "config.yaml", "metrics.jsonl"], files
+        "checkpoints/best.pt",
+        "checkpoints/last.pt",
+        "config.yaml",
+        "metrics.jsonl",
+    ], files
     assert len(metrics(multi)) == 1
 
     r = kd_main(*train_args(data9, single, teacher_file, "-j", 2))  # the one-process reference
@@ -90,8 +121,11 @@ def test_kd_starts_two_cpu_processes_with_loader_workers_and_only_main_writes(da
 
 @pytest.mark.slow
 def test_error_inside_a_worker_is_one_line_and_exit_2(data9, teacher_file, tmp_path):
-    r = run_kd(*train_args(data9, tmp_path / "run", teacher_file, "--backend", "torch_ddp", "--nproc", 2, "-j", 0,
-                           "--num-classes", 5))
+    r = run_kd(
+        *train_args(
+            data9, tmp_path / "run", teacher_file, "--backend", "torch_ddp", "--nproc", 2, "-j", 0, "--num-classes", 5
+        )
+    )
     assert "--num-classes 5 but" in one_line_error(r)
     assert not (tmp_path / "run" / "config.yaml").exists()
 
@@ -99,8 +133,9 @@ def test_error_inside_a_worker_is_one_line_and_exit_2(data9, teacher_file, tmp_p
 # ----------------------------------------------------------------------------- torchrun, legacy launch, srun
 def _run_module(args, env=None, timeout=600):
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", *map(str, args)], env=full_env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", *map(str, args)], env=full_env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.mark.slow
@@ -111,8 +146,10 @@ def test_started_by_torchrun_or_torch_distributed_launch(launcher, data9, teache
         head = ["torch.distributed.run", "--standalone", "--nproc_per_node", 2]
     else:  # passes --local-rank=N to every process
         head = ["torch.distributed.launch", "--nproc_per_node", 2, "--master_port", free_port()]
-    r = _run_module([*head, "-m", "cli", *train_args(data9, out, teacher_file, "--backend", "torch_ddp", "-j", 0)],
-                    env={"OMP_NUM_THREADS": "1"})
+    r = _run_module(
+        [*head, "-m", "cli", *train_args(data9, out, teacher_file, "--backend", "torch_ddp", "-j", 0)],
+        env={"OMP_NUM_THREADS": "1"},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "backend torch_ddp: 2 process(es) over gloo" in r.stderr
     assert len(metrics(out)) == 1 and (out / "checkpoints" / "last.pt").is_file()
@@ -120,10 +157,22 @@ def test_started_by_torchrun_or_torch_distributed_launch(launcher, data9, teache
 
 def srun_env(rank: int, port: int, **extra):
     """The environment srun gives task ``rank`` of two on this node (torchrun's variables removed)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-           "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank),
-           "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_STEP_NODELIST": "localhost",
-           "SLURMD_NODENAME": "localhost", "MASTER_PORT": str(port), **extra}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "1",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_STEP_ID": "0",
+        "SLURM_PROCID": str(rank),
+        "SLURM_LOCALID": str(rank),
+        "SLURM_STEP_NUM_TASKS": "2",
+        "SLURM_STEP_TASKS_PER_NODE": "2",
+        "SLURM_STEP_NODELIST": "localhost",
+        "SLURMD_NODENAME": "localhost",
+        "MASTER_PORT": str(port),
+        **extra,
+    }
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"):
         env.pop(name, None)
     return env
@@ -134,8 +183,16 @@ def test_started_by_srun_apex_ddp_with_loader_workers(data9, teacher_file, tmp_p
     """Two tasks with srun's environment: kd starts no process of its own and uses both as ranks."""
     out, port = tmp_path / "run", free_port()
     args = train_args(data9, out, teacher_file, "--backend", "apex_ddp", "-j", 2)
-    procs = [subprocess.Popen([sys.executable, "-m", "cli", *map(str, args)], env=srun_env(rank, port), text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for rank in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "cli", *map(str, args)],
+            env=srun_env(rank, port),
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for rank in (0, 1)
+    ]
     results = [(p.wait(timeout=600), *p.communicate()) for p in procs]
     assert [rc for rc, _, _ in results] == [0, 0], results[0][2][-2000:] + results[1][2][-2000:]
     main_log, other_log = results[0][2], results[1][2]
@@ -152,9 +209,16 @@ def test_started_by_srun_every_task_refuses_a_used_out_at_once(data9, teacher_fi
     out.mkdir()
     (out / "config.yaml").write_text("epochs: 1\n")
     args = train_args(data9, out, teacher_file, "--backend", "torch_ddp", "-j", 0)
-    procs = [subprocess.Popen([sys.executable, "-m", "cli", *map(str, args)], text=True,
-                              env=srun_env(rank, port, KD_DIST_TIMEOUT="120"),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for rank in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "cli", *map(str, args)],
+            text=True,
+            env=srun_env(rank, port, KD_DIST_TIMEOUT="120"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for rank in (0, 1)
+    ]
     try:
         results = [p.communicate(timeout=60) for p in procs]  # liveness, not speed
     finally:
@@ -169,16 +233,24 @@ def test_started_by_srun_every_task_refuses_a_used_out_at_once(data9, teacher_fi
 
 
 # ----------------------------------------------------------------------------- mismatches, before any work
-@pytest.mark.parametrize("args, message", [
-    (["--backend", "dp", "--nproc", 2], "--backend dp runs one process .* needs --backend torch_ddp or apex_ddp"),
-    (["--backend", "torch_ddp", "--device", "auto", "--gpus", "0,7"], "GPU 7 does not exist|0,7: no such GPU"),
-    (["--backend", "single", "--local_rank", 0, "--nproc", 2], "--backend single runs one process; --nproc 2 needs torch_ddp or apex_ddp"),
-    (["--backend", "dp", "--local-rank", 0, "--device", "cpu"], "dp needs CUDA GPUs"),
-    (["--backend", "apex_ddp", "--nproc", 2, "--sync-bn"], "--sync-bn needs CUDA"),
-    (["--backend", "dp", "--device", "cpu", "--amp-impl", "apex", "--opt", "O2"],
-     "--backend dp cannot run --amp-impl apex at O2: .* every replica"),
-    (["--backend", "torch_ddp", "--nproc", 2, "--set", "dist_backend=nccl"], "dist_backend=nccl needs CUDA"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--backend", "dp", "--nproc", 2], "--backend dp runs one process .* needs --backend torch_ddp or apex_ddp"),
+        (["--backend", "torch_ddp", "--device", "auto", "--gpus", "0,7"], "GPU 7 does not exist|0,7: no such GPU"),
+        (
+            ["--backend", "single", "--local_rank", 0, "--nproc", 2],
+            "--backend single runs one process; --nproc 2 needs torch_ddp or apex_ddp",
+        ),
+        (["--backend", "dp", "--local-rank", 0, "--device", "cpu"], "dp needs CUDA GPUs"),
+        (["--backend", "apex_ddp", "--nproc", 2, "--sync-bn"], "--sync-bn needs CUDA"),
+        (
+            ["--backend", "dp", "--device", "cpu", "--amp-impl", "apex", "--opt", "O2"],
+            "--backend dp cannot run --amp-impl apex at O2: .* every replica",
+        ),
+        (["--backend", "torch_ddp", "--nproc", 2, "--set", "dist_backend=nccl"], "dist_backend=nccl needs CUDA"),
+    ],
+)
 def test_mismatch_is_one_line_exit_2_before_any_work(args, message, data9, teacher_file, tmp_path):
     if "--gpus" in args and torch.cuda.device_count() > 7:
         pytest.skip("this machine has a GPU 7")

@@ -3,6 +3,7 @@
 The references below are deliberately plain: numpy in float64, explicit loops over samples,
 classes and positions, nothing imported from kd.
 """
+
 from __future__ import annotations
 
 import functools
@@ -24,6 +25,7 @@ def close(value, expected, rtol=RTOL, atol=ATOL):
 
 
 # ---------------------------------------------------------------- naive references
+
 
 def ref_softmax(z):
     e = np.exp(z - z.max())
@@ -101,7 +103,7 @@ def ref_block_mean(q, size):
     for i in range(n):
         for y in range(size[0]):
             for x in range(size[1]):
-                out[i, y, x] = q[i, y * fh:(y + 1) * fh, x * fw:(x + 1) * fw].mean()
+                out[i, y, x] = q[i, y * fh : (y + 1) * fh, x * fw : (x + 1) * fw].mean()
     return out
 
 
@@ -136,6 +138,7 @@ def ref_connector_train(x, weight, gamma, beta, eps):
 
 # ---------------------------------------------------------------- helpers
 
+
 def logits(seed, n=4, c=7, scale=3.0):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, c, generator=g) * scale
@@ -155,11 +158,18 @@ def run(name, args, **inputs):
 
 # ---------------------------------------------------------------- DKD
 
+
 @pytest.mark.parametrize("T,tckd_weight,nckd_weight", [(1.0, 1.0, 0.5), (4.0, 1.0, 8.0), (2.0, 0.3, 2.0)])
 def test_dkd_matches_paper(T, tckd_weight, nckd_weight):
     s, t, y = logits(0), logits(1), labels(2)
-    out = run("dkd", {"temperature": T, "tckd_weight": tckd_weight, "nckd_weight": nckd_weight},
-              student_logits=s, teacher_logits=t, labels=y, progress=5.0)
+    out = run(
+        "dkd",
+        {"temperature": T, "tckd_weight": tckd_weight, "nckd_weight": nckd_weight},
+        student_logits=s,
+        teacher_logits=t,
+        labels=y,
+        progress=5.0,
+    )
     expected_kd = ref_dkd(np64(s), np64(t), y.numpy(), tckd_weight, nckd_weight, T)
     assert close(out["kd"], expected_kd)
     assert close(out["ce"], ref_ce(np64(s), y.numpy()))
@@ -199,7 +209,13 @@ def test_dkd_reformulates_classical_kd():
 
 def test_dkd_stays_finite_when_the_target_saturates():
     s = torch.tensor([[60.0, 0.0, 0.0]], requires_grad=True)
-    out = run("dkd", {"warmup": 0.0}, student_logits=s, teacher_logits=torch.tensor([[5.0, 1.0, 0.0]]), labels=torch.tensor([0]))
+    out = run(
+        "dkd",
+        {"warmup": 0.0},
+        student_logits=s,
+        teacher_logits=torch.tensor([[5.0, 1.0, 0.0]]),
+        labels=torch.tensor([0]),
+    )
     out["loss"].backward()
     assert torch.isfinite(out["loss"]) and torch.isfinite(s.grad).all()
 
@@ -210,6 +226,7 @@ def test_dkd_refuses_soft_labels():
 
 
 # ---------------------------------------------------------------- Hinton KD
+
 
 def ref_hinton_kd(s, t, T):
     return T * T * sum(ref_kl(ref_softmax(t[i] / T), ref_softmax(s[i] / T)) for i in range(len(s))) / len(s)
@@ -222,17 +239,25 @@ def test_kd_matches_paper(T):
     out = run("kd", {"temperature": T}, student_logits=s, teacher_logits=t, labels=y)
     assert close(out["kd"], expected_kd) and close(out["ce"], expected_ce)
     assert close(out["loss"], 0.5 * expected_ce + 0.5 * expected_kd)  # Hinton's split: label 0.5, KD 0.5
-    out = run("kd", {"temperature": T, "ce_weight": 0.1, "kd_weight": 2.0}, student_logits=s, teacher_logits=t, labels=y)
+    out = run(
+        "kd", {"temperature": T, "ce_weight": 0.1, "kd_weight": 2.0}, student_logits=s, teacher_logits=t, labels=y
+    )
     assert close(out["loss"], 0.1 * expected_ce + 2.0 * expected_kd)
 
 
 # ---------------------------------------------------------------- DIST
 
+
 @pytest.mark.parametrize("inter_weight,intra_weight,T", [(1.0, 1.0, 1.0), (2.0, 0.5, 4.0)])
 def test_dist_matches_paper(inter_weight, intra_weight, T):
     s, t, y = logits(11, n=5), logits(12, n=5), labels(13, n=5)
-    out = run("dist", {"inter_weight": inter_weight, "intra_weight": intra_weight, "temperature": T},
-              student_logits=s, teacher_logits=t, labels=y)
+    out = run(
+        "dist",
+        {"inter_weight": inter_weight, "intra_weight": intra_weight, "temperature": T},
+        student_logits=s,
+        teacher_logits=t,
+        labels=y,
+    )
     expected = ref_dist(np64(s), np64(t), inter_weight, intra_weight, T)
     assert close(out["kd"], expected)
     assert close(out["loss"], ref_ce(np64(s), y.numpy()) + 2.0 * expected)  # kd_weight 2
@@ -251,6 +276,7 @@ def test_dist_hand_values():
 
 # ---------------------------------------------------------------- LSKD
 
+
 @pytest.mark.parametrize("T", [1.0, 2.0, 3.0])
 def test_lskd_matches_paper(T):
     s, t, y = logits(14), logits(15, scale=8.0), labels(16)
@@ -265,12 +291,19 @@ def test_lskd_hand_values():
     affine = run("lskd", {}, student_logits=3.0 * t + 5.0, teacher_logits=t, labels=labels(18))
     assert close(affine["kd"], 0.0, atol=1e-6)
     # two classes z-score to (+-1/sqrt(2)); opposite orderings give T^2 * x * tanh(x / 2), x = 2 / (T sqrt(2))
-    out = run("lskd", {"temperature": 2.0}, student_logits=torch.tensor([[1.0, 0.0]]), teacher_logits=torch.tensor([[0.0, 5.0]]), labels=torch.tensor([0]))
+    out = run(
+        "lskd",
+        {"temperature": 2.0},
+        student_logits=torch.tensor([[1.0, 0.0]]),
+        teacher_logits=torch.tensor([[0.0, 5.0]]),
+        labels=torch.tensor([0]),
+    )
     x = 1 / math.sqrt(2)
     assert close(out["kd"], 4.0 * x * math.tanh(x / 2))
 
 
 # ---------------------------------------------------------------- AT
+
 
 def feats(seed, shape):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
@@ -282,8 +315,15 @@ def test_at_matches_paper(p):
     s2, t2 = feats(22, (2, 4, 2, 3)), feats(23, (2, 6, 2, 3))
     loss = build_loss("at", 7, {"p": p})
     loss.setup_features({"a": s1.shape, "b": s2.shape}, {"a": t1.shape, "b": t2.shape})
-    out = loss(DistillInputs(logits(24, n=2), labels(25, n=2), logits(26, n=2),
-                             student_feats={"a": s1, "b": s2}, teacher_feats={"a": t1, "b": t2}))
+    out = loss(
+        DistillInputs(
+            logits(24, n=2),
+            labels(25, n=2),
+            logits(26, n=2),
+            student_feats={"a": s1, "b": s2},
+            teacher_feats={"a": t1, "b": t2},
+        )
+    )
     expected = ref_at_stage(np64(s1), np64(t1), p) + ref_at_stage(np64(s2), np64(t2), p)
     assert close(out["at"], expected)
     assert close(out["loss"], out["ce"] + 1000.0 * expected, rtol=1e-5)
@@ -291,11 +331,25 @@ def test_at_matches_paper(p):
 
 def test_at_pools_the_larger_map():
     s, t = feats(27, (2, 3, 8, 8)), feats(28, (2, 4, 4, 4))
-    out = run("at", {}, student_logits=logits(29, n=2), labels=labels(30, n=2), teacher_logits=logits(31, n=2),
-              student_feats={"x": s}, teacher_feats={"x": t})
+    out = run(
+        "at",
+        {},
+        student_logits=logits(29, n=2),
+        labels=labels(30, n=2),
+        teacher_logits=logits(31, n=2),
+        student_feats={"x": s},
+        teacher_feats={"x": t},
+    )
     assert close(out["at"], ref_at_stage(np64(s), np64(t), 2.0))
-    swapped = run("at", {}, student_logits=logits(29, n=2), labels=labels(30, n=2), teacher_logits=logits(31, n=2),
-                  student_feats={"x": t}, teacher_feats={"x": s})
+    swapped = run(
+        "at",
+        {},
+        student_logits=logits(29, n=2),
+        labels=labels(30, n=2),
+        teacher_logits=logits(31, n=2),
+        student_feats={"x": t},
+        teacher_feats={"x": s},
+    )
     assert close(swapped["at"], ref_at_stage(np64(t), np64(s), 2.0))
 
 
@@ -305,11 +359,18 @@ def test_at_hand_values():
     # attention is normalised: a scaled copy of the teacher's features matches it exactly
     assert close(run("at", {}, **base, student_feats={"x": 2 * f}, teacher_feats={"x": f})["at"], 0.0)
     # one channel, two positions: maps (1, 0) vs (0, 1) differ by (1, -1), mean square 1
-    out = run("at", {}, **base, student_feats={"x": torch.tensor([[[[1.0, 0.0]]]])}, teacher_feats={"x": torch.tensor([[[[0.0, 3.0]]]])})
+    out = run(
+        "at",
+        {},
+        **base,
+        student_feats={"x": torch.tensor([[[[1.0, 0.0]]]])},
+        teacher_feats={"x": torch.tensor([[[[0.0, 3.0]]]])},
+    )
     assert close(out["at"], 1.0) and close(out["loss"], math.log(2) + 1000.0)
 
 
 # ---------------------------------------------------------------- FitNet
+
 
 def fitnet_with(student_shape, teacher_shape, seed=40):
     loss = build_loss("fitnet", 7, {})
@@ -322,14 +383,19 @@ def fitnet_with(student_shape, teacher_shape, seed=40):
     return loss
 
 
-@pytest.mark.parametrize("student_shape,teacher_shape", [((3, 4, 4, 4), (3, 6, 4, 4)), ((3, 4, 4, 4), (3, 6, 2, 2)), ((3, 4, 2, 2), (3, 6, 4, 4))])
+@pytest.mark.parametrize(
+    "student_shape,teacher_shape",
+    [((3, 4, 4, 4), (3, 6, 4, 4)), ((3, 4, 4, 4), (3, 6, 2, 2)), ((3, 4, 2, 2), (3, 6, 4, 4))],
+)
 def test_fitnet_matches_paper(student_shape, teacher_shape):
     loss = fitnet_with(student_shape, teacher_shape)
     fs, ft = feats(41, student_shape), feats(42, teacher_shape)
     s, y = logits(43, n=3), labels(44, n=3)
     out = loss(DistillInputs(s, y, logits(45, n=3), student_feats={"h": fs}, teacher_feats={"h": ft}))
     conn = loss.connectors[0]
-    hint = ref_connector_train(np64(fs), np64(conn.conv.weight)[:, :, 0, 0], np64(conn.bn.weight), np64(conn.bn.bias), conn.bn.eps)
+    hint = ref_connector_train(
+        np64(fs), np64(conn.conv.weight)[:, :, 0, 0], np64(conn.bn.weight), np64(conn.bn.bias), conn.bn.eps
+    )
     target = np64(ft)
     if hint.shape[2] > target.shape[2]:
         hint = np.stack([ref_block_mean(hint[:, k], target.shape[2:]) for k in range(hint.shape[1])], axis=1)
@@ -349,7 +415,15 @@ def test_fitnet_hand_values_and_kd_term():
         loss.connectors[0].conv.weight.fill_(2.0)
     s = torch.tensor([[0.0, 0.0]])
     t = torch.tensor([[math.log(3.0), 0.0]])
-    out = loss(DistillInputs(s, torch.tensor([0]), t, student_feats={"h": torch.ones(1, 1, 1, 1)}, teacher_feats={"h": torch.zeros(1, 1, 1, 1)}))
+    out = loss(
+        DistillInputs(
+            s,
+            torch.tensor([0]),
+            t,
+            student_feats={"h": torch.ones(1, 1, 1, 1)},
+            teacher_feats={"h": torch.zeros(1, 1, 1, 1)},
+        )
+    )
     assert close(out["hint"], 4.0 / (1 + 1e-5))
     kl = 0.75 * math.log(1.5) + 0.25 * math.log(0.5)
     assert close(out["kd"], kl)
@@ -369,8 +443,14 @@ FEATS_PAIRS = {
 SETTINGS = {
     "ce": {"teacher": False},
     "kd": {"args": {"ce_weight": 0.3, "kd_weight": 0.7, "temperature": 2.0}, "kd_only": {"ce_weight": 0.0}},
-    "dkd": {"args": {"tckd_weight": 2.0, "nckd_weight": 4.0, "temperature": 4.0, "warmup": 5.0, "ce_weight": 0.5}, "kd_only": {"ce_weight": 0.0}},
-    "dist": {"args": {"inter_weight": 2.0, "intra_weight": 2.0, "temperature": 4.0, "kd_weight": 1.0}, "kd_only": {"ce_weight": 0.0}},
+    "dkd": {
+        "args": {"tckd_weight": 2.0, "nckd_weight": 4.0, "temperature": 4.0, "warmup": 5.0, "ce_weight": 0.5},
+        "kd_only": {"ce_weight": 0.0},
+    },
+    "dist": {
+        "args": {"inter_weight": 2.0, "intra_weight": 2.0, "temperature": 4.0, "kd_weight": 1.0},
+        "kd_only": {"ce_weight": 0.0},
+    },
     "lskd": {"args": {"temperature": 3.0, "kd_weight": 9.0}, "kd_only": {"ce_weight": 0.0}},
     "fitnet": {"features": FEATS_SAME, "args": {"kd_weight": 1.0}, "kd_only": {"ce_weight": 0.0}},
     "at": {"features": FEATS_PAIRS, "args": {"p": 4.0, "at_weight": 500.0}, "kd_only": {"ce_weight": 0.0}},
@@ -394,7 +474,10 @@ def prepared(name, args, dtype=torch.float32, num_classes=10, batch=4):
     s_feats = {k: torch.randn(*v, generator=g).to(dtype).requires_grad_() for k, v in spec["student"].items()}
     t_feats = {k: torch.randn(*v, generator=g).to(dtype).requires_grad_() for k, v in spec["teacher"].items()}
     if loss.uses_features:
-        loss.setup_features({k: torch.Size(v) for k, v in spec["student"].items()}, {k: torch.Size(v) for k, v in spec["teacher"].items()})
+        loss.setup_features(
+            {k: torch.Size(v) for k, v in spec["student"].items()},
+            {k: torch.Size(v) for k, v in spec["teacher"].items()},
+        )
     labels_ = torch.randint(0, num_classes, (batch,), generator=g)
     return loss, DistillInputs(student, labels_, teacher, s_feats, t_feats, progress=2.0)
 
@@ -446,6 +529,7 @@ def test_feature_methods_refuse_token_features(name):
 
 
 # ---------------------------------------------------------------- the label term and the names of the knobs
+
 
 def ref_ce_smoothed(s, y, eps):
     """Szegedy et al. 2016: the target is (1 - eps) one-hot + eps / C uniform."""
@@ -533,6 +617,7 @@ def test_kd_alpha_outside_0_1_is_refused():
 
 # ---------------------------------------------------------------- default layers and layer specs
 
+
 @functools.lru_cache(maxsize=None)
 def module_names(source, name):
     if source == "tv":
@@ -549,20 +634,30 @@ def module_names(source, name):
 RESNET = ["layer1", "layer2", "layer3", "layer4"]
 
 
-@pytest.mark.parametrize("student,teacher", [(("tv", "resnet18"), ("tv", "resnet34")), (("tv", "resnet18"), ("tv", "resnet50")),
-                                             (("timm", "resnet18"), ("tv", "resnet50")), (("timm", "resnet50"), ("timm", "resnet18"))])
+@pytest.mark.parametrize(
+    "student,teacher",
+    [
+        (("tv", "resnet18"), ("tv", "resnet34")),
+        (("tv", "resnet18"), ("tv", "resnet50")),
+        (("timm", "resnet18"), ("tv", "resnet50")),
+        (("timm", "resnet50"), ("timm", "resnet18")),
+    ],
+)
 def test_default_layers_resnets(student, teacher):
     s, t = module_names(*student), module_names(*teacher)
     assert LOSSES.get("at").default_layers(list(s), list(t)) == RESNET
     assert LOSSES.get("fitnet").default_layers(list(s), list(t)) == ["layer3"]
 
 
-@pytest.mark.parametrize("student,stages", [
-    (("tv", "mobilenet_v2"), ["features.3", "features.6", "features.13", "features.17"]),
-    (("tv", "mobilenet_v3_large"), ["features.3", "features.6", "features.12", "features.16"]),
-    (("timm", "mobilenetv1_100"), ["blocks.1", "blocks.2", "blocks.3", "blocks.4"]),
-    (("timm", "mobilenetv2_100"), ["blocks.1", "blocks.2", "blocks.4", "blocks.6"]),
-])
+@pytest.mark.parametrize(
+    "student,stages",
+    [
+        (("tv", "mobilenet_v2"), ["features.3", "features.6", "features.13", "features.17"]),
+        (("tv", "mobilenet_v3_large"), ["features.3", "features.6", "features.12", "features.16"]),
+        (("timm", "mobilenetv1_100"), ["blocks.1", "blocks.2", "blocks.3", "blocks.4"]),
+        (("timm", "mobilenetv2_100"), ["blocks.1", "blocks.2", "blocks.4", "blocks.6"]),
+    ],
+)
 def test_default_layers_mobilenets_pair_with_resnet_teacher(student, stages):
     s, t = list(module_names(*student)), list(module_names("tv", "resnet50"))
     assert LOSSES.get("at").default_layers(s, t) == [f"{a}:{b}" for a, b in zip(stages, RESNET)]
@@ -570,7 +665,9 @@ def test_default_layers_mobilenets_pair_with_resnet_teacher(student, stages):
     assert LOSSES.get("at").default_layers(s, s) == stages
 
 
-@pytest.mark.parametrize("name", ["resnet50", "mobilenetv1_100", "mobilenetv2_100", "mobilenetv3_large_100", "efficientnet_b0"])
+@pytest.mark.parametrize(
+    "name", ["resnet50", "mobilenetv1_100", "mobilenetv2_100", "mobilenetv3_large_100", "efficientnet_b0"]
+)
 def test_default_layers_agree_with_timm_feature_info(name):
     import timm
 
@@ -605,7 +702,10 @@ def test_feature_methods_on_real_models_through_hooks():
     """What the engine does: default layers, hooks on each side, a dry run for the shapes."""
     from torchvision.models import get_model
 
-    student, teacher = get_model("mobilenet_v3_small", weights=None, num_classes=10), get_model("resnet18", weights=None, num_classes=10)
+    student, teacher = (
+        get_model("mobilenet_v3_small", weights=None, num_classes=10),
+        get_model("resnet18", weights=None, num_classes=10),
+    )
     images, y = torch.randn(2, 3, 32, 32), torch.tensor([1, 2])
     for name in ["at", "fitnet"]:
         loss = build_loss(name, 10, {})
@@ -620,7 +720,9 @@ def test_feature_methods_on_real_models_through_hooks():
             t_logits = teacher(images)
         s_logits = student(images)
         loss.setup_features({n: s_feats[n].shape for n in s_names}, {n: t_feats[n].shape for n in t_names})
-        out = loss(DistillInputs(s_logits, y, t_logits, {n: s_feats[n] for n in s_names}, {n: t_feats[n] for n in t_names}))
+        out = loss(
+            DistillInputs(s_logits, y, t_logits, {n: s_feats[n] for n in s_names}, {n: t_feats[n] for n in t_names})
+        )
         out["loss"].backward()
         assert torch.isfinite(out["loss"])
         first_tap = dict(student.named_modules())[s_names[0]]

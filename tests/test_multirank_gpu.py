@@ -8,6 +8,7 @@ both ranks' gradients computed without any wrapper. The command-line tests compa
 ranks with a run of one on the same global batch. Tests of real apex skip where
 ``apex.parallel.DistributedDataParallel`` is not importable; TF32 is off so sums compare tightly.
 """
+
 from __future__ import annotations
 
 import copy
@@ -44,8 +45,14 @@ def _run_jobs(rank: int, world: int, jobs, root: str):
     """One spawned process: torchrun's variables, then each job; its result (or traceback) saved."""
     torch.set_num_threads(2)
     _no_tf32()
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", KD_DIST_TIMEOUT="120")
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        KD_DIST_TIMEOUT="120",
+    )
     for job in jobs:
         os.environ["MASTER_PORT"] = str(job["port"])
         try:
@@ -82,8 +89,12 @@ def _averaged_gradients(cfg):
             reference(_batch(rank, backend.device)).square().mean().div(backend.world_size).backward()
         grads = {name: None if p.grad is None else p.grad.float().cpu() for name, p in model.named_parameters()}
         expected = {name: None if p.grad is None else p.grad.cpu() for name, p in reference.named_parameters()}
-        return {"describe": backend.describe(), "got": grads, "expected": expected,
-                "contiguous": all(p.is_contiguous() for p in model.parameters())}
+        return {
+            "describe": backend.describe(),
+            "got": grads,
+            "expected": expected,
+            "contiguous": all(p.is_contiguous() for p in model.parameters()),
+        }
     finally:
         backend.teardown()
 
@@ -99,10 +110,17 @@ JOBS = {  # name: (backend, student, options); the apex ones run where real apex
 @pytest.fixture(scope="module")
 def one_gpu_two_ranks(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpu2")
-    jobs = [{"name": name, "port": tb.free_port(),
-             "cfg": tb.tiny_cfg("synthetic", root / name, backend=backend, student=student, device="cuda",
-                                gpus=[0], **options)}
-            for name, (backend, student, options) in JOBS.items() if APEX is not None or backend != "apex_ddp"]
+    jobs = [
+        {
+            "name": name,
+            "port": tb.free_port(),
+            "cfg": tb.tiny_cfg(
+                "synthetic", root / name, backend=backend, student=student, device="cuda", gpus=[0], **options
+            ),
+        }
+        for name, (backend, student, options) in JOBS.items()
+        if APEX is not None or backend != "apex_ddp"
+    ]
     tmp.spawn(_run_jobs, args=(2, jobs, str(root)), nprocs=2, join=True)
     return root
 
@@ -166,10 +184,35 @@ def data3(tmp_path_factory):
 
 def train(data, out, *extra):
     """``kd train`` of a LayerNorm student (no BatchNorm: two ranks equal one), TF32 off."""
-    r = run_kd("train", "--data", data, "--no-teacher", "--student", "timm:test_convnext", "--image-size", 32,
-               "-b", 8, "--epochs", 1, "--device", "cuda", "--lr-schedule", "constant", "--lr", 0.05,
-               "--log-every", 1, "--no-progress", "-j", 0, "--out", out, *extra,
-               env={**NO_TF32, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
+    r = run_kd(
+        "train",
+        "--data",
+        data,
+        "--no-teacher",
+        "--student",
+        "timm:test_convnext",
+        "--image-size",
+        32,
+        "-b",
+        8,
+        "--epochs",
+        1,
+        "--device",
+        "cuda",
+        "--lr-schedule",
+        "constant",
+        "--lr",
+        0.05,
+        "--log-every",
+        1,
+        "--no-progress",
+        "-j",
+        0,
+        "--out",
+        out,
+        *extra,
+        env={**NO_TF32, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stderr, torch.load(Path(out) / "checkpoints" / "last.pt", weights_only=True)["student"]
 
@@ -189,9 +232,26 @@ def test_two_ranks_on_one_gpu_equal_one_rank(backend, data3, tmp_path):
 
 
 def test_nccl_refuses_ranks_that_share_a_gpu(data3, tmp_path):
-    r = run_kd("train", "--data", data3, "--no-teacher", "--student", "timm:test_convnext", "--device", "cuda",
-               "--backend", "torch_ddp", "--gpus", 0, "--nproc", 2, "--set", "dist_backend=nccl",
-               "--out", tmp_path / "run")
+    r = run_kd(
+        "train",
+        "--data",
+        data3,
+        "--no-teacher",
+        "--student",
+        "timm:test_convnext",
+        "--device",
+        "cuda",
+        "--backend",
+        "torch_ddp",
+        "--gpus",
+        0,
+        "--nproc",
+        2,
+        "--set",
+        "dist_backend=nccl",
+        "--out",
+        tmp_path / "run",
+    )
     assert r.returncode == 2 and "dist_backend=nccl runs one process per GPU, and 2 processes share 1 GPU" in r.stderr
 
 
@@ -200,8 +260,19 @@ def test_nccl_refuses_ranks_that_share_a_gpu(data3, tmp_path):
 def test_apex_sync_bn_layers_are_the_ones_that_train(tmp_path, capfd):
     """apex's conversion makes new Parameters; made before the optimizer, they are the ones it steps."""
     data = make_image_folder(tmp_path / "data", classes=3, train_per_class=4, val_per_class=2)
-    kd.train(tb.tiny_cfg(data, tmp_path / "run", student="timm:kd_test_bn", backend="apex_ddp", nproc=1,
-                         device="cuda", gpus=[0], sync_bn=True, limit_train_batches=2))
+    kd.train(
+        tb.tiny_cfg(
+            data,
+            tmp_path / "run",
+            student="timm:kd_test_bn",
+            backend="apex_ddp",
+            nproc=1,
+            device="cuda",
+            gpus=[0],
+            sync_bn=True,
+            limit_train_batches=2,
+        )
+    )
     log = capfd.readouterr().err
     assert "real apex.parallel" in log and "sync_bn" in log
     state = tb.student_state(tmp_path / "run")

@@ -1,4 +1,5 @@
 """kd.nest: tensors inside the nested containers models return (dicts, lists, tuples, named tuples, dataclasses)."""
+
 from __future__ import annotations
 
 import dataclasses

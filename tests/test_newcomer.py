@@ -1,5 +1,6 @@
 """What a new user met in the first hour (issue 17): eval settings from the checkpoint, slow reduced
 precision on the CPU, empty class folders, report over a folder of runs, workers defaults, tables."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,19 @@ from kd import config as kd_config
 from kd.errors import KDError
 from conftest import ROOT, kd_main, make_image_folder
 
-TINY = dict(student="timm:resnet10t", no_teacher=True, image_size=32, val_resize=32, batch_size=8, workers=0,
-            epochs=1, lr=0.05, device="cpu", log_every=1, seed=0)
+TINY = dict(
+    student="timm:resnet10t",
+    no_teacher=True,
+    image_size=32,
+    val_resize=32,
+    batch_size=8,
+    workers=0,
+    epochs=1,
+    lr=0.05,
+    device="cpu",
+    log_every=1,
+    seed=0,
+)
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +91,9 @@ def test_eval_plain_weights_file_needs_model(trained, tmp_path):
     torch.save(torch.load(ckpt, weights_only=True)["student"], plain)
     with pytest.raises(KDError, match="--model"):
         evaluate_model(None, str(plain), str(data), device="cpu", workers=0)
-    r = evaluate_model("timm:resnet10t", str(plain), str(data), batch_size=8, device="cpu", image_size=32,
-                       val_resize=32, workers=0)
+    r = evaluate_model(
+        "timm:resnet10t", str(plain), str(data), batch_size=8, device="cpu", image_size=32, val_resize=32, workers=0
+    )
     assert "image size 32 (option)" in r["settings"] and r["num_classes"] == 3
 
 
@@ -157,8 +170,26 @@ def test_train_with_an_empty_class_folder_is_one_clear_error(tmp_path):
     data = make_image_folder(tmp_path / "d", classes=3, train_per_class=2, val_per_class=1)
     for split in ("train", "val"):
         (data / split / "class_03").mkdir()
-    r = kd_main("train", "--data", data, "--student", "resnet18", "--no-teacher", "--image-size", 32, "-b", 4,
-                "-j", 0, "--epochs", 1, "--device", "cpu", "--out", tmp_path / "run")
+    r = kd_main(
+        "train",
+        "--data",
+        data,
+        "--student",
+        "resnet18",
+        "--no-teacher",
+        "--image-size",
+        32,
+        "-b",
+        4,
+        "-j",
+        0,
+        "--epochs",
+        1,
+        "--device",
+        "cpu",
+        "--out",
+        tmp_path / "run",
+    )
     line = one_error_line(r)
     assert "class_03" in line, line
 
@@ -169,8 +200,9 @@ def test_train_with_an_empty_class_folder_is_one_clear_error(tmp_path):
 def _fake_run(folder: Path, top1: float, seconds: float) -> Path:
     folder.mkdir(parents=True)
     (folder / "config.yaml").write_text("kd_loss: kd\nteacher: resnet34\nstudent: resnet18\nepochs: 1\n")
-    (folder / "metrics.jsonl").write_text(json.dumps({"epoch": 1, "val_top1": top1, "val_top5": 99.0,
-                                                      "seconds": seconds}) + "\n")
+    (folder / "metrics.jsonl").write_text(
+        json.dumps({"epoch": 1, "val_top1": top1, "val_top5": 99.0, "seconds": seconds}) + "\n"
+    )
     (folder / "checkpoints").mkdir()
     return folder
 

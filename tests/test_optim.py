@@ -1,4 +1,5 @@
 """kd.optim: fused SGD survives a first step skipped by the loss scaler."""
+
 from __future__ import annotations
 
 import copy

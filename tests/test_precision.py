@@ -1,5 +1,6 @@
 """Opt levels O0-O3: through ``kd train`` on the CPU in bfloat16, and the precision objects
 in-process (float16 on the CPU where only the scaler is under test). GPU tests carry ``gpu``."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,9 +31,30 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # deterministic a
 def kd_one_thread(*args):
     """``kd ARGS`` in this process on one thread."""
     return kd_main(*args, env=ONE_THREAD, threads=1)
-TRAIN = ["--teacher", "resnet18", "--teacher-weights", "none", "--student", "mobilenet_v3_small",
-         "--image-size", 32, "-b", 8, "-j", 0, "--lr", 0.03, "--lr-schedule", "constant", "--device", "cpu",
-         "--log-every", 1]
+
+
+TRAIN = [
+    "--teacher",
+    "resnet18",
+    "--teacher-weights",
+    "none",
+    "--student",
+    "mobilenet_v3_small",
+    "--image-size",
+    32,
+    "-b",
+    8,
+    "-j",
+    0,
+    "--lr",
+    0.03,
+    "--lr-schedule",
+    "constant",
+    "--device",
+    "cpu",
+    "--log-every",
+    1,
+]
 CPU = torch.device("cpu")
 
 
@@ -81,9 +103,21 @@ def runs(data, tmp_path_factory):
 
 
 def tiny_cfg(data, out, **kw):
-    opts = dict(data=str(data), out=str(out), teacher="resnet18", teacher_weights="none", student="mobilenet_v3_small",
-                image_size=32, batch_size=8, workers=0, lr=0.03, lr_schedule="constant", device="cpu", log_every=1,
-                epochs=1)
+    opts = dict(
+        data=str(data),
+        out=str(out),
+        teacher="resnet18",
+        teacher_weights="none",
+        student="mobilenet_v3_small",
+        image_size=32,
+        batch_size=8,
+        workers=0,
+        lr=0.03,
+        lr_schedule="constant",
+        device="cpu",
+        log_every=1,
+        epochs=1,
+    )
     opts.update(kw)
     return kd_config.resolve(options=opts)
 
@@ -101,11 +135,12 @@ def trainer(cfg, precision=None) -> Trainer:
 @pytest.mark.parametrize("opt", LEVELS)
 def test_level_learns_through_the_cli(runs, opt):
     out, stderr = runs[opt]
-    described = {"O0": "precision O0 (native, float32, no loss scaling)",
-                 "O1": "precision O1 (native, float32 weights, autocast to bfloat16, no loss scaling)",
-                 "O2": "precision O2 (native, bfloat16 weights, BatchNorm float32, float32 master weights, "
-                       "no loss scaling)",
-                 "O3": "precision O3 (native, bfloat16 weights, no loss scaling)"}[opt]
+    described = {
+        "O0": "precision O0 (native, float32, no loss scaling)",
+        "O1": "precision O1 (native, float32 weights, autocast to bfloat16, no loss scaling)",
+        "O2": "precision O2 (native, bfloat16 weights, BatchNorm float32, float32 master weights, no loss scaling)",
+        "O3": "precision O3 (native, bfloat16 weights, no loss scaling)",
+    }[opt]
     assert described in stderr
     losses = [r["train_loss"] for r in records(out)]
     assert len(losses) == EPOCHS and all(math.isfinite(x) for x in losses)
@@ -133,8 +168,23 @@ def test_checkpoints_hold_float32_weights(runs, opt):
 
 def test_o2_checkpoint_evaluates_at_o0(runs, data):
     out, _ = runs["O2"]
-    r = kd_one_thread("eval", "--model", "mobilenet_v3_small", "--weights", out / "checkpoints" / "last.pt",
-                      "--data", data, "--image-size", 32, "-b", 8, "-j", 0, "--device", "cpu")
+    r = kd_one_thread(
+        "eval",
+        "--model",
+        "mobilenet_v3_small",
+        "--weights",
+        out / "checkpoints" / "last.pt",
+        "--data",
+        data,
+        "--image-size",
+        32,
+        "-b",
+        8,
+        "-j",
+        0,
+        "--device",
+        "cpu",
+    )
     assert r.returncode == 0, r.stderr
     assert "top-1" in r.stdout and "(12 images)" in r.stdout
 
@@ -144,8 +194,9 @@ def test_evaluate_model_at_each_level(runs, data, opt):
     from kd.evaluate import evaluate_model
 
     weights = runs["O2"][0] / "checkpoints" / "last.pt"
-    r = evaluate_model("mobilenet_v3_small", str(weights), str(data), batch_size=8, device="cpu", image_size=32,
-                       workers=0, opt=opt)
+    r = evaluate_model(
+        "mobilenet_v3_small", str(weights), str(data), batch_size=8, device="cpu", image_size=32, workers=0, opt=opt
+    )
     assert r["count"] == 12 and 0.0 <= r["top1"] <= 100.0 and math.isfinite(r["loss"])
 
 
@@ -239,8 +290,9 @@ class ConnectorLoss(DistillLoss):
 
 def test_loss_module_stays_float32_and_sees_float32():
     torch.manual_seed(0)
-    student = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                            nn.Linear(4, 3))
+    student = nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3)
+    )
     side = StudentSide(student, ConnectorLoss(), layers=["3"])
     optimizer = torch.optim.SGD(side.parameters(), lr=0.1)
     precision = MasterWeightPrecision(CPU, torch.bfloat16)
@@ -327,8 +379,10 @@ def test_float16_scaler_state_round_trips_through_a_checkpoint(cls, tmp_path):
     handle.remove()
     for seed in range(4, 6):
         one_step(a, model_a, opt_a, seed)  # growth tracker 2
-    torch.save({"model": a.model_state(model_a), "optimizer": opt_a.state_dict(), "precision": a.state_dict()},
-               tmp_path / "ckpt.pt")
+    torch.save(
+        {"model": a.model_state(model_a), "optimizer": opt_a.state_dict(), "precision": a.state_dict()},
+        tmp_path / "ckpt.pt",
+    )
     ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     assert ckpt["precision"]["scaler"]["scale"] == 2.0**15 and ckpt["precision"]["scaler"]["_growth_tracker"] == 2
     b, model_b, opt_b = setup_small(cls, torch.float16)
@@ -398,8 +452,20 @@ def error_lines(r):
 
 
 def test_float16_on_the_cpu_is_a_clear_error(data, tmp_path):
-    r = kd_one_thread("train", "--data", data, *TRAIN, "--out", tmp_path / "f16", "--epochs", 1, "--opt", "O1",
-                      "--amp-dtype", "float16")
+    r = kd_one_thread(
+        "train",
+        "--data",
+        data,
+        *TRAIN,
+        "--out",
+        tmp_path / "f16",
+        "--epochs",
+        1,
+        "--opt",
+        "O1",
+        "--amp-dtype",
+        "float16",
+    )
     lines = error_lines(r)
     assert len(lines) == 1 and "float16 needs CUDA" in lines[0], r.stderr
     assert not (tmp_path / "f16" / "config.yaml").exists()
@@ -407,8 +473,9 @@ def test_float16_on_the_cpu_is_a_clear_error(data, tmp_path):
 
 @pytest.mark.skipif(has_apex_amp(), reason="apex.amp is installed here")
 def test_amp_impl_apex_without_apex_is_one_line_exit_2(data, tmp_path):
-    r = kd_one_thread("train", "--data", data, *TRAIN, "--out", tmp_path / "apex", "--epochs", 1, "--opt", "O2",
-                      "--amp-impl", "apex")
+    r = kd_one_thread(
+        "train", "--data", data, *TRAIN, "--out", tmp_path / "apex", "--epochs", 1, "--opt", "O2", "--amp-impl", "apex"
+    )
     lines = error_lines(r)
     assert len(lines) == 1, r.stderr
     assert "--amp-impl apex" in lines[0] and "25.05" in lines[0] and "--amp-impl native" in lines[0]
@@ -483,8 +550,15 @@ def test_fused_sgd_on_cuda_matches_foreach(data, tmp_path, opt):
     """CUDA runs use fused SGD (the scaler's inf check stays on the device); same result as foreach."""
     states = {}
     for fused in (True, False):
-        cfg = tiny_cfg(data, tmp_path / f"{opt}_{fused}", device="cuda", opt=opt, epochs=2, fused_optimizer=fused,
-                       cudnn_benchmark=False)  # the same convolution algorithms in both runs
+        cfg = tiny_cfg(
+            data,
+            tmp_path / f"{opt}_{fused}",
+            device="cuda",
+            opt=opt,
+            epochs=2,
+            fused_optimizer=fused,
+            cudnn_benchmark=False,
+        )  # the same convolution algorithms in both runs
         t = trainer(cfg)
         assert bool(t.optimizer.defaults.get("fused")) == fused
         t.fit()

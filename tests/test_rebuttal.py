@@ -1,5 +1,6 @@
 """Several students in one run (kd.multi): bit for bit equal to separate runs, a non-finite student
 stopped alone, shared settings enforced, resume, and the figure of ``kd report --plot``."""
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,14 @@ class DropNet(nn.Module):
 
     def __init__(self, num_classes: int = 10):
         super().__init__()
-        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, 2, 1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
-                                  nn.Flatten(), nn.Dropout(0.3))
+        self.body = nn.Sequential(
+            nn.Conv2d(3, 8, 3, 2, 1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Dropout(0.3),
+        )
         self.fc = nn.Linear(8, num_classes)
 
     def forward(self, x):
@@ -34,6 +41,7 @@ def _register():
     from timm.models import register_model
 
     if "kd_drop_net" not in timm.list_models():
+
         @register_model
         def kd_drop_net(pretrained=False, num_classes=10, **kwargs):
             return DropNet(num_classes)
@@ -41,15 +49,29 @@ def _register():
 
 _register()
 
-TINY = dict(image_size=16, batch_size=4, workers=0, lr=0.05, device="cpu", log_every=1, seed=5, epochs=1,
-            limit_train_batches=3, limit_val_batches=1, progress_bar=False, teacher="timm:kd_drop_net",
-            teacher_weights="none", student="timm:kd_drop_net")
+TINY = dict(
+    image_size=16,
+    batch_size=4,
+    workers=0,
+    lr=0.05,
+    device="cpu",
+    log_every=1,
+    seed=5,
+    epochs=1,
+    limit_train_batches=3,
+    limit_val_batches=1,
+    progress_bar=False,
+    teacher="timm:kd_drop_net",
+    teacher_weights="none",
+    student="timm:kd_drop_net",
+)
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    return make_image_folder(tmp_path_factory.mktemp("rebuttal"), classes=3, train_per_class=4, val_per_class=2,
-                             size=(20, 16))
+    return make_image_folder(
+        tmp_path_factory.mktemp("rebuttal"), classes=3, train_per_class=4, val_per_class=2, size=(20, 16)
+    )
 
 
 def options(data, out, **kw):
@@ -71,7 +93,9 @@ def test_students_together_equal_separate_runs_bit_for_bit(data, tmp_path):
         for key, value in alone["student"].items():
             assert torch.equal(together["student"][key], value), (method, key)
         assert torch.equal(together["rng"]["0"]["torch"], alone["rng"]["0"]["torch"])  # its own dropout masks
-        records = [json.loads(line) for line in (tmp_path / "table" / method / "metrics.jsonl").read_text().splitlines()]
+        records = [
+            json.loads(line) for line in (tmp_path / "table" / method / "metrics.jsonl").read_text().splitlines()
+        ]
         assert records[0]["teacher_top1"] >= 0 and "val_top1" in records[0]
         saved = yaml.safe_load((tmp_path / "table" / method / "config.yaml").read_text())
         assert saved["kd_loss"] == method and saved["out"] == str(tmp_path / "table" / method)
@@ -121,8 +145,12 @@ def test_report_plot_draws_the_runs(tmp_path):
         run = tmp_path / "table" / name
         run.mkdir(parents=True)
         (run / "config.yaml").write_text(yaml.safe_dump({"kd_loss": name, "reference": {"top1": ref}}))
-        (run / "metrics.jsonl").write_text("".join(json.dumps({"epoch": e, "val_top1": 60 + e, "val_top5": 90,
-                                                               "train_loss": 3 - e}) + "\n" for e in (1, 2, 3)))
+        (run / "metrics.jsonl").write_text(
+            "".join(
+                json.dumps({"epoch": e, "val_top1": 60 + e, "val_top5": 90, "train_loss": 3 - e}) + "\n"
+                for e in (1, 2, 3)
+            )
+        )
     from cli import main
 
     assert main(["report", str(tmp_path / "table"), "--plot", str(tmp_path / "fig.png")]) == 0
@@ -157,10 +185,36 @@ def test_the_command_line_trains_a_table_and_resumes_it(data, tmp_path):
     from conftest import kd_main
 
     out = tmp_path / "table"
-    args = ["train", "--data", data, "--teacher", "timm:kd_drop_net", "--teacher-weights", "none",
-            "--student", "timm:kd_drop_net", "--kd-loss", "kd,dkd", "--image-size", "16", "-b", "4", "-j", "0",
-            "--device", "cpu", "--epochs", "1", "--limit-train-batches", "2", "--limit-val-batches", "1",
-            "--no-progress", "--out", out]
+    args = [
+        "train",
+        "--data",
+        data,
+        "--teacher",
+        "timm:kd_drop_net",
+        "--teacher-weights",
+        "none",
+        "--student",
+        "timm:kd_drop_net",
+        "--kd-loss",
+        "kd,dkd",
+        "--image-size",
+        "16",
+        "-b",
+        "4",
+        "-j",
+        "0",
+        "--device",
+        "cpu",
+        "--epochs",
+        "1",
+        "--limit-train-batches",
+        "2",
+        "--limit-val-batches",
+        "1",
+        "--no-progress",
+        "--out",
+        out,
+    ]
     r = kd_main(*args)
     assert r.returncode == 0, r.stderr
     assert "[kd] epoch 1/1" in r.stderr and "[dkd] epoch 1/1" in r.stderr
@@ -176,7 +230,8 @@ def test_the_command_line_trains_a_table_and_resumes_it(data, tmp_path):
     r = kd_main(*wrong, "--resume")
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         f"kd: error: --resume continues the students --out {out} holds (kd, dkd), not kd, dist; "
-        "leave out --recipe and --kd-loss, or name the same ones"], r.stderr
+        "leave out --recipe and --kd-loss, or name the same ones"
+    ], r.stderr
     r = kd_main(*args, "--resume")  # the same command again, with --resume and more epochs
     assert r.returncode == 0, r.stderr
     for name in ("kd", "dkd"):

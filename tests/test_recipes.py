@@ -1,4 +1,5 @@
 """Recipes resolve into valid configs and losses; recipes list/show and report work from the CLI."""
+
 from __future__ import annotations
 
 import json
@@ -42,9 +43,12 @@ def test_recipes_cli_and_report(tmp_path):
     assert r.returncode == 0 and "kd_loss: dist" in r.stdout
     run = tmp_path / "run"
     run.mkdir()
-    (run / "config.yaml").write_text("kd_loss: dkd\nteacher: resnet34\nstudent: resnet18\nepochs: 3\n"
-                                     "reference: {top1: 71.7}\n")
-    rows = [{"epoch": e, "val_top1": v, "val_top5": v + 20, "seconds": 1800} for e, v in ((1, 60.0), (2, 70.5), (3, 70.1))]
+    (run / "config.yaml").write_text(
+        "kd_loss: dkd\nteacher: resnet34\nstudent: resnet18\nepochs: 3\nreference: {top1: 71.7}\n"
+    )
+    rows = [
+        {"epoch": e, "val_top1": v, "val_top5": v + 20, "seconds": 1800} for e, v in ((1, 60.0), (2, 70.5), (3, 70.1))
+    ]
     (run / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in rows) + "\n")
     r = kd_main("report", run, "--csv", tmp_path / "t.csv")
     assert r.returncode == 0, r.stderr
@@ -63,8 +67,12 @@ FORMER = {
     "imagenet/r50_mv1_kd": {"alpha": 0.5, "temperature": 1.0},
     "imagenet/r34_r18_at": {"loss_args": {"ce_weight": 1.0, "beta": 1000.0}},
     "imagenet/r34_r18_dist": {"loss_args": {"ce_weight": 1.0, "kd_weight": 2.0, "beta": 1.0, "gamma": 1.0, "tau": 1.0}},
-    "imagenet/r34_r18_dkd": {"loss_args": {"ce_weight": 1.0, "alpha": 1.0, "beta": 0.5, "temperature": 1.0, "warmup": 1}},
-    "imagenet/r50_mv1_dkd": {"loss_args": {"ce_weight": 1.0, "alpha": 1.0, "beta": 2.0, "temperature": 1.0, "warmup": 1}},
+    "imagenet/r34_r18_dkd": {
+        "loss_args": {"ce_weight": 1.0, "alpha": 1.0, "beta": 0.5, "temperature": 1.0, "warmup": 1}
+    },
+    "imagenet/r50_mv1_dkd": {
+        "loss_args": {"ce_weight": 1.0, "alpha": 1.0, "beta": 2.0, "temperature": 1.0, "warmup": 1}
+    },
     "imagenet/r34_r18_lskd": {"loss_args": {"ce_weight": 1.0, "kd_weight": 6.0, "temperature": 2.0}},
 }
 
@@ -108,7 +116,9 @@ def test_recipe_loss_equals_its_former_names(name, tmp_path, caplog):
     assert old.loss_kwargs() == new.loss_kwargs()
     a, b = loss_outputs(new), loss_outputs(old)
     assert set(a) == set(b) and all(a[k].item() == b[k].item() for k in a)
-    renamed = sum(1 for k in {**FORMER[name], **FORMER[name].get("loss_args", {})} if k in ("alpha", "beta", "gamma", "tau"))
+    renamed = sum(
+        1 for k in {**FORMER[name], **FORMER[name].get("loss_args", {})} if k in ("alpha", "beta", "gamma", "tau")
+    )
     assert len([r for r in caplog.records if "deprecated" in r.getMessage()]) == renamed
 
 
@@ -123,9 +133,16 @@ def test_options_and_loss_args_later_source_wins():
     cfg = kd_config.resolve(recipe="imagenet/r34_r18_dkd", options={"temperature": 4.0})
     assert cfg.loss_kwargs()["temperature"] == 4.0  # the command line over the recipe's loss_args
     cfg = kd_config.resolve(recipe="imagenet/r34_r18_dist", options={"temperature": 4.0, "ce_weight": 0.5})
-    assert cfg.loss_kwargs() == {"ce_weight": 0.5, "kd_weight": 2.0, "inter_weight": 1.0, "intra_weight": 1.0,
-                                 "temperature": 4.0}
-    cfg = kd_config.resolve(recipe="imagenet/r34_r18_kd", options={"temperature": 4.0}, sets=["loss_args.temperature=3"])
+    assert cfg.loss_kwargs() == {
+        "ce_weight": 0.5,
+        "kd_weight": 2.0,
+        "inter_weight": 1.0,
+        "intra_weight": 1.0,
+        "temperature": 4.0,
+    }
+    cfg = kd_config.resolve(
+        recipe="imagenet/r34_r18_kd", options={"temperature": 4.0}, sets=["loss_args.temperature=3"]
+    )
     assert cfg.loss_kwargs()["temperature"] == 3 and cfg.temperature is None
     with pytest.raises(kd_config.KDError, match="temperature twice"):
         kd_config.resolve(recipe="imagenet/r34_r18_kd", options={"temperature": 4.0, "loss_args": {"temperature": 2}})
@@ -137,9 +154,16 @@ def test_former_names_on_the_command_line_over_a_recipe(caplog):
     assert cfg.loss_kwargs()["nckd_weight"] == 8.0 and "beta" not in cfg.loss_kwargs()
     assert len(caplog.records) == 1 and "'beta' is deprecated, use nckd_weight" in caplog.records[0].getMessage()
     # a former name in the recipe, the current one on the command line: the later one wins
-    cfg = kd_config.resolve(options={"kd_loss": "dkd", "loss_args": {"beta": 8.0}, "teacher": "resnet34",
-                                     "student": "resnet18", "data": "synthetic"},
-                            sets=["loss_args.nckd_weight=2"])
+    cfg = kd_config.resolve(
+        options={
+            "kd_loss": "dkd",
+            "loss_args": {"beta": 8.0},
+            "teacher": "resnet34",
+            "student": "resnet18",
+            "data": "synthetic",
+        },
+        sets=["loss_args.nckd_weight=2"],
+    )
     assert cfg.loss_kwargs()["nckd_weight"] == 2
 
 
@@ -159,14 +183,25 @@ def test_former_alpha_is_kd_only():
 def test_config_yaml_of_an_older_run_loads(tmp_path):
     import yaml
 
-    saved = {k: v for k, v in kd_config.RunConfig(teacher="resnet34", student="resnet18").to_dict().items()
-             if k not in ("ce_weight", "label_smoothing")}
+    saved = {
+        k: v
+        for k, v in kd_config.RunConfig(teacher="resnet34", student="resnet18").to_dict().items()
+        if k not in ("ce_weight", "label_smoothing")
+    }
     (tmp_path / "kd.yaml").write_text(yaml.safe_dump({**saved, "alpha": 0.5, "temperature": 1.0}))
-    assert kd_config.load(tmp_path / "kd.yaml").loss_kwargs() == {"ce_weight": 0.5, "kd_weight": 0.5, "temperature": 1.0}
+    assert kd_config.load(tmp_path / "kd.yaml").loss_kwargs() == {
+        "ce_weight": 0.5,
+        "kd_weight": 0.5,
+        "temperature": 1.0,
+    }
     loss_args = {"ce_weight": 1.0, "alpha": 1.0, "beta": 0.5, "temperature": 1.0, "warmup": 1}
-    (tmp_path / "dkd.yaml").write_text(yaml.safe_dump({**saved, "kd_loss": "dkd", "alpha": None, "temperature": None,
-                                                       "loss_args": loss_args}))
-    assert kd_config.load(tmp_path / "dkd.yaml").loss_kwargs() == kd_config.resolve(recipe="imagenet/r34_r18_dkd").loss_kwargs()
+    (tmp_path / "dkd.yaml").write_text(
+        yaml.safe_dump({**saved, "kd_loss": "dkd", "alpha": None, "temperature": None, "loss_args": loss_args})
+    )
+    assert (
+        kd_config.load(tmp_path / "dkd.yaml").loss_kwargs()
+        == kd_config.resolve(recipe="imagenet/r34_r18_dkd").loss_kwargs()
+    )
     assert kd_config.coerce("alpha", "0.3") == 0.3  # kd bench checks its --set items with coerce
 
 
@@ -193,17 +228,37 @@ def test_cli_former_and_current_name_together_is_one_line_exit_2():
 
 def test_cli_former_name_gives_one_deprecation_line():
     # --student missing on purpose: the run stops at validation, after the names were read
-    r = run_kd("train", "--kd-loss", "dist", "--teacher", "resnet34", "--data", "synthetic", "-T", "2",
-               "--loss-arg", "gamma=2", "--set", "loss_args.beta=3")
+    r = run_kd(
+        "train",
+        "--kd-loss",
+        "dist",
+        "--teacher",
+        "resnet34",
+        "--data",
+        "synthetic",
+        "-T",
+        "2",
+        "--loss-arg",
+        "gamma=2",
+        "--set",
+        "loss_args.beta=3",
+    )
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2, r.stderr
     assert lines[-1] == "kd: error: --student is required (a torchvision model name or timm:NAME)"
     warnings = lines[:-1]
     assert len(warnings) == 2, r.stderr  # one per former name
-    assert "'gamma' is deprecated, use intra_weight" in warnings[0] and "'beta' is deprecated, use inter_weight" in warnings[1]
+    assert (
+        "'gamma' is deprecated, use intra_weight" in warnings[0]
+        and "'beta' is deprecated, use inter_weight" in warnings[1]
+    )
     r = run_kd("train", "--kd-loss", "kd", "--teacher", "resnet34", "--data", "synthetic", "--alpha", "0.3")
     assert [line for line in r.stderr.splitlines() if "deprecated" in line] == [
-        "kd: warning: KD loss 'kd': 'alpha' is deprecated, use ce_weight and kd_weight (alpha=0.3 -> ce_weight=0.3, kd_weight=0.7)"]
-    r = run_kd("train", "--kd-loss", "at", "--teacher", "resnet34", "--student", "resnet18", "--data", "synthetic", "-T", "2")
+        "kd: warning: KD loss 'kd': 'alpha' is deprecated, use ce_weight and kd_weight (alpha=0.3 -> ce_weight=0.3, kd_weight=0.7)"
+    ]
+    r = run_kd(
+        "train", "--kd-loss", "at", "--teacher", "resnet34", "--student", "resnet18", "--data", "synthetic", "-T", "2"
+    )
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-        "kd: error: --temperature: KD loss 'at' has no temperature; its hyper-parameters: ce_weight, label_smoothing, at_weight, p"]
+        "kd: error: --temperature: KD loss 'at' has no temperature; its hyper-parameters: ce_weight, label_smoothing, at_weight, p"
+    ]

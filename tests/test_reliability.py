@@ -1,4 +1,5 @@
 """Preemption, kills and non-finite losses lose nothing: exact mid-epoch resume, intact checkpoints."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,28 @@ import torch
 
 from conftest import ROOT, kd_main, make_image_folder, run_kd
 
-ARGS = ["--teacher", "resnet18", "--teacher-weights", "none", "--student", "resnet18", "--image-size", "32",
-        "-b", "4", "--epochs", "3", "--device", "cpu", "--lr", "0.02", "--log-every", "1", "-T", "2"]
+ARGS = [
+    "--teacher",
+    "resnet18",
+    "--teacher-weights",
+    "none",
+    "--student",
+    "resnet18",
+    "--image-size",
+    "32",
+    "-b",
+    "4",
+    "--epochs",
+    "3",
+    "--device",
+    "cpu",
+    "--lr",
+    "0.02",
+    "--log-every",
+    "1",
+    "-T",
+    "2",
+]
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +46,13 @@ def data(tmp_path_factory):
 
 def start(*args):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "cli", *map(str, args)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "cli", *map(str, args)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def wait_for(pred, proc, timeout=300):
@@ -97,8 +123,24 @@ def test_kill_9_after_step_checkpoint_then_resume_is_exact(data, reference, tmp_
 
 def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(data, tmp_path):
     out = tmp_path / "nan"
-    r = kd_main("train", "--data", data, *ARGS, "-j", 0, "--out", out, "--lr", "1e12", "--save-every-steps", "1",
-                "--max-nonfinite-steps", "3", "--epochs", "1")
+    r = kd_main(
+        "train",
+        "--data",
+        data,
+        *ARGS,
+        "-j",
+        0,
+        "--out",
+        out,
+        "--lr",
+        "1e12",
+        "--save-every-steps",
+        "1",
+        "--max-nonfinite-steps",
+        "3",
+        "--epochs",
+        "1",
+    )
     assert r.returncode == 2, r.stderr
     assert "not finite for 3 consecutive steps" in r.stderr and "Traceback" not in r.stderr
     state = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
@@ -159,8 +201,24 @@ def _ranks(parent: int):
 @pytest.mark.parametrize("restarts", [0, 1])
 def test_a_dead_rank_takes_the_group_down_or_it_restarts(data, tmp_path, restarts):
     out = tmp_path / "run"
-    proc = start("train", "--data", data, *ARGS, "--backend", "torch_ddp", "--nproc", "2", "-j", "0",
-                 "--out", out, "--max-restarts", restarts, "--epochs", 6)
+    proc = start(
+        "train",
+        "--data",
+        data,
+        *ARGS,
+        "--backend",
+        "torch_ddp",
+        "--nproc",
+        "2",
+        "-j",
+        "0",
+        "--out",
+        out,
+        "--max-restarts",
+        restarts,
+        "--epochs",
+        6,
+    )
     wait_for(lambda: (out / "metrics.jsonl").exists() and len(_ranks(proc.pid)) == 2, proc)
     os.kill(_ranks(proc.pid)[-1], signal.SIGKILL)
     started = time.time()

@@ -7,6 +7,7 @@ engine reads its metrics only at log intervals and epoch ends; this counts such 
 epochs of different lengths with the real loop, so a per-step read added anywhere in the
 step (engine, precision, loss, optimizer glue) fails here, on the CPU, without a GPU.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,14 +21,29 @@ from kd.engine import Trainer
 
 READS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy")
 
-pytestmark = pytest.mark.skipif("test_resnet" not in __import__("timm").list_models("test_*"),
-                                reason="needs a timm with its tiny test_resnet (1.0.x)")
+pytestmark = pytest.mark.skipif(
+    "test_resnet" not in __import__("timm").list_models("test_*"),
+    reason="needs a timm with its tiny test_resnet (1.0.x)",
+)
 
 
 def tiny_trainer(out: Path, steps: int, **kw) -> Trainer:
-    options = dict(data="synthetic", teacher="timm:test_resnet", student="timm:test_resnet", teacher_weights="none",
-                   num_classes=10, image_size=8, batch_size=2, epochs=1, limit_train_batches=steps,
-                   device="cpu", log_every=1000, progress_bar=False, out=str(out), **kw)
+    options = dict(
+        data="synthetic",
+        teacher="timm:test_resnet",
+        student="timm:test_resnet",
+        teacher_weights="none",
+        num_classes=10,
+        image_size=8,
+        batch_size=2,
+        epochs=1,
+        limit_train_batches=steps,
+        device="cpu",
+        log_every=1000,
+        progress_bar=False,
+        out=str(out),
+        **kw,
+    )
     cfg = kd_config.resolve(options=options)
     backend = backends.get("single")(cfg)
     backend.setup()

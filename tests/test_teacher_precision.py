@@ -5,6 +5,7 @@ reduced precision cannot carry: 3.40e38 is finite in float32 but rounds to inf i
 (non-finite logits), and 1e5 leaves the class signal below bfloat16's resolution there (its
 top-1 drops to chance). Real runs through kd.train and the CLI; no mocks.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,13 +24,21 @@ from kd.errors import KDError
 from kd.losses import DistillInputs, DistillLoss
 
 NET = "timm:resnet10t"
-BASE = dict(image_size=32, batch_size=8, workers=0, lr=0.05, lr_schedule="constant", device="cpu", log_every=1,
-            epochs=1, progress_bar=False)
+BASE = dict(
+    image_size=32,
+    batch_size=8,
+    workers=0,
+    lr=0.05,
+    lr_schedule="constant",
+    device="cpu",
+    log_every=1,
+    epochs=1,
+    progress_bar=False,
+)
 
 
 def cfg_for(data, out, **kw):
-    return kd_config.resolve(options={**BASE, "data": str(data), "out": str(out), "teacher": NET,
-                                      "student": NET, **kw})
+    return kd_config.resolve(options={**BASE, "data": str(data), "out": str(out), "teacher": NET, "student": NET, **kw})
 
 
 def records(out: Path):
@@ -61,9 +70,33 @@ def with_bias(trained: Path, bias: float, folder: Path) -> Path:
 def test_overflowing_teacher_falls_back_to_float32_and_trains(data, trained, tmp_path):
     weights = with_bias(trained, 3.40e38, tmp_path)
     out = tmp_path / "o1"
-    r = kd_main("train", "--data", data, "--teacher", NET, "--teacher-weights", weights, "--student", NET,
-                "--image-size", 32, "-b", 8, "-j", 0, "--device", "cpu", "--opt", "O1", "--epochs", 2,
-                "--lr", 0.05, "--out", out)
+    r = kd_main(
+        "train",
+        "--data",
+        data,
+        "--teacher",
+        NET,
+        "--teacher-weights",
+        weights,
+        "--student",
+        NET,
+        "--image-size",
+        32,
+        "-b",
+        8,
+        "-j",
+        0,
+        "--device",
+        "cpu",
+        "--opt",
+        "O1",
+        "--epochs",
+        2,
+        "--lr",
+        0.05,
+        "--out",
+        out,
+    )
     assert r.returncode == 0, r.stderr
     assert "runs in float32 (auto:" in r.stderr and "bfloat16 was refused: non-finite logits" in r.stderr, r.stderr
     saved = (out / "config.yaml").read_text()
@@ -88,9 +121,31 @@ def test_a_healthy_teacher_keeps_the_run_precision(data, trained, tmp_path):
 
 def test_explicit_precision_that_fails_is_one_line_exit_2(data, trained, tmp_path):
     weights = with_bias(trained, 3.40e38, tmp_path)
-    r = kd_main("train", "--data", data, "--teacher", NET, "--teacher-weights", weights, "--student", NET,
-                "--image-size", 32, "-b", 8, "-j", 0, "--device", "cpu", "--opt", "O1", "--teacher-precision",
-                "bfloat16", "--out", tmp_path / "x")
+    r = kd_main(
+        "train",
+        "--data",
+        data,
+        "--teacher",
+        NET,
+        "--teacher-weights",
+        weights,
+        "--student",
+        NET,
+        "--image-size",
+        32,
+        "-b",
+        8,
+        "-j",
+        0,
+        "--device",
+        "cpu",
+        "--opt",
+        "O1",
+        "--teacher-precision",
+        "bfloat16",
+        "--out",
+        tmp_path / "x",
+    )
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     lines = [line for line in r.stderr.splitlines() if line.startswith("kd: error:")]
     assert len(lines) == 1 and "teacher timm:resnet10t cannot run in bfloat16" in lines[0]

@@ -1,4 +1,5 @@
 """kd train end to end on the CPU: outputs, TensorBoard, checkpoints, frozen teacher, resume, eval."""
+
 from __future__ import annotations
 
 import json
@@ -18,17 +19,47 @@ TINY = dict(image_size=32, batch_size=8, workers=0, lr=0.05, device="cpu", log_e
 
 
 def tiny_cfg(data, out, **kw):
-    opts = dict(TINY, data=str(data), out=str(out), teacher="resnet18", teacher_weights="none",
-                student="resnet18", epochs=2, temperature=2.0)
+    opts = dict(
+        TINY,
+        data=str(data),
+        out=str(out),
+        teacher="resnet18",
+        teacher_weights="none",
+        student="resnet18",
+        epochs=2,
+        temperature=2.0,
+    )
     opts.update(kw)
     return kd_config.resolve(options=opts)
 
 
 def test_cli_run_writes_metrics_tensorboard_checkpoints(image_folder, tmp_path):
     out = tmp_path / "run"
-    r = run_kd("train", "--data", image_folder, "--teacher", "resnet18", "--teacher-weights", "none",
-               "--student", "resnet18", "--image-size", 32, "-b", 8, "-j", 0, "--epochs", 2, "--device", "cpu",
-               "--log-every", 1, "--out", out)
+    r = run_kd(
+        "train",
+        "--data",
+        image_folder,
+        "--teacher",
+        "resnet18",
+        "--teacher-weights",
+        "none",
+        "--student",
+        "resnet18",
+        "--image-size",
+        32,
+        "-b",
+        8,
+        "-j",
+        0,
+        "--epochs",
+        2,
+        "--device",
+        "cpu",
+        "--log-every",
+        1,
+        "--out",
+        out,
+    )
     assert r.returncode == 0, r.stderr
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [rec["epoch"] for rec in records] == [1, 2]
@@ -135,8 +166,23 @@ def test_no_teacher_then_eval_matches_metrics(image_folder, tmp_path):
     kd.train(tiny_cfg(image_folder, out, no_teacher=True, teacher=None, epochs=1))
     rec = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert "train_kd" not in rec and "train_ce" in rec
-    r = kd_main("eval", "--model", "resnet18", "--weights", out / "checkpoints" / "last.pt", "--data", image_folder,
-                "--image-size", 32, "-b", 5, "-j", 0, "--device", "cpu")
+    r = kd_main(
+        "eval",
+        "--model",
+        "resnet18",
+        "--weights",
+        out / "checkpoints" / "last.pt",
+        "--data",
+        image_folder,
+        "--image-size",
+        32,
+        "-b",
+        5,
+        "-j",
+        0,
+        "--device",
+        "cpu",
+    )
     assert r.returncode == 0, r.stderr
     assert f"top-1 {rec['val_top1']:.2f}" in r.stdout
     assert "(12 images)" in r.stdout
@@ -145,9 +191,12 @@ def test_no_teacher_then_eval_matches_metrics(image_folder, tmp_path):
 def test_kd_checkpoint_as_teacher_weights(image_folder, tmp_path):
     """A teacher trained with --no-teacher is a valid --teacher-weights file (the demo's path)."""
     kd.train(tiny_cfg(image_folder, tmp_path / "t", no_teacher=True, teacher=None, epochs=1))
-    r = kd.train(tiny_cfg(image_folder, tmp_path / "s", teacher_weights=str(tmp_path / "t/checkpoints/best.pt"), epochs=1))
+    r = kd.train(
+        tiny_cfg(image_folder, tmp_path / "s", teacher_weights=str(tmp_path / "t/checkpoints/best.pt"), epochs=1)
+    )
     assert r["teacher_top1"] == pytest.approx(
-        json.loads((tmp_path / "t/metrics.jsonl").read_text().splitlines()[-1])["val_top1"])
+        json.loads((tmp_path / "t/metrics.jsonl").read_text().splitlines()[-1])["val_top1"]
+    )
 
 
 def test_demo_runs_through_kd_train(tmp_path):
@@ -162,9 +211,28 @@ def test_demo_runs_through_kd_train(tmp_path):
 @pytest.mark.slow
 def test_compiled_run_trains_like_the_eager_one(image_folder, tmp_path):
     """--compile (torch.compile of teacher and student; inductor's C++ backend on the CPU)."""
-    common = ("train", "--data", image_folder, "--teacher", "resnet18", "--teacher-weights", "none",
-              "--student", "resnet18", "--image-size", 32, "-b", 8, "-j", 0, "--epochs", 1, "--device", "cpu",
-              "--no-progress")
+    common = (
+        "train",
+        "--data",
+        image_folder,
+        "--teacher",
+        "resnet18",
+        "--teacher-weights",
+        "none",
+        "--student",
+        "resnet18",
+        "--image-size",
+        32,
+        "-b",
+        8,
+        "-j",
+        0,
+        "--epochs",
+        1,
+        "--device",
+        "cpu",
+        "--no-progress",
+    )
     runs = {}
     for name, extra, runner in (("eager", (), kd_main), ("compiled", ("--compile",), run_kd)):  # compiled apart
         r = runner(*common, *extra, "--out", tmp_path / name)

@@ -1,4 +1,5 @@
 """DataLoader workers are safe under every backend and start method; the naive KD pattern is not."""
+
 from __future__ import annotations
 
 import multiprocessing
@@ -20,9 +21,34 @@ def data(tmp_path_factory):
 @pytest.mark.parametrize("context", ["fork", "forkserver", "spawn"])
 def test_two_workers_under_every_backend_and_start_method(data, tmp_path, backend, context):
     procs = [] if backend == "single" else ["--nproc", "2"]
-    r = run_kd("train", "--data", data, "--teacher", "resnet18", "--teacher-weights", "none", "--student", "resnet18",
-               "--image-size", "32", "-b", "4", "--epochs", "2", "--device", "cpu", "-j", "2", "--mp-context", context,
-               "--backend", backend, *procs, "--out", tmp_path / "run")
+    r = run_kd(
+        "train",
+        "--data",
+        data,
+        "--teacher",
+        "resnet18",
+        "--teacher-weights",
+        "none",
+        "--student",
+        "resnet18",
+        "--image-size",
+        "32",
+        "-b",
+        "4",
+        "--epochs",
+        "2",
+        "--device",
+        "cpu",
+        "-j",
+        "2",
+        "--mp-context",
+        context,
+        "--backend",
+        backend,
+        *procs,
+        "--out",
+        tmp_path / "run",
+    )
     assert r.returncode == 0, r.stderr
     for bad in ("can only test a child process", "can only join a child process", "Traceback", "daemonic"):
         assert bad not in r.stderr, r.stderr
@@ -38,8 +64,13 @@ class _Images(Dataset):
 
 
 def _iterate(collate):
-    loader = DataLoader(_Images(), batch_size=4, num_workers=2, collate_fn=collate,
-                        multiprocessing_context=multiprocessing.get_context("spawn"))
+    loader = DataLoader(
+        _Images(),
+        batch_size=4,
+        num_workers=2,
+        collate_fn=collate,
+        multiprocessing_context=multiprocessing.get_context("spawn"),
+    )
     return [batch for batch in loader]
 
 
@@ -80,8 +111,29 @@ def test_corrupt_image_is_skipped_named_and_counted(tmp_path):
     data = make_image_folder(tmp_path / "data", classes=2, train_per_class=6, val_per_class=2)
     broken = data / "train" / "class_00" / "001.jpg"
     broken.write_bytes(broken.read_bytes()[:40])  # truncated JPEG
-    args = ["train", "--data", data, "--teacher", "resnet18", "--teacher-weights", "none", "--student", "resnet18",
-            "--image-size", "32", "-b", "4", "--epochs", "1", "--device", "cpu", "-j", "2", "--log-every", "1"]
+    args = [
+        "train",
+        "--data",
+        data,
+        "--teacher",
+        "resnet18",
+        "--teacher-weights",
+        "none",
+        "--student",
+        "resnet18",
+        "--image-size",
+        "32",
+        "-b",
+        "4",
+        "--epochs",
+        "1",
+        "--device",
+        "cpu",
+        "-j",
+        "2",
+        "--log-every",
+        "1",
+    ]
     r = kd_main(*args, "--out", tmp_path / "ok")
     assert r.returncode == 0, r.stderr
     assert f"skipped unreadable image {broken}" in r.stderr

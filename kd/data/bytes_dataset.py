@@ -8,6 +8,7 @@ processes). Files the device decoders cannot take (not a JPEG, CMYK, 12-bit, ari
 coded, no end-of-image marker) go through the PIL path in the worker and arrive as finished
 crops; files PIL cannot read either arrive as bad paths. Module-level and picklable.
 """
+
 from __future__ import annotations
 
 from typing import List, NamedTuple, Optional, Sequence, Tuple
@@ -102,8 +103,16 @@ class JpegBytes:
     exists; crop and resize still run batched in the main process.
     """
 
-    def __init__(self, samples: Sequence[Tuple[str, int]], size: int, train: bool, resize: Optional[int] = None,
-                 min_scale: float = 0.08, decode_in_worker: bool = False, frame_types: Sequence[int] = DEVICE_SOF):
+    def __init__(
+        self,
+        samples: Sequence[Tuple[str, int]],
+        size: int,
+        train: bool,
+        resize: Optional[int] = None,
+        min_scale: float = 0.08,
+        decode_in_worker: bool = False,
+        frame_types: Sequence[int] = DEVICE_SOF,
+    ):
         self.pil = ImageFolderPIL(samples, size, train, resize, min_scale)
         self.decode_in_worker = decode_in_worker
         self.frame_types = tuple(frame_types)
@@ -165,8 +174,9 @@ def collate_packed(batch: Sequence[Sample]) -> dict:
     dev = [s for s in batch if s.kind in (ENCODED, PIXELS)]
     pil = [s for s in batch if s.kind == PIL_CROP]
     arrays = [_payload(s).reshape(-1) for s in dev]
-    pil_images = (torch.from_numpy(np.stack([_payload(s) for s in pil])) if pil
-                  else torch.empty(0, 3, 1, 1, dtype=torch.uint8))
+    pil_images = (
+        torch.from_numpy(np.stack([_payload(s) for s in pil])) if pil else torch.empty(0, 3, 1, 1, dtype=torch.uint8)
+    )
     return {
         "data": torch.from_numpy(np.concatenate(arrays)) if arrays else torch.empty(0, dtype=torch.uint8),
         "lengths": torch.tensor([a.size for a in arrays], dtype=torch.long),

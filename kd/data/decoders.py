@@ -7,6 +7,7 @@ whose current CUDA stream is the loader's decode stream. :func:`make_decoder` pi
 one that works here and passes a self-check on small JPEGs, and says why others were skipped.
 nvImageCodec is optional and imported only here.
 """
+
 from __future__ import annotations
 
 import io
@@ -20,8 +21,9 @@ from kd.errors import KDError
 
 # torchvision 0.29 deprecates its image codecs in favour of TorchCodec; they still work and
 # torchvision 0.26 has no replacement to switch to, so say it once per process at most.
-warnings.filterwarnings("ignore", message="The image decoding and encoding capabilities of TorchVision",
-                        category=DeprecationWarning)
+warnings.filterwarnings(
+    "ignore", message="The image decoding and encoding capabilities of TorchVision", category=DeprecationWarning
+)
 
 #: Frame types a device decoder takes: baseline, extended sequential and progressive Huffman.
 DEVICE_SOF = (0xC0, 0xC1, 0xC2)
@@ -107,12 +109,16 @@ class NvImageCodec(Decoder):
         from nvidia import nvimgcodec
 
         self.version = getattr(nvimgcodec, "__version__", "?")
-        kinds = [nvimgcodec.BackendKind.HW_GPU_ONLY, nvimgcodec.BackendKind.GPU_ONLY,
-                 nvimgcodec.BackendKind.HYBRID_CPU_GPU]
+        kinds = [
+            nvimgcodec.BackendKind.HW_GPU_ONLY,
+            nvimgcodec.BackendKind.GPU_ONLY,
+            nvimgcodec.BackendKind.HYBRID_CPU_GPU,
+        ]
         # fancy upsampling: chroma interpolated as libjpeg (PIL) does, not replicated
         self.code_stream = nvimgcodec.CodeStream
-        self.decoder = nvimgcodec.Decoder(device_id=device.index, backends=[nvimgcodec.Backend(k) for k in kinds],
-                                          options=":fancy_upsampling=1")
+        self.decoder = nvimgcodec.Decoder(
+            device_id=device.index, backends=[nvimgcodec.Backend(k) for k in kinds], options=":fancy_upsampling=1"
+        )
         params = nvimgcodec.DecodeParams()
         params.apply_exif_orientation = False  # as PIL's plain open(): pixels in file order
         spec = nvimgcodec.ColorSpec
@@ -138,8 +144,10 @@ class NvImageCodec(Decoder):
         return t.permute(2, 0, 1) if t.dim() == 3 and t.shape[-1] == 3 else t
 
     def describe(self):
-        return (f"nvImageCodec {self.version} on {self.device} (hardware JPEG decoder first, then CUDA, "
-                f"then hybrid CPU+GPU)")
+        return (
+            f"nvImageCodec {self.version} on {self.device} (hardware JPEG decoder first, then CUDA, "
+            f"then hybrid CPU+GPU)"
+        )
 
 
 class Nvjpeg(Decoder):
@@ -163,8 +171,10 @@ class Nvjpeg(Decoder):
     def describe(self):
         import torchvision
 
-        return (f"torchvision {torchvision.__version__} nvJPEG on {self.device} (batched; its hardware "
-                f"JPEG engine for baseline files where the GPU has one)")
+        return (
+            f"torchvision {torchvision.__version__} nvJPEG on {self.device} (batched; its hardware "
+            f"JPEG engine for baseline files where the GPU has one)"
+        )
 
 
 class CpuThread(Decoder):
@@ -190,8 +200,10 @@ class CpuWorkers(Decoder):
         if host["lengths"].numel() == 0:
             return []
         data = host["data"].to(self.device, non_blocking=True)
-        return [part.view(3, int(h), int(w))
-                for part, (h, w) in zip(torch.split(data, host["lengths"].tolist()), host["shapes"].tolist())]
+        return [
+            part.view(3, int(h), int(w))
+            for part, (h, w) in zip(torch.split(data, host["lengths"].tolist()), host["shapes"].tolist())
+        ]
 
     def self_check(self):
         return None
@@ -219,7 +231,7 @@ def make_decoder(device: torch.device, choice: str = "auto") -> Tuple[Decoder, L
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     notes: List[str] = []
-    for name in (AUTO_ORDER if choice == "auto" else (choice,)):
+    for name in AUTO_ORDER if choice == "auto" else (choice,):
         cls = DECODERS[name]
         reason = cls.unavailable(device)
         if reason is None:

@@ -4,6 +4,7 @@ Workers only decode and augment; they never touch CUDA or a model. Randomness co
 a per-sample seed carried by the sampler, so augmentation is the same whatever the number
 of workers, the start method, persistent workers, or a resume in the middle of an epoch.
 """
+
 from __future__ import annotations
 
 import math
@@ -47,8 +48,10 @@ def _refuse_empty(root: Path, empty: List[str]) -> None:
     """A class folder without images would still get a label and an output of the model: refuse it."""
     if empty:
         shown = ", ".join(empty[:6]) + (f" and {len(empty) - 6} more" if len(empty) > 6 else "")
-        raise KDError(f"class folder{'s' if len(empty) > 1 else ''} with no image ({', '.join(IMG_EXTENSIONS[:3])}, "
-                      f"...) in {root}: {shown}; add images, or remove the class from both train/ and val/")
+        raise KDError(
+            f"class folder{'s' if len(empty) > 1 else ''} with no image ({', '.join(IMG_EXTENSIONS[:3])}, "
+            f"...) in {root}: {shown}; add images, or remove the class from both train/ and val/"
+        )
 
 
 def scan_split(root: Path, split: str) -> Tuple[List[str], List[Tuple[str, int]]]:
@@ -71,15 +74,20 @@ def scan(root: str) -> Tuple[List[str], List[Tuple[str, int]], List[Tuple[str, i
         only_train = sorted(set(classes) - set(val_classes))
         only_val = sorted(set(val_classes) - set(classes))
         detail = "; ".join(
-            s for s in (f"only in train: {', '.join(only_train[:3])}" if only_train else "",
-                        f"only in val: {', '.join(only_val[:3])}" if only_val else "") if s
+            s
+            for s in (
+                f"only in train: {', '.join(only_train[:3])}" if only_train else "",
+                f"only in val: {', '.join(only_val[:3])}" if only_val else "",
+            )
+            if s
         )
         raise KDError(f"train/ and val/ of {root} have different classes ({detail})")
     return classes, train, val
 
 
-def random_resized_crop_params(height: int, width: int, gen: torch.Generator,
-                               scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)) -> Tuple[int, int, int, int]:
+def random_resized_crop_params(
+    height: int, width: int, gen: torch.Generator, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)
+) -> Tuple[int, int, int, int]:
     """(top, left, h, w) drawn as torchvision's RandomResizedCrop.get_params, from ``gen``."""
     area = height * width
     log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
@@ -119,8 +127,14 @@ class ImageFolderPIL:
     An unreadable image yields ``None`` plus its path, and the collate function drops it.
     """
 
-    def __init__(self, samples: Sequence[Tuple[str, int]], size: int, train: bool, resize: Optional[int] = None,
-                 min_scale: float = 0.08):
+    def __init__(
+        self,
+        samples: Sequence[Tuple[str, int]],
+        size: int,
+        train: bool,
+        resize: Optional[int] = None,
+        min_scale: float = 0.08,
+    ):
         self.samples = list(samples)
         self.scale = (min_scale, 1.0)
         self.size = size

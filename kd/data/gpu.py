@@ -18,6 +18,7 @@ CPU tensors, with no streams: that is how CI tests it. Images the device decoder
 through PIL (the workers for non-JPEGs, this module for decoder failures); files PIL cannot
 read either are reported in ``Batch.bad`` as the PIL path does.
 """
+
 from __future__ import annotations
 
 import os
@@ -42,8 +43,9 @@ DECODER_ENV = "KD_GPU_DECODER"
 MAX_STACK_ELEMENTS = 1 << 27
 
 
-def crop_resize(images: Sequence[torch.Tensor], boxes: torch.Tensor, size: int,
-                max_elements: int = MAX_STACK_ELEMENTS) -> torch.Tensor:
+def crop_resize(
+    images: Sequence[torch.Tensor], boxes: torch.Tensor, size: int, max_elements: int = MAX_STACK_ELEMENTS
+) -> torch.Tensor:
     """Box ``(x1, y1, x2, y2)`` of each ``(3, H, W)`` uint8 image resized to ``size`` x ``size``.
 
     Returns ``(N, 3, size, size)`` float32 in 0..255, in the order of ``images``. Images of one
@@ -60,7 +62,7 @@ def crop_resize(images: Sequence[torch.Tensor], boxes: torch.Tensor, size: int,
     chunks: List[List[int]] = []
     for (h, w), members in groups.items():
         step = max(1, max_elements // (3 * h * w))
-        chunks.extend(members[s:s + step] for s in range(0, len(members), step))
+        chunks.extend(members[s : s + step] for s in range(0, len(members), step))
     order = [i for chunk in chunks for i in chunk]
     pin = device.type == "cuda"
     rois = torch.empty(n, 5, pin_memory=pin)
@@ -71,8 +73,9 @@ def crop_resize(images: Sequence[torch.Tensor], boxes: torch.Tensor, size: int,
     for chunk in chunks:
         stack = images[chunk[0]].unsqueeze(0) if len(chunk) == 1 else torch.stack([images[i] for i in chunk])
         # the op itself: torchvision.ops.roi_align swaps in a slow Python version in deterministic mode
-        outs.append(torch.ops.torchvision.roi_align(stack.float(), rois[start:start + len(chunk)], 1.0,
-                                                    size, size, -1, True))
+        outs.append(
+            torch.ops.torchvision.roi_align(stack.float(), rois[start : start + len(chunk)], 1.0, size, size, -1, True)
+        )
         start += len(chunk)
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     if order != list(range(n)):
@@ -218,8 +221,17 @@ class GpuLoader(DeviceLoader):
     """The loader of ``--loader gpu``: same interface as :class:`DeviceLoader`, batches of
     normalised float images and labels on the device (see the module docstring)."""
 
-    def __init__(self, loader, sampler, device: torch.device, channels_last: bool, limit: Optional[int],
-                 dataset: JpegBytes, decoder: Decoder, notes: Sequence[str] = ()):
+    def __init__(
+        self,
+        loader,
+        sampler,
+        device: torch.device,
+        channels_last: bool,
+        limit: Optional[int],
+        dataset: JpegBytes,
+        decoder: Decoder,
+        notes: Sequence[str] = (),
+    ):
         super().__init__(loader, sampler, device, channels_last, limit)
         self.dataset = dataset
         self.decoder = decoder
@@ -231,11 +243,16 @@ class GpuLoader(DeviceLoader):
         self.bias = (-torch.tensor(MEAN).view(1, 3, 1, 1) / std).to(device)
 
     def describe(self) -> str:
-        where = ("on side CUDA streams, one batch ahead of the step" if self.device.type == "cuda"
-                 else "on the CPU (no CUDA device)")
-        text = (f"loader gpu: file bytes from {self.loader.num_workers} DataLoader worker(s); "
-                f"decoder {self.decoder.name}: {self.decoder.describe()}; "
-                f"crop+resize: one roi_align per image size, {where}")
+        where = (
+            "on side CUDA streams, one batch ahead of the step"
+            if self.device.type == "cuda"
+            else "on the CPU (no CUDA device)"
+        )
+        text = (
+            f"loader gpu: file bytes from {self.loader.num_workers} DataLoader worker(s); "
+            f"decoder {self.decoder.name}: {self.decoder.describe()}; "
+            f"crop+resize: one roi_align per image size, {where}"
+        )
         return text + (f"; skipped decoders: {'; '.join(self.notes)}" if self.notes else "")
 
     def _stages(self):
@@ -334,12 +351,20 @@ def shared_decoder(device: torch.device, choice: str) -> Tuple[Decoder, List[str
     return _SHARED[key]
 
 
-def make_gpu_loader(cfg, samples, train: bool, num_replicas: int, rank: int, local_batch: int,
-                    device: torch.device, channels_last: bool) -> GpuLoader:
+def make_gpu_loader(
+    cfg, samples, train: bool, num_replicas: int, rank: int, local_batch: int, device: torch.device, channels_last: bool
+) -> GpuLoader:
     """A ``--loader gpu`` loader over ``samples``, sampled exactly as the PIL loader."""
     decoder, notes = shared_decoder(device, os.environ.get(DECODER_ENV, "auto").strip() or "auto")
-    dataset = JpegBytes(samples, cfg.image_size, train, cfg.val_resize, cfg.min_crop_scale,
-                        decode_in_worker=decoder.in_workers, frame_types=decoder.frame_types)
+    dataset = JpegBytes(
+        samples,
+        cfg.image_size,
+        train,
+        cfg.val_resize,
+        cfg.min_crop_scale,
+        decode_in_worker=decoder.in_workers,
+        frame_types=decoder.frame_types,
+    )
     loader, sampler = make_data_loader(cfg, dataset, collate_packed, train, num_replicas, rank, local_batch, device)
     limit = cfg.limit_train_batches if train else cfg.limit_val_batches
     return GpuLoader(loader, sampler, decoder.device, channels_last, limit, dataset, decoder, notes)

@@ -6,6 +6,7 @@ picklable dataset and collate function, a deliberate start method, persistent wo
 pinned memory with non-blocking copies, and worker seeds that differ across workers,
 ranks and epochs. The teacher never runs in a worker.
 """
+
 from __future__ import annotations
 
 import multiprocessing
@@ -101,8 +102,14 @@ class Loader(Protocol):
 class DeviceLoader:
     """A DataLoader plus the move to the device and normalisation there (uint8 crosses the bus)."""
 
-    def __init__(self, loader: DataLoader, sampler: SeededSampler, device: torch.device, channels_last: bool,
-                 limit: Optional[int] = None):
+    def __init__(
+        self,
+        loader: DataLoader,
+        sampler: SeededSampler,
+        device: torch.device,
+        channels_last: bool,
+        limit: Optional[int] = None,
+    ):
         self.loader = loader
         self.sampler = sampler
         self.device = device
@@ -131,8 +138,10 @@ class DeviceLoader:
         return max(n - self.skipped_batches, 0)
 
     def describe(self) -> str:
-        return (f"loader pil: PIL decode and crop in {self.loader.num_workers} DataLoader worker(s), "
-                f"normalised on {self.device}")
+        return (
+            f"loader pil: PIL decode and crop in {self.loader.num_workers} DataLoader worker(s), "
+            f"normalised on {self.device}"
+        )
 
     def close(self) -> None:
         """Stop the persistent worker processes now rather than at interpreter exit."""
@@ -157,8 +166,16 @@ class DeviceLoader:
 class SyntheticLoader:
     """Random images and labels made on the device: benchmarks of the step without input cost."""
 
-    def __init__(self, batch_size: int, size: int, num_classes: int, steps: int, device: torch.device,
-                 channels_last: bool, seed: int):
+    def __init__(
+        self,
+        batch_size: int,
+        size: int,
+        num_classes: int,
+        steps: int,
+        device: torch.device,
+        channels_last: bool,
+        seed: int,
+    ):
         g = torch.Generator(device="cpu").manual_seed(seed)
         fmt = torch.channels_last if channels_last else torch.contiguous_format
         self.images = torch.randn(batch_size, 3, size, size, generator=g).to(device).contiguous(memory_format=fmt)
@@ -183,8 +200,9 @@ class SyntheticLoader:
             yield Batch(self.images, self.labels)
 
 
-def make_loader(cfg, samples, train: bool, num_replicas: int, rank: int, local_batch: int,
-                device: torch.device, channels_last: bool) -> DeviceLoader:
+def make_loader(
+    cfg, samples, train: bool, num_replicas: int, rank: int, local_batch: int, device: torch.device, channels_last: bool
+) -> DeviceLoader:
     """A PIL loader over ``samples``: shuffled and padded for training, sharded exactly for val."""
     dataset = ImageFolderPIL(samples, cfg.image_size, train, cfg.val_resize, cfg.min_crop_scale)
     loader, sampler = make_data_loader(cfg, dataset, collate, train, num_replicas, rank, local_batch, device)
@@ -192,8 +210,9 @@ def make_loader(cfg, samples, train: bool, num_replicas: int, rank: int, local_b
     return DeviceLoader(loader, sampler, device, channels_last, limit)
 
 
-def make_data_loader(cfg, dataset, collate_fn, train: bool, num_replicas: int, rank: int, local_batch: int,
-                     device: torch.device):
+def make_data_loader(
+    cfg, dataset, collate_fn, train: bool, num_replicas: int, rank: int, local_batch: int, device: torch.device
+):
     """The DataLoader and SeededSampler over ``dataset``, with the worker settings of the module docstring."""
     sampler = SeededSampler(len(dataset), num_replicas, rank, shuffle=train, seed=cfg.seed, pad=train)
     workers = default_workers(num_replicas) if cfg.workers is None else cfg.workers
@@ -201,9 +220,21 @@ def make_data_loader(cfg, dataset, collate_fn, train: bool, num_replicas: int, r
     kwargs: Dict[str, Any] = dict(generator=torch.Generator().manual_seed(cfg.seed * 1000 + rank * 2 + int(train)))
     if workers > 0:
         # prefetch 2 per worker: in-flight batches live in /dev/shm, which containers often keep small
-        kwargs.update(multiprocessing_context=mp_context(cfg.mp_context or default_mp_context()),
-                      persistent_workers=True, prefetch_factor=2, worker_init_fn=seed_worker)
+        kwargs.update(
+            multiprocessing_context=mp_context(cfg.mp_context or default_mp_context()),
+            persistent_workers=True,
+            prefetch_factor=2,
+            worker_init_fn=seed_worker,
+        )
     drop_last = train and len(sampler) >= local_batch
-    loader = DataLoader(dataset, batch_size=local_batch, sampler=sampler, num_workers=workers,
-                        collate_fn=collate_fn, pin_memory=device.type == "cuda", drop_last=drop_last, **kwargs)
+    loader = DataLoader(
+        dataset,
+        batch_size=local_batch,
+        sampler=sampler,
+        num_workers=workers,
+        collate_fn=collate_fn,
+        pin_memory=device.type == "cuda",
+        drop_last=drop_last,
+        **kwargs,
+    )
     return loader, sampler

@@ -3,6 +3,7 @@
 ``pil`` is :mod:`kd.data.loader`, ``gpu`` is :mod:`kd.data.gpu` (which builds on the PIL
 loader's pieces); ``--data synthetic`` makes random batches on the device.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,12 +42,14 @@ def build(cfg, num_replicas: int, rank: int, local_batch: int, device: torch.dev
         n = cfg.num_classes or SYNTHETIC_CLASSES
         steps = cfg.limit_train_batches or SYNTHETIC_STEPS
         train: Loader = SyntheticLoader(local_batch, cfg.image_size, n, steps, device, channels_last, cfg.seed + rank)
-        val: Loader = SyntheticLoader(local_batch, cfg.image_size, n, cfg.limit_val_batches or 2, device, channels_last,
-                              cfg.seed + 999)
+        val: Loader = SyntheticLoader(
+            local_batch, cfg.image_size, n, cfg.limit_val_batches or 2, device, channels_last, cfg.seed + 999
+        )
         return Data(train, val, [str(i) for i in range(n)], steps * local_batch * num_replicas, 0)
     if cfg.loader not in LOADERS:
-        raise KDError(f"unknown --loader {cfg.loader!r}{suggest(cfg.loader, LOADERS)}; "
-                      f"choose from: {', '.join(LOADERS)}")
+        raise KDError(
+            f"unknown --loader {cfg.loader!r}{suggest(cfg.loader, LOADERS)}; choose from: {', '.join(LOADERS)}"
+        )
     classes, train_samples, val_samples = scan(cfg.data)
     make = LOADERS[cfg.loader]
     train = make(cfg, train_samples, True, num_replicas, rank, local_batch, device, channels_last)

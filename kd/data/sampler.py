@@ -4,6 +4,7 @@ Training order is torch's ``DistributedSampler`` (``set_epoch`` every epoch; a s
 process is rank 0 of 1), so one process and N processes see the same global batches.
 Evaluation shards without padding, so no sample is counted twice.
 """
+
 from __future__ import annotations
 
 from typing import Iterator, Tuple
@@ -35,8 +36,13 @@ class SeededSampler(Sampler):
         if pad:
             # the ignore: torch's stub asks for a Dataset, but DistributedSampler only takes len() of it
             self.inner: DistributedSampler[int] = DistributedSampler(
-                range(size), num_replicas=num_replicas, rank=rank,  # type: ignore[arg-type]
-                shuffle=shuffle, seed=seed, drop_last=False)
+                range(size),  # type: ignore[arg-type]
+                num_replicas=num_replicas,
+                rank=rank,
+                shuffle=shuffle,
+                seed=seed,
+                drop_last=False,
+            )
 
     def set_epoch(self, epoch: int, skip: int = 0) -> None:
         self.epoch = epoch
@@ -51,10 +57,10 @@ class SeededSampler(Sampler):
         if self.shuffle:
             g = torch.Generator().manual_seed(self.seed + self.epoch)
             order = torch.randperm(self.size, generator=g).tolist()
-        return list(order)[self.rank::self.num_replicas]
+        return list(order)[self.rank :: self.num_replicas]
 
     def __iter__(self) -> Iterator[Tuple[int, int]]:
-        for index in self._indices()[self.skip:]:
+        for index in self._indices()[self.skip :]:
             yield index, sample_seed(self.seed, self.epoch, index)
 
     def total(self) -> int:

@@ -1,4 +1,5 @@
 """KD methods, one file each, registered by name (``--kd-loss NAME``)."""
+
 from typing import Any, Dict
 
 from kd.losses import at as _at  # noqa: F401  (each method registers itself)

@@ -1,5 +1,6 @@
 """Zagoruyko & Komodakis 2017, "Paying More Attention to Attention: Improving the Performance of
 Convolutional Neural Networks via Attention Transfer" (ICLR), https://arxiv.org/abs/1612.03928."""
+
 from __future__ import annotations
 
 from typing import Dict, List

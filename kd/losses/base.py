@@ -4,6 +4,7 @@ A method is a pure function on tensors (easy to test against the paper's formula
 plus a thin :class:`DistillLoss` module registered by name with :func:`register`.
 Loss modules see tensors only: logits, features, labels; never models or backends.
 """
+
 from __future__ import annotations
 
 import logging
@@ -93,9 +94,7 @@ class DistillLoss(nn.Module):
         unknown = sorted(set(hparams) - set(self.defaults))
         if unknown:
             valid = ", ".join(sorted(self.defaults)) or "none"
-            raise KDError(
-                f"KD loss {self.name!r} has no hyper-parameter {', '.join(unknown)}; valid: {valid}"
-            )
+            raise KDError(f"KD loss {self.name!r} has no hyper-parameter {', '.join(unknown)}; valid: {valid}")
         self.hparams: Dict[str, Any] = {**self.defaults, **hparams}
 
     @classmethod
@@ -118,12 +117,14 @@ class DistillLoss(nn.Module):
             del out[old]
             clash = [k for k in new if k in out]
             if clash:
-                raise KDError(f"KD loss {cls.name!r}: {old!r} is the former name of {clash[0]}; "
-                              f"give one of them, not both")
+                raise KDError(
+                    f"KD loss {cls.name!r}: {old!r} is the former name of {clash[0]}; give one of them, not both"
+                )
             out.update(new)
             mapped = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in new.items())
-            deprecation(f"KD loss {cls.name!r}: {old!r} is deprecated, use {' and '.join(new)} "
-                        f"({old}={args[old]} -> {mapped})")
+            deprecation(
+                f"KD loss {cls.name!r}: {old!r} is deprecated, use {' and '.join(new)} ({old}={args[old]} -> {mapped})"
+            )
         return out
 
     @classmethod

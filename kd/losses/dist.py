@@ -1,5 +1,6 @@
 """Huang et al. 2022, "Knowledge Distillation from A Stronger Teacher" (DIST, NeurIPS),
 https://arxiv.org/abs/2205.10536."""
+
 from __future__ import annotations
 
 from typing import Tuple
@@ -19,8 +20,9 @@ def pearson_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return 1.0 - corr.mean()
 
 
-def dist_parts(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
-               temperature: float) -> Tuple[torch.Tensor, torch.Tensor]:
+def dist_parts(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """(inter, intra), each T^2-scaled, on softmax(logits / T) in float32 (T: the paper's tau).
 
     Inter-class: correlation of each sample's class probabilities (rows); intra-class: of

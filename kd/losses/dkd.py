@@ -1,4 +1,5 @@
 """Zhao et al. 2022, "Decoupled Knowledge Distillation" (CVPR), https://arxiv.org/abs/2203.08679."""
+
 from __future__ import annotations
 
 from typing import Tuple
@@ -14,8 +15,9 @@ from kd.losses.base import DistillInputs, DistillLoss, register
 NON_TARGET_MASK = 1000.0
 
 
-def dkd_parts(student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor,
-              temperature: float) -> Tuple[torch.Tensor, torch.Tensor]:
+def dkd_parts(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor, temperature: float
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """(TCKD, NCKD), each T^2-scaled and averaged over the batch, in float32.
 
     TCKD is the KL divergence between the binary (target, all non-targets) distributions

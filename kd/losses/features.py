@@ -7,6 +7,7 @@ module name (``layer3``), tapped on both models, or ``student_name:teacher_name`
 the features over as ``student_feats`` / ``teacher_feats`` keyed by each side's own module
 name, in the order of the specs, and the losses pair them by position.
 """
+
 from __future__ import annotations
 
 from typing import List, Mapping, Optional, Sequence, Tuple
@@ -67,8 +68,9 @@ def stage_outputs(names: Sequence[str]) -> Optional[List[str]]:
     return None
 
 
-def default_stage_layers(method: str, student_layers: Sequence[str], teacher_layers: Sequence[str],
-                         stages: Sequence[int]) -> List[str]:
+def default_stage_layers(
+    method: str, student_layers: Sequence[str], teacher_layers: Sequence[str], stages: Sequence[int]
+) -> List[str]:
     """Specs for the given stage indices (0..3 = strides 4..32) of both models.
 
     Same-named stages give plain names, differently named ones ``student:teacher`` pairs.
@@ -100,8 +102,7 @@ def split_layers(specs: Sequence[str]) -> Tuple[List[str], List[str]]:
     return student, teacher
 
 
-def feature_pairs(method: str, student: Mapping[str, object],
-                  teacher: Mapping[str, object]) -> List[Tuple[str, str]]:
+def feature_pairs(method: str, student: Mapping[str, object], teacher: Mapping[str, object]) -> List[Tuple[str, str]]:
     """(student name, teacher name) pairs of two feature (or shape) dicts, matched by position."""
     if len(student) != len(teacher) or not student:
         raise KDError(

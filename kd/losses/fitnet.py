@@ -1,4 +1,5 @@
 """Romero et al. 2015, "FitNets: Hints for Thin Deep Nets" (ICLR), https://arxiv.org/abs/1412.6550."""
+
 from __future__ import annotations
 
 from typing import Dict, List, Tuple

@@ -1,4 +1,5 @@
 """Hinton et al. 2015, "Distilling the Knowledge in a Neural Network", and plain cross-entropy."""
+
 from __future__ import annotations
 
 from typing import Any, Dict, Optional

@@ -1,5 +1,6 @@
 """Sun et al. 2024, "Logit Standardization in Knowledge Distillation" (CVPR),
 https://arxiv.org/abs/2403.01427."""
+
 from __future__ import annotations
 
 import torch
@@ -14,8 +15,9 @@ def standardize(logits: torch.Tensor, eps: float) -> torch.Tensor:
     return (z - z.mean(dim=1, keepdim=True)) / (z.std(dim=1, keepdim=True) + eps)
 
 
-def lskd_divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float,
-                    eps: float) -> torch.Tensor:
+def lskd_divergence(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float, eps: float
+) -> torch.Tensor:
     """T^2 * KL(softmax(Z(t)/T) || softmax(Z(s)/T)), batch mean, with Z the standardization."""
     return kd_divergence(standardize(student_logits, eps), standardize(teacher_logits.detach(), eps), temperature)
 

@@ -41,6 +41,7 @@ Numerics that hold at every level:
 ``prefers_apex_amp`` with ``--amp-impl auto``) uses NVIDIA apex.amp itself, from :mod:`kd.precision.apex`;
 ``describe()`` always says which implementation runs and why, never falling back silently.
 """
+
 from __future__ import annotations
 
 from types import ModuleType
@@ -69,9 +70,23 @@ from kd.precision.native import (
 )
 
 __all__ = [
-    "DTYPES", "NATIVE", "AutocastPrecision", "CastPrecision", "MasterStateMixin", "MasterWeightPrecision",
-    "Precision", "amp_dtype", "cast_module", "dtype_name", "float32_state", "keep_losses_float32",
-    "make_precision", "make_scaler", "nonfinite_gradients", "step_unless", "to_float32",
+    "DTYPES",
+    "NATIVE",
+    "AutocastPrecision",
+    "CastPrecision",
+    "MasterStateMixin",
+    "MasterWeightPrecision",
+    "Precision",
+    "amp_dtype",
+    "cast_module",
+    "dtype_name",
+    "float32_state",
+    "keep_losses_float32",
+    "make_precision",
+    "make_scaler",
+    "nonfinite_gradients",
+    "step_unless",
+    "to_float32",
 ]
 
 

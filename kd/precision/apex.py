@@ -23,6 +23,7 @@ apex.amp does float16 only: ``--amp-impl apex --amp-dtype bfloat16`` is an error
 native levels for bfloat16); apex_ddp with ``--amp-impl auto`` and bfloat16 runs native
 precision and says so in the log.
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Optional
@@ -40,16 +41,20 @@ def _import_amp():
     try:
         import apex
     except ImportError:
-        return None, (f"NVIDIA apex is not installed ({REMOVED}: install that tag, or use "
-                      f"--amp-impl native, the same opt levels on torch.amp)")
+        return None, (
+            f"NVIDIA apex is not installed ({REMOVED}: install that tag, or use "
+            f"--amp-impl native, the same opt levels on torch.amp)"
+        )
     except Exception as exc:  # a broken build (compiled for another torch, say)
         return None, f"importing apex failed: {type(exc).__name__}: {str(exc)[:120]}; use --amp-impl native"
     try:
         from apex import amp
     except ImportError:
         version = getattr(apex, "__version__", "")
-        return None, (f"the installed apex{' ' + version if version else ''} has no apex.amp ({REMOVED}); "
-                      f"install 25.05 or earlier, or use --amp-impl native")
+        return None, (
+            f"the installed apex{' ' + version if version else ''} has no apex.amp ({REMOVED}); "
+            f"install 25.05 or earlier, or use --amp-impl native"
+        )
     except Exception as exc:
         return None, f"importing apex.amp failed: {type(exc).__name__}: {str(exc)[:120]}; use --amp-impl native"
     return amp, None
@@ -90,9 +95,12 @@ class ApexAmpPrecision(MasterStateMixin, Precision):
         return self.opt == "O2"
 
     def details(self) -> List[str]:
-        return {"O0": ["float32"], "O1": ["float32 weights, patched torch functions in float16"],
-                "O2": ["float16 weights, BatchNorm float32, float32 master weights"],
-                "O3": ["float16 weights"]}[self.opt]
+        return {
+            "O0": ["float32"],
+            "O1": ["float32 weights, patched torch functions in float16"],
+            "O2": ["float16 weights, BatchNorm float32, float32 master weights"],
+            "O3": ["float16 weights"],
+        }[self.opt]
 
     def describe(self) -> str:
         scaling = "dynamic loss scaling" if self.opt in ("O1", "O2") else "no loss scaling"
@@ -137,9 +145,9 @@ class ApexAmpPrecision(MasterStateMixin, Precision):
         self.optimizer._amp_lazy_init()  # type: ignore[attr-defined]  # apex makes its masters lazily, at the first backward
         stash = self.optimizer._amp_stash  # type: ignore[attr-defined]
         master_of = {id(p): m for p, m in zip(stash.all_fp16_params, stash.all_fp32_from_fp16_params)}
-        return {name: master_of[id(p)] for name, p in model.named_parameters(remove_duplicate=False)
-                if id(p) in master_of}
-
+        return {
+            name: master_of[id(p)] for name, p in model.named_parameters(remove_duplicate=False) if id(p) in master_of
+        }
 
     def state_dict(self) -> dict:
         return {"opt": self.opt, "impl": self.impl, "dtype": "float16", "amp": self.amp.state_dict()}

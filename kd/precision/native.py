@@ -1,4 +1,5 @@
 """The native opt levels on torch.amp (the contract is in :mod:`kd.precision`)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -150,8 +151,14 @@ class Precision:
     def input_cast(self, images: torch.Tensor) -> torch.Tensor:
         return images
 
-    def step(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor],
-             sync: Callable[[], None], clip: Optional[float]) -> torch.Tensor:
+    def step(
+        self,
+        loss: torch.Tensor,
+        optimizer: torch.optim.Optimizer,
+        params: Iterable[torch.Tensor],
+        sync: Callable[[], None],
+        clip: Optional[float],
+    ) -> torch.Tensor:
         """The whole update for one batch; returns a 0-dim bool tensor on the device: was it skipped.
 
         A step whose gradients hold inf or NaN is skipped at every level: by the loss scaler
@@ -337,9 +344,11 @@ class MasterWeightPrecision(MasterStateMixin, CastPrecision):
             torch._foreach_copy_(self._model_params, self._masters)
 
     def _named_masters(self, model: nn.Module) -> Dict[str, torch.Tensor]:
-        return {name: self._master_of[id(p)] for name, p in model.named_parameters(remove_duplicate=False)
-                if id(p) in self._master_of}
-
+        return {
+            name: self._master_of[id(p)]
+            for name, p in model.named_parameters(remove_duplicate=False)
+            if id(p) in self._master_of
+        }
 
 
 # ----------------------------------------------------------------------------- the entry point
