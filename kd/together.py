@@ -16,6 +16,7 @@ from kd import checkpoint
 from kd import data as kd_data
 from kd.engine import Trainer
 from kd.errors import KDError, NonFinite
+from kd.logging import command_start
 from kd.runfolder import RunFolder
 from kd.runtime import resolve as resolve_runtime
 from kd.signals import Interrupted, StopFlag
@@ -70,6 +71,7 @@ class MultiTrainer:
     ):
         """``resume``: every student continues from its own ``last.pt``; ``hooks`` see each shared step
         (with this object as trainer) and each epoch's shared record (``kd bench``'s timer)."""
+        started = command_start(default=time.time())  # every student's first step counts from here
         cfg = students.cfgs[0]
         if cfg.compile and cfg.compile_mode in ("reduce-overhead", "max-autotune"):
             raise KDError(
@@ -120,6 +122,9 @@ class MultiTrainer:
             self.close()
             raise
         self.global_step = self.lanes[0].global_step
+        setup_seconds = time.time() - started
+        for lane in self.lanes:
+            lane.started, lane._setup_seconds = started, setup_seconds
         for lane in self.lanes[1:]:
             lane.logger.bar_enabled = False  # one progress bar for all
         self.lanes[0].logger.info(self.data.train.describe())

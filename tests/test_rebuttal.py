@@ -218,10 +218,13 @@ def test_the_command_line_trains_a_table_and_resumes_it(data, tmp_path):
     r = kd_main(*args)
     assert r.returncode == 0, r.stderr
     assert "[kd] epoch 1/1" in r.stderr and "[dkd] epoch 1/1" in r.stderr
+    setups = set()
     for name in ("kd", "dkd"):
         records = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
         assert [rec["epoch"] for rec in records] == [1]
         assert yaml.safe_load((out / name / "config.yaml").read_text())["kd_loss"] == name
+        setups.add(records[0]["startup_setup_s"])
+    assert len(setups) == 1, setups  # every student's first step counts from the command, set-up shared
     table = kd_main("report", out)
     assert table.returncode == 0 and "| kd |" in table.stdout and "| dkd |" in table.stdout, table.stdout
     args[args.index("--epochs") + 1] = "2"
