@@ -123,12 +123,18 @@ def tiny_cfg(data, out, **kw):
 
 
 def trainer(cfg, precision=None) -> Trainer:
+    """A Trainer for ``cfg``; ``precision`` replaces the one kd would choose (levels the CLI does not offer)."""
+    import unittest.mock
+
+    import kd.build
+
     backend = backends.get("single")(cfg)
     backend.setup()
-    if precision is not None:
-        backend.precision = lambda: precision
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
-    return Trainer(cfg, backend, Path(cfg.out))
+    if precision is None:
+        return Trainer(cfg, backend, Path(cfg.out))
+    with unittest.mock.patch.object(kd.build, "make_precision", lambda *args, **kwargs: precision):
+        return Trainer(cfg, backend, Path(cfg.out))
 
 
 # ----------------------------------------------------------------------------- kd train, per level
@@ -433,9 +439,9 @@ class NanAfterEpoch1(DistillLoss):
 
 @pytest.mark.parametrize("opt", ["O1", "O2"])
 def test_nonfinite_losses_stop_the_run_and_keep_the_last_good_checkpoint(data, tmp_path, opt, monkeypatch):
-    import kd.engine
+    import kd.sides
 
-    monkeypatch.setattr(kd.engine, "build_loss", lambda name, num_classes, args: NanAfterEpoch1(num_classes))
+    monkeypatch.setattr(kd.sides, "build_loss", lambda name, num_classes, args: NanAfterEpoch1(num_classes))
     cfg = tiny_cfg(data, tmp_path / "nan", opt=opt, epochs=3, max_nonfinite_steps=2)
     with pytest.raises(KDError, match="not finite for 2 consecutive steps"):
         kd.train(cfg)
@@ -493,7 +499,7 @@ def test_prefer_apex_without_apex_says_native(opt):
 
 
 def test_amp_impl_apex_on_the_cpu_is_refused():
-    from backends import apex_amp
+    from kd.precision import apex as apex_amp
 
     cfg = dataclasses.replace(kd_config.RunConfig(), opt="O1", amp_impl="apex")
     reason = apex_amp.unavailable(cfg, CPU)
@@ -503,11 +509,13 @@ def test_amp_impl_apex_on_the_cpu_is_refused():
 
 
 def test_without_the_apex_module_the_rest_works(monkeypatch):
-    monkeypatch.setitem(sys.modules, "backends.apex_amp", None)  # as if backends/apex_amp.py were deleted
-    monkeypatch.delattr(backends, "apex_amp", raising=False)
+    import kd.precision
+
+    monkeypatch.setitem(sys.modules, "kd.precision.apex", None)  # as if kd/precision/apex.py were deleted
+    monkeypatch.delattr(kd.precision, "apex", raising=False)
     cfg = dataclasses.replace(kd_config.RunConfig(), opt="O2")
     assert "not apex.amp" in make_precision(cfg, CPU, prefer_apex=True).describe()
-    with pytest.raises(KDError, match="apex_amp.py is not installed"):
+    with pytest.raises(KDError, match="kd/precision/apex.py is not installed"):
         make_precision(dataclasses.replace(cfg, amp_impl="apex"), CPU)
 
 
