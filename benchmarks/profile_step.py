@@ -72,10 +72,10 @@ def phases(trainer, timer, iters: int):
     prec = trainer.precision
     batch = next(iter(trainer.data.train))
     images, labels = prec.input_cast(batch.images), batch.labels
-    t_logits, t_feats = trainer.teacher_forward(images)
+    t_logits, t_feats = trainer.prepared_teacher.forward(images)
 
     def teacher():
-        trainer.teacher_forward(images)
+        trainer.prepared_teacher.forward(images)
 
     def student():
         with prec.autocast():
