@@ -246,6 +246,7 @@ def bench_data(options: Dict[str, object], epochs: int, echo=print) -> List[Dict
     from backends.base import resolve_device
     from kd import config as kd_config
     from kd.data import build
+    from kd.runtime import resolve as resolve_runtime
 
     if epochs < 1:
         raise KDError("--epochs must be at least 1")
@@ -254,7 +255,7 @@ def bench_data(options: Dict[str, object], epochs: int, echo=print) -> List[Dict
     if cfg.data == "synthetic":
         raise KDError("kd bench data needs --data DIR (an ImageNet-layout folder), not synthetic")
     device = resolve_device(cfg)
-    channels_last = cfg.channels_last if cfg.channels_last is not None else device.type == "cuda"
+    channels_last = resolve_runtime(cfg, device).channels_last
     loader = build(cfg, 1, 0, cfg.batch_size, device, channels_last).train  # kd train's own choice of loader
     echo(loader.describe())
 

@@ -149,5 +149,8 @@ class RunBuilder:
         """Once set-up has succeeded, the main process starts the run folder (a failed start leaves no
         run behind) and writes config.yaml."""
         if self.backend.is_main:
-            RunFolder(self.out).start() if self.resume_from is None else self.out.mkdir(parents=True, exist_ok=True)
+            if self.resume_from is None:
+                RunFolder(self.out).start()
+            else:
+                self.out.mkdir(parents=True, exist_ok=True)
             kd_config.save(self.cfg, RunFolder(self.out).config, notes=self.notes)

@@ -46,7 +46,7 @@ def prepare_out(cfg, resume: Optional[str], overwrite: bool) -> Optional[Path]:
     A folder that holds a run is refused unless ``--resume`` or ``--overwrite`` is given, so
     nothing already written is lost by mistake. Every process of a launch checks, so none waits
     for one that refused. The folder is made (and an overwritten run removed) only once the run
-    has set up without error (:func:`start_run_folder`), so a failed start leaves the disk as it was.
+    has set up without error (:meth:`kd.runfolder.RunFolder.start`), so a failed start leaves the disk as it was.
     """
     out = Path(cfg.out)
     if resume and overwrite:
@@ -68,11 +68,6 @@ def prepare_out(cfg, resume: Optional[str], overwrite: bool) -> Optional[Path]:
     if not os.access(folder, os.W_OK | os.X_OK):
         raise KDError(f"--out {out} is not writable: {os.strerror(errno.EACCES)}")
     return None
-
-
-def start_run_folder(out: Path) -> None:
-    """See :meth:`kd.runfolder.RunFolder.start`."""
-    RunFolder(out).start()
 
 
 def preflight(cfg) -> None:

@@ -3,7 +3,8 @@
 Options whose default is "auto" (``None`` in the config) get their value here, from the
 config and the device the backend chose, and nowhere else: the engine, the teacher, the
 bench and ``kd eval`` read the resolved :class:`Runtime`. (The DataLoader's worker count is
-resolved by :func:`kd.data.loader.default_workers`, the one owner of the loader's settings.)
+resolved by :func:`kd.data.loader.default_workers`, the one owner of the loader's settings, and
+the reduced dtype of ``--opt`` by :func:`kd.precision.amp_dtype`, the precision's own.)
 """
 
 from __future__ import annotations
@@ -12,16 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kd.precision import amp_dtype
-
 
 @dataclass(frozen=True)
 class Runtime:
     device: torch.device
     #: images and models in channels_last memory format (``--channels-last``; auto: on CUDA)
     channels_last: bool
-    #: the reduced dtype of the opt levels O1-O3 (``--amp-dtype``; auto: float16 on CUDA, bfloat16 on the CPU)
-    amp_dtype: torch.dtype
     #: the frozen teacher fused for inference (``--set fuse_teacher``; auto: on CUDA)
     fuse_teacher: bool
 
@@ -36,6 +33,5 @@ def resolve(cfg, device: torch.device) -> Runtime:
     return Runtime(
         device=device,
         channels_last=cfg.channels_last if cfg.channels_last is not None else cuda,
-        amp_dtype=amp_dtype(cfg, device),
         fuse_teacher=cfg.fuse_teacher if cfg.fuse_teacher is not None else cuda,
     )
