@@ -187,10 +187,11 @@ def save_run(t, best: bool, step_copy: bool = False) -> None:
             save_atomic(run_state(t, rng, meter), path)
             if best:
                 copy_atomic(path, run.best)
-            if step_copy:
-                copy_atomic(path, folder / f"step_{t.global_step:08d}.pt")
-                for old in sorted(folder.glob("step_*.pt"))[: -t.cfg.keep_last]:
+            if step_copy:  # the oldest go first, so a kill at any moment leaves at most --keep-last copies
+                kept = sorted(folder.glob("step_*.pt"))
+                for old in kept[: max(0, len(kept) - (t.cfg.keep_last - 1))]:
                     old.unlink()
+                copy_atomic(path, folder / f"step_{t.global_step:08d}.pt")
         except OSError as exc:
             raise KDError(
                 f"could not write a checkpoint to {folder}: {exc.strerror or exc}; the previous checkpoint is intact"

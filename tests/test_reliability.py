@@ -231,3 +231,24 @@ def test_a_dead_rank_takes_the_group_down_or_it_restarts(data, tmp_path, restart
         assert "resumed from" in err
         records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         assert records[-1]["epoch"] == 6
+
+
+def test_keep_last_holds_at_every_moment_of_a_step_checkpoint(data, tmp_path, monkeypatch):
+    """A kill -9 may land between writing a step copy and pruning: the oldest go first, so no moment
+    has more than --keep-last copies."""
+    import kd.checkpoint
+
+    seen = []
+    real_copy = kd.checkpoint.copy_atomic
+
+    def counting_copy(src, dst):
+        real_copy(src, dst)
+        seen.append(len(list(Path(dst).parent.glob("step_*.pt"))))
+
+    monkeypatch.setattr(kd.checkpoint, "copy_atomic", counting_copy)
+    out = tmp_path / "keep"
+    r = kd_main(
+        "train", "--data", data, *ARGS, "-j", 0, "--epochs", 1, "--out", out, "--save-every-steps", 2, "--keep-last", 2
+    )
+    assert r.returncode == 0, r.stderr
+    assert len(seen) >= 4 and max(seen) <= 2, seen
