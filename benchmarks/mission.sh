@@ -5,7 +5,8 @@
 # under each backend, a teacher made to overflow float16, and stops (a non-finite loss, SIGTERM)
 # with apex where it is installed. Every run reports its exit code, wall time, first-step time,
 # teacher precision, losses and skipped steps.
-# Usage: bash benchmarks/mission.sh PART...  (PART: data | teacher | backends | overflow | stops | apex)
+# Usage: bash benchmarks/mission.sh PART...  (PART: data | teacher | backends | together | overflow | stops | apex)
+# together: four students (kd, dkd, dist, lskd) from one teacher forward, under each of TOGETHER_BACKENDS.
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/kd-mission}; mkdir -p "$OUT"
@@ -87,6 +88,16 @@ EOF
   backends) for b in single torch_ddp apex_ddp; do
               run "kd_$b" 240 $COMMON --teacher resnet101 --teacher-weights "$TEACHER" --student resnet18 --backend $b \
                 --opt O1 --amp-dtype float16 --gpus 0 --epochs 2 --lr 0.2
+            done ;;
+  together) for b in ${TOGETHER_BACKENDS:-single torch_ddp}; do
+              nproc=""; [ "$b" = single ] || nproc="--nproc ${TOGETHER_NPROC:-2}"  # ranks sharing GPU 0 over gloo
+              start=$(date +%s%N)
+              $T 300 $KD train $COMMON --teacher resnet101 --teacher-weights "$TEACHER" --student resnet18 --backend $b \
+                --kd-loss kd,dkd,dist,lskd --opt O1 --amp-dtype float16 --gpus 0 $nproc --epochs 2 --lr 0.2 \
+                --out "$RUNS/together_$b" > "$OUT/together_$b.log" 2>&1
+              rc=$? secs="$(( ($(date +%s%N) - start) / 1000000 ))e-3"
+              for m in kd dkd dist lskd; do report "together_$b/$m" $rc "$secs"; done
+              grep -h "first step\|^kd:\|error\|stopped" "$OUT/together_$b.log" | head -8 | sed "s/^/    /" | tee -a "$OUT/summary.txt"
             done ;;
   overflow) $PY - "$TEACHER" "$RUNS/overflow.pt" <<'EOF'
 import sys, torch

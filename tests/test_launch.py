@@ -90,6 +90,27 @@ def one_line_error(r):
     return lines[0]
 
 
+def assert_students_equal_one_process(out: Path, one: Path, data, teacher, students) -> None:
+    """Every student of the multi-process run ``out`` equals the same students trained in one
+    process (each student's gradients averaged by its own wrapper), and they differ from each other."""
+    r = kd_main(*train_args(data, one, teacher, "-j", 0, *students))
+    assert r.returncode == 0, r.stderr
+    weights = {}
+    for name in ("kd", "dkd"):
+        assert len(metrics(out / name)) == 1 and [f for f in run_files(out / name) if not f.startswith("tb/")] == [
+            "checkpoints/best.pt",
+            "checkpoints/last.pt",
+            "config.yaml",
+            "metrics.jsonl",
+        ]
+        assert metrics(out / name)[0]["train_loss"] == pytest.approx(metrics(one / name)[0]["train_loss"], rel=1e-5)
+        a = torch.load(one / name / "checkpoints" / "last.pt", weights_only=True)["student"]
+        weights[name] = torch.load(out / name / "checkpoints" / "last.pt", weights_only=True)["student"]
+        for key in a:
+            torch.testing.assert_close(weights[name][key], a[key], rtol=1e-4, atol=1e-6, msg=f"{name} {key}")
+    assert any(not torch.equal(weights["kd"][k], weights["dkd"][k]) for k in weights["kd"])  # two students
+
+
 # ----------------------------------------------------------------------------- kd's own launcher
 @pytest.mark.slow
 def test_kd_starts_two_cpu_processes_with_loader_workers_and_only_main_writes(data9, teacher_file, tmp_path):
@@ -146,13 +167,18 @@ def test_started_by_torchrun_or_torch_distributed_launch(launcher, data9, teache
         head = ["torch.distributed.run", "--standalone", "--nproc_per_node", 2]
     else:  # passes --local-rank=N to every process
         head = ["torch.distributed.launch", "--nproc_per_node", 2, "--master_port", free_port()]
+    # under torchrun, two students from one teacher forward: each its own DDP module and buckets
+    students = ["--kd-loss", "kd,dkd"] if launcher == "torchrun" else []
     r = _run_module(
-        [*head, "-m", "cli", *train_args(data9, out, teacher_file, "--backend", "torch_ddp", "-j", 0)],
+        [*head, "-m", "cli", *train_args(data9, out, teacher_file, "--backend", "torch_ddp", "-j", 0, *students)],
         env={"OMP_NUM_THREADS": "1"},
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "backend torch_ddp: 2 process(es) over gloo" in r.stderr
-    assert len(metrics(out)) == 1 and (out / "checkpoints" / "last.pt").is_file()
+    if not students:
+        assert len(metrics(out)) == 1 and (out / "checkpoints" / "last.pt").is_file()
+        return
+    assert_students_equal_one_process(out, tmp_path / "one", data9, teacher_file, students)
 
 
 def srun_env(rank: int, port: int, **extra):
@@ -179,10 +205,11 @@ def srun_env(rank: int, port: int, **extra):
 
 
 @pytest.mark.slow
-def test_started_by_srun_apex_ddp_with_loader_workers(data9, teacher_file, tmp_path):
+def test_started_by_srun_apex_ddp_with_loader_workers_two_students(data9, teacher_file, tmp_path):
     """Two tasks with srun's environment: kd starts no process of its own and uses both as ranks."""
     out, port = tmp_path / "run", free_port()
-    args = train_args(data9, out, teacher_file, "--backend", "apex_ddp", "-j", 2)
+    students = ["--kd-loss", "kd,dkd"]  # two students: each its own gradient averager
+    args = train_args(data9, out, teacher_file, "--backend", "apex_ddp", "-j", 2, *students)
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "cli", *map(str, args)],
@@ -199,7 +226,7 @@ def test_started_by_srun_apex_ddp_with_loader_workers(data9, teacher_file, tmp_p
     assert "backend apex_ddp: 2 process(es) over gloo, rank 0" in main_log
     assert "native" in main_log and "epoch 1/1" in main_log
     assert "epoch 1/1" not in other_log and "precision" not in other_log
-    assert len(metrics(out)) == 1
+    assert_students_equal_one_process(out, tmp_path / "one", data9, teacher_file, students)
 
 
 @pytest.mark.slow
