@@ -142,3 +142,42 @@ def test_corrupt_image_is_skipped_named_and_counted(tmp_path):
     assert events.Scalars("train/bad_images")[-1].value == 1
     r = kd_main(*args, "--max-bad-images", "0", "--out", tmp_path / "strict")
     assert r.returncode == 2 and "more than --max-bad-images 0" in r.stderr, r.stderr
+
+
+WORKER_SIDE = """
+import pickle, sys
+for dataset, collate, init in pickle.load(open(sys.argv[1], "rb")):
+    init(0)
+    collate([dataset[(0, 1)], dataset[(1, 2)]])  # what a worker does: (index, seed) -> sample, then a batch
+heavy = ("torchvision", "timm", "tensorboard", "kd.engine", "kd.models", "kd.data.gpu", "kd.data.pipeline")
+print(" ".join(sorted(m for m in sys.modules if m in heavy)))
+"""
+
+
+def test_a_spawned_worker_imports_only_what_it_reads_images_with(data, tmp_path):
+    """A spawn or forkserver worker (Python 3.14's default on Linux) imports the modules its dataset is
+    pickled from: the datasets of both loaders load without torchvision, timm or the engine."""
+    import pickle
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from kd.data.bytes_dataset import JpegBytes, collate_packed
+    from kd.data.folder import ImageFolderPIL, collate, scan
+    from kd.data.loader import seed_worker
+
+    _, train, _ = scan(str(data))
+    jobs = [
+        (ImageFolderPIL(train, 16, True), collate, seed_worker),
+        (JpegBytes(train, 16, True), collate_packed, seed_worker),
+    ]
+    (tmp_path / "jobs.pkl").write_bytes(pickle.dumps(jobs))
+    r = subprocess.run(
+        [sys.executable, "-c", WORKER_SIDE, str(tmp_path / "jobs.pkl")],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [], r.stdout
