@@ -67,7 +67,8 @@ class RunBuilder:
         if cfg.num_classes and cfg.data != "synthetic" and cfg.num_classes != len(self.data.classes):
             raise KDError(f"--num-classes {cfg.num_classes} but {cfg.data} has {len(self.data.classes)} class folders")
 
-        self.precision = make_precision(cfg, dev, prefer_apex=backend.prefers_apex_amp)
+        # apex.amp holds one model per process: beside other students, apex_ddp's wish for it gives way
+        self.precision = make_precision(cfg, dev, prefer_apex=backend.prefers_apex_amp and shared is None)
         self.logger.info(self.precision.describe())
         warning = slow_precision_warning(cfg.opt, self.precision.dtype, dev)
         if warning:

@@ -239,3 +239,26 @@ def test_the_command_line_trains_a_table_and_resumes_it(data, tmp_path):
     assert r.returncode == 0, r.stderr
     for name in ("kd", "dkd"):
         assert [json.loads(line)["epoch"] for line in (out / name / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+def test_apex_ddp_with_several_students_takes_native_amp_where_apex_amp_is_installed(data, tmp_path, monkeypatch):
+    """apex_ddp prefers apex.amp with --amp-impl auto, but apex.amp holds one model per process:
+    several students run native torch.amp instead of stopping. (apex.amp is stood in for here:
+    it needs CUDA; the GPU tests run the real one alone.)"""
+    from kd.precision import apex as apex_amp
+
+    class Chosen(Exception):
+        pass
+
+    def chosen(*args, **kwargs):
+        raise Chosen("apex.amp was chosen")
+
+    monkeypatch.setattr(apex_amp, "unavailable", lambda cfg, device: None)
+    monkeypatch.setattr(apex_amp, "ApexAmpPrecision", chosen)
+    opts = options(data, tmp_path / "table", kd_loss="kd,dkd", backend="apex_ddp", nproc=1, opt="O1")
+    opts.update(amp_dtype="bfloat16")
+    multi.train(multi.plan([], opts, []))
+    for name in ("kd", "dkd"):
+        assert (tmp_path / "table" / name / "checkpoints" / "last.pt").is_file()
+    with pytest.raises(Chosen):  # one student: apex_ddp's wish holds
+        kd.train(kd_config.resolve(options={**opts, "kd_loss": "kd", "out": str(tmp_path / "alone")}))
