@@ -41,6 +41,30 @@ def make_image_folder(
     return root
 
 
+# Module fixtures that train or bench (seconds to a minute each): the tests that read one run on
+# the same pytest-xdist worker, so ``-n`` never builds it twice.
+SHARED_RUNS = {"bench", "two_process_runs", "trained", "runs", "reference"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (the README's ``-n auto --dist loadgroup``): the tests of a module that share
+    a run form one group, and the groups and tests with real processes (``slow``) go first, so
+    that the workers finish together instead of one waiting on a long test started last."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    group_of = {}
+    for item in items:
+        if SHARED_RUNS.intersection(getattr(item, "fixturenames", ())):
+            group_of[item.nodeid] = item.module.__name__
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    slow_groups = {group_of[i.nodeid] for i in items if i.nodeid in group_of and i.get_closest_marker("slow")}
+
+    def slow(item) -> bool:
+        return item.get_closest_marker("slow") is not None or group_of.get(item.nodeid) in slow_groups
+
+    items.sort(key=lambda item: not slow(item))  # stable: a module's tests keep their order
+
+
 @pytest.fixture(scope="session")
 def image_folder(tmp_path_factory) -> Path:
     return make_image_folder(tmp_path_factory.mktemp("data"))
