@@ -46,6 +46,14 @@ def make_image_folder(
 SHARED_RUNS = {"bench", "two_process_runs", "trained", "runs", "reference"}
 
 
+# One thread per pytest-xdist worker and per process it starts: N workers on N cores, none
+# spinning in OpenMP while another process holds its core. Alone, two.
+THREADS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
+if THREADS == 1:
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (the README's ``-n auto --dist loadgroup``): the tests of a module that share
     a run form one group, and the groups and tests with real processes (``slow``) go first, so
@@ -147,5 +155,5 @@ def kd_main(*args, env=None, threads=None) -> subprocess.CompletedProcess:
 
 @pytest.fixture(autouse=True)
 def _few_threads():
-    torch.set_num_threads(2)
+    torch.set_num_threads(THREADS)
     yield
