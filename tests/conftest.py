@@ -5,6 +5,7 @@ its start-up time."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import io
 import os
@@ -41,11 +42,6 @@ def make_image_folder(
     return root
 
 
-# Module fixtures that train or bench (seconds to a minute each): the tests that read one run on
-# the same pytest-xdist worker, so ``-n`` never builds it twice.
-SHARED_RUNS = {"bench", "two_process_runs", "trained", "runs", "reference"}
-
-
 # One thread per pytest-xdist worker and per process it starts: N workers on N cores, none
 # spinning in OpenMP while another process holds its core. Alone, two.
 THREADS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
@@ -53,24 +49,15 @@ if THREADS == 1:
     os.environ["OMP_NUM_THREADS"] = "1"
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (the README's ``-n auto --dist loadgroup``): the tests of a module that share
-    a run form one group, and the groups and tests with real processes (``slow``) go first, so
-    that the workers finish together instead of one waiting on a long test started last."""
+    """Under pytest-xdist (the README's ``-n auto --dist loadfile``: a file's tests, and the runs
+    its module fixtures train once for them, stay on one worker) the files with the most tests
+    in real processes (``slow``) go first, so that the workers finish together instead of one
+    waiting on a long file started last."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    group_of = {}
-    for item in items:
-        if SHARED_RUNS.intersection(getattr(item, "fixturenames", ())):
-            group_of[item.nodeid] = item.module.__name__
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-    slow_groups = {group_of[i.nodeid] for i in items if i.nodeid in group_of and i.get_closest_marker("slow")}
-
-    def slow(item) -> bool:
-        return item.get_closest_marker("slow") is not None or group_of.get(item.nodeid) in slow_groups
-
-    items.sort(key=lambda item: not slow(item))  # stable: a module's tests keep their order
+    slow = collections.Counter(item.module.__name__ for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[item.module.__name__])  # stable: a file's tests keep their order
 
 
 @pytest.fixture(scope="session")
