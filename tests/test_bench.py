@@ -46,6 +46,7 @@ def bench(tmp_path_factory):
     return out, r
 
 
+@pytest.mark.slow
 def test_bench_table_csv_json_on_cpu(bench):
     out, r = bench
     assert r.returncode == 0, r.stderr
@@ -65,6 +66,7 @@ def test_bench_table_csv_json_on_cpu(bench):
     assert "| torch_ddp | O1 |" in r.stdout
 
 
+@pytest.mark.slow
 def test_bench_passes_set_to_every_combination(bench):
     out, r = bench
     assert r.returncode == 0, r.stderr

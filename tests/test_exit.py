@@ -119,6 +119,7 @@ def stop(proc, how: str) -> None:
         proc.send_signal(SIGNALS[how][0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["sigterm", "ctrl-c", "error"])
 def test_a_stop_exits_promptly_and_leaves_nothing_running(data, tmp_path, how):
     marker = uuid.uuid4().hex

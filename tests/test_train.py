@@ -199,6 +199,7 @@ def test_kd_checkpoint_as_teacher_weights(image_folder, tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_demo_runs_through_kd_train(tmp_path):
     r = kd_main("demo", "--out", tmp_path / "demo", "--epochs", 1)
     assert r.returncode == 0, r.stderr
