@@ -157,6 +157,7 @@ print(" ".join(sorted(m for m in sys.modules if m in heavy)))
 def test_a_spawned_worker_imports_only_what_it_reads_images_with(data, tmp_path):
     """A spawn or forkserver worker (Python 3.14's default on Linux) imports the modules its dataset is
     pickled from: the datasets of both loaders load without torchvision, timm or the engine."""
+    import os
     import pickle
     import subprocess
     import sys
@@ -176,7 +177,7 @@ def test_a_spawned_worker_imports_only_what_it_reads_images_with(data, tmp_path)
         [sys.executable, "-c", WORKER_SIDE, str(tmp_path / "jobs.pkl")],
         capture_output=True,
         text=True,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
         timeout=120,
     )
     assert r.returncode == 0, r.stderr
