@@ -219,7 +219,7 @@ def test_no_teacher_keeps_only_the_label_smoothing():
 
 
 def test_cli_former_and_current_name_together_is_one_line_exit_2():
-    r = run_kd("train", "--recipe", "imagenet/r34_r18_dkd", "--loss-arg", "beta=1", "--loss-arg", "nckd_weight=1")
+    r = kd_main("train", "--recipe", "imagenet/r34_r18_dkd", "--loss-arg", "beta=1", "--loss-arg", "nckd_weight=1")
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2 and len(lines) == 1, r.stderr
     assert lines[0].startswith("kd: error: ") and "'beta' is the former name of nckd_weight" in lines[0]
