@@ -16,10 +16,21 @@ def data(tmp_path_factory):
     return make_image_folder(tmp_path_factory.mktemp("workers"), classes=2, train_per_class=8, val_per_class=3)
 
 
+BACKENDS = ["single", "torch_ddp", "apex_ddp"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["single", "torch_ddp", "apex_ddp"])
-@pytest.mark.parametrize("context", ["fork", "forkserver", "spawn"])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("context", ["fork", "forkserver"])
 def test_two_workers_under_every_backend_and_start_method(data, tmp_path, backend, context):
+    """fork and forkserver (Linux; kd's default); spawn, where every worker imports torch, in
+    tests/test_workers_spawn.py (its own file, so that pytest -n runs the two on two workers)."""
+    train_two_epochs_with_two_workers(data, tmp_path, backend, context)
+
+
+def train_two_epochs_with_two_workers(data, tmp_path, backend: str, context: str) -> None:
+    """``kd train -j 2 --mp-context CONTEXT --backend BACKEND`` (two processes for torch_ddp and
+    apex_ddp) for two epochs: no worker error, both epochs logged."""
     procs = [] if backend == "single" else ["--nproc", "2"]
     r = run_kd(
         "train",
