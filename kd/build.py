@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
@@ -87,22 +87,7 @@ class RunBuilder:
         self.prepared_teacher: Optional[Teacher] = None
         self.notes: List[str] = []  # what kd chose for the user, kept as comments in config.yaml
         if teacher is not None and shared is None:
-            teacher = teacher.to(dev, memory_format=self.memory_format)
-            for hook in self.hooks:
-                hook.on_teacher(self, teacher)
-            self.use_teacher(
-                Teacher(
-                    teacher,
-                    self.t_layers,
-                    cfg,
-                    backend,
-                    self.runtime,
-                    self.precision,
-                    self.data.val,
-                    self.logger.info,
-                    self.notes,
-                )
-            )
+            self.use_teacher(self.prepare_teacher(teacher, self.t_layers, self.hooks, backend, self.notes))
         optimizer = build_optimizer(cfg, self.side.named_parameters(), fused_ok=self.precision.fused_optimizer_ok)
         self.side, self.optimizer = self.precision.prepare(self.side, optimizer)
         self.model = backend.wrap(self.side)
@@ -140,6 +125,19 @@ class RunBuilder:
     def teacher(self):
         """The frozen teacher's module (wrapped forward-only), or None."""
         return self.prepared_teacher.module if self.prepared_teacher is not None else None
+
+    def prepare_teacher(
+        self, model: torch.nn.Module, layers: List[str], hooks: Sequence[StepHook], backend, notes: List[str]
+    ) -> Teacher:
+        """``model`` on this run's device and memory format, shown to ``hooks``, then prepared
+        (:class:`kd.teaching.Teacher`: fused, its precision chosen on this run's validation data)
+        with feature taps on ``layers``; what kd chose goes to ``notes``."""
+        model = model.to(self.device, memory_format=self.memory_format)  # type: ignore[call-overload]  # as the student side above
+        for hook in hooks:
+            hook.on_teacher(self, model)
+        return Teacher(
+            model, layers, self.cfg, backend, self.runtime, self.precision, self.data.val, self.logger.info, notes
+        )
 
     def use_teacher(self, teacher: Teacher) -> None:
         """The prepared teacher this student learns from (its own, or one shared with other students)."""

@@ -108,7 +108,7 @@ class MultiTrainer:
                 self.lanes.append(lane)
             if len(self.lanes) > 1 and self.lanes[0].precision.one_per_process:
                 raise KDError("apex.amp holds one model per process; several students need --amp-impl native")
-            self._prepare_teacher(shared, runtime)
+            self._prepare_teacher(shared)
             positions = {(lane.epoch, lane.batch_in_epoch) for lane in self.lanes}
             if len(positions) > 1:
                 where = ", ".join(
@@ -135,21 +135,15 @@ class MultiTrainer:
             lane.start_folder()
         self.active = list(self.lanes)
 
-    def _prepare_teacher(self, shared: Shared, runtime) -> None:
+    def _prepare_teacher(self, shared: Shared) -> None:
         """One teacher for every student that needs one, tapping the layers of them all."""
         taught = [lane for lane in self.lanes if lane.needs_teacher]
         if not taught:
             return
-        lead = taught[0]
-        model = shared.teacher_model.to(self.backend.device, memory_format=runtime.memory_format)
-        shared.teacher_model = None
-        for hook in self.hooks:
-            hook.on_teacher(lead, model)
+        model, shared.teacher_model = shared.teacher_model, None
         layers = list(dict.fromkeys(layer for lane in taught for layer in lane.t_layers))
         notes: List[str] = []
-        self.teacher = Teacher(
-            model, layers, lead.cfg, self.backend, runtime, lead.precision, self.data.val, lead.logger.info, notes
-        )
+        self.teacher = taught[0].prepare_teacher(model, layers, self.hooks, self.backend, notes)
         for lane in taught:
             lane.use_teacher(self.teacher)
             lane.notes.extend(notes)
