@@ -10,14 +10,17 @@
 #   apex      the same at batch 256 with --amp-impl apex (needs apex installed)
 #   compiled  --compile --set compile_mode=reduce-overhead, batch 256: synthetic vs folder
 #   decoders  the folder at batch 256 with each GPU decoder forced (KD_GPU_DECODER), against eager's synthetic
+#   shares    the folder at batch 256 with each --cpu-decode-share of $SHARES (default "0 0.25 0.4 0.55")
 #   epochs    kd train, 3 epochs over the folder: per-epoch validation, checkpoint and loader start
-# Every ratio goes to $OUT/summary.txt.
+# Every ratio goes to $OUT/summary.txt. Timed steps: $ITERS (120) after $WARMUP (30) at batch 256, twice
+# as many at 128; they must fit in one epoch (a smaller folder needs fewer).
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/kd-e2e}; mkdir -p "$OUT"
 PY=python3
 DATA=${DATA:-/tmp/in1k}
 J=${WORKERS:-15}
+IT=${ITERS:-120} WU=${WARMUP:-30}
 BENCH="$PY -m cli bench --teacher resnet101 --student resnet18 --backends single --opt O1 --amp-dtype float16"
 
 pair() {  # NAME BASE ARGS...: kd bench on the folder and (once per BASE) on synthetic tensors; prints the ratio
@@ -94,11 +97,14 @@ mb = sum(f.stat().st_size for f in files) / 2**20
 print(f"{len(files)} JPEGs in {root}, {mb:.0f} MiB (mean {1024 * mb / len(files):.0f} KiB), {time.time() - start:.0f} s")
 EOF
   ;;
-  eager) pair eager_b256 eager_b256 -b 256 --iters 120 --warmup 30
-         pair eager_b128 eager_b128 -b 128 --iters 240 --warmup 60 ;;
-  apex) pair apex_b256 apex_b256 -b 256 --iters 120 --warmup 30 --set amp_impl=apex ;;
-  compiled) pair graphs_b256 graphs_b256 -b 256 --iters 120 --warmup 40 --compile --set compile_mode=reduce-overhead ;;
-  decoders) for d in nvimgcodec nvjpeg; do DECODER=$d pair "decoder_${d}_b256" eager_b256 -b 256 --iters 120 --warmup 30; done ;;
+  eager) pair eager_b256 eager_b256 -b 256 --iters "$IT" --warmup "$WU"
+         pair eager_b128 eager_b128 -b 128 --iters $((2 * IT)) --warmup $((2 * WU)) ;;
+  apex) pair apex_b256 apex_b256 -b 256 --iters "$IT" --warmup "$WU" --set amp_impl=apex ;;
+  compiled) pair graphs_b256 graphs_b256 -b 256 --iters "$IT" --warmup "$WU" --compile --set compile_mode=reduce-overhead ;;
+  decoders) for d in nvimgcodec nvjpeg cpu; do
+              DECODER=$d pair "decoder_${d}_b256" eager_b256 -b 256 --iters "$IT" --warmup "$WU"; done ;;
+  shares) for s in ${SHARES:-0 0.25 0.4 0.55}; do
+            pair "share_${s}_b256" eager_b256 -b 256 --iters "$IT" --warmup "$WU" --set cpu_decode_share="$s"; done ;;
   epochs) $PY -m cli train --data "$DATA" --teacher resnet101 --teacher-weights none --student resnet18 --opt O1 \
             --amp-dtype float16 -b 256 --epochs 3 --loader gpu -j "$J" --no-progress --overwrite \
             --out /tmp/e2e/epochs ${EPOCH_ARGS:-} > "$OUT/epochs.log" 2>&1

@@ -40,6 +40,7 @@ class RunConfig:
     loader: str = "pil"
     workers: Optional[int] = None  # None: min(8, CPU cores per process)
     mp_context: Optional[str] = None  # None: the platform's safe default (kd.data.loader)
+    cpu_decode_share: Optional[float] = None  # --loader gpu; None: from the worker count (kd.data.gpu)
     max_bad_images: int = 10
     limit_train_batches: Optional[int] = None  # per epoch, for smoke tests and benchmarks
     limit_val_batches: Optional[int] = None
@@ -364,6 +365,10 @@ def validate(cfg: RunConfig) -> RunConfig:
     need(cfg.image_size >= 8, "--image-size must be at least 8")
     need(cfg.workers is None or cfg.workers >= 0, "--workers must be 0 or more")
     need(
+        cfg.cpu_decode_share is None or 0.0 <= cfg.cpu_decode_share <= 1.0,
+        f"--cpu-decode-share must be between 0 and 1, got {cfg.cpu_decode_share}",
+    )
+    need(
         cfg.mp_context is None or cfg.mp_context in MP_CONTEXTS,
         f"--mp-context must be {_one_of(MP_CONTEXTS)}, got {cfg.mp_context!r}",
     )
@@ -511,6 +516,12 @@ TRAIN_OPTIONS = (
         "workers", ("--workers", "-j"), "DataLoader worker processes per process.", note="min(8, CPU cores per process)"
     ),
     Option("mp_context", ("--mp-context",), "Worker start method.", choices=MP_CONTEXTS, note="forkserver on Linux"),
+    Option(
+        "cpu_decode_share",
+        ("--cpu-decode-share",),
+        "--loader gpu: fraction of the images the workers decode and crop (PIL) beside the GPU decoder.",
+        note="auto: from the workers",
+    ),
     Option("max_bad_images", ("--max-bad-images",), "Unreadable images tolerated before failing."),
     Option("limit_train_batches", ("--limit-train-batches",), "At most this many steps per epoch."),
     Option("limit_val_batches", ("--limit-val-batches",), "At most this many val batches."),

@@ -18,9 +18,9 @@ from conftest import kd_main, run_kd
 from kd import config as kd_config
 from kd.data import build
 from kd.data import gpu as gpu_mod
-from kd.data.bytes_dataset import JpegBytes, collate_packed, jpeg_size, train_box, val_box
-from kd.data.decoders import BASELINE_ONLY, CpuThread, DECODERS, make_decoder, pil_rgb
-from kd.data.gpu import GpuLoader, crop_resize, make_gpu_loader
+from kd.data.bytes_dataset import PIL_CROP, JpegBytes, collate_packed, jpeg_size, on_cpu, train_box, val_box
+from kd.data.decoders import BASELINE_ONLY, DECODERS, CpuThread, CpuWorkers, Nvjpeg, make_decoder, pil_rgb
+from kd.data.gpu import GpuLoader, auto_cpu_share, crop_resize, make_gpu_loader
 from kd.data.loader import MEAN, STD, make_data_loader, make_loader
 from kd.data.sampler import sample_seed
 from kd.errors import KDError
@@ -211,6 +211,47 @@ def test_pixels_match_the_pil_path(nat_folder, monkeypatch, decoder, train):
             per_image = diff.mean(dim=(1, 2, 3))
             assert per_image.max() < (2.5 if train else 2.0), per_image  # a wrong box or flip is tens of levels
             assert diff.mean() < 1.5
+
+
+def test_a_share_of_the_images_is_the_pil_paths_in_the_batchs_order(nat_folder, monkeypatch):
+    """--cpu-decode-share: those samples are the PIL path's own crops, chosen by seed, and every
+    batch keeps the sampler's order although its PIL crops arrive apart from the decoded ones."""
+    from kd.data.folder import scan
+
+    _, train, _ = scan(str(nat_folder))
+    dataset = JpegBytes(train, 64, True, cpu_share=0.5)
+    seeds = [sample_seed(5, 0, i) for i in range(200)]
+    routed = [on_cpu(seed, 0.5) for seed in seeds]
+    assert 70 < sum(routed) < 130 and routed == [on_cpu(seed, 0.5) for seed in seeds]
+    assert not any(on_cpu(seed, 0.0) for seed in seeds) and all(on_cpu(seed, 1.0) for seed in seeds)
+    for i, seed in enumerate(seeds[:16]):
+        sample = dataset[(i % len(train), seed)]
+        assert (sample.kind == PIL_CROP) == routed[i]
+        if routed[i]:
+            assert np.array_equal(sample.data, dataset.pil[(i % len(train), seed)][0].numpy())
+
+    monkeypatch.setenv(gpu_mod.DECODER_ENV, "cpu-thread")
+    shared = make_gpu_loader(cfg_for(nat_folder, cpu_decode_share=0.5), train, True, 1, 0, 8, CPU, False)
+    assert (
+        shared.dataset.cpu_share == 0.5 and "50 % of the images decoded and cropped by the workers" in shared.describe()
+    )
+    pil = make_loader(cfg_for(nat_folder), train, True, 1, 0, 8, CPU, False)
+    kinds = set()
+    for epoch in (0, 1):
+        for s, p in zip(batches(shared, epoch), batches(pil, epoch), strict=True):
+            assert torch.equal(s.labels, p.labels)
+            diff = (unnormalise(s.images) - unnormalise(p.images)).abs().mean(dim=(1, 2, 3))
+            assert diff.max() < 2.5, diff
+            kinds.update(d < 1e-3 for d in diff.tolist())  # a PIL crop is its PIL twin (to rounding)
+    assert kinds == {True, False}
+
+
+def test_auto_cpu_share_follows_the_workers():
+    cuda = torch.device("cuda", 0)  # only named: no CUDA call
+    shares = [auto_cpu_share(Nvjpeg(cuda), workers) for workers in (0, 2, 8, 15, 64)]
+    assert shares[0] == 0.0 and all(0.0 < a < b < 1.0 for a, b in zip(shares[1:], shares[2:]))
+    assert auto_cpu_share(CpuWorkers(cuda), 15) == 0.0  # the workers decode everything anyway
+    assert auto_cpu_share(CpuThread(CPU), 15) == 0.0  # no device to share with
 
 
 # ----------------------------------------------------------------------------- bad and odd files

@@ -193,3 +193,28 @@ def test_a_spawned_worker_imports_only_what_it_reads_images_with(data, tmp_path)
     )
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == [], r.stdout
+
+
+class _Niceness(Dataset):
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, item):
+        import os
+
+        return os.nice(0)
+
+
+def test_workers_run_nicer_than_the_training_process(tmp_path):
+    """When the workers keep every core busy, the threads that feed the GPU still get a core at once."""
+    import os
+
+    from kd import config as kd_config
+    from kd.data.loader import WORKER_NICE, make_data_loader
+
+    cfg = kd_config.resolve(
+        options=dict(data="synthetic", no_teacher=True, student="resnet18", workers=1, mp_context="fork")
+    )
+    loader, _ = make_data_loader(cfg, _Niceness(), list, False, 1, 0, 2, torch.device("cpu"))
+    (worker_nice,) = {n for batch in loader for n in batch}
+    assert worker_nice == min(19, os.nice(0) + WORKER_NICE)

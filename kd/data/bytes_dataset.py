@@ -6,7 +6,9 @@ both loaders augment a sample identically. A batch crosses to the main process a
 tensor of concatenated bitstreams plus lengths (one tensor per image is slow to pass between
 processes). Files the device decoders cannot take (not a JPEG, CMYK, 12-bit, arithmetic
 coded, no end-of-image marker) go through the PIL path in the worker and arrive as finished
-crops; files PIL cannot read either arrive as bad paths. Module-level and picklable.
+crops; files PIL cannot read either arrive as bad paths. So does a fixed share of the other
+files, chosen by the sample's seed (:func:`on_cpu`): the workers' cores decode beside the
+device decoder instead of idling. Module-level and picklable.
 """
 
 from __future__ import annotations
@@ -64,6 +66,19 @@ def jpeg_size(data: bytes, frame_types: Sequence[int] = DEVICE_SOF) -> Optional[
     return None
 
 
+def on_cpu(seed: int, share: float) -> bool:
+    """Whether the sample of ``seed`` is one of the ``share`` the workers decode and crop with PIL.
+
+    A hash of the seed, independent of the crop's draws from it: the same samples every run and
+    every worker count, about ``share`` of any batch.
+    """
+    if share <= 0.0:
+        return False
+    mixed = (seed * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) & 0xFFFFFFFFFFFFFFFF
+    mixed = ((mixed ^ (mixed >> 31)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    return ((mixed ^ (mixed >> 29)) >> 11) / 2.0**53 < share
+
+
 def train_box(height: int, width: int, seed: int, scale=(0.08, 1.0)) -> Tuple[Tuple[int, int, int, int], bool]:
     """RandomResizedCrop box ``(x1, y1, x2, y2)`` and the flip coin, drawn exactly as the PIL path."""
     gen = torch.Generator().manual_seed(seed)
@@ -100,7 +115,8 @@ class JpegBytes:
     ``frame_types``: the JPEG frame types the device decoder takes (others go through PIL).
     ``decode_in_worker=True`` makes the workers decode JPEGs on the CPU (torchvision's
     libjpeg-turbo) and send pixels instead of bitstreams: the fallback where no device decoder
-    exists; crop and resize still run batched in the main process.
+    exists; crop and resize still run batched in the main process. ``cpu_share``: the fraction
+    of samples (:func:`on_cpu`) that go through the PIL path whatever their format.
     """
 
     def __init__(
@@ -112,10 +128,12 @@ class JpegBytes:
         min_scale: float = 0.08,
         decode_in_worker: bool = False,
         frame_types: Sequence[int] = DEVICE_SOF,
+        cpu_share: float = 0.0,
     ):
         self.pil = ImageFolderPIL(samples, size, train, resize, min_scale)
         self.decode_in_worker = decode_in_worker
         self.frame_types = tuple(frame_types)
+        self.cpu_share = cpu_share
 
     @property
     def samples(self) -> List[Tuple[str, int]]:
@@ -132,6 +150,8 @@ class JpegBytes:
 
     def __getitem__(self, item) -> Sample:
         index, seed = item if isinstance(item, tuple) else (item, 0)
+        if on_cpu(seed, self.cpu_share):
+            return self.pil_sample(index, seed)
         path, label = self.pil.samples[index]
         try:
             with open(path, "rb") as fh:
@@ -169,10 +189,12 @@ def collate_packed(batch: Sequence[Sample]) -> dict:
     Keys: ``data``, ``lengths`` (bytes per device sample), ``shapes`` (height, width), ``boxes``
     (x1, y1, x2, y2 in source pixels), ``flips``, ``labels``, ``index``, ``seeds``, ``paths``,
     ``pixels`` (True when ``data`` holds decoded CHW pixels, not bitstreams); ``pil_images`` and
-    ``pil_labels``: finished crops of the PIL path; ``bad``: paths nothing could read.
+    ``pil_labels``: finished crops of the PIL path; ``positions`` and ``pil_positions``: where the
+    device and PIL samples stand in ``batch``; ``bad``: paths nothing could read.
     """
     dev = [s for s in batch if s.kind in (ENCODED, PIXELS)]
     pil = [s for s in batch if s.kind == PIL_CROP]
+    positions = {id(s): i for i, s in enumerate(batch)}
     arrays = [_payload(s).reshape(-1) for s in dev]
     pil_images = (
         torch.from_numpy(np.stack([_payload(s) for s in pil])) if pil else torch.empty(0, 3, 1, 1, dtype=torch.uint8)
@@ -190,5 +212,7 @@ def collate_packed(batch: Sequence[Sample]) -> dict:
         "pixels": bool(dev) and dev[0].kind == PIXELS,
         "pil_images": pil_images,
         "pil_labels": torch.tensor([s.label for s in pil], dtype=torch.long),
+        "positions": torch.tensor([positions[id(s)] for s in dev], dtype=torch.long),
+        "pil_positions": torch.tensor([positions[id(s)] for s in pil], dtype=torch.long),
         "bad": [s.path for s in batch if s.kind == BAD],
     }

@@ -35,10 +35,15 @@ import torchvision.ops  # noqa: F401  (registers torch.ops.torchvision.roi_align
 
 from kd.data.bytes_dataset import BAD, JpegBytes, collate_packed
 from kd.data.decoders import Decoder, make_decoder
-from kd.data.loader import MEAN, STD, Batch, DeviceLoader, make_data_loader
+from kd.data.loader import MEAN, STD, Batch, DeviceLoader, make_data_loader, worker_count
 
 #: Environment override of the decoder choice: auto, nvimgcodec, nvjpeg, cpu, cpu-thread.
 DECODER_ENV = "KD_GPU_DECODER"
+#: Images per second one DataLoader worker decodes and crops with PIL, and a device decoder decodes
+#: beside the training step: the auto --cpu-decode-share gives each side its part (H200 machine,
+#: ImageNet-like JPEGs, docs/benchmarks.md).
+PIL_RATE_PER_WORKER = 250.0
+DEVICE_DECODE_RATE = 5000.0
 #: Largest float32 stack handed to one roi_align call (elements; 2**27 is 512 MiB).
 MAX_STACK_ELEMENTS = 1 << 27
 
@@ -160,6 +165,7 @@ class _Decoded:
     images: List[Optional[torch.Tensor]]  # per device sample; None: decoder failed
     fallback: List[torch.Tensor]  # PIL crops of the failures PIL could read
     fallback_labels: List[int]
+    fallback_positions: List[int]  # where they stand in the batch
     bad: List[str]
     event: object  # decode finished (on the decode stream)
 
@@ -248,10 +254,12 @@ class GpuLoader(DeviceLoader):
             if self.device.type == "cuda"
             else "on the CPU (no CUDA device)"
         )
+        share = self.dataset.cpu_share
         text = (
             f"loader gpu: file bytes from {self.loader.num_workers} DataLoader worker(s); "
             f"decoder {self.decoder.name}: {self.decoder.describe()}; "
-            f"crop+resize: one roi_align per image size, {where}"
+            + (f"{100 * share:.0f} % of the images decoded and cropped by the workers (PIL); " if share else "")
+            + f"crop+resize: one roi_align per image size, {where}"
         )
         return text + (f"; skipped decoders: {'; '.join(self.notes)}" if self.notes else "")
 
@@ -296,7 +304,7 @@ class GpuLoader(DeviceLoader):
     def _decode(self, host: dict, stages) -> _Decoded:
         """Decode-thread work for one batch: device images, plus PIL for what the decoder refused."""
         images = self.decoder.images(host)
-        fallback, labels, bad = [], [], list(host["bad"])
+        fallback, labels, positions, bad = [], [], [], list(host["bad"])
         for i, img in enumerate(images):
             if img is None:
                 sample = self.dataset.pil_sample(int(host["index"][i]), int(host["seeds"][i]))
@@ -305,39 +313,63 @@ class GpuLoader(DeviceLoader):
                 else:
                     fallback.append(torch.from_numpy(sample.data))
                     labels.append(sample.label)
-        return _Decoded(host, images, fallback, labels, bad, stages.decoded())
+                    positions.append(int(host["positions"][i]))
+        return _Decoded(host, images, fallback, labels, positions, bad, stages.decoded())
 
     def _prepare(self, item: _Decoded, stages):
-        """Main-thread work for one batch, enqueued on the prep stream: crop, flip, normalise."""
+        """Main-thread work for one batch, enqueued on the prep stream: crop, flip, normalise, and
+        the samples back in the sampler's order (PIL crops came apart from the device's)."""
         host, dev = item.host, self.device
-        parts, labels = [], []
+        parts, labels, positions = [], [], []
         with stages.preparing(item.event):
             keep = [i for i, img in enumerate(item.images) if img is not None]
             if keep:
-                boxes, flips, kept_labels = host["boxes"], host["flips"], host["labels"]
+                boxes, flips, kept_labels, kept_positions = (
+                    host["boxes"],
+                    host["flips"],
+                    host["labels"],
+                    host["positions"],
+                )
                 if len(keep) < len(item.images):
                     index = torch.tensor(keep)
-                    boxes, flips, kept_labels = boxes[index], flips[index], kept_labels[index]
+                    boxes, flips, kept_labels, kept_positions = (
+                        t[index] for t in (boxes, flips, kept_labels, kept_positions)
+                    )
                 crops = crop_resize([img for img in item.images if img is not None], boxes, self.size)
                 flips = flips.to(dev, non_blocking=True).view(-1, 1, 1, 1)
                 parts.append(torch.where(flips, crops.flip(3), crops))
                 labels.append(kept_labels)
+                positions.append(kept_positions)
             finished = [host["pil_images"]] if host["pil_labels"].numel() else []
             if item.fallback:
                 finished.append(torch.stack(item.fallback))
             if finished:
                 parts.append(torch.cat(finished).to(dev, non_blocking=True).float())
                 labels += [host["pil_labels"], torch.tensor(item.fallback_labels, dtype=torch.long)]
+                positions += [host["pil_positions"], torch.tensor(item.fallback_positions, dtype=torch.long)]
             if parts:
                 x = parts[0] if len(parts) == 1 else torch.cat(parts)
             else:
                 x = torch.empty(0, 3, self.size, self.size, device=dev)
+            label_host = torch.cat(labels) if labels else torch.empty(0, dtype=torch.long)
+            if len(parts) > 1:  # device crops first, then PIL's: back to the batch's order
+                order = torch.cat(positions).argsort()
+                x = x.index_select(0, order.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else order)
+                label_host = label_host[order]
             images = torch.empty(x.shape, device=dev, memory_format=self.memory_format)
             torch.addcmul(self.bias, x, self.scale, out=images)
-            label_host = torch.cat(labels) if labels else torch.empty(0, dtype=torch.long)
             label_dev = label_host.to(dev, non_blocking=True)
             event = stages.prepared()
         return images, label_dev, item.bad, event
+
+
+def auto_cpu_share(decoder: Decoder, workers: int) -> float:
+    """The share of images the workers decode when --cpu-decode-share is not given: none where the
+    CPU decodes anyway, else in proportion to the two sides' rates (PIL_RATE_PER_WORKER, DEVICE_DECODE_RATE)."""
+    if decoder.in_workers or decoder.device.type != "cuda" or workers == 0:
+        return 0.0
+    cpu = workers * PIL_RATE_PER_WORKER
+    return round(cpu / (cpu + DEVICE_DECODE_RATE), 2)
 
 
 _SHARED: Dict[Tuple[str, str], Tuple[Decoder, List[str]]] = {}
@@ -356,6 +388,9 @@ def make_gpu_loader(
 ) -> GpuLoader:
     """A ``--loader gpu`` loader over ``samples``, sampled exactly as the PIL loader."""
     decoder, notes = shared_decoder(device, os.environ.get(DECODER_ENV, "auto").strip() or "auto")
+    share = cfg.cpu_decode_share
+    if share is None:
+        share = auto_cpu_share(decoder, worker_count(cfg, num_replicas))
     dataset = JpegBytes(
         samples,
         cfg.image_size,
@@ -364,6 +399,7 @@ def make_gpu_loader(
         cfg.min_crop_scale,
         decode_in_worker=decoder.in_workers,
         frame_types=decoder.frame_types,
+        cpu_share=share,
     )
     loader, sampler = make_data_loader(cfg, dataset, collate_packed, train, num_replicas, rank, local_batch, device)
     limit = cfg.limit_train_batches if train else cfg.limit_val_batches

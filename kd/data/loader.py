@@ -62,8 +62,22 @@ def default_workers(processes: int) -> int:
     return max(1, min(8, cores // max(processes, 1)))
 
 
+#: How much nicer than the training process its loader workers run (``KD_WORKER_NICE`` overrides):
+#: when the workers keep every core busy, the threads that feed the GPU still get one at once.
+WORKER_NICE = 10
+
+
+def worker_count(cfg, processes: int) -> int:
+    """The DataLoader workers of each of ``processes`` processes: ``--workers``, or the default."""
+    return default_workers(processes) if cfg.workers is None else cfg.workers
+
+
 def seed_worker(worker_id: int) -> None:
-    """Seed Python's and NumPy's RNGs from torch's per-worker seed (for third-party transforms)."""
+    """Run nicer than the training process (WORKER_NICE); seed Python's and NumPy's RNGs from
+    torch's per-worker seed (for third-party transforms)."""
+    nice = int(os.environ.get("KD_WORKER_NICE", WORKER_NICE))
+    if nice > 0 and hasattr(os, "nice"):
+        os.nice(nice)
     seed = torch.initial_seed() % 2**32
     random.seed(seed)
     np.random.seed(seed)
@@ -215,7 +229,7 @@ def make_data_loader(
 ):
     """The DataLoader and SeededSampler over ``dataset``, with the worker settings of the module docstring."""
     sampler = SeededSampler(len(dataset), num_replicas, rank, shuffle=train, seed=cfg.seed, pad=train)
-    workers = default_workers(num_replicas) if cfg.workers is None else cfg.workers
+    workers = worker_count(cfg, num_replicas)
     # its own generator, with workers or without: iterating never draws from the training's (dropout) generators
     kwargs: Dict[str, Any] = dict(generator=torch.Generator().manual_seed(cfg.seed * 1000 + rank * 2 + int(train)))
     if workers > 0:
