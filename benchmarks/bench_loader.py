@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kd import config as kd_config  # noqa: E402
 from kd.data import gpu as gpu_loader  # noqa: E402
+from kd.data.bytes_dataset import unpacked  # noqa: E402
 from kd.data.decoders import DECODERS  # noqa: E402
 from kd.data.folder import scan  # noqa: E402
 from kd.data.loader import make_loader  # noqa: E402
@@ -107,7 +108,7 @@ def stages(loader, device, max_batches: int):
     loader.set_epoch(2)
     hosts = []
     for host in loader.loader:
-        hosts.append(host)
+        hosts.append(unpacked(host))
         if len(hosts) == max_batches:
             break
     n = sum(int(h["lengths"].numel()) for h in hosts)

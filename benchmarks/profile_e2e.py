@@ -1,18 +1,25 @@
-"""Where the host time of a real training epoch goes: ``kd train``'s own Trainer on a JPEG folder,
-one warm epoch, then ``--steps`` steps under cProfile (the main thread) with the time spent
-waiting for batches and in :meth:`Trainer.step` measured apart.
+"""Where the time of a real training epoch goes: ``kd train``'s own Trainer on a JPEG folder, one
+warm epoch, then ``--steps`` steps with the time spent waiting for batches and in
+:meth:`Trainer.step` measured apart.
 
     python benchmarks/profile_e2e.py --data /tmp/in1k [--loader gpu] [-j 15] [--set KEY=VALUE ...]
+        [--cprofile] [--kernels TRACE.json]
 
-Prints the seconds per step of: waiting for the loader, the step's host side, the device, and the
-25 functions with the most cumulative time. Needs CUDA.
+Prints the milliseconds per step of: waiting for the loader and the step's host side.
+``--cprofile``: the 25 functions of the main thread with the most cumulative time (cProfile
+slows that thread: read the shares, not the rate). ``--kernels``: the profiled steps under
+torch.profiler, kept as a Chrome trace, and per CUDA stream its kernels' and copies' time per
+step, the top kernels, and how much of the window each stream and the whole GPU were busy: the
+step's stream against the loader's decode and prep streams. Needs CUDA.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import io
+import json
 import pstats
 import sys
 import tempfile
@@ -36,6 +43,8 @@ def main() -> None:
     ap.add_argument("-b", "--batch-size", type=int, default=256)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--set", dest="sets", action="append", default=[])
+    ap.add_argument("--cprofile", action="store_true", help="cProfile the main thread")
+    ap.add_argument("--kernels", type=Path, help="torch.profiler trace of the profiled steps, summarised by stream")
     args = ap.parse_args()
     options = dict(
         teacher="resnet101",
@@ -63,9 +72,15 @@ def main() -> None:
         it = iter(loader)
         steps = args.steps if epoch else min(args.steps, len(loader))
         wait = step_host = 0.0
-        profile = cProfile.Profile() if epoch else None
+        profile = cProfile.Profile() if epoch and args.cprofile else None
+        tracer = None
+        if epoch and args.kernels:
+            activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            tracer = torch.profiler.profile(activities=activities)
         torch.cuda.synchronize()
         start = time.perf_counter()
+        if tracer:
+            tracer.__enter__()
         if profile:
             profile.enable()
         for _ in range(steps):
@@ -80,6 +95,9 @@ def main() -> None:
             profile.disable()
         torch.cuda.synchronize()
         total = time.perf_counter() - start
+        if tracer:
+            tracer.__exit__(None, None, None)
+            tracer.export_chrome_trace(str(args.kernels))
         close = getattr(it, "close", None)
         if close:
             close()
@@ -88,11 +106,53 @@ def main() -> None:
             f"{1000 * total / steps:.1f} ms, waiting for the loader {1000 * wait / steps:.1f} ms, "
             f"the step's host side {1000 * step_host / steps:.1f} ms"
         )
-    text = io.StringIO()
-    pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(25)
-    print(text.getvalue())
+    if profile:
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(25)
+        print(text.getvalue())
+    if args.kernels:
+        print(stream_summary(json.loads(args.kernels.read_text()), args.steps))
     trainer.close()
     backend.teardown()
+
+
+def _busy(intervals) -> float:
+    """Length of the union of ``(start, end)`` intervals."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def stream_summary(trace: dict, steps: int) -> str:
+    """Per CUDA stream of a Chrome trace: kernels' and copies' ms per step, the share of the window
+    it was busy, and its top kernels; then the whole GPU's busy share."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not gpu:
+        return "no CUDA kernels in the trace"
+    window = max(e["ts"] + e["dur"] for e in gpu) - min(e["ts"] for e in gpu)
+    by_stream = collections.defaultdict(list)
+    for e in gpu:
+        by_stream[e.get("args", {}).get("stream", "?")].append(e)
+    lines = [f"GPU window {window / 1000:.1f} ms over {steps} steps ({window / 1000 / steps:.2f} ms per step)"]
+    for stream, evs in sorted(by_stream.items(), key=lambda kv: -sum(e["dur"] for e in kv[1])):
+        kernels = collections.Counter()
+        for e in evs:
+            kernels[e["name"][:70]] += e["dur"]
+        busy = _busy((e["ts"], e["ts"] + e["dur"]) for e in evs)
+        copies = sum(e["dur"] for e in evs if e.get("cat") != "kernel")
+        compute = sum(kernels.values()) - copies
+        lines.append(
+            f"stream {stream}: {len(evs) / steps:.0f} launches, kernels {compute / 1000 / steps:.2f} "
+            f"ms and copies {copies / 1000 / steps:.2f} ms per step, busy {100 * busy / window:.1f} % of the window"
+        )
+        lines += [f"    {us / 1000 / steps:7.3f} ms  {name}" for name, us in kernels.most_common(5)]
+    busy = _busy((e["ts"], e["ts"] + e["dur"]) for e in gpu)
+    lines.append(f"any stream busy {100 * busy / window:.1f} % of the window")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

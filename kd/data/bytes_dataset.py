@@ -3,12 +3,13 @@
 CPU workers read each file, take the image size from the JPEG frame header (no decoding)
 and draw the crop from the sample's seed with the same generator calls as the PIL path, so
 both loaders augment a sample identically. A batch crosses to the main process as ONE uint8
-tensor of concatenated bitstreams plus lengths (one tensor per image is slow to pass between
-processes). Files the device decoders cannot take (not a JPEG, CMYK, 12-bit, arithmetic
-coded, no end-of-image marker) go through the PIL path in the worker and arrive as finished
-crops; files PIL cannot read either arrive as bad paths. So does a fixed share of the other
-files, chosen by the sample's seed (:func:`on_cpu`): the workers' cores decode beside the
-device decoder instead of idling. Module-level and picklable.
+tensor of concatenated bitstreams and crops plus small arrays (:func:`collate_packed`: each
+tensor passed between processes costs the receiver a handshake with the worker). Files the
+device decoders cannot take (not a JPEG, CMYK, 12-bit, arithmetic coded, no end-of-image
+marker) go through the PIL path in the worker and arrive as finished crops; files PIL cannot
+read either arrive as bad paths. So does a fixed share of the other files, chosen by the
+sample's seed (:func:`on_cpu`): the workers' cores decode beside the device decoder instead
+of idling. Module-level and picklable.
 """
 
 from __future__ import annotations
@@ -184,35 +185,49 @@ def _payload(sample: Sample) -> np.ndarray:
 
 
 def collate_packed(batch: Sequence[Sample]) -> dict:
-    """One batch as a few tensors: the device samples packed into ``data`` (one uint8 tensor).
+    """One batch as ONE tensor plus small arrays: what crosses from a worker to the main process.
 
-    Keys: ``data``, ``lengths`` (bytes per device sample), ``shapes`` (height, width), ``boxes``
-    (x1, y1, x2, y2 in source pixels), ``flips``, ``labels``, ``index``, ``seeds``, ``paths``,
-    ``pixels`` (True when ``data`` holds decoded CHW pixels, not bitstreams); ``pil_images`` and
-    ``pil_labels``: finished crops of the PIL path; ``positions`` and ``pil_positions``: where the
-    device and PIL samples stand in ``batch``; ``bad``: paths nothing could read.
+    Every tensor a worker returns crosses as its own shared-memory file descriptor, and each costs
+    the receiving thread a socket handshake with the worker (about 1 ms): so the device samples'
+    bytes and the PIL crops travel packed in ``data`` (one uint8 tensor), and the rest as NumPy
+    arrays and lists, pickled with the message. :func:`unpacked` turns it into tensors.
     """
     dev = [s for s in batch if s.kind in (ENCODED, PIXELS)]
     pil = [s for s in batch if s.kind == PIL_CROP]
     positions = {id(s): i for i, s in enumerate(batch)}
-    arrays = [_payload(s).reshape(-1) for s in dev]
-    pil_images = (
-        torch.from_numpy(np.stack([_payload(s) for s in pil])) if pil else torch.empty(0, 3, 1, 1, dtype=torch.uint8)
-    )
+    arrays = [_payload(s).reshape(-1) for s in dev] + [_payload(s).reshape(-1) for s in pil]
     return {
         "data": torch.from_numpy(np.concatenate(arrays)) if arrays else torch.empty(0, dtype=torch.uint8),
-        "lengths": torch.tensor([a.size for a in arrays], dtype=torch.long),
-        "shapes": torch.tensor([(s.height, s.width) for s in dev], dtype=torch.long).view(-1, 2),
-        "boxes": torch.tensor([s.box for s in dev], dtype=torch.float32).view(-1, 4),
-        "flips": torch.tensor([s.flip for s in dev], dtype=torch.bool),
-        "labels": torch.tensor([s.label for s in dev], dtype=torch.long),
-        "index": torch.tensor([s.sample_index for s in dev], dtype=torch.long),
-        "seeds": torch.tensor([s.seed for s in dev], dtype=torch.long),
+        "lengths": np.array([_payload(s).size for s in dev], dtype=np.int64),
+        "shapes": np.array([(s.height, s.width) for s in dev], dtype=np.int64).reshape(-1, 2),
+        "boxes": np.array([s.box for s in dev], dtype=np.float32).reshape(-1, 4),
+        "flips": np.array([s.flip for s in dev], dtype=bool),
+        "labels": np.array([s.label for s in dev], dtype=np.int64),
+        "index": np.array([s.sample_index for s in dev], dtype=np.int64),
+        "seeds": np.array([s.seed for s in dev], dtype=np.int64),
+        "positions": np.array([positions[id(s)] for s in dev], dtype=np.int64),
         "paths": [s.path for s in dev],
         "pixels": bool(dev) and dev[0].kind == PIXELS,
-        "pil_images": pil_images,
-        "pil_labels": torch.tensor([s.label for s in pil], dtype=torch.long),
-        "positions": torch.tensor([positions[id(s)] for s in dev], dtype=torch.long),
-        "pil_positions": torch.tensor([positions[id(s)] for s in pil], dtype=torch.long),
+        "pil_shape": (len(pil), *_payload(pil[0]).shape) if pil else (0, 3, 1, 1),
+        "pil_labels": np.array([s.label for s in pil], dtype=np.int64),
+        "pil_positions": np.array([positions[id(s)] for s in pil], dtype=np.int64),
         "bad": [s.path for s in batch if s.kind == BAD],
     }
+
+
+def unpacked(host: dict) -> dict:
+    """A :func:`collate_packed` batch with tensors for its arrays, on the receiving side.
+
+    Keys: ``data`` (the device samples' bytes, or decoded CHW pixels where ``pixels``),
+    ``lengths`` (bytes per device sample), ``shapes`` (height, width), ``boxes`` (x1, y1, x2, y2
+    in source pixels), ``flips``, ``labels``, ``index``, ``seeds``, ``positions`` (where each
+    device sample stands in the batch), ``paths``; ``pil_images``, ``pil_labels`` and
+    ``pil_positions``: the PIL path's finished crops; ``bad``: paths nothing could read.
+    ``data`` and ``pil_images`` are views of the one tensor that crossed (pinned where it was).
+    """
+    out = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in host.items()}
+    split = int(out["lengths"].sum())
+    data = out["data"]
+    out["data"] = data[:split]
+    out["pil_images"] = data[split:].view(host["pil_shape"])
+    return out

@@ -33,7 +33,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 import torchvision.ops  # noqa: F401  (registers torch.ops.torchvision.roi_align)
 
-from kd.data.bytes_dataset import BAD, JpegBytes, collate_packed
+from kd.data.bytes_dataset import BAD, JpegBytes, collate_packed, unpacked
 from kd.data.decoders import Decoder, make_decoder
 from kd.data.loader import MEAN, STD, Batch, DeviceLoader, make_data_loader, worker_count
 
@@ -90,6 +90,15 @@ def crop_resize(
         inverse[torch.tensor(order)] = torch.arange(n)
         out = out.index_select(0, inverse.to(device, non_blocking=True))
     return out
+
+
+def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device`` without holding up the host: a copy to CUDA from pageable memory may wait
+    for the stream's earlier work (the prep stream waits on the decode), so it goes through pinned
+    memory first, which the caching host allocator keeps until the copy is done."""
+    if device.type != "cuda":
+        return t.to(device)
+    return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)
 
 
 class _CudaStages:
@@ -277,7 +286,7 @@ class GpuLoader(DeviceLoader):
         if remaining == 0:
             return
         stages = self._stages()
-        feeder = _DecodeThread(iter(self.loader), lambda host: self._decode(host, stages), stages)
+        feeder = _DecodeThread(iter(self.loader), lambda host: self._decode(unpacked(host), stages), stages)
         retire: deque = deque()  # (event, decoded batch) kept until the prep stream has read it
         pending = None
         try:
@@ -338,7 +347,7 @@ class GpuLoader(DeviceLoader):
                         t[index] for t in (boxes, flips, kept_labels, kept_positions)
                     )
                 crops = crop_resize([img for img in item.images if img is not None], boxes, self.size)
-                flips = flips.to(dev, non_blocking=True).view(-1, 1, 1, 1)
+                flips = upload(flips, dev).view(-1, 1, 1, 1)
                 parts.append(torch.where(flips, crops.flip(3), crops))
                 labels.append(kept_labels)
                 positions.append(kept_positions)
@@ -346,7 +355,7 @@ class GpuLoader(DeviceLoader):
             if item.fallback:
                 finished.append(torch.stack(item.fallback))
             if finished:
-                parts.append(torch.cat(finished).to(dev, non_blocking=True).float())
+                parts.append(upload(finished[0] if len(finished) == 1 else torch.cat(finished), dev).float())
                 labels += [host["pil_labels"], torch.tensor(item.fallback_labels, dtype=torch.long)]
                 positions += [host["pil_positions"], torch.tensor(item.fallback_positions, dtype=torch.long)]
             if parts:
@@ -356,11 +365,11 @@ class GpuLoader(DeviceLoader):
             label_host = torch.cat(labels) if labels else torch.empty(0, dtype=torch.long)
             if len(parts) > 1:  # device crops first, then PIL's: back to the batch's order
                 order = torch.cat(positions).argsort()
-                x = x.index_select(0, order.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else order)
+                x = x.index_select(0, upload(order, dev))
                 label_host = label_host[order]
             images = torch.empty(x.shape, device=dev, memory_format=self.memory_format)
             torch.addcmul(self.bias, x, self.scale, out=images)
-            label_dev = label_host.to(dev, non_blocking=True)
+            label_dev = upload(label_host, dev)
             event = stages.prepared()
         return images, label_dev, item.bad, event
 
