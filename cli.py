@@ -346,18 +346,34 @@ def bench(
 
 
 @bench.command("data")
-@click.option("--data", required=True, metavar="DIR", help="ImageNet-layout folder (its train/ split is read).")
+@click.option("--data", required=True, metavar="DIR", help="ImageNet-layout folder.")
+@click.option("--split", type=click.Choice(["train", "val"]), default="train", show_default=True, help="Which split.")
 @click.option("--loader", default="pil", show_default=True, metavar="pil|gpu")
+@click.option("--cpu-decode-share", type=float, default=None, help="--loader gpu: as kd train's [from the workers].")
+@click.option("--val-cache-gb", type=float, default=None, help="--split val: as kd train's [an eighth of memory].")
 @click.option("--workers", "-j", type=int, default=None, help="DataLoader workers [min(8, CPU cores)].")
 @click.option("--batch-size", "-b", type=int, default=256, show_default=True)
 @click.option("--image-size", type=int, default=224, show_default=True)
 @click.option(
-    "--epochs", type=int, default=2, show_default=True, help="Epochs over train/ (the first starts the workers)."
+    "--epochs", type=int, default=2, show_default=True, help="Passes over the split (the first starts the workers)."
 )
 @click.option("--limit-batches", type=int, default=None, help="At most this many batches per epoch.")
 @click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
 @click.option("--mp-context", type=click.Choice(MP_CONTEXTS), default=None)
-def bench_data_cmd(data, loader, workers, batch_size, image_size, epochs, limit_batches, device, mp_context):
+def bench_data_cmd(
+    data,
+    split,
+    loader,
+    cpu_decode_share,
+    val_cache_gb,
+    workers,
+    batch_size,
+    image_size,
+    epochs,
+    limit_batches,
+    device,
+    mp_context,
+):
     """Images/s of the input pipeline alone (decode, crop, flip, normalise, to the device)."""
     from kd.bench import bench_data
 
@@ -365,15 +381,19 @@ def bench_data_cmd(data, loader, workers, batch_size, image_size, epochs, limit_
         dict(
             data=data,
             loader=loader,
+            cpu_decode_share=cpu_decode_share,
+            val_cache_gb=val_cache_gb,
             workers=workers,
             batch_size=batch_size,
             image_size=image_size,
             limit_train_batches=limit_batches,
+            limit_val_batches=limit_batches,
             device=device,
             mp_context=mp_context,
         ),
         epochs,
         click.echo,
+        split,
     )
 
 

@@ -232,12 +232,13 @@ def write_outputs(rows: List[Dict[str, object]], out: Path, baseline: str, note=
     plt.close(fig)
 
 
-def bench_data(options: Dict[str, object], epochs: int, echo=print) -> List[Dict[str, float]]:
-    """``kd bench data``: images/s of the training loader alone, per epoch.
+def bench_data(options: Dict[str, object], epochs: int, echo=print, split: str = "train") -> List[Dict[str, float]]:
+    """``kd bench data``: images/s of the training (or val) loader alone, per epoch (or pass).
 
     The loader is the one ``kd train`` builds (sampling, decode, crop, flip, normalisation
     and the copy to the device, all of it); batches are consumed and dropped. Epoch 1
-    includes starting the workers; later epochs show the steady rate.
+    includes starting the workers; later epochs show the steady rate, and for ``split="val"``
+    the val crops kept in memory (``--val-cache-gb``).
     """
     import time
 
@@ -256,7 +257,10 @@ def bench_data(options: Dict[str, object], epochs: int, echo=print) -> List[Dict
         raise KDError("kd bench data needs --data DIR (an ImageNet-layout folder), not synthetic")
     device = resolve_device(cfg)
     channels_last = resolve_runtime(cfg, device).channels_last
-    loader = build(cfg, 1, 0, cfg.batch_size, device, channels_last).train  # kd train's own choice of loader
+    if split not in ("train", "val"):
+        raise KDError(f"--split must be train or val, got {split!r}")
+    data = build(cfg, 1, 0, cfg.batch_size, device, channels_last)  # kd train's own choice of loader
+    loader = data.train if split == "train" else data.val
     echo(loader.describe())
 
     def sync():
@@ -284,7 +288,8 @@ def bench_data(options: Dict[str, object], epochs: int, echo=print) -> List[Dict
         }
         rows.append(row)
         echo(
-            f"epoch {epoch + 1}: {images} images in {seconds:.1f}s, {row['img_per_s']:,.0f} images/s "
-            f"(first batch after {row['first_batch_s']:.2f}s)"
+            f"{'epoch' if split == 'train' else 'pass'} {epoch + 1}: {images} images in {seconds:.2f}s, "
+            f"{row['img_per_s']:,.0f} images/s (first batch after {row['first_batch_s']:.2f}s)"
         )
+    data.close()
     return rows

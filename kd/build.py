@@ -118,6 +118,9 @@ class RunBuilder:
         self._resumed_step = self.global_step
         if shared is None:
             self.logger.info(self.data.train.describe())  # after set-up, so a failed start stays one line
+            cache = getattr(self.data.val, "describe_cache", None)
+            if cache is not None:
+                self.logger.info(f"val: {cache()}")
             self.start_folder()
         self._setup_seconds = time.time() - self.started
 

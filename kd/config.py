@@ -44,6 +44,7 @@ class RunConfig:
     max_bad_images: int = 10
     limit_train_batches: Optional[int] = None  # per epoch, for smoke tests and benchmarks
     limit_val_batches: Optional[int] = None
+    val_cache_gb: Optional[float] = None  # None: an eighth of host memory per host's processes (kd.data.cache)
     # models
     teacher: Optional[str] = None
     teacher_weights: str = "pretrained"
@@ -364,6 +365,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     need(0.0 < cfg.min_crop_scale <= 1.0, "--min-crop-scale must be in (0, 1]")
     need(cfg.image_size >= 8, "--image-size must be at least 8")
     need(cfg.workers is None or cfg.workers >= 0, "--workers must be 0 or more")
+    need(cfg.val_cache_gb is None or cfg.val_cache_gb >= 0, "--val-cache-gb must be 0 or more")
     need(
         cfg.cpu_decode_share is None or 0.0 <= cfg.cpu_decode_share <= 1.0,
         f"--cpu-decode-share must be between 0 and 1, got {cfg.cpu_decode_share}",
@@ -525,6 +527,12 @@ TRAIN_OPTIONS = (
     Option("max_bad_images", ("--max-bad-images",), "Unreadable images tolerated before failing."),
     Option("limit_train_batches", ("--limit-train-batches",), "At most this many steps per epoch."),
     Option("limit_val_batches", ("--limit-val-batches",), "At most this many val batches."),
+    Option(
+        "val_cache_gb",
+        ("--val-cache-gb",),
+        "Keep the val crops in host memory after the first pass, up to this many GB per process (0: off).",
+        note="an eighth of host memory",
+    ),
     Option("device", ("--device",), "Where it runs.", choices=DEVICES, note="cuda where available"),
     Option("backend", ("--backend",), "Parallel backend: {names}; see 'kd backends'.", "NAME"),
     Option("gpus", ("--gpus",), "GPU indices to use (any subset).", "0,1,3"),

@@ -133,6 +133,7 @@ CASES = {
     "gpus on cpu": (T("--gpus", "0"), "--gpus needs --device cuda"),
     "alpha out of range": (T("--alpha", "1.5"), "--alpha must be between 0 and 1"),
     "cpu decode share out of range": (T("--cpu-decode-share", "1.5"), "--cpu-decode-share must be between 0 and 1"),
+    "negative val cache": (T("--val-cache-gb", "-1"), "--val-cache-gb must be 0 or more"),
     "alpha for another method": (T("--kd-loss", "dkd", "--alpha", "1"), "tckd_weight"),
     "former and current loss arg": (
         T("--kd-loss", "dkd", "--loss-arg", "beta=1", "--loss-arg", "nckd_weight=1"),

@@ -11,6 +11,7 @@ from typing import List
 
 import torch
 
+from kd.data.cache import CachedVal, default_budget_gb
 from kd.data.folder import scan
 from kd.data.gpu import make_gpu_loader
 from kd.data.loader import Loader, SyntheticLoader, make_loader
@@ -54,4 +55,7 @@ def build(cfg, num_replicas: int, rank: int, local_batch: int, device: torch.dev
     make = LOADERS[cfg.loader]
     train = make(cfg, train_samples, True, num_replicas, rank, local_batch, device, channels_last)
     val = make(cfg, val_samples, False, num_replicas, rank, local_batch, device, channels_last)
+    budget = default_budget_gb(num_replicas) if cfg.val_cache_gb is None else cfg.val_cache_gb
+    if budget > 0:
+        val = CachedVal(val, cfg.image_size, device, channels_last, budget * 2**30)
     return Data(train, val, classes, len(train_samples), len(val_samples))
