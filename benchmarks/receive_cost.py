@@ -43,9 +43,12 @@ def main() -> None:
         next(it)
         time.sleep(3)  # the workers fill the queue: then only the hand-over is timed
         wall, cpu = time.perf_counter(), time.thread_time()
+        n, batch = 0, {}
         for n, batch in enumerate(it, 1):
             if n == args.batches:
                 break
+        if n == 0:
+            raise SystemExit(f"--data has too few images for {args.batches + 1} batches of {args.batch_size}")
         wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
         tensors = sum(isinstance(v, torch.Tensor) for v in batch.values())
         print(

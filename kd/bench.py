@@ -240,7 +240,6 @@ def bench_data(options: Dict[str, object], epochs: int, echo=print, split: str =
     includes starting the workers; later epochs show the steady rate, and for ``split="val"``
     the val crops kept in memory (``--val-cache-gb``).
     """
-    import time
 
     import torch
 
@@ -267,6 +266,15 @@ def bench_data(options: Dict[str, object], epochs: int, echo=print, split: str =
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
+    try:
+        return _time_passes(loader, epochs, split, sync, echo)
+    finally:
+        data.close()
+
+
+def _time_passes(loader, epochs: int, split: str, sync, echo) -> List[Dict[str, float]]:
+    import time
+
     rows = []
     for epoch in range(epochs):
         loader.set_epoch(epoch)
@@ -291,5 +299,4 @@ def bench_data(options: Dict[str, object], epochs: int, echo=print, split: str =
             f"{'epoch' if split == 'train' else 'pass'} {epoch + 1}: {images} images in {seconds:.2f}s, "
             f"{row['img_per_s']:,.0f} images/s (first batch after {row['first_batch_s']:.2f}s)"
         )
-    data.close()
     return rows

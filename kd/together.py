@@ -128,6 +128,9 @@ class MultiTrainer:
         for lane in self.lanes[1:]:
             lane.logger.bar_enabled = False  # one progress bar for all
         self.lanes[0].logger.info(self.data.train.describe())
+        cache = getattr(self.data.val, "describe_cache", None)
+        if cache is not None:
+            self.lanes[0].logger.info(f"val: {cache()}")
         if backend.is_main:
             students.out.mkdir(parents=True, exist_ok=True)
             (students.out / STUDENTS_FILE).write_text(yaml.safe_dump({"students": list(students.names)}))

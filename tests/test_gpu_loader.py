@@ -256,6 +256,30 @@ def test_a_share_of_the_images_is_the_pil_paths_in_the_batchs_order(nat_folder, 
     assert kinds == {True, False}
 
 
+class RefusingDecoder(CpuThread):
+    """Refuses every image: each goes through PIL in the decode thread."""
+
+    name = "refusing"
+
+    def decode(self, blobs):
+        return [None for _ in blobs]
+
+
+def test_order_holds_when_every_crop_is_pils(nat_folder):
+    """Worker crops (the share) and decode-thread fallbacks, no device crop: still the sampler's order."""
+    from kd.data.folder import scan
+
+    _, train, _ = scan(str(nat_folder))
+    cfg = cfg_for(nat_folder)
+    dataset = JpegBytes(train, 64, True, cpu_share=0.5)
+    dl, sampler = make_data_loader(cfg, dataset, collate_packed, True, 1, 0, 8, CPU)
+    refusing = GpuLoader(dl, sampler, CPU, False, None, dataset, RefusingDecoder(CPU))
+    pil = make_loader(cfg, train, True, 1, 0, 8, CPU, False)
+    for r, p in zip(batches(refusing), batches(pil), strict=True):
+        assert torch.equal(r.labels, p.labels)
+        assert (unnormalise(r.images) - unnormalise(p.images)).abs().max() < 1e-3  # all PIL: the same crops
+
+
 def test_a_batch_crosses_from_a_worker_as_one_tensor(nat_folder):
     """Each tensor a worker returns costs the receiving thread a handshake with the worker (about
     1 ms; 12 of them per batch held it 13-19 ms a batch): the device samples' bytes and the PIL

@@ -17,17 +17,28 @@ import torch
 
 from kd.data.loader import MEAN, STD, Batch, Loader
 
+#: Where a container's memory limit is (cgroup v2, then v1).
+CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
 
 def host_memory_bytes() -> Optional[int]:
-    """This machine's physical memory, where the platform says."""
+    """The memory this process may use: the machine's, or its container's limit where lower."""
     try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        total: Optional[int] = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (AttributeError, ValueError, OSError):
-        return None
+        total = None
+    for path in CGROUP_LIMITS:
+        try:
+            with open(path) as fh:
+                limit = int(fh.read().strip())
+        except (OSError, ValueError):  # absent, or "max"
+            continue
+        total = limit if total is None else min(total, limit)
+    return total
 
 
 def default_budget_gb(processes_per_host: int) -> float:
-    """An eighth of the host's memory, shared by the host's processes (0 where unknown)."""
+    """An eighth of the memory this process may use, shared by the host's processes (0 where unknown)."""
     total = host_memory_bytes()
     return 0.0 if total is None else total / 8 / max(processes_per_host, 1) / 2**30
 
@@ -80,20 +91,20 @@ class CachedVal:
             for pixels, labels, bad in self.batches:
                 yield Batch(self._normalised(self._upload(pixels)), self._upload(labels), list(bad))
             return
-        if not self.fits:
-            yield from self.loader
-            return
         kept: List[Tuple[torch.Tensor, torch.Tensor, List[str]]] = []
         inner = iter(self.loader)
         try:
             for batch in inner:
-                # back to the uint8 the PIL path makes (exact for it; the GPU path's crops round)
+                # back to the uint8 the PIL path makes (exact for it; the GPU path's crops round),
+                # kept or not, so that every pass sees the same pixels
                 pixels = (batch.images.float() * self.std + self.mean).round_().clamp_(0, 255).to(torch.uint8)
-                kept.append((pixels.cpu(), batch.labels.cpu(), list(batch.bad)))
+                if self.fits:
+                    kept.append((pixels.cpu(), batch.labels.cpu(), list(batch.bad)))
                 yield Batch(self._normalised(pixels), batch.labels, batch.bad)
         finally:
             close = getattr(inner, "close", None)
             if close is not None:
                 close()
-        if len(kept) == len(self.loader):
+        if self.fits and len(kept) == len(self.loader):
             self.batches = kept
+            self.loader.close()  # its workers have nothing more to read

@@ -363,8 +363,9 @@ class GpuLoader(DeviceLoader):
             else:
                 x = torch.empty(0, 3, self.size, self.size, device=dev)
             label_host = torch.cat(labels) if labels else torch.empty(0, dtype=torch.long)
-            if len(parts) > 1:  # device crops first, then PIL's: back to the batch's order
-                order = torch.cat(positions).argsort()
+            where = torch.cat(positions) if positions else torch.empty(0, dtype=torch.long)
+            if bool((where[1:] < where[:-1]).any()):  # device crops, then the workers' and the fallbacks'
+                order = where.argsort()
                 x = x.index_select(0, upload(order, dev))
                 label_host = label_host[order]
             images = torch.empty(x.shape, device=dev, memory_format=self.memory_format)

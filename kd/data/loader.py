@@ -75,8 +75,10 @@ def worker_count(cfg, processes: int) -> int:
 def seed_worker(worker_id: int) -> None:
     """Run nicer than the training process (WORKER_NICE); seed Python's and NumPy's RNGs from
     torch's per-worker seed (for third-party transforms)."""
-    text = os.environ.get("KD_WORKER_NICE", "").strip()
-    nice = int(text) if text.lstrip("-").isdigit() else WORKER_NICE
+    try:
+        nice = int(os.environ.get("KD_WORKER_NICE", WORKER_NICE))
+    except ValueError:  # not a number: the default
+        nice = WORKER_NICE
     if nice > 0 and hasattr(os, "nice"):
         os.nice(nice)
     seed = torch.initial_seed() % 2**32

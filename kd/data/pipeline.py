@@ -6,6 +6,7 @@ loader's pieces); ``--data synthetic`` makes random batches on the device.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import List
 
@@ -55,7 +56,8 @@ def build(cfg, num_replicas: int, rank: int, local_batch: int, device: torch.dev
     make = LOADERS[cfg.loader]
     train = make(cfg, train_samples, True, num_replicas, rank, local_batch, device, channels_last)
     val = make(cfg, val_samples, False, num_replicas, rank, local_batch, device, channels_last)
-    budget = default_budget_gb(num_replicas) if cfg.val_cache_gb is None else cfg.val_cache_gb
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", num_replicas))  # this host's processes under a launcher
+    budget = default_budget_gb(min(local, num_replicas)) if cfg.val_cache_gb is None else cfg.val_cache_gb
     if budget > 0:
         val = CachedVal(val, cfg.image_size, device, channels_last, budget * 2**30)
     return Data(train, val, classes, len(train_samples), len(val_samples))
