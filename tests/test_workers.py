@@ -205,9 +205,11 @@ class _Niceness(Dataset):
         return os.nice(0)
 
 
-def test_workers_run_nicer_than_the_training_process(tmp_path):
+def test_workers_run_nicer_than_the_training_process(tmp_path, monkeypatch):
     """When the workers keep every core busy, the threads that feed the GPU still get a core at once."""
     import os
+
+    monkeypatch.delenv("KD_WORKER_NICE", raising=False)  # conftest turns it off under pytest-xdist
 
     from kd import config as kd_config
     from kd.data.loader import WORKER_NICE, make_data_loader
