@@ -15,7 +15,7 @@ from typing import Iterator, List, Optional, Tuple
 
 import torch
 
-from kd.data.loader import MEAN, STD, Batch, Loader
+from kd.data.loader import MEAN, STD, Batch, Loader, upload
 
 #: Where a container's memory limit is (cgroup v2, then v1).
 CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
@@ -81,15 +81,10 @@ class CachedVal:
         x = pixels.float().sub_(self.mean).div_(self.std)
         return x.contiguous(memory_format=self.memory_format)
 
-    def _upload(self, t: torch.Tensor) -> torch.Tensor:
-        if self.device.type != "cuda":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
-
     def __iter__(self) -> Iterator[Batch]:
         if self.batches is not None:
             for pixels, labels, bad in self.batches:
-                yield Batch(self._normalised(self._upload(pixels)), self._upload(labels), list(bad))
+                yield Batch(self._normalised(upload(pixels, self.device)), upload(labels, self.device), list(bad))
             return
         kept: List[Tuple[torch.Tensor, torch.Tensor, List[str]]] = []
         inner = iter(self.loader)

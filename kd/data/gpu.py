@@ -35,7 +35,7 @@ import torchvision.ops  # noqa: F401  (registers torch.ops.torchvision.roi_align
 
 from kd.data.bytes_dataset import BAD, JpegBytes, collate_packed, unpacked
 from kd.data.decoders import Decoder, make_decoder
-from kd.data.loader import MEAN, STD, Batch, DeviceLoader, make_data_loader, worker_count
+from kd.data.loader import MEAN, STD, Batch, DeviceLoader, make_data_loader, upload, worker_count
 
 #: Environment override of the decoder choice: auto, nvimgcodec, nvjpeg, cpu, cpu-thread.
 DECODER_ENV = "KD_GPU_DECODER"
@@ -90,15 +90,6 @@ def crop_resize(
         inverse[torch.tensor(order)] = torch.arange(n)
         out = out.index_select(0, inverse.to(device, non_blocking=True))
     return out
-
-
-def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device`` without holding up the host: a copy to CUDA from pageable memory may wait
-    for the stream's earlier work (the prep stream waits on the decode), so it goes through pinned
-    memory first, which the caching host allocator keeps until the copy is done."""
-    if device.type != "cuda":
-        return t.to(device)
-    return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)
 
 
 class _CudaStages:

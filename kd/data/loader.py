@@ -86,6 +86,15 @@ def seed_worker(worker_id: int) -> None:
     np.random.seed(seed)
 
 
+def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device`` without holding up the host: a copy to CUDA from pageable memory may wait
+    for the stream's earlier work (the prep stream waits on the decode), so it goes through pinned
+    memory first, which the caching host allocator keeps until the copy is done."""
+    if device.type != "cuda":
+        return t.to(device)
+    return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)
+
+
 @dataclass
 class Batch:
     images: torch.Tensor
