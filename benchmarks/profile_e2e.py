@@ -5,7 +5,9 @@ warm epoch, then ``--steps`` steps with the time spent waiting for batches and i
     python benchmarks/profile_e2e.py --data /tmp/in1k [--loader gpu] [-j 15] [--set KEY=VALUE ...]
         [--cprofile] [--kernels TRACE.json]
 
-Prints the milliseconds per step of: waiting for the loader and the step's host side.
+Prints the milliseconds per step of: waiting for the loader and the step's host side, and the
+CPU milliseconds per step of each thread of the process (by Python thread name) and of its
+child processes (the loader's workers): which thread of the main process is busy beside the step.
 ``--cprofile``: the 25 functions of the main thread with the most cumulative time (cProfile
 slows that thread: read the shares, not the rate). ``--kernels``: the profiled steps under
 torch.profiler, kept as a Chrome trace, and per CUDA stream its kernels' and copies' time per
@@ -20,9 +22,11 @@ import collections
 import cProfile
 import io
 import json
+import os
 import pstats
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -78,6 +82,7 @@ def main() -> None:
             activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
             tracer = torch.profiler.profile(activities=activities)
         torch.cuda.synchronize()
+        cpu_before = cpu_seconds()
         start = time.perf_counter()
         if tracer:
             tracer.__enter__()
@@ -95,6 +100,7 @@ def main() -> None:
             profile.disable()
         torch.cuda.synchronize()
         total = time.perf_counter() - start
+        cpu_used = cpu_seconds() - cpu_before
         if tracer:
             tracer.__exit__(None, None, None)
             tracer.export_chrome_trace(str(args.kernels))
@@ -106,6 +112,7 @@ def main() -> None:
             f"{1000 * total / steps:.1f} ms, waiting for the loader {1000 * wait / steps:.1f} ms, "
             f"the step's host side {1000 * step_host / steps:.1f} ms"
         )
+        print("  CPU ms per step: " + ", ".join(f"{k} {1000 * v / steps:.1f}" for k, v in cpu_used.most_common()))
     if profile:
         text = io.StringIO()
         pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(25)
@@ -114,6 +121,33 @@ def main() -> None:
         print(stream_summary(json.loads(args.kernels.read_text()), args.steps))
     trainer.close()
     backend.teardown()
+
+
+def cpu_seconds() -> collections.Counter:
+    """CPU seconds (user + system) so far of each thread of this process, named as Python names it
+    where it is a Python thread, and of all its child processes together (/proc; Linux only)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    names = {t.native_id: t.name for t in threading.enumerate()}
+
+    def used(stat: str) -> float:
+        fields = stat[stat.rindex(")") + 2 :].split()  # from field 3 on: utime and stime are 14 and 15
+        return (int(fields[11]) + int(fields[12])) / tick
+
+    out: collections.Counter = collections.Counter()
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+            children = (task / "children").read_text().split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name = names.get(int(task.name)) or stat[stat.index("(") + 1 : stat.rindex(")")]
+        out[name] += used(stat)
+        for pid in children:
+            try:
+                out["child processes"] += used(Path(f"/proc/{pid}/stat").read_text())
+            except OSError:
+                continue
+    return out
 
 
 def _busy(intervals) -> float:

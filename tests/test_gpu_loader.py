@@ -201,6 +201,56 @@ def test_crop_resize_identity_and_order():
     assert torch.allclose(same[0], images[3].float(), atol=1e-3)  # full box at full size: the pixels
 
 
+# ----------------------------------------------------------------------------- reduced decode
+def test_large_jpegs_are_decoded_reduced_and_still_give_torchvisions_crops(tmp_path, monkeypatch):
+    """A crop that shrinks 2x or more is decoded by libjpeg at 1/2, 1/4 or 1/8 size: the result
+    must stay the crop torchvision's transforms make from the full-size image (a box one pixel
+    off is 35 levels off on this image), and other formats are decoded whole."""
+    import torchvision.transforms.functional as F
+
+    from kd.data import folder as folder_mod
+    from kd.data.folder import ImageFolderPIL, random_resized_crop_params, reduced_decode
+
+    rng = np.random.default_rng(3)
+    big = tmp_path / "big.jpg"
+    big.write_bytes(jpeg_bytes(natural_image(rng, 1200, 900)))
+    png = tmp_path / "big.png"
+    Image.fromarray(natural_image(rng, 1200, 900)).save(png)
+    with Image.open(big) as im:
+        assert reduced_decode(im, 0.2, 0.2) == 4 and im.size == (300, 225)
+    with Image.open(big) as im:
+        assert reduced_decode(im, 0.6, 0.2) == 1 and im.size == (1200, 900)  # x shrinks less than 2x
+    with Image.open(png) as im:
+        assert reduced_decode(im, 0.1, 0.1) == 1 and im.size == (1200, 900)
+
+    factors = []
+
+    def spy(im, sx, sy):
+        factors.append(reduced_decode(im, sx, sy))
+        return factors[-1]
+
+    monkeypatch.setattr(folder_mod, "reduced_decode", spy)
+    with Image.open(big) as im:
+        full = im.convert("RGB")
+    size = 48
+    for train in (True, False):
+        ds = ImageFolderPIL([(str(big), 0)], size, train)
+        for seed in range(12):
+            got = ds[(0, seed)][0].float()
+            if train:
+                gen = torch.Generator().manual_seed(seed)
+                top, left, h, w = random_resized_crop_params(900, 1200, gen)
+                ref = F.resized_crop(full, top, left, h, w, [size, size], F.InterpolationMode.BILINEAR)
+                if torch.rand(1, generator=gen).item() < 0.5:
+                    ref = F.hflip(ref)
+            else:
+                ref = F.resize(full, ds.resize, F.InterpolationMode.BILINEAR)
+                ref = F.crop(ref, (ref.height - size) // 2, (ref.width - size) // 2, size, size)
+            diff = (got - F.pil_to_tensor(ref).float()).abs().mean().item()
+            assert diff < 3.0, (train, seed, diff)  # 1.5-2.2 measured; the full-size decode: 0.2-0.4
+    assert max(factors) >= 4 and min(factors) >= 1
+
+
 # ----------------------------------------------------------------------------- pixel parity
 @pytest.mark.parametrize("decoder", ["cpu", "cpu-thread"])
 @pytest.mark.parametrize("train", [False, True])

@@ -115,6 +115,20 @@ def default_val_resize(image_size: int) -> int:
     return int(round(image_size * 256 / 224))
 
 
+def reduced_decode(im: Image.Image, scale_x: float, scale_y: float) -> int:
+    """Have libjpeg decode ``im`` at 1/2, 1/4 or 1/8 of its size (scaling in the DCT, before the
+    inverse transform: the decode costs a fraction) where the result, resized by ``scale_x`` and
+    ``scale_y`` of the full size, is still reduced, never enlarged; returns the factor (1: full
+    size, and for every other format). Call it before the image is loaded."""
+    if im.format != "JPEG" or scale_x >= 0.5 or scale_y >= 0.5:
+        return 1
+    need = (max(1, math.ceil(im.width * scale_x)), max(1, math.ceil(im.height * scale_y)))
+    full = im.width
+    # libjpeg's choice: the largest factor that keeps both sides >= need; returns (mode, (0, 0, w, h))
+    drafted = im.draft(im.mode, need)
+    return max(1, round(full / drafted[1][2])) if drafted else 1
+
+
 def to_uint8_chw(img: Image.Image) -> torch.Tensor:
     return torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1).contiguous()
 
@@ -124,6 +138,8 @@ class ImageFolderPIL:
 
     Indexed by ``(index, seed)`` pairs (see :class:`kd.data.sampler.SeededSampler`). Train:
     RandomResizedCrop + horizontal flip; val: resize the short side to ``resize``, centre crop.
+    A JPEG whose crop shrinks by 2 or more is decoded at 1/2, 1/4 or 1/8 size
+    (:func:`reduced_decode`), never below the crop's output size.
     An unreadable image yields ``None`` plus its path, and the collate function drops it.
     """
 
@@ -149,20 +165,27 @@ class ImageFolderPIL:
         path, label = self.samples[index]
         try:
             with Image.open(path) as im:
+                width, height = im.size
+                if self.train:
+                    gen = torch.Generator().manual_seed(seed)
+                    top, left, h, w = random_resized_crop_params(height, width, gen, self.scale)
+                    factor = reduced_decode(im, self.size / w, self.size / h)
+                    box = (left / factor, top / factor, (left + w) / factor, (top + h) / factor)
+                else:
+                    scale = self.resize / min(width, height)
+                    new = (max(self.size, int(round(width * scale))), max(self.size, int(round(height * scale))))
+                    factor = reduced_decode(im, new[0] / width, new[1] / height)
+                    box = (0, 0, width / factor, height / factor)
                 img = im.convert("RGB")
                 img.load()
         except Exception:  # any decoder failure: truncated, not an image, unreadable
             return None, label, path
         if self.train:
-            gen = torch.Generator().manual_seed(seed)
-            top, left, h, w = random_resized_crop_params(img.height, img.width, gen, self.scale)
-            img = img.resize((self.size, self.size), Image.BILINEAR, box=(left, top, left + w, top + h))
+            img = img.resize((self.size, self.size), Image.BILINEAR, box=box)
             if torch.rand(1, generator=gen).item() < 0.5:
                 img = img.transpose(Image.FLIP_LEFT_RIGHT)
         else:
-            scale = self.resize / min(img.width, img.height)
-            new = (max(self.size, int(round(img.width * scale))), max(self.size, int(round(img.height * scale))))
-            img = img.resize(new, Image.BILINEAR)
+            img = img.resize(new, Image.BILINEAR, box=box)
             left = (img.width - self.size) // 2
             top = (img.height - self.size) // 2
             img = img.crop((left, top, left + self.size, top + self.size))
