@@ -7,7 +7,7 @@ warm epoch, then ``--steps`` steps with the time spent waiting for batches and i
 
 Prints the milliseconds per step of: waiting for the loader and the step's host side, and the
 CPU milliseconds per step of each thread of the process (by Python thread name) and of its
-child processes (the loader's workers): which thread of the main process is busy beside the step.
+descendant processes (the loader's workers): which thread of the main process is busy beside the step.
 ``--cprofile``: the 25 functions of the main thread with the most cumulative time (cProfile
 slows that thread: read the shares, not the rate). ``--kernels``: the profiled steps under
 torch.profiler, kept as a Chrome trace, and per CUDA stream its kernels' and copies' time per
@@ -100,7 +100,8 @@ def main() -> None:
             profile.disable()
         torch.cuda.synchronize()
         total = time.perf_counter() - start
-        cpu_used = cpu_seconds() - cpu_before
+        cpu_after = cpu_seconds()
+        cpu_used = collections.Counter({k: v - cpu_before.get(k, 0.0) for k, v in cpu_after.items()})
         if tracer:
             tracer.__exit__(None, None, None)
             tracer.export_chrome_trace(str(args.kernels))
@@ -123,9 +124,21 @@ def main() -> None:
     backend.teardown()
 
 
+def _children(pid: str) -> list:
+    """Child process ids of every thread of ``pid`` (/proc/PID/task/TID/children)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += (task / "children").read_text().split()
+        except OSError:  # ended meanwhile, or a kernel without CONFIG_PROC_CHILDREN
+            continue
+    return out
+
+
 def cpu_seconds() -> collections.Counter:
     """CPU seconds (user + system) so far of each thread of this process, named as Python names it
-    where it is a Python thread, and of all its child processes together (/proc; Linux only)."""
+    where it is a Python thread, and of all its descendant processes together: the loader's
+    workers, which under forkserver are the fork server's children (/proc; Linux only)."""
     tick = os.sysconf("SC_CLK_TCK")
     names = {t.native_id: t.name for t in threading.enumerate()}
 
@@ -137,16 +150,20 @@ def cpu_seconds() -> collections.Counter:
     for task in Path("/proc/self/task").iterdir():
         try:
             stat = (task / "stat").read_text()
-            children = (task / "children").read_text().split()
         except OSError:  # the thread ended meanwhile
             continue
-        name = names.get(int(task.name)) or stat[stat.index("(") + 1 : stat.rindex(")")]
-        out[name] += used(stat)
-        for pid in children:
-            try:
-                out["child processes"] += used(Path(f"/proc/{pid}/stat").read_text())
-            except OSError:
-                continue
+        out[names.get(int(task.name)) or stat[stat.index("(") + 1 : stat.rindex(")")]] += used(stat)
+    pending, seen = _children(str(os.getpid())), set()
+    while pending:
+        pid = pending.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        try:
+            out["descendant processes"] += used(Path(f"/proc/{pid}/stat").read_text())
+        except OSError:
+            continue
+        pending += _children(pid)
     return out
 
 
