@@ -129,7 +129,7 @@ def test_kd_starts_two_cpu_processes_with_loader_workers_and_only_main_writes(da
     ], files
     assert len(metrics(multi)) == 1
 
-    r = kd_main(*train_args(data9, single, teacher_file, "-j", 2))  # the one-process reference
+    r = kd_main(*train_args(data9, single, teacher_file, "-j", 0))  # the one-process reference (no workers: same steps)
     assert r.returncode == 0, r.stderr
     one, two = metrics(single)[0], metrics(multi)[0]
     assert two["teacher_top1"] == one["teacher_top1"]  # the same fixed teacher, 9 images over 2 processes

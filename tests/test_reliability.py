@@ -165,12 +165,12 @@ def test_checkpoint_write_is_atomic(tmp_path):
 
 @pytest.mark.slow
 def test_sigterm_under_torch_ddp_then_resume_is_exact(data, tmp_path):
-    ddp = ["--backend", "torch_ddp", "--nproc", "2", "-j", "2"]
-    ref = tmp_path / "ref"
-    r = run_kd("train", "--data", data, *ARGS, *ddp, "--out", ref)
+    ddp = ["--backend", "torch_ddp", "--nproc", "2"]
+    ref = tmp_path / "ref"  # without workers: the steps do not depend on them (see ``reference``)
+    r = run_kd("train", "--data", data, *ARGS, *ddp, "-j", "0", "--out", ref)
     assert r.returncode == 0, r.stderr
-    out = tmp_path / "run"
-    proc = start("train", "--data", data, *ARGS, *ddp, "--out", out)
+    out = tmp_path / "run"  # the stop, with workers in every process
+    proc = start("train", "--data", data, *ARGS, *ddp, "-j", "2", "--out", out)
     wait_for(lambda: (out / "metrics.jsonl").exists(), proc)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=300)
@@ -178,7 +178,7 @@ def test_sigterm_under_torch_ddp_then_resume_is_exact(data, tmp_path):
     assert "stopped by SIGTERM" in err and "--resume" in err
     state = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
     assert 0 < state["batch_in_epoch"] < 12 or state["epoch"] == 2
-    r = run_kd("train", "--out", out, "--resume")
+    r = run_kd("train", "--out", out, "--resume", "-j", "0")
     assert r.returncode == 0, r.stderr
     assert_same_run(ref, out)
 

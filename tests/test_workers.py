@@ -17,11 +17,16 @@ def data(tmp_path_factory):
 
 
 BACKENDS = ["single", "torch_ddp", "apex_ddp"]
+#: apex_ddp starts its processes and their workers as torch_ddp does (both are process-group
+#: backends of one launcher); it runs under kd's default start method, the others under each.
+START_METHOD_BACKENDS = ["single", "torch_ddp"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("context", ["fork", "forkserver"])
+@pytest.mark.parametrize(
+    "context,backend",
+    [(c, b) for c in ("fork", "forkserver") for b in START_METHOD_BACKENDS] + [("forkserver", "apex_ddp")],
+)
 def test_two_workers_under_every_backend_and_start_method(data, tmp_path, backend, context):
     """fork and forkserver (Linux; kd's default); spawn, where every worker imports torch, in
     tests/test_workers_spawn.py (its own file, so that pytest -n runs the two on two workers)."""

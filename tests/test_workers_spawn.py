@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import make_image_folder
-from test_workers import BACKENDS, train_two_epochs_with_two_workers
+from test_workers import START_METHOD_BACKENDS, train_two_epochs_with_two_workers
 
 
 @pytest.fixture(scope="module")
@@ -15,6 +15,6 @@ def data(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", START_METHOD_BACKENDS)
 def test_two_workers_under_every_backend_with_spawn(data, tmp_path, backend):
     train_two_epochs_with_two_workers(data, tmp_path, backend, "spawn")
