@@ -150,8 +150,8 @@ class ImageFolderPIL:
 
     Indexed by ``(index, seed)`` pairs (see :class:`kd.data.sampler.SeededSampler`). Train:
     RandomResizedCrop + horizontal flip; val: resize the short side to ``resize``, centre crop.
-    A JPEG whose crop shrinks by 2 or more is decoded at 1/2, 1/4 or 1/8 size
-    (:func:`reduced_decode`), never below the crop's output size.
+    A JPEG whose crop shrinks by 4 or more is decoded at 1/2, 1/4 or 1/8 size, keeping two
+    decoded pixels per output pixel (:func:`reduced_decode`).
     An unreadable image yields ``None`` plus its path, and the collate function drops it.
     """
 
