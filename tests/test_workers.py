@@ -16,7 +16,6 @@ def data(tmp_path_factory):
     return make_image_folder(tmp_path_factory.mktemp("workers"), classes=2, train_per_class=8, val_per_class=3)
 
 
-BACKENDS = ["single", "torch_ddp", "apex_ddp"]
 #: apex_ddp starts its processes and their workers as torch_ddp does (both are process-group
 #: backends of one launcher); it runs under kd's default start method, the others under each.
 START_METHOD_BACKENDS = ["single", "torch_ddp"]

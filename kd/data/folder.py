@@ -133,12 +133,11 @@ def reduced_decode(im: Image.Image, scale_x: float, scale_y: float) -> int:
         max(1, math.ceil(REDUCING_GAP * im.height * scale_y)),
     )
     full = im.width
-    # libjpeg's choice: the largest factor that keeps both sides >= need. Pillow >= 7.1 returns
-    # (mode, (0, 0, width / factor, height / factor)); the reduced size alone rounds badly for tiny images.
+    # libjpeg's choice: the largest factor that keeps both sides >= need. Pillow (>= 8, setup.cfg)
+    # returns (mode, (0, 0, width / factor, height / factor)), or None where it reduces nothing; the
+    # reduced size alone would round badly for tiny images.
     drafted = im.draft(im.mode, need)
-    if isinstance(drafted, tuple):
-        return max(1, round(full / drafted[1][2]))
-    return max(1, round(full / im.width))
+    return max(1, round(full / drafted[1][2])) if drafted else 1
 
 
 def to_uint8_chw(img: Image.Image) -> torch.Tensor:
