@@ -11,6 +11,7 @@
 #   compiled  --compile --set compile_mode=reduce-overhead, batch 256: synthetic vs folder
 #   decoders  the folder at batch 256 with each GPU decoder forced (KD_GPU_DECODER), against eager's synthetic
 #   shares    the folder at batch 256 with each --cpu-decode-share of $SHARES (default "0 0.25 0.4 0.55")
+#   b128      batch 128 alone, at --cpu-decode-share $SHARE where set
 #   epochs    kd train, 3 epochs over the folder: per-epoch validation, checkpoint and loader start
 # Every ratio goes to $OUT/summary.txt. Timed steps: $ITERS (120) after $WARMUP (30) at batch 256, twice
 # as many at 128; they must fit in one epoch (a smaller folder needs fewer).
@@ -97,6 +98,8 @@ mb = sum(f.stat().st_size for f in files) / 2**20
 print(f"{len(files)} JPEGs in {root}, {mb:.0f} MiB (mean {1024 * mb / len(files):.0f} KiB), {time.time() - start:.0f} s")
 EOF
   ;;
+  b128) pair "eager_b128${SHARE:+_share_$SHARE}" eager_b128 -b 128 --iters $((2 * IT)) --warmup $((2 * WU)) \
+          ${SHARE:+--set cpu_decode_share=$SHARE} ;;
   eager) pair eager_b256 eager_b256 -b 256 --iters "$IT" --warmup "$WU"
          pair eager_b128 eager_b128 -b 128 --iters $((2 * IT)) --warmup $((2 * WU)) ;;
   apex) pair apex_b256 apex_b256 -b 256 --iters "$IT" --warmup "$WU" --set amp_impl=apex ;;

@@ -8,6 +8,10 @@ warm epoch, then ``--steps`` steps with the time spent waiting for batches and i
 Prints the milliseconds per step of: waiting for the loader and the step's host side, and the
 CPU milliseconds per step of each thread of the process (by Python thread name) and of its
 descendant processes (the loader's workers): which thread of the main process is busy beside the step.
+For ``--loader gpu`` also the wall milliseconds per batch of the loader's stages
+(``GpuLoader.stage_times``): its decode thread waiting for the workers' batches (``input``),
+decoding (``decode``) and waiting for the step to take a batch (``output``), and the main
+thread enqueueing crop, flip and normalisation (``prep``): the stage that never waits sets the pace.
 ``--cprofile``: the 25 functions of the main thread with the most cumulative time (cProfile
 slows that thread: read the shares, not the rate). ``--kernels``: the profiled steps under
 torch.profiler, kept as a Chrome trace, and per CUDA stream its kernels' and copies' time per
@@ -82,6 +86,7 @@ def main() -> None:
             activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
             tracer = torch.profiler.profile(activities=activities)
         torch.cuda.synchronize()
+        stages_before = dict(getattr(loader, "stage_times", {}))
         cpu_before = cpu_seconds()
         start = time.perf_counter()
         if tracer:
@@ -114,6 +119,13 @@ def main() -> None:
             f"the step's host side {1000 * step_host / steps:.1f} ms"
         )
         print("  CPU ms per step: " + ", ".join(f"{k} {1000 * v / steps:.1f}" for k, v in cpu_used.most_common()))
+        stage_times = {k: v - stages_before.get(k, 0.0) for k, v in getattr(loader, "stage_times", {}).items()}
+        if stage_times.get("batches"):
+            n = stage_times.pop("batches")
+            print(
+                f"  loader stages, ms per batch ({n:.0f} batches): "
+                + ", ".join(f"{k} {1000 * v / n:.1f}" for k, v in stage_times.items())
+            )
     if profile:
         text = io.StringIO()
         pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(25)

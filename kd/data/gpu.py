@@ -25,6 +25,7 @@ import os
 import queue
 import sys
 import threading
+import time
 from collections import deque
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -173,6 +174,9 @@ class _Decoded:
 
 
 _END = object()
+#: What :attr:`GpuLoader.stage_times` reports: the decode thread's waits for input, decodes and
+#: waits for the consumer, the main thread's crop/flip/normalise enqueueing, and the batches.
+STAGE_TIMES = ("input", "decode", "output", "prep", "batches")
 
 
 class _Failed:
@@ -189,15 +193,30 @@ class _DecodeThread:
         self.stages = stages
         self.queue: queue.Queue = queue.Queue(maxsize=depth)
         self.stopping = threading.Event()
+        #: seconds the thread spent waiting for the workers' batches, decoding, and waiting for the
+        #: consumer to take a decoded batch (the queue full); and the batches it decoded
+        self.times: Dict[str, float] = dict.fromkeys(STAGE_TIMES, 0.0)
         self.thread = threading.Thread(target=self._run, name="kd-gpu-decode", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
+        times = self.times
         try:
             self.stages.enter_decode_thread()
-            for host in self.batches:
-                if self.stopping.is_set() or not self._put(self.decode(host)):
+            while True:
+                t0 = time.perf_counter()
+                host = next(self.batches, None)
+                t1 = time.perf_counter()
+                if host is None:
+                    break
+                decoded = self.decode(host)
+                t2 = time.perf_counter()
+                if self.stopping.is_set() or not self._put(decoded):
                     return
+                times["input"] += t1 - t0
+                times["decode"] += t2 - t1
+                times["output"] += time.perf_counter() - t2
+                times["batches"] += 1
             self._put(_END)
         except BaseException as exc:  # handed to the consumer, raised there
             self._put(_Failed(exc))
@@ -246,6 +265,8 @@ class GpuLoader(DeviceLoader):
         self.notes = list(notes)
         self.size = dataset.pil.size
         self._stage_obj = None
+        #: seconds per stage over every epoch so far (STAGE_TIMES): where a slow loader waits
+        self.stage_times: Dict[str, float] = dict.fromkeys(STAGE_TIMES, 0.0)
         std = torch.tensor(STD).view(1, 3, 1, 1)
         self.scale = (1.0 / std).to(device)
         self.bias = (-torch.tensor(MEAN).view(1, 3, 1, 1) / std).to(device)
@@ -286,7 +307,9 @@ class GpuLoader(DeviceLoader):
                 if remaining - (pending is not None) > 0:
                     item = feeder.get()
                     if item is not None:
+                        t0 = time.perf_counter()
                         staged = self._prepare(item, stages)
+                        self.stage_times["prep"] += time.perf_counter() - t0
                         retire.append((staged[3], item))
                 if pending is not None:
                     images, labels, bad, event = pending
@@ -300,6 +323,8 @@ class GpuLoader(DeviceLoader):
                 pending = staged
         finally:
             feeder.close()
+            for key in ("input", "decode", "output", "batches"):
+                self.stage_times[key] += feeder.times[key]
             stages.finish()
             retire.clear()
 
