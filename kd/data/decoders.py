@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import io
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from typing import ClassVar, Dict, List, Optional, Sequence, Tuple, Type
 
 import numpy as np
 import torch
 
-from kd.data.nvjpeg import HardwareJpeg, NvjpegError, library_path, rgb_planes
 from kd.errors import KDError
 
 # torchvision 0.29 deprecates its image codecs in favour of TorchCodec; they still work and
@@ -214,116 +212,12 @@ class CpuWorkers(Decoder):
         return "CPU: torchvision.io.decode_jpeg in the DataLoader workers"
 
 
-class NvjpegHardware(Decoder):
-    """nvJPEG's hardware engine through its C API (:mod:`kd.data.nvjpeg`): each batch into one
-    device buffer, queued on the decode stream without waiting for it; files it refuses go
-    through torchvision's nvJPEG.
-
-    The engine's host side (parsing and staging each bitstream) costs about 0.125 ms of CPU per
-    ImageNet-sized file (H200, docs/benchmarks.md): one thread could feed it some 8,000 images/s,
-    fewer beside the step. So a batch is cut into ENGINE_THREADS parts, each queued by its own
-    thread with its own nvJPEG handle (torchvision's decoder takes one lock for the process);
-    ctypes releases the interpreter lock for the calls.
-    """
-
-    name = "nvjpeg-hw"
-    progressive = False
-    ENGINE_THREADS = 4
-    MIN_PART = 16  # files per part, at least
-
-    @classmethod
-    def unavailable(cls, device):
-        if device.type != "cuda":
-            return "needs a CUDA device"
-        return None if library_path() else "libnvjpeg not found"
-
-    def __init__(self, device: torch.device):
-        super().__init__(device)
-        self.engines = [HardwareJpeg(device) for _ in range(self.ENGINE_THREADS)]
-        self.pool = ThreadPoolExecutor(
-            self.ENGINE_THREADS - 1,
-            thread_name_prefix="kd-nvjpeg",
-            initializer=torch.cuda.set_device,
-            initargs=(device,),
-        )
-        self.fallback = Nvjpeg(device)
-        #: batches the engine refused as a whole (then checked file by file): rare, else slow
-        self.refused_batches = 0
-
-    def describe(self) -> str:
-        return (
-            f"nvJPEG's hardware JPEG engine on {self.device} (C API, {self.ENGINE_THREADS} threads queue each "
-            f"batch's parts without waiting; torchvision's nvJPEG for files the engine refuses)"
-        )
-
-    def images(self, host: dict) -> List[Optional[torch.Tensor]]:
-        if host["lengths"].numel() == 0:
-            return []
-        return self._decode(host["data"], host["lengths"].numpy(), host["shapes"].numpy())
-
-    def decode(self, blobs: List[torch.Tensor]) -> List[Optional[torch.Tensor]]:
-        if not blobs:
-            return []
-        data = torch.cat([b.reshape(-1) for b in blobs])
-        lengths = np.array([b.numel() for b in blobs], dtype=np.int64)
-        return self._decode(data, lengths, None)
-
-    def _decode(self, data: torch.Tensor, lengths: np.ndarray, shapes: Optional[np.ndarray]):
-        """``data``: the bitstreams back to back (a CPU uint8 tensor); ``shapes``: (height, width)
-        each, or None to read them from the headers. The engine takes all, or where it refuses,
-        those a header check per file passes; the rest go through torchvision."""
-        n = len(lengths)
-        starts = np.zeros(n, dtype=np.int64)
-        np.cumsum(lengths[:-1], out=starts[1:])
-        pointers = (data.data_ptr() + starts).astype(np.uint64)
-        engine = self.engines[0]
-        if shapes is None:
-            shapes = np.array([engine.dims(int(pointers[k]), int(lengths[k])) for k in range(n)], dtype=np.int64)
-        shapes = shapes.astype(np.int64).reshape(n, 2)
-        chosen = np.flatnonzero(shapes.min(axis=1) > 0)
-        decoded: List[torch.Tensor] = []
-        try:
-            decoded = self._queue(data, pointers[chosen], lengths[chosen], shapes[chosen])
-        except NvjpegError:  # a file the engine does not take
-            self.refused_batches += 1
-            chosen = np.array([k for k in chosen if engine.takes(int(pointers[k]), int(lengths[k]))], dtype=np.int64)
-            try:
-                decoded = self._queue(data, pointers[chosen], lengths[chosen], shapes[chosen])
-            except NvjpegError:  # a file the header check passed but the engine failed on
-                chosen = np.zeros(0, dtype=np.int64)
-        out: List[Optional[torch.Tensor]] = [None] * n
-        for k, img in zip(chosen.tolist(), decoded):
-            out[k] = img
-        rest = sorted(set(range(n)) - set(chosen.tolist()))
-        if rest:
-            blobs = [data[int(starts[k]) : int(starts[k] + lengths[k])] for k in rest]
-            for k, img in zip(rest, self.fallback.decode(blobs)):
-                out[k] = img
-        return out
-
-    def _queue(self, data, pointers: np.ndarray, lengths: np.ndarray, dims: np.ndarray) -> List[torch.Tensor]:
-        """The files' images, queued in parts on the current stream by this thread and the pool's."""
-        if len(dims) == 0:
-            return []
-        images, destinations = rgb_planes(dims, self.device)
-        stream = torch.cuda.current_stream(self.device)
-        parts = np.array_split(np.arange(len(dims)), min(self.ENGINE_THREADS, max(1, len(dims) // self.MIN_PART)))
-        jobs = [(pointers[p], lengths[p], destinations[p], stream, data) for p in parts]
-        others = [self.pool.submit(e.enqueue, *job) for e, job in zip(self.engines[1:], jobs[1:])]
-        try:
-            self.engines[0].enqueue(*jobs[0])
-        finally:
-            for f in others:
-                f.result()  # raises what the part raised; waits for all before the buffer may go
-        return images
-
-
-DECODERS: Dict[str, Type[Decoder]] = {c.name: c for c in (NvjpegHardware, NvImageCodec, Nvjpeg, CpuWorkers, CpuThread)}
+DECODERS: Dict[str, Type[Decoder]] = {c.name: c for c in (NvImageCodec, Nvjpeg, CpuWorkers, CpuThread)}
 #: nvJPEG first: on an ImageNet-like folder (mixed sizes, progressive files to PIL) the gpu loader alone
 #: ran at 9,997 images/s with it and 5,843 with nvImageCodec, below the step's 9,300 (H200,
 #: docs/benchmarks.md); nvImageCodec's hardware engine leaves the SMs to the step but decoded
 #: at 4,825 images/s there.
-AUTO_ORDER = ("nvjpeg-hw", "nvjpeg", "nvimgcodec", "cpu")
+AUTO_ORDER = ("nvjpeg", "nvimgcodec", "cpu")
 
 
 def make_decoder(device: torch.device, choice: str = "auto") -> Tuple[Decoder, List[str]]:
