@@ -6,7 +6,7 @@
 #   data      50,000 train + 5,000 val JPEGs in 1,000 classes ($DATA): ImageNet-like sizes (most 500 px
 #             on the long side, 20 % portrait, 10 % between 200 and 1,600 px), 2 % grayscale,
 #             0.5 % CMYK, 5 % progressive, quality 70-95
-#   eager     r101 -> r18, O1 float16, batch 256 and 128: synthetic vs folder (--loader gpu -j 15)
+#   eager     r101 -> r18, O1 float16, batch 256 and 128 (the b128 part): synthetic vs folder (--loader gpu -j 15)
 #   apex      the same at batch 256 with --amp-impl apex (needs apex installed)
 #   compiled  --compile --set compile_mode=reduce-overhead, batch 256: synthetic vs folder
 #   decoders  the folder at batch 256 with each GPU decoder forced (KD_GPU_DECODER), against eager's synthetic
@@ -44,6 +44,11 @@ def rate(path):
 ratio = f"{100 * f / s:.1f} %" if s and f else "-"
 print(f"{name}: synthetic {s} img/s, folder {f} img/s, folder/synthetic {ratio}  [{f_note}]")
 EOF
+}
+
+b128() {  # batch 128, at --cpu-decode-share $SHARE where set
+  pair "eager_b128${SHARE:+_share_$SHARE}" eager_b128 -b 128 --iters $((2 * IT)) --warmup $((2 * WU)) \
+    ${SHARE:+--set cpu_decode_share=$SHARE}
 }
 
 for part in "$@"; do case "$part" in
@@ -98,10 +103,9 @@ mb = sum(f.stat().st_size for f in files) / 2**20
 print(f"{len(files)} JPEGs in {root}, {mb:.0f} MiB (mean {1024 * mb / len(files):.0f} KiB), {time.time() - start:.0f} s")
 EOF
   ;;
-  b128) pair "eager_b128${SHARE:+_share_$SHARE}" eager_b128 -b 128 --iters $((2 * IT)) --warmup $((2 * WU)) \
-          ${SHARE:+--set cpu_decode_share=$SHARE} ;;
+  b128) b128 ;;
   eager) pair eager_b256 eager_b256 -b 256 --iters "$IT" --warmup "$WU"
-         pair eager_b128 eager_b128 -b 128 --iters $((2 * IT)) --warmup $((2 * WU)) ;;
+         b128 ;;
   apex) pair apex_b256 apex_b256 -b 256 --iters "$IT" --warmup "$WU" --set amp_impl=apex ;;
   compiled) pair graphs_b256 graphs_b256 -b 256 --iters "$IT" --warmup "$WU" --compile --set compile_mode=reduce-overhead ;;
   decoders) for d in nvimgcodec nvjpeg cpu; do

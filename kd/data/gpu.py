@@ -323,8 +323,8 @@ class GpuLoader(DeviceLoader):
                 pending = staged
         finally:
             feeder.close()
-            for key in ("input", "decode", "output", "batches"):
-                self.stage_times[key] += feeder.times[key]
+            for key, seconds in feeder.times.items():  # its "prep" stays 0: the main thread times that
+                self.stage_times[key] += seconds
             stages.finish()
             retire.clear()
 
