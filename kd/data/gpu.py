@@ -34,6 +34,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 import torchvision.ops  # noqa: F401  (registers torch.ops.torchvision.roi_align)
 
+from kd.data import crop_kernel
 from kd.data.bytes_dataset import BAD, JpegBytes, collate_packed, unpacked
 from kd.data.decoders import Decoder, make_decoder
 from kd.data.loader import MEAN, STD, Batch, DeviceLoader, make_data_loader, upload, worker_count
@@ -264,6 +265,8 @@ class GpuLoader(DeviceLoader):
         self.decoder = decoder
         self.notes = list(notes)
         self.size = dataset.pil.size
+        #: why the one-kernel crop (kd.data.crop_kernel) is not used, or None where it is
+        self.kernel_missing = crop_kernel.unavailable(device)
         self._stage_obj = None
         #: seconds per stage over every epoch so far (STAGE_TIMES): where a slow loader waits
         self.stage_times: Dict[str, float] = dict.fromkeys(STAGE_TIMES, 0.0)
@@ -282,7 +285,11 @@ class GpuLoader(DeviceLoader):
             f"loader gpu: file bytes from {self.loader.num_workers} DataLoader worker(s); "
             f"decoder {self.decoder.name}: {self.decoder.describe()}; "
             + (f"{100 * share:.0f} % of the images decoded and cropped by the workers (PIL); " if share else "")
-            + f"crop+resize: one roi_align per image size, {where}"
+            + (
+                f"crop, resize, flip and normalisation: one Triton kernel per batch, {where}"
+                if self.kernel_missing is None
+                else f"crop+resize: one roi_align per image size, {where} (one-kernel crop: {self.kernel_missing})"
+            )
         )
         return text + (f"; skipped decoders: {'; '.join(self.notes)}" if self.notes else "")
 
@@ -347,48 +354,68 @@ class GpuLoader(DeviceLoader):
         """Main-thread work for one batch, enqueued on the prep stream: crop, flip, normalise, and
         the samples back in the sampler's order (PIL crops came apart from the device's)."""
         host, dev = item.host, self.device
-        parts, labels, positions = [], [], []
+        keep = [i for i, img in enumerate(item.images) if img is not None]
+        boxes, flips, labels, positions = host["boxes"], host["flips"], host["labels"], host["positions"]
+        if len(keep) < len(item.images):
+            index = torch.tensor(keep, dtype=torch.long)
+            boxes, flips, labels, positions = (t[index] for t in (boxes, flips, labels, positions))
+        crops = [item.images[i] for i in keep]
+        finished = [host["pil_images"]] if host["pil_labels"].numel() else []
+        if item.fallback:
+            finished.append(torch.stack(item.fallback))
+        # the workers' PIL crops and the fallbacks are finished: flipped, at the output size
+        done_labels = [host["pil_labels"], torch.tensor(item.fallback_labels, dtype=torch.long)]
+        done_positions = [host["pil_positions"], torch.tensor(item.fallback_positions, dtype=torch.long)]
         with stages.preparing(item.event):
-            keep = [i for i, img in enumerate(item.images) if img is not None]
-            if keep:
-                boxes, flips, kept_labels, kept_positions = (
-                    host["boxes"],
-                    host["flips"],
-                    host["labels"],
-                    host["positions"],
-                )
-                if len(keep) < len(item.images):
-                    index = torch.tensor(keep)
-                    boxes, flips, kept_labels, kept_positions = (
-                        t[index] for t in (boxes, flips, kept_labels, kept_positions)
-                    )
-                crops = crop_resize([img for img in item.images if img is not None], boxes, self.size)
-                flips = upload(flips, dev).view(-1, 1, 1, 1)
-                parts.append(torch.where(flips, crops.flip(3), crops))
-                labels.append(kept_labels)
-                positions.append(kept_positions)
-            finished = [host["pil_images"]] if host["pil_labels"].numel() else []
-            if item.fallback:
-                finished.append(torch.stack(item.fallback))
-            if finished:
-                parts.append(upload(finished[0] if len(finished) == 1 else torch.cat(finished), dev).float())
-                labels += [host["pil_labels"], torch.tensor(item.fallback_labels, dtype=torch.long)]
-                positions += [host["pil_positions"], torch.tensor(item.fallback_positions, dtype=torch.long)]
-            if parts:
-                x = parts[0] if len(parts) == 1 else torch.cat(parts)
+            done = upload(finished[0] if len(finished) == 1 else torch.cat(finished), dev) if finished else None
+            if self.kernel_missing is None:
+                images = self._fused(crops, done, boxes, flips, positions, done_positions)
             else:
-                x = torch.empty(0, 3, self.size, self.size, device=dev)
-            label_host = torch.cat(labels) if labels else torch.empty(0, dtype=torch.long)
-            where = torch.cat(positions) if positions else torch.empty(0, dtype=torch.long)
-            if bool((where[1:] < where[:-1]).any()):  # device crops, then the workers' and the fallbacks'
-                order = where.argsort()
-                x = x.index_select(0, upload(order, dev))
-                label_host = label_host[order]
-            images = torch.empty(x.shape, device=dev, memory_format=self.memory_format)
-            torch.addcmul(self.bias, x, self.scale, out=images)
-            label_dev = upload(label_host, dev)
+                images = self._separate(crops, done, boxes, flips, positions, done_positions)
+            where = torch.cat([positions, *done_positions])
+            label_dev = upload(torch.cat([labels, *done_labels])[where.argsort()], dev)
             event = stages.prepared()
         return images, label_dev, item.bad, event
+
+    def _fused(self, crops, done, boxes, flips, positions, done_positions) -> torch.Tensor:
+        """One Triton kernel: every sample cropped (the finished ones copied), flipped, normalised
+        and written at its place in the batch (:mod:`kd.data.crop_kernel`)."""
+        size = self.size
+        sources = list(crops) + (list(done.unbind(0)) if done is not None else [])
+        n_done = len(sources) - len(crops)
+        full = torch.tensor([0.0, 0.0, size, size]).expand(n_done, 4)
+        where = torch.cat([positions, *done_positions])
+        places = torch.empty_like(where)
+        places[where.argsort()] = torch.arange(len(where))
+        out = torch.empty(len(sources), 3, size, size, device=self.device, memory_format=self.memory_format)
+        return crop_kernel.crop_batch(
+            sources,
+            torch.cat([boxes, full]),
+            torch.cat([flips, torch.zeros(n_done, dtype=torch.bool)]),
+            places,
+            out,
+            self.scale,
+            self.bias,
+        )
+
+    def _separate(self, crops, done, boxes, flips, positions, done_positions) -> torch.Tensor:
+        """roi_align per image size, then flip, concatenation, reordering and normalisation."""
+        dev = self.device
+        parts = []
+        if crops:
+            cropped = crop_resize(crops, boxes, self.size)
+            parts.append(torch.where(upload(flips, dev).view(-1, 1, 1, 1), cropped.flip(3), cropped))
+        if done is not None:
+            parts.append(done.float())
+        if parts:
+            x = parts[0] if len(parts) == 1 else torch.cat(parts)
+        else:
+            x = torch.empty(0, 3, self.size, self.size, device=dev)
+        where = torch.cat([positions, *done_positions])
+        if bool((where[1:] < where[:-1]).any()):  # device crops, then the workers' and the fallbacks'
+            x = x.index_select(0, upload(where.argsort(), dev))
+        images = torch.empty(x.shape, device=dev, memory_format=self.memory_format)
+        return torch.addcmul(self.bias, x, self.scale, out=images)
 
 
 def auto_cpu_share(decoder: Decoder, workers: int) -> float:

@@ -1,0 +1,130 @@
+"""kd.data.crop_kernel: the one-kernel crop gives what the roi_align path gives, alone and inside
+the loader. On the CPU through Triton's interpreter (a child process with TRITON_INTERPRET=1,
+which Triton reads when a kernel is defined); on CUDA compiled (gpu marker)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kd.data import crop_kernel
+from kd.data import gpu as gpu_mod
+from kd.data.gpu import crop_resize
+
+triton = pytest.importorskip("triton")
+TESTS = Path(__file__).resolve().parent
+
+
+def compare_kernel(device: str) -> float:
+    """Largest difference between crop_batch and crop_resize + flip + normalise + placing, over
+    images of several sizes and strides, boxes inside, at and over the edges, both memory formats."""
+    g = torch.Generator().manual_seed(0)
+    dev = torch.device(device)
+    sizes = [(30, 40), (30, 40), (61, 23), (16, 16), (90, 120), (7, 9)]
+    images = [torch.randint(0, 256, (3, h, w), dtype=torch.uint8, generator=g).to(dev) for h, w in sizes]
+    images[1] = images[1].transpose(1, 2).contiguous().transpose(1, 2)  # same pixels, column-major
+    images[4] = images[4].permute(1, 2, 0).contiguous().permute(2, 0, 1)  # channels last (HWC storage)
+    boxes = torch.tensor(
+        [[0, 0, 40, 30], [3.3, 2.1, 33.7, 29.2], [1, 5, 22, 60.5], [0, 0, 16, 16], [10, 7, 118, 89]]
+        + [[-0.8, 0, 9.9, 7.6]],  # over the left edge and past the bottom row
+        dtype=torch.float32,
+    )
+    flips = torch.tensor([False, True, False, True, True, False])
+    places = torch.tensor([4, 0, 2, 1, 5, 3])
+    scale = torch.tensor([0.5, 2.0, 1.0], device=dev).view(1, 3, 1, 1)
+    bias = torch.tensor([1.0, -3.0, 0.25], device=dev).view(1, 3, 1, 1)
+    size = 16
+    ref = crop_resize(images, boxes, size)
+    ref = torch.where(flips.to(dev).view(-1, 1, 1, 1), ref.flip(3), ref) * scale + bias
+    expect = torch.empty_like(ref)
+    expect[places.to(dev)] = ref
+    worst = 0.0
+    for fmt in (torch.contiguous_format, torch.channels_last):
+        out = torch.full((6, 3, size, size), float("nan"), device=dev).contiguous(memory_format=fmt)
+        crop_kernel.crop_batch(images, boxes, flips, places, out, scale, bias)
+        worst = max(worst, float((out - expect).abs().max()))  # nan (a pixel not written) fails below
+    return worst
+
+
+def compare_loaders(data: str, device: str) -> float:
+    """The loader's batches with the kernel against those with KD_GPU_CROP=roi_align: a PIL share,
+    flips, the sampler's order; returns the largest difference."""
+    from test_gpu_loader import cfg_for
+
+    from kd.data.folder import scan
+
+    _, train, _ = scan(data)
+    dev = torch.device(device)
+    cfg = cfg_for(data, cpu_decode_share=0.5, device=device)
+    saved = {k: os.environ.get(k) for k in (gpu_mod.DECODER_ENV, crop_kernel.CROP_ENV)}
+    try:
+        os.environ[gpu_mod.DECODER_ENV] = "cpu-thread" if device == "cpu" else "auto"
+        fused = gpu_mod.make_gpu_loader(cfg, train, True, 1, 0, 8, dev, True)
+        os.environ[crop_kernel.CROP_ENV] = "roi_align"
+        separate = gpu_mod.make_gpu_loader(cfg, train, True, 1, 0, 8, dev, True)
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    assert fused.kernel_missing is None and "one Triton kernel" in fused.describe(), fused.describe()
+    assert separate.kernel_missing and "roi_align per image size" in separate.describe()
+    worst, seen = 0.0, 0
+    for epoch in (0, 1):
+        fused.set_epoch(epoch)
+        separate.set_epoch(epoch)
+        for a, b in zip(fused, separate, strict=True):
+            assert torch.equal(a.labels, b.labels)
+            assert a.images.is_contiguous(memory_format=torch.channels_last)
+            worst = max(worst, float((a.images - b.images).abs().max()))
+            seen += len(a)
+    assert seen >= 16
+    return worst
+
+
+def _interpreted(call: str) -> float:
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(TESTS), str(TESTS.parent)]))
+    env.pop(crop_kernel.CROP_ENV, None)
+    code = f"import test_crop_kernel as t; print(t.{call})"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return float(r.stdout.strip().splitlines()[-1])
+
+
+def test_kernel_is_roi_aligns_crop_flip_and_normalisation():
+    assert _interpreted("compare_kernel('cpu')") < 1e-4
+
+
+def test_loader_batches_with_the_kernel_are_the_roi_align_paths(nat_folder):
+    assert _interpreted(f"compare_loaders({str(nat_folder)!r}, 'cpu')") < 1e-4
+
+
+def test_the_kernel_is_skipped_where_it_cannot_run(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv(crop_kernel.CROP_ENV, raising=False)
+    assert crop_kernel.unavailable(torch.device("cpu")) == "needs a CUDA device"
+    monkeypatch.setenv(crop_kernel.CROP_ENV, "roi_align")
+    assert crop_kernel.unavailable(torch.device("cuda", 0)) == "KD_GPU_CROP=roi_align"
+    monkeypatch.setenv(crop_kernel.CROP_ENV, "fast")
+    assert "not auto or roi_align" in str(crop_kernel.unavailable(torch.device("cuda", 0)))
+
+
+@pytest.fixture(scope="module")
+def nat_folder(tmp_path_factory):
+    from test_gpu_loader import natural_folder
+
+    return natural_folder(tmp_path_factory.mktemp("natural"), per_class=8)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_kernel_on_cuda(nat_folder, monkeypatch):
+    monkeypatch.delenv(crop_kernel.CROP_ENV, raising=False)
+    monkeypatch.setenv(gpu_mod.DECODER_ENV, "auto")
+    assert compare_kernel("cuda") < 1e-3
+    assert compare_loaders(str(nat_folder), "cuda") < 1e-3
+    np.testing.assert_equal(crop_kernel.unavailable(torch.device("cuda", 0)), None)
