@@ -7,8 +7,9 @@
 synthetic 500x375 JPEGs (quality 90, about 42 KB, like ImageNet's) are written there first.
 Rows: the loader alone over one training epoch (RandomResizedCrop 224 + flip, batches of
 ``--batch-size``), timed on the second epoch so worker start-up is excluded; for the gpu loader
-also decode alone, crop alone (one roi_align per image size, the method the loader uses) and,
-for comparison, a per-image F.interpolate(antialias=True) loop. ``--e2e``: a KD step
+also decode alone, crop alone (the loader's one Triton kernel per batch where it runs, and
+one roi_align per image size, its other path) and, for comparison, a per-image
+F.interpolate(antialias=True) loop. ``--e2e``: a KD step
 (resnet101 teacher -> resnet18 student, random init, bf16 autocast, channels_last, SGD) on
 synthetic input, then fed by each loader. Prints a markdown table. Self-contained apart from kd.
 """
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kd import config as kd_config  # noqa: E402
+from kd.data import crop_kernel as kd_crop_kernel  # noqa: E402
 from kd.data import gpu as gpu_loader  # noqa: E402
 from kd.data.bytes_dataset import unpacked  # noqa: E402
 from kd.data.decoders import DECODERS  # noqa: E402
@@ -104,7 +106,8 @@ def loader_alone(loader, device) -> float:
 
 
 def stages(loader, device, max_batches: int):
-    """Decode alone, crop alone (roi_align groups) and crop per image (interpolate), images/s."""
+    """Decode alone, crop alone (the one-kernel crop, roi_align groups) and crop per image
+    (interpolate), images/s; the kernel's rate is nan where it does not run."""
     loader.set_epoch(2)
     hosts = []
     for host in loader.loader:
@@ -130,6 +133,11 @@ def stages(loader, device, max_batches: int):
         flips = host["flips"].to(device, non_blocking=True).view(-1, 1, 1, 1)
         return torch.addcmul(loader.bias, torch.where(flips, crops.flip(3), crops), loader.scale)
 
+    def crop_kernel(images, host):
+        out = torch.empty(len(images), 3, loader.size, loader.size, device=device)
+        places = torch.arange(len(images))
+        return kd_crop_kernel.crop_batch(images, host["boxes"], host["flips"], places, out, loader.scale, loader.bias)
+
     def crop_each(images, host):
         out = torch.empty(len(images), 3, loader.size, loader.size, device=device)
         for i, (img, (x1, y1, x2, y2)) in enumerate(zip(images, host["boxes"].tolist())):
@@ -138,7 +146,10 @@ def stages(loader, device, max_batches: int):
         return torch.addcmul(loader.bias, out, loader.scale)
 
     rates = []
-    for fn in (crop_groups, crop_each):
+    for fn in (crop_kernel, crop_groups, crop_each):
+        if fn is crop_kernel and loader.kernel_missing is not None:
+            rates.append(float("nan"))
+            continue
         fn(decoded[0], hosts[0])
         sync(device)
         start = time.perf_counter()
@@ -146,7 +157,7 @@ def stages(loader, device, max_batches: int):
             fn(images, host)
         sync(device)
         rates.append(n / (time.perf_counter() - start))
-    return decode_rate, rates[0], rates[1]
+    return decode_rate, *rates
 
 
 class _null:
@@ -273,9 +284,10 @@ def main() -> None:
         name = loader.decoder.name if choice != "auto" else f"auto -> {loader.decoder.name}"
         print(loader.describe())
         total = loader_alone(loader, device)
-        decode, crop, crop_each = stages(loader, device, args.stage_batches)
+        decode, kernel, crop, crop_each = stages(loader, device, args.stage_batches)
         rows += [
             ("gpu", name, "decode alone", decode),
+            ("gpu", name, "crop+flip+normalise alone (one Triton kernel)", kernel),
             ("gpu", name, "crop+flip+normalise alone (roi_align groups)", crop),
             ("gpu", name, "crop per image, F.interpolate antialias (comparison)", crop_each),
             ("gpu", name, "loader alone (total)", total),

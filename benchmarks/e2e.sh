@@ -8,11 +8,12 @@
 #             0.5 % CMYK, 5 % progressive, quality 70-95
 #   eager     r101 -> r18, O1 float16, batch 256 and 128 (the b128 part): synthetic vs folder (--loader gpu -j 15)
 #   apex      the same at batch 256 with --amp-impl apex (needs apex installed)
-#   compiled  --compile --set compile_mode=reduce-overhead, batch 256: synthetic vs folder
+#   compiled  --compile --set compile_mode=reduce-overhead, batch 256 and 128: synthetic vs folder
 #   decoders  the folder at batch 256 with each GPU decoder forced (KD_GPU_DECODER), against eager's synthetic
 #   shares    the folder at batch 256 with each --cpu-decode-share of $SHARES (default "0 0.25 0.4 0.55")
-#   b128      batch 128 alone, at --cpu-decode-share $SHARE where set
+#   b128      batch 128 alone
 #   epochs    kd train, 3 epochs over the folder: per-epoch validation, checkpoint and loader start
+# The folder runs of eager, b128 and compiled use --cpu-decode-share $SHARE where set (else kd's auto share).
 # Every ratio goes to $OUT/summary.txt. Timed steps: $ITERS (120) after $WARMUP (30) at batch 256, twice
 # as many at 128; they must fit in one epoch (a smaller folder needs fewer).
 set -uo pipefail
@@ -46,9 +47,10 @@ print(f"{name}: synthetic {s} img/s, folder {f} img/s, folder/synthetic {ratio} 
 EOF
 }
 
-b128() {  # batch 128, at --cpu-decode-share $SHARE where set
-  pair "eager_b128${SHARE:+_share_$SHARE}" eager_b128 -b 128 --iters $((2 * IT)) --warmup $((2 * WU)) \
-    ${SHARE:+--set cpu_decode_share=$SHARE}
+SHARE_SET=${SHARE:+--set cpu_decode_share=$SHARE}
+b128() {  # batch 128 (ARGS...: more kd bench options, NAME the run's name)
+  pair "${NAME:-eager}_b128${SHARE:+_share_$SHARE}" "${NAME:-eager}_b128" -b 128 --iters $((2 * IT)) \
+    --warmup $((2 * WU)) $SHARE_SET "$@"
 }
 
 for part in "$@"; do case "$part" in
@@ -104,10 +106,12 @@ print(f"{len(files)} JPEGs in {root}, {mb:.0f} MiB (mean {1024 * mb / len(files)
 EOF
   ;;
   b128) b128 ;;
-  eager) pair eager_b256 eager_b256 -b 256 --iters "$IT" --warmup "$WU"
+  eager) pair "eager_b256${SHARE:+_share_$SHARE}" eager_b256 -b 256 --iters "$IT" --warmup "$WU" $SHARE_SET
          b128 ;;
   apex) pair apex_b256 apex_b256 -b 256 --iters "$IT" --warmup "$WU" --set amp_impl=apex ;;
-  compiled) pair graphs_b256 graphs_b256 -b 256 --iters "$IT" --warmup "$WU" --compile --set compile_mode=reduce-overhead ;;
+  compiled) pair "graphs_b256${SHARE:+_share_$SHARE}" graphs_b256 -b 256 --iters "$IT" --warmup "$WU" $SHARE_SET \
+              --compile --set compile_mode=reduce-overhead
+            NAME=graphs b128 --compile --set compile_mode=reduce-overhead ;;
   decoders) for d in nvimgcodec nvjpeg cpu; do
               DECODER=$d pair "decoder_${d}_b256" eager_b256 -b 256 --iters "$IT" --warmup "$WU"; done ;;
   shares) for s in ${SHARES:-0 0.25 0.4 0.55}; do
