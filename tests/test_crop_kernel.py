@@ -113,6 +113,29 @@ def test_the_kernel_is_skipped_where_it_cannot_run(monkeypatch):
     assert "not auto or roi_align" in str(crop_kernel.unavailable(torch.device("cuda", 0)))
 
 
+def test_self_check_refuses_a_wrong_kernel(monkeypatch):
+    def zeros(images, boxes, flips, places, out, scale, bias):
+        return out.zero_()
+
+    monkeypatch.setattr(crop_kernel, "crop_batch", zeros)
+    assert "self-check: off by" in str(crop_kernel.self_check(torch.device("cpu")))
+
+
+def test_a_triton_that_cannot_compile_leaves_the_roi_align_path(monkeypatch):
+    def no_compiler():
+        raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable.")
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # past the device check on this CPU
+    monkeypatch.delenv(crop_kernel.CROP_ENV, raising=False)
+    monkeypatch.setattr(crop_kernel, "_compiled", no_compiler)
+    monkeypatch.setattr(crop_kernel, "_CHECKED", {})
+    why = crop_kernel.unavailable(torch.device("cpu"))
+    assert (
+        why
+        == "Triton unusable here (RuntimeError: Failed to find C compiler. Please specify via CC environment variable.)"
+    )
+
+
 @pytest.fixture(scope="module")
 def nat_folder(tmp_path_factory):
     from test_gpu_loader import natural_folder

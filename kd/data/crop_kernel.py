@@ -15,7 +15,7 @@ Triton is imported here only; without it (or without CUDA) the loader keeps the 
 from __future__ import annotations
 
 import os
-from typing import Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 import torch
 
@@ -35,11 +35,43 @@ def unavailable(device: torch.device) -> Optional[str]:
         return f"{CROP_ENV}=roi_align"
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return "needs a CUDA device"
-    try:
-        _compiled()
-    except Exception as exc:  # an old or broken Triton: the other path works everywhere
-        return f"Triton unusable ({type(exc).__name__}: {exc})"
-    return None
+    key = str(device)
+    if key not in _CHECKED:
+        try:
+            _CHECKED[key] = self_check(device)
+        except Exception as exc:  # no Triton, no C compiler for its launcher, an unsupported GPU...
+            _CHECKED[key] = f"Triton unusable here ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+    return _CHECKED[key]
+
+
+_CHECKED: Dict[str, Optional[str]] = {}
+
+
+def self_check(device: torch.device) -> Optional[str]:
+    """Compile and run the kernel on two small images whose crops are known: None if right, else
+    what was wrong. A copy at full size, mirrored, and a 2x reduction, where roi_align's adaptive
+    sampling lands on the pixel centres and so averages each 2x2 block."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(0, 256, (3, 8, 8), dtype=torch.uint8, generator=g)
+    b = torch.randint(0, 256, (3, 16, 16), dtype=torch.uint8, generator=g)
+    out = torch.empty(2, 3, 8, 8, device=device)
+    scale, bias = torch.tensor([0.5, 1.0, 2.0]), torch.tensor([1.0, 0.0, -1.0])
+    boxes = torch.tensor([[0, 0, 8, 8], [0, 0, 16, 16]], dtype=torch.float32)
+    crop_batch(
+        [a.to(device), b.to(device)],
+        boxes,
+        torch.tensor([True, False]),
+        torch.tensor([1, 0]),
+        out,
+        scale.to(device),
+        bias.to(device),
+    )
+    channel = (3, 1, 1)
+    expect = torch.stack([b.float().view(3, 8, 2, 8, 2).mean(dim=(2, 4)), a.float().flip(2)]) * scale.view(
+        channel
+    ) + bias.view(channel)
+    worst = float((out.cpu() - expect).abs().max())
+    return None if worst < 1e-3 else f"self-check: off by {worst:.3g} from the expected crops"
 
 
 def _compiled():

@@ -366,25 +366,22 @@ class GpuLoader(DeviceLoader):
         # the workers' PIL crops and the fallbacks are finished: flipped, at the output size
         done_labels = [host["pil_labels"], torch.tensor(item.fallback_labels, dtype=torch.long)]
         done_positions = [host["pil_positions"], torch.tensor(item.fallback_positions, dtype=torch.long)]
+        where = torch.cat([positions, *done_positions])  # each sample's place in the batch
         with stages.preparing(item.event):
             done = upload(finished[0] if len(finished) == 1 else torch.cat(finished), dev) if finished else None
-            if self.kernel_missing is None:
-                images = self._fused(crops, done, boxes, flips, positions, done_positions)
-            else:
-                images = self._separate(crops, done, boxes, flips, positions, done_positions)
-            where = torch.cat([positions, *done_positions])
+            crop = self._fused if self.kernel_missing is None else self._separate
+            images = crop(crops, done, boxes, flips, where)
             label_dev = upload(torch.cat([labels, *done_labels])[where.argsort()], dev)
             event = stages.prepared()
         return images, label_dev, item.bad, event
 
-    def _fused(self, crops, done, boxes, flips, positions, done_positions) -> torch.Tensor:
+    def _fused(self, crops, done, boxes, flips, where) -> torch.Tensor:
         """One Triton kernel: every sample cropped (the finished ones copied), flipped, normalised
         and written at its place in the batch (:mod:`kd.data.crop_kernel`)."""
         size = self.size
         sources = list(crops) + (list(done.unbind(0)) if done is not None else [])
         n_done = len(sources) - len(crops)
         full = torch.tensor([0.0, 0.0, size, size]).expand(n_done, 4)
-        where = torch.cat([positions, *done_positions])
         places = torch.empty_like(where)
         places[where.argsort()] = torch.arange(len(where))
         out = torch.empty(len(sources), 3, size, size, device=self.device, memory_format=self.memory_format)
@@ -398,7 +395,7 @@ class GpuLoader(DeviceLoader):
             self.bias,
         )
 
-    def _separate(self, crops, done, boxes, flips, positions, done_positions) -> torch.Tensor:
+    def _separate(self, crops, done, boxes, flips, where) -> torch.Tensor:
         """roi_align per image size, then flip, concatenation, reordering and normalisation."""
         dev = self.device
         parts = []
@@ -411,7 +408,6 @@ class GpuLoader(DeviceLoader):
             x = parts[0] if len(parts) == 1 else torch.cat(parts)
         else:
             x = torch.empty(0, 3, self.size, self.size, device=dev)
-        where = torch.cat([positions, *done_positions])
         if bool((where[1:] < where[:-1]).any()):  # device crops, then the workers' and the fallbacks'
             x = x.index_select(0, upload(where.argsort(), dev))
         images = torch.empty(x.shape, device=dev, memory_format=self.memory_format)
