@@ -7,10 +7,11 @@ Each stage works one batch ahead of the next:
 2. A decode thread turns a packed batch into device images on the *decode* stream
    (:mod:`kd.data.decoders`); the decoders release the GIL while they work, and the thread does
    little else, so the training step's Python thread is not held up by it.
-3. The main thread enqueues, on the *prep* stream, one roi_align per image size (crop and
-   resize of the whole group at once), the per-sample flip and the normalisation; then it hands
-   over the batch before: the consumer's stream waits on an event and the tensors are recorded
-   on it. So batch k+1 is cropped, and k+2 decoded, while the step of batch k runs.
+3. The main thread enqueues, on the *prep* stream, the crop, resize, per-sample flip and
+   normalisation: one Triton kernel for the whole batch (:mod:`kd.data.crop_kernel`), or where
+   that cannot run, one roi_align per image size and the calls around it (:func:`crop_resize`);
+   then it hands over the batch before: the consumer's stream waits on an event and the tensors
+   are recorded on it. So batch k+1 is cropped, and k+2 decoded, while the step of batch k runs.
 
 Decoded images stay referenced until the prep stream has read them (an event per batch), so no
 decoder writes into memory a pending kernel still reads. Without CUDA the same code runs on
