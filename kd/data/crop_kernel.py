@@ -40,7 +40,7 @@ def unavailable(device: torch.device) -> Optional[str]:
         try:
             _CHECKED[key] = self_check(device)
         except Exception as exc:  # no Triton, no C compiler for its launcher, an unsupported GPU...
-            _CHECKED[key] = f"Triton unusable here ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+            _CHECKED[key] = f"Triton unusable here ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]})"
     return _CHECKED[key]
 
 
