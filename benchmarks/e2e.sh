@@ -48,10 +48,13 @@ EOF
 }
 
 SHARE_SET=${SHARE:+--set cpu_decode_share=$SHARE}
-b128() {  # batch 128 (ARGS...: more kd bench options, NAME the run's name)
-  pair "${NAME:-eager}_b128${SHARE:+_share_$SHARE}" "${NAME:-eager}_b128" -b 128 --iters $((2 * IT)) \
-    --warmup $((2 * WU)) $SHARE_SET "$@"
+batch() {  # B ITERS WARMUP ARGS...: the pair at batch B (ARGS: more kd bench options; NAME: the run's name)
+  local b=$1 it=$2 wu=$3; shift 3
+  pair "${NAME:-eager}_b$b${SHARE:+_share_$SHARE}" "${NAME:-eager}_b$b" -b "$b" --iters "$it" --warmup "$wu" \
+    $SHARE_SET "$@"
 }
+b256() { batch 256 "$IT" "$WU" "$@"; }
+b128() { batch 128 $((2 * IT)) $((2 * WU)) "$@"; }
 
 for part in "$@"; do case "$part" in
   data) $PY - "$DATA" <<'EOF' 2>&1 | tee "$OUT/data.log"
@@ -106,11 +109,10 @@ print(f"{len(files)} JPEGs in {root}, {mb:.0f} MiB (mean {1024 * mb / len(files)
 EOF
   ;;
   b128) b128 ;;
-  eager) pair "eager_b256${SHARE:+_share_$SHARE}" eager_b256 -b 256 --iters "$IT" --warmup "$WU" $SHARE_SET
+  eager) b256
          b128 ;;
   apex) pair apex_b256 apex_b256 -b 256 --iters "$IT" --warmup "$WU" --set amp_impl=apex ;;
-  compiled) pair "graphs_b256${SHARE:+_share_$SHARE}" graphs_b256 -b 256 --iters "$IT" --warmup "$WU" $SHARE_SET \
-              --compile --set compile_mode=reduce-overhead
+  compiled) NAME=graphs b256 --compile --set compile_mode=reduce-overhead
             NAME=graphs b128 --compile --set compile_mode=reduce-overhead ;;
   decoders) for d in nvimgcodec nvjpeg cpu; do
               DECODER=$d pair "decoder_${d}_b256" eager_b256 -b 256 --iters "$IT" --warmup "$WU"; done ;;

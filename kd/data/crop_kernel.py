@@ -191,9 +191,7 @@ def crop_batch(
         return out
     pin = out.device.type == "cuda"
     table = torch.empty(n, 8, dtype=torch.int64, pin_memory=pin)
-    table[:, 0] = torch.tensor([img.data_ptr() for img in images], dtype=torch.int64)
-    table[:, 1:3] = torch.tensor([img.shape[1:] for img in images], dtype=torch.int64)
-    table[:, 3:6] = torch.tensor([img.stride() for img in images], dtype=torch.int64)
+    table[:, :6] = torch.tensor([(img.data_ptr(), *img.shape[1:], *img.stride()) for img in images])
     table[:, 6] = flips
     table[:, 7] = places
     box = torch.empty(n, 4, dtype=torch.float32, pin_memory=pin)
