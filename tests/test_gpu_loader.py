@@ -290,7 +290,7 @@ def test_a_share_of_the_images_is_the_pil_paths_in_the_batchs_order(nat_folder, 
         sample = dataset[(i % len(train), seed)]
         assert (sample.kind == PIL_CROP) == routed[i]
         if routed[i]:
-            assert np.array_equal(sample.data, dataset.pil[(i % len(train), seed)][0].numpy())
+            assert np.array_equal(sample.data, dataset.pil[(i % len(train), seed)][0].permute(1, 2, 0).numpy())
 
     monkeypatch.setenv(gpu_mod.DECODER_ENV, "cpu-thread")
     shared = make_gpu_loader(cfg_for(nat_folder, cpu_decode_share=0.5), train, True, 1, 0, 8, CPU, False)
@@ -349,12 +349,36 @@ def test_a_batch_crosses_from_a_worker_as_one_tensor(nat_folder):
     host = unpacked(packed)
     blobs = torch.split(host["data"], host["lengths"].tolist())
     assert [bytes(b.numpy()) for b in blobs] == [bytes(s.data) for s in encoded]
-    assert torch.equal(host["pil_images"], torch.from_numpy(np.stack([s.data for s in crops])))
+    # the crops travel as PIL keeps them (HWC) and are handed on as (N, 3, H, W) views
+    assert torch.equal(host["pil_images"], torch.from_numpy(np.stack([s.data for s in crops])).permute(0, 3, 1, 2))
     assert host["positions"].tolist() + host["pil_positions"].tolist() != list(range(12))  # interleaved
     assert sorted(host["positions"].tolist() + host["pil_positions"].tolist()) == list(range(12))
     assert host["boxes"].shape == (len(encoded), 4) and host["labels"].dtype == torch.long
     only_device = unpacked(collate_packed(encoded))
     assert only_device["pil_images"].shape[0] == 0 and only_device["data"].numel() == sum(s.data.size for s in encoded)
+
+
+def _packed_in_shared_memory(samples):
+    packed = collate_packed(samples)
+    return packed, packed["data"].is_shared()
+
+
+def test_a_worker_packs_its_batch_straight_into_shared_memory(nat_folder):
+    """A tensor a worker sends that is not in shared memory is copied there first: the packed batch
+    (megabytes of bitstreams and crops) is written there by the collate itself."""
+    from kd.data.folder import scan
+
+    _, train, _ = scan(str(nat_folder))
+    dataset = JpegBytes(train, 64, True, cpu_share=0.5)
+    items = [(i % len(train), sample_seed(2, 0, i)) for i in range(16)]
+    for packed, shared in torch.utils.data.DataLoader(
+        [dataset[item] for item in items], batch_size=8, num_workers=1, collate_fn=_packed_in_shared_memory
+    ):
+        assert shared
+        host = unpacked(packed)
+        assert host["pil_images"].shape[1:] == (3, 64, 64) and host["data"].numel() > 0
+    packed = collate_packed([dataset[item] for item in items])  # outside a worker: a private tensor
+    assert not packed["data"].is_shared()
 
 
 def test_auto_cpu_share_follows_the_workers():

@@ -99,7 +99,7 @@ def val_box(height: int, width: int, size: int, resize: int) -> Tuple[float, flo
 
 class Sample(NamedTuple):
     kind: str  # ENCODED, PIXELS, PIL_CROP or BAD
-    data: Optional[np.ndarray]  # bitstream bytes, or decoded CHW pixels, or the PIL crop (CHW uint8)
+    data: Optional[np.ndarray]  # bitstream bytes, or decoded CHW pixels, or the PIL crop (HWC uint8)
     height: int
     width: int
     box: Tuple[float, float, float, float]
@@ -171,17 +171,31 @@ class JpegBytes:
         return self.pil_sample(index, seed)
 
     def pil_sample(self, index: int, seed: int) -> Sample:
-        """The PIL path's crop of one sample, or a BAD sample."""
-        img, label, path = self.pil[(index, seed)]
+        """The PIL path's crop of one sample (HWC: the layout PIL keeps, no transposing copy), or a
+        BAD sample."""
+        img, label, path = self.pil.crop((index, seed))
         if img is None:
             return Sample(BAD, None, 0, 0, (0, 0, 0, 0), False, label, path, index, seed)
-        return Sample(PIL_CROP, img.numpy(), img.shape[1], img.shape[2], (0, 0, 0, 0), False, label, path, index, seed)
+        return Sample(PIL_CROP, np.asarray(img), img.height, img.width, (0, 0, 0, 0), False, label, path, index, seed)
 
 
 def _payload(sample: Sample) -> np.ndarray:
     """``sample.data`` of a sample that has one (all but BAD samples)."""
     assert sample.data is not None, f"{sample.kind} sample {sample.path} without data"
     return sample.data
+
+
+def _packed(arrays: Sequence[np.ndarray]) -> torch.Tensor:
+    """``arrays`` concatenated into one uint8 tensor; in a DataLoader worker, written straight into
+    shared memory, as torch's default collate does (sending a private tensor copies it there)."""
+    total = sum(a.size for a in arrays)
+    if torch.utils.data.get_worker_info() is None:
+        out = torch.empty(total, dtype=torch.uint8)
+    else:
+        out = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(total))
+    if arrays:
+        np.concatenate(arrays, out=out.numpy())
+    return out
 
 
 def collate_packed(batch: Sequence[Sample]) -> dict:
@@ -197,7 +211,7 @@ def collate_packed(batch: Sequence[Sample]) -> dict:
     positions = {id(s): i for i, s in enumerate(batch)}
     arrays = [_payload(s).reshape(-1) for s in dev] + [_payload(s).reshape(-1) for s in pil]
     return {
-        "data": torch.from_numpy(np.concatenate(arrays)) if arrays else torch.empty(0, dtype=torch.uint8),
+        "data": _packed(arrays),
         "lengths": np.array([_payload(s).size for s in dev], dtype=np.int64),
         "shapes": np.array([(s.height, s.width) for s in dev], dtype=np.int64).reshape(-1, 2),
         "boxes": np.array([s.box for s in dev], dtype=np.float32).reshape(-1, 4),
@@ -208,7 +222,7 @@ def collate_packed(batch: Sequence[Sample]) -> dict:
         "positions": np.array([positions[id(s)] for s in dev], dtype=np.int64),
         "paths": [s.path for s in dev],
         "pixels": bool(dev) and dev[0].kind == PIXELS,
-        "pil_shape": (len(pil), *_payload(pil[0]).shape) if pil else (0, 3, 1, 1),
+        "pil_shape": (len(pil), *_payload(pil[0]).shape) if pil else (0, 1, 1, 3),
         "pil_labels": np.array([s.label for s in pil], dtype=np.int64),
         "pil_positions": np.array([positions[id(s)] for s in pil], dtype=np.int64),
         "bad": [s.path for s in batch if s.kind == BAD],
@@ -222,12 +236,13 @@ def unpacked(host: dict) -> dict:
     ``lengths`` (bytes per device sample), ``shapes`` (height, width), ``boxes`` (x1, y1, x2, y2
     in source pixels), ``flips``, ``labels``, ``index``, ``seeds``, ``positions`` (where each
     device sample stands in the batch), ``paths``; ``pil_images``, ``pil_labels`` and
-    ``pil_positions``: the PIL path's finished crops; ``bad``: paths nothing could read.
+    ``pil_positions``: the PIL path's finished crops, ``(N, 3, H, W)`` views of HWC pixels; ``bad``:
+    paths nothing could read.
     ``data`` and ``pil_images`` are views of the one tensor that crossed (pinned where it was).
     """
     out = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in host.items()}
     split = int(out["lengths"].sum())
     data = out["data"]
     out["data"] = data[:split]
-    out["pil_images"] = data[split:].view(host["pil_shape"])
+    out["pil_images"] = data[split:].view(host["pil_shape"]).permute(0, 3, 1, 2)
     return out

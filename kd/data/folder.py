@@ -18,6 +18,10 @@ from PIL import Image
 
 from kd.errors import KDError
 
+# Pillow defines these in a loop over its enums, which mypy cannot see (Image.Resampling needs Pillow >= 9.1)
+_BILINEAR = Image.BILINEAR  # type: ignore[attr-defined]
+_FLIP_LEFT_RIGHT = Image.FLIP_LEFT_RIGHT  # type: ignore[attr-defined]
+
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
 
@@ -141,7 +145,7 @@ def reduced_decode(im: Image.Image, scale_x: float, scale_y: float) -> int:
 
 
 def to_uint8_chw(img: Image.Image) -> torch.Tensor:
-    return torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1).contiguous()
+    return torch.from_numpy(np.array(img, dtype=np.uint8)).permute(2, 0, 1).contiguous()
 
 
 class ImageFolderPIL:
@@ -172,6 +176,12 @@ class ImageFolderPIL:
         return len(self.samples)
 
     def __getitem__(self, item):
+        img, label, path = self.crop(item)
+        return (None if img is None else to_uint8_chw(img)), label, path
+
+    def crop(self, item) -> Tuple[Optional[Image.Image], int, str]:
+        """The finished ``size`` x ``size`` RGB crop of ``(index, seed)`` as a PIL image, its label
+        and path; ``None`` for an image PIL cannot read."""
         index, seed = item if isinstance(item, tuple) else (item, 0)
         path, label = self.samples[index]
         try:
@@ -182,25 +192,25 @@ class ImageFolderPIL:
                     top, left, h, w = random_resized_crop_params(height, width, gen, self.scale)
                     factor = reduced_decode(im, self.size / w, self.size / h)
                     box = (left / factor, top / factor, (left + w) / factor, (top + h) / factor)
+                    new = (self.size, self.size)
                 else:
                     scale = self.resize / min(width, height)
                     new = (max(self.size, int(round(width * scale))), max(self.size, int(round(height * scale))))
                     factor = reduced_decode(im, new[0] / width, new[1] / height)
                     box = (0, 0, width / factor, height / factor)
-                img = im.convert("RGB")
-                img.load()
+                im.load()
+                # an RGB file is resized as decoded: convert() would copy the whole image first
+                img = (im if im.mode == "RGB" else im.convert("RGB")).resize(new, _BILINEAR, box=box)
         except Exception:  # any decoder failure: truncated, not an image, unreadable
             return None, label, path
         if self.train:
-            img = img.resize((self.size, self.size), Image.BILINEAR, box=box)
             if torch.rand(1, generator=gen).item() < 0.5:
-                img = img.transpose(Image.FLIP_LEFT_RIGHT)
+                img = img.transpose(_FLIP_LEFT_RIGHT)
         else:
-            img = img.resize(new, Image.BILINEAR, box=box)
             left = (img.width - self.size) // 2
             top = (img.height - self.size) // 2
             img = img.crop((left, top, left + self.size, top + self.size))
-        return to_uint8_chw(img), label, path
+        return img, label, path
 
 
 def collate(batch):

@@ -32,6 +32,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 import torchvision.ops  # noqa: F401  (registers torch.ops.torchvision.roi_align)
 
@@ -168,7 +169,7 @@ class _HostStages:
 class _Decoded:
     host: dict
     images: List[Optional[torch.Tensor]]  # per device sample; None: decoder failed
-    fallback: List[torch.Tensor]  # PIL crops of the failures PIL could read
+    fallback: List[torch.Tensor]  # PIL crops (HWC) of the failures PIL could read
     fallback_labels: List[int]
     fallback_positions: List[int]  # where they stand in the batch
     bad: List[str]
@@ -346,7 +347,7 @@ class GpuLoader(DeviceLoader):
                 if sample.kind == BAD:
                     bad.append(sample.path)
                 else:
-                    fallback.append(torch.from_numpy(sample.data))
+                    fallback.append(torch.from_numpy(np.array(sample.data)))  # HWC, as the workers' crops
                     labels.append(sample.label)
                     positions.append(int(host["positions"][i]))
         return _Decoded(host, images, fallback, labels, positions, bad, stages.decoded())
@@ -363,7 +364,7 @@ class GpuLoader(DeviceLoader):
         crops = [item.images[i] for i in keep]
         finished = [host["pil_images"]] if host["pil_labels"].numel() else []
         if item.fallback:
-            finished.append(torch.stack(item.fallback))
+            finished.append(torch.stack(item.fallback).permute(0, 3, 1, 2))
         # the workers' PIL crops and the fallbacks are finished: flipped, at the output size
         done_labels = [host["pil_labels"], torch.tensor(item.fallback_labels, dtype=torch.long)]
         done_positions = [host["pil_positions"], torch.tensor(item.fallback_positions, dtype=torch.long)]
