@@ -521,7 +521,7 @@ TRAIN_OPTIONS = (
     Option(
         "cpu_decode_share",
         ("--cpu-decode-share",),
-        "--loader gpu: fraction of the images the workers decode and crop (PIL) beside the GPU decoder.",
+        "--loader gpu: fraction of the images the workers decode (PIL) beside the GPU decoder.",
         note="auto: from the workers",
     ),
     Option("max_bad_images", ("--max-bad-images",), "Unreadable images tolerated before failing."),

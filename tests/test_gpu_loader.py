@@ -21,6 +21,7 @@ from kd.data import gpu as gpu_mod
 from kd.data.bytes_dataset import (
     ENCODED,
     PIL_CROP,
+    REGION,
     JpegBytes,
     collate_packed,
     jpeg_size,
@@ -275,12 +276,16 @@ def test_pixels_match_the_pil_path(nat_folder, monkeypatch, decoder, train):
             assert diff.mean() < 1.5
 
 
-def test_a_share_of_the_images_is_the_pil_paths_in_the_batchs_order(nat_folder, monkeypatch):
-    """--cpu-decode-share: those samples are the PIL path's own crops, chosen by seed, and every
-    batch keeps the sampler's order although its PIL crops arrive apart from the decoded ones."""
+def test_a_share_of_the_images_is_decoded_by_the_workers_in_the_batchs_order(nat_folder, monkeypatch):
+    """--cpu-decode-share: a share chosen by seed is decoded by PIL in the workers, which send the
+    pixels around the crop box (the same box and flip); the device crops them with the rest, so
+    the batch is the one the device decoder alone gives, in the sampler's order. Validation's
+    share arrives as finished crops."""
+    from torchvision.io import decode_jpeg
+
     from kd.data.folder import scan
 
-    _, train, _ = scan(str(nat_folder))
+    _, train, val = scan(str(nat_folder))
     dataset = JpegBytes(train, 64, True, cpu_share=0.5)
     seeds = [sample_seed(5, 0, i) for i in range(200)]
     routed = [on_cpu(seed, 0.5) for seed in seeds]
@@ -288,24 +293,53 @@ def test_a_share_of_the_images_is_the_pil_paths_in_the_batchs_order(nat_folder, 
     assert not any(on_cpu(seed, 0.0) for seed in seeds) and all(on_cpu(seed, 1.0) for seed in seeds)
     for i, seed in enumerate(seeds[:16]):
         sample = dataset[(i % len(train), seed)]
-        assert (sample.kind == PIL_CROP) == routed[i]
+        assert (sample.kind == REGION) == routed[i]
         if routed[i]:
-            assert np.array_equal(sample.data, dataset.pil[(i % len(train), seed)][0].permute(1, 2, 0).numpy())
+            whole = decode_jpeg(torch.frombuffer(bytearray(Path(sample.path).read_bytes()), dtype=torch.uint8))
+            (x1, y1, x2, y2), flip = train_box(whole.shape[1], whole.shape[2], seed)
+            left, top = round(x1 - sample.box[0]), round(y1 - sample.box[1])
+            assert sample.flip == flip and (x2 - left, y2 - top) == sample.box[2:]
+            assert left == max(0, x1 - 1) and top == max(0, y1 - 1)  # one pixel of margin where there is one
+            part = whole.permute(1, 2, 0)[top : top + sample.height, left : left + sample.width]
+            assert sample.data.shape == (sample.height, sample.width, 3) and np.array_equal(sample.data, part.numpy())
+    val_sample = JpegBytes(val, 64, False, cpu_share=1.0)[(0, 7)]
+    assert val_sample.kind == PIL_CROP and val_sample.data.shape == (64, 64, 3)
 
     monkeypatch.setenv(gpu_mod.DECODER_ENV, "cpu-thread")
     shared = make_gpu_loader(cfg_for(nat_folder, cpu_decode_share=0.5), train, True, 1, 0, 8, CPU, False)
-    assert (
-        shared.dataset.cpu_share == 0.5 and "50 % of the images decoded and cropped by the workers" in shared.describe()
-    )
-    pil = make_loader(cfg_for(nat_folder), train, True, 1, 0, 8, CPU, False)
-    kinds = set()
+    assert shared.dataset.cpu_share == 0.5 and "50 % of the images decoded by the workers (PIL)" in shared.describe()
+    alone = make_gpu_loader(cfg_for(nat_folder, cpu_decode_share=0.0), train, True, 1, 0, 8, CPU, False)
     for epoch in (0, 1):
-        for s, p in zip(batches(shared, epoch), batches(pil, epoch), strict=True):
-            assert torch.equal(s.labels, p.labels)
-            diff = (unnormalise(s.images) - unnormalise(p.images)).abs().mean(dim=(1, 2, 3))
-            assert diff.max() < 2.5, diff
-            kinds.update(d < 1e-3 for d in diff.tolist())  # a PIL crop is its PIL twin (to rounding)
-    assert kinds == {True, False}
+        for s, a in zip(batches(shared, epoch), batches(alone, epoch), strict=True):
+            assert torch.equal(s.labels, a.labels)
+            assert (unnormalise(s.images) - unnormalise(a.images)).abs().max() < 1e-3
+
+
+def test_a_region_resizes_as_the_whole_decoded_image(tmp_path):
+    """The region's margin: a bilinear resize of the box reads from half a pixel before it to its
+    rounded-up end, so the region (and, for a large image, its reduced decode) gives the crop the
+    whole decoded image gives, whatever the box's fractions and the image's borders."""
+    from kd.data.folder import ImageFolderPIL
+
+    rng = np.random.default_rng(3)
+    paths = []
+    for i, (w, h) in enumerate(((173, 131), (90, 203), (1100, 830))):
+        paths.append(str(tmp_path / f"{i}.jpg"))
+        Path(paths[-1]).write_bytes(jpeg_bytes(natural_image(rng, w, h)))
+    folder = ImageFolderPIL([(p, 0) for p in paths], 48, True)
+    reduced = 0
+    for index in range(3):
+        for seed in range(12):
+            pixels, box, flip, _, path = folder.region((index, seed))
+            with Image.open(path) as im:
+                full_width = im.width
+                _, whole_box = folder._train_box(im, seed)
+                whole = np.array(im.convert("RGB"))
+            reduced += whole.shape[1] < full_width
+            got = crop_resize([torch.from_numpy(np.array(pixels)).permute(2, 0, 1)], torch.tensor([box]), 48)
+            want = crop_resize([torch.from_numpy(whole).permute(2, 0, 1)], torch.tensor([whole_box]), 48)
+            assert (got - want).abs().max() < 0.01, (index, seed)  # float32 coordinates; no margin: levels off
+    assert reduced > 0  # the large image's small crops were decoded at a fraction of its size
 
 
 class RefusingDecoder(CpuThread):
@@ -318,18 +352,24 @@ class RefusingDecoder(CpuThread):
 
 
 def test_order_holds_when_every_crop_is_pils(nat_folder):
-    """Worker crops (the share) and decode-thread fallbacks, no device crop: still the sampler's order."""
+    """Validation: worker crops (the share) and decode-thread fallbacks, no device crop; training:
+    the workers' regions, cropped on the device, and the fallbacks. Still the sampler's order."""
     from kd.data.folder import scan
 
-    _, train, _ = scan(str(nat_folder))
+    _, train, val = scan(str(nat_folder))
     cfg = cfg_for(nat_folder)
-    dataset = JpegBytes(train, 64, True, cpu_share=0.5)
-    dl, sampler = make_data_loader(cfg, dataset, collate_packed, True, 1, 0, 8, CPU)
-    refusing = GpuLoader(dl, sampler, CPU, False, None, dataset, RefusingDecoder(CPU))
-    pil = make_loader(cfg, train, True, 1, 0, 8, CPU, False)
-    for r, p in zip(batches(refusing), batches(pil), strict=True):
-        assert torch.equal(r.labels, p.labels)
-        assert (unnormalise(r.images) - unnormalise(p.images)).abs().max() < 1e-3  # all PIL: the same crops
+    for samples, is_train in ((val, False), (train, True)):
+        dataset = JpegBytes(samples, 64, is_train, cpu_share=0.5)
+        dl, sampler = make_data_loader(cfg, dataset, collate_packed, is_train, 1, 0, 8, CPU)
+        refusing = GpuLoader(dl, sampler, CPU, False, None, dataset, RefusingDecoder(CPU))
+        pil = make_loader(cfg, samples, is_train, 1, 0, 8, CPU, False)
+        exact = []
+        for r, p in zip(batches(refusing), batches(pil), strict=True):
+            assert torch.equal(r.labels, p.labels)
+            diff = (unnormalise(r.images) - unnormalise(p.images)).abs()
+            assert diff.mean(dim=(1, 2, 3)).max() < (1e-3 if not is_train else 2.5)  # a region: another resize filter
+            exact += (diff.amax(dim=(1, 2, 3)) < 1e-3).tolist()
+        assert all(exact) if not is_train else 0 < sum(exact) < len(exact)  # training: fallbacks and regions
 
 
 def test_a_batch_crosses_from_a_worker_as_one_tensor(nat_folder):
@@ -338,24 +378,33 @@ def test_a_batch_crosses_from_a_worker_as_one_tensor(nat_folder):
     crops travel as one tensor, and the receiving side gets them back apart."""
     from kd.data.folder import scan
 
-    _, train, _ = scan(str(nat_folder))
+    _, train, val = scan(str(nat_folder))
     dataset = JpegBytes(train, 64, True, cpu_share=0.5)
     samples = [dataset[(i % len(train), sample_seed(1, 0, i))] for i in range(12)]
+    samples[5:5] = [JpegBytes(val, 64, False, cpu_share=1.0)[(i, i)] for i in range(2)]  # finished crops too
     encoded = [s for s in samples if s.kind == ENCODED]
+    regions = [s for s in samples if s.kind == REGION]
     crops = [s for s in samples if s.kind == PIL_CROP]
-    assert encoded and crops
+    assert encoded and regions and crops
     packed = collate_packed(samples)
     assert [k for k, v in packed.items() if isinstance(v, torch.Tensor)] == ["data"]
     host = unpacked(packed)
-    blobs = torch.split(host["data"], host["lengths"].tolist())
-    assert [bytes(b.numpy()) for b in blobs] == [bytes(s.data) for s in encoded]
+    assert host["regions"] == len(regions)
+    blobs = torch.split(host["data"], host["lengths"].tolist())  # the bitstreams, then the regions
+    assert [bytes(b.numpy()) for b in blobs] == [bytes(s.data) for s in encoded] + [s.data.tobytes() for s in regions]
+    assert [tuple(t.shape) for t in gpu_mod.regions(host, CPU)] == [(3, *s.data.shape[:2]) for s in regions]
+    assert all(
+        torch.equal(t, torch.from_numpy(np.array(s.data)).permute(2, 0, 1))
+        for t, s in zip(gpu_mod.regions(host, CPU), regions)
+    )
     # the crops travel as PIL keeps them (HWC) and are handed on as (N, 3, H, W) views
     assert torch.equal(host["pil_images"], torch.from_numpy(np.stack([s.data for s in crops])).permute(0, 3, 1, 2))
-    assert host["positions"].tolist() + host["pil_positions"].tolist() != list(range(12))  # interleaved
-    assert sorted(host["positions"].tolist() + host["pil_positions"].tolist()) == list(range(12))
-    assert host["boxes"].shape == (len(encoded), 4) and host["labels"].dtype == torch.long
+    assert host["positions"].tolist() + host["pil_positions"].tolist() != list(range(14))  # interleaved
+    assert sorted(host["positions"].tolist() + host["pil_positions"].tolist()) == list(range(14))
+    assert host["boxes"].shape == (len(encoded) + len(regions), 4) and host["labels"].dtype == torch.long
     only_device = unpacked(collate_packed(encoded))
     assert only_device["pil_images"].shape[0] == 0 and only_device["data"].numel() == sum(s.data.size for s in encoded)
+    assert only_device["regions"] == 0 and gpu_mod.regions(only_device, CPU) == []
 
 
 def _packed_in_shared_memory(samples):
@@ -376,7 +425,7 @@ def test_a_worker_packs_its_batch_straight_into_shared_memory(nat_folder):
     ):
         assert shared
         host = unpacked(packed)
-        assert host["pil_images"].shape[1:] == (3, 64, 64) and host["data"].numel() > 0
+        assert host["regions"] > 0 and host["data"].numel() > 0
     packed = collate_packed([dataset[item] for item in items])  # outside a worker: a private tensor
     assert not packed["data"].is_shared()
 

@@ -6,10 +6,11 @@ both loaders augment a sample identically. A batch crosses to the main process a
 tensor of concatenated bitstreams and crops plus small arrays (:func:`collate_packed`: each
 tensor passed between processes costs the receiver a handshake with the worker). Files the
 device decoders cannot take (not a JPEG, CMYK, 12-bit, arithmetic coded, no end-of-image
-marker) go through the PIL path in the worker and arrive as finished crops; files PIL cannot
-read either arrive as bad paths. So does a fixed share of the other files, chosen by the
-sample's seed (:func:`on_cpu`): the workers' cores decode beside the device decoder instead
-of idling. Module-level and picklable.
+marker) are decoded by PIL in the worker: for training they arrive as the decoded pixels
+around their crop box, which the device crops, resizes and flips with the rest of the batch;
+for validation as finished crops. Files PIL cannot read either arrive as bad paths. A fixed
+share of the other files, chosen by the sample's seed (:func:`on_cpu`), goes the same way: the
+workers' cores decode beside the device decoder instead of idling. Module-level and picklable.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ EOI_WINDOW = 4096
 _STANDALONE = {0x01, 0xD0, 0xD1, 0xD2, 0xD3, 0xD4, 0xD5, 0xD6, 0xD7, 0xD8}
 _NOT_SOF = {0xC4, 0xC8, 0xCC}
 
-ENCODED, PIXELS, PIL_CROP, BAD = "encoded", "pixels", "pil", "bad"
+ENCODED, PIXELS, REGION, PIL_CROP, BAD = "encoded", "pixels", "region", "pil", "bad"
 
 
 def jpeg_size(data: bytes, frame_types: Sequence[int] = DEVICE_SOF) -> Optional[Tuple[int, int]]:
@@ -68,7 +69,7 @@ def jpeg_size(data: bytes, frame_types: Sequence[int] = DEVICE_SOF) -> Optional[
 
 
 def on_cpu(seed: int, share: float) -> bool:
-    """Whether the sample of ``seed`` is one of the ``share`` the workers decode and crop with PIL.
+    """Whether the sample of ``seed`` is one of the ``share`` the workers decode with PIL.
 
     A hash of the seed, independent of the crop's draws from it: the same samples every run and
     every worker count, about ``share`` of any batch.
@@ -98,8 +99,9 @@ def val_box(height: int, width: int, size: int, resize: int) -> Tuple[float, flo
 
 
 class Sample(NamedTuple):
-    kind: str  # ENCODED, PIXELS, PIL_CROP or BAD
-    data: Optional[np.ndarray]  # bitstream bytes, or decoded CHW pixels, or the PIL crop (HWC uint8)
+    kind: str  # ENCODED, PIXELS, REGION, PIL_CROP or BAD
+    # bitstream bytes, decoded CHW pixels, the decoded pixels around the crop box or the PIL crop (both HWC)
+    data: Optional[np.ndarray]
     height: int
     width: int
     box: Tuple[float, float, float, float]
@@ -152,7 +154,7 @@ class JpegBytes:
     def __getitem__(self, item) -> Sample:
         index, seed = item if isinstance(item, tuple) else (item, 0)
         if on_cpu(seed, self.cpu_share):
-            return self.pil_sample(index, seed)
+            return self.cpu_sample(index, seed)
         path, label = self.pil.samples[index]
         try:
             with open(path, "rb") as fh:
@@ -168,7 +170,18 @@ class JpegBytes:
             pixels = torchvision_decode(torch.from_numpy(array.copy()))
             if pixels is not None and tuple(pixels.shape[1:]) == size:
                 return Sample(PIXELS, pixels.numpy(), size[0], size[1], box, flip, label, path, index, seed)
-        return self.pil_sample(index, seed)
+        return self.cpu_sample(index, seed)
+
+    def cpu_sample(self, index: int, seed: int) -> Sample:
+        """A sample the worker decodes with PIL: for training, the decoded region around its crop
+        box, which the device resizes with the others (:meth:`ImageFolderPIL.region`); for
+        validation, the finished crop."""
+        if not self.pil.train:
+            return self.pil_sample(index, seed)
+        pixels, box, flip, label, path = self.pil.region((index, seed))
+        if pixels is None:
+            return Sample(BAD, None, 0, 0, (0, 0, 0, 0), False, label, path, index, seed)
+        return Sample(REGION, pixels, pixels.shape[0], pixels.shape[1], box, flip, label, path, index, seed)
 
     def pil_sample(self, index: int, seed: int) -> Sample:
         """The PIL path's crop of one sample (HWC: the layout PIL keeps, no transposing copy), or a
@@ -206,7 +219,8 @@ def collate_packed(batch: Sequence[Sample]) -> dict:
     bytes and the PIL crops travel packed in ``data`` (one uint8 tensor), and the rest as NumPy
     arrays and lists, pickled with the message. :func:`unpacked` turns it into tensors.
     """
-    dev = [s for s in batch if s.kind in (ENCODED, PIXELS)]
+    # the device samples: bitstreams (or the workers' decodes), then the regions the workers decoded
+    dev = [s for s in batch if s.kind in (ENCODED, PIXELS)] + [s for s in batch if s.kind == REGION]
     pil = [s for s in batch if s.kind == PIL_CROP]
     positions = {id(s): i for i, s in enumerate(batch)}
     arrays = [_payload(s).reshape(-1) for s in dev] + [_payload(s).reshape(-1) for s in pil]
@@ -222,6 +236,7 @@ def collate_packed(batch: Sequence[Sample]) -> dict:
         "positions": np.array([positions[id(s)] for s in dev], dtype=np.int64),
         "paths": [s.path for s in dev],
         "pixels": bool(dev) and dev[0].kind == PIXELS,
+        "regions": sum(s.kind == REGION for s in dev),
         "pil_shape": (len(pil), *_payload(pil[0]).shape) if pil else (0, 1, 1, 3),
         "pil_labels": np.array([s.label for s in pil], dtype=np.int64),
         "pil_positions": np.array([positions[id(s)] for s in pil], dtype=np.int64),
@@ -232,10 +247,11 @@ def collate_packed(batch: Sequence[Sample]) -> dict:
 def unpacked(host: dict) -> dict:
     """A :func:`collate_packed` batch with tensors for its arrays, on the receiving side.
 
-    Keys: ``data`` (the device samples' bytes, or decoded CHW pixels where ``pixels``),
-    ``lengths`` (bytes per device sample), ``shapes`` (height, width), ``boxes`` (x1, y1, x2, y2
-    in source pixels), ``flips``, ``labels``, ``index``, ``seeds``, ``positions`` (where each
-    device sample stands in the batch), ``paths``; ``pil_images``, ``pil_labels`` and
+    Keys: ``data`` (the device samples' bytes, or decoded CHW pixels where ``pixels``; its last
+    ``regions`` samples are pixel regions the workers decoded, HWC), ``lengths`` (bytes per
+    device sample), ``shapes`` (height, width), ``boxes`` (x1, y1, x2, y2 in source pixels),
+    ``flips``, ``labels``, ``index``, ``seeds``, ``positions`` (where each device sample stands
+    in the batch), ``paths``; ``pil_images``, ``pil_labels`` and
     ``pil_positions``: the PIL path's finished crops, ``(N, 3, H, W)`` views of HWC pixels; ``bad``:
     paths nothing could read.
     ``data`` and ``pil_images`` are views of the one tensor that crossed (pinned where it was).

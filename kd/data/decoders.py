@@ -65,10 +65,12 @@ class Decoder:
         return None
 
     def images(self, host: dict) -> List[Optional[torch.Tensor]]:
-        """The device images of a packed host batch, in its order."""
-        if host["lengths"].numel() == 0:
+        """The device images of a packed host batch's bitstreams, in its order (not its
+        ``regions``, the pixels the workers decoded, which follow them)."""
+        lengths = host["lengths"].tolist()[: len(host["lengths"]) - host["regions"]]
+        if not lengths:
             return []
-        return self.decode(list(torch.split(host["data"], host["lengths"].tolist())))
+        return self.decode(list(torch.split(host["data"][: sum(lengths)], lengths)))
 
     def decode(self, blobs: List[torch.Tensor]) -> List[Optional[torch.Tensor]]:
         raise NotImplementedError
@@ -197,12 +199,12 @@ class CpuWorkers(Decoder):
     in_workers = True
 
     def images(self, host):
-        if host["lengths"].numel() == 0:
+        lengths = host["lengths"].tolist()[: len(host["lengths"]) - host["regions"]]
+        if not lengths:
             return []
-        data = host["data"].to(self.device, non_blocking=True)
+        data = host["data"][: sum(lengths)].to(self.device, non_blocking=True)
         return [
-            part.view(3, int(h), int(w))
-            for part, (h, w) in zip(torch.split(data, host["lengths"].tolist()), host["shapes"].tolist())
+            part.view(3, int(h), int(w)) for part, (h, w) in zip(torch.split(data, lengths), host["shapes"].tolist())
         ]
 
     def self_check(self):

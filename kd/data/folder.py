@@ -188,10 +188,7 @@ class ImageFolderPIL:
             with Image.open(path) as im:
                 width, height = im.size
                 if self.train:
-                    gen = torch.Generator().manual_seed(seed)
-                    top, left, h, w = random_resized_crop_params(height, width, gen, self.scale)
-                    factor = reduced_decode(im, self.size / w, self.size / h)
-                    box = (left / factor, top / factor, (left + w) / factor, (top + h) / factor)
+                    gen, box = self._train_box(im, seed)
                     new = (self.size, self.size)
                 else:
                     scale = self.resize / min(width, height)
@@ -211,6 +208,40 @@ class ImageFolderPIL:
             top = (img.height - self.size) // 2
             img = img.crop((left, top, left + self.size, top + self.size))
         return img, label, path
+
+    def _train_box(self, im: Image.Image, seed: int) -> Tuple[torch.Generator, Tuple[float, float, float, float]]:
+        """The train crop of an opened, not yet loaded image: the sample's generator (the flip
+        still to draw from it) and the box ``(x1, y1, x2, y2)`` in the pixels PIL will decode,
+        which :func:`reduced_decode` may have made 2, 4 or 8 times smaller."""
+        gen = torch.Generator().manual_seed(seed)
+        top, left, h, w = random_resized_crop_params(im.height, im.width, gen, self.scale)
+        factor = reduced_decode(im, self.size / w, self.size / h)
+        return gen, (left / factor, top / factor, (left + w) / factor, (top + h) / factor)
+
+    def region(self, item) -> Tuple[Optional[np.ndarray], Tuple[float, float, float, float], bool, int, str]:
+        """A train sample decoded but not resized: the RGB pixels (HWC uint8) of the crop box plus
+        a pixel of margin where the image has one, the box in the region's coordinates, the flip,
+        the label and the path; ``None`` pixels for an image PIL cannot read.
+
+        The same draws as :meth:`crop`. A bilinear resize of the box (roi_align's ``aligned``
+        sampling, the one-kernel crop) reads pixels from half a pixel before the box to its
+        rounded-up end, so on the region it gives what it gives on the whole decoded image;
+        the resize itself, about a third of the PIL path's CPU time, is left to the device.
+        """
+        index, seed = item
+        path, label = self.samples[index]
+        try:
+            with Image.open(path) as im:
+                gen, (x1, y1, x2, y2) = self._train_box(im, seed)
+                im.load()  # im.size: the decoded (maybe reduced) size from here on
+                left, top = max(0, math.floor(x1) - 1), max(0, math.floor(y1) - 1)
+                right, bottom = min(im.width, math.ceil(x2) + 1), min(im.height, math.ceil(y2) + 1)
+                part = im.crop((left, top, right, bottom))
+                pixels = np.asarray(part if part.mode == "RGB" else part.convert("RGB"))
+        except Exception:  # any decoder failure: truncated, not an image, unreadable
+            return None, (0.0, 0.0, 0.0, 0.0), False, label, path
+        flip = torch.rand(1, generator=gen).item() < 0.5
+        return pixels, (x1 - left, y1 - top, x2 - left, y2 - top), flip, label, path
 
 
 def collate(batch):

@@ -3,10 +3,12 @@
 Each stage works one batch ahead of the next:
 
 1. DataLoader workers read file bytes and draw each crop box from the sample's seed
-   (:mod:`kd.data.bytes_dataset`); a batch arrives as one packed uint8 tensor.
+   (:mod:`kd.data.bytes_dataset`); for a share of the samples they decode with PIL and send the
+   pixels around the box. A batch arrives as one packed uint8 tensor.
 2. A decode thread turns a packed batch into device images on the *decode* stream
-   (:mod:`kd.data.decoders`); the decoders release the GIL while they work, and the thread does
-   little else, so the training step's Python thread is not held up by it.
+   (:mod:`kd.data.decoders`), and the workers' regions into device views (one copy); the
+   decoders release the GIL while they work, and the thread does little else, so the training
+   step's Python thread is not held up by it.
 3. The main thread enqueues, on the *prep* stream, the crop, resize, per-sample flip and
    normalisation: one Triton kernel for the whole batch (:mod:`kd.data.crop_kernel`), or where
    that cannot run, one roi_align per image size and the calls around it (:func:`crop_resize`);
@@ -16,8 +18,9 @@ Each stage works one batch ahead of the next:
 Decoded images stay referenced until the prep stream has read them (an event per batch), so no
 decoder writes into memory a pending kernel still reads. Without CUDA the same code runs on
 CPU tensors, with no streams: that is how CI tests it. Images the device decoder refuses go
-through PIL (the workers for non-JPEGs, this module for decoder failures); files PIL cannot
-read either are reported in ``Batch.bad`` as the PIL path does.
+through PIL (the workers for non-JPEGs, as regions in training; this module for decoder
+failures, as finished crops); files PIL cannot read either are reported in ``Batch.bad`` as the
+PIL path does.
 """
 
 from __future__ import annotations
@@ -43,12 +46,15 @@ from kd.data.loader import MEAN, STD, Batch, DeviceLoader, make_data_loader, upl
 
 #: Environment override of the decoder choice: auto, nvimgcodec, nvjpeg, cpu, cpu-thread.
 DECODER_ENV = "KD_GPU_DECODER"
-#: Images per second one DataLoader worker decodes and crops with PIL (--loader pil alone: 2,154 with
-#: 15 workers), and the device side delivers beside the training step (resnet101 -> resnet18, O1
-#: float16, batch 256, --cpu-decode-share 0: 6,457), on the H200 machine and the 50,000-image
-#: ImageNet-like folder of docs/benchmarks.md. The auto --cpu-decode-share gives each side its
-#: part: 0.25 with 15 workers, where 0.2 and 0.3 measured 67.8 and 71.4 % of the step's speed.
-PIL_RATE_PER_WORKER = 144.0
+#: Images per second one DataLoader worker decodes with PIL for training, and the device side
+#: delivers beside the training step (resnet101 -> resnet18, O1 float16, batch 256,
+#: --cpu-decode-share 0: 6,457), on the H200 machine and the ImageNet-like folder of
+#: docs/benchmarks.md. The auto --cpu-decode-share gives each side its part. A worker finishing
+#: crops made 144 images/s (--loader pil alone: 2,154 with 15 workers); sending the decoded region
+#: instead leaves the resize to the device and costs a worker about two thirds of that CPU time,
+#: and with it 0.3 measured 86.7 % of the step's speed and 0.2 76.9 % (15 workers, one machine):
+#: so the rate that gives 0.3 with 15 workers.
+PIL_RATE_PER_WORKER = 184.0
 DEVICE_DECODE_RATE = 6450.0
 #: Largest float32 stack handed to one roi_align call (elements; 2**27 is 512 MiB).
 MAX_STACK_ELEMENTS = 1 << 27
@@ -93,6 +99,22 @@ def crop_resize(
         inverse = torch.empty(n, dtype=torch.long, pin_memory=pin)
         inverse[torch.tensor(order)] = torch.arange(n)
         out = out.index_select(0, inverse.to(device, non_blocking=True))
+    return out
+
+
+def regions(host: dict, device: torch.device) -> List[Optional[torch.Tensor]]:
+    """The ``regions`` last device samples of an unpacked batch (HWC pixels the workers decoded)
+    on ``device`` in one copy, each as a ``(3, h, w)`` view."""
+    count = host["regions"]
+    if not count:
+        return []
+    lengths = host["lengths"].tolist()
+    start = sum(lengths[:-count])
+    block = upload(host["data"][start:], device)
+    out: List[Optional[torch.Tensor]] = []
+    for length, (h, w) in zip(lengths[-count:], host["shapes"][-count:].tolist()):
+        out.append(block[:length].view(h, w, 3).permute(2, 0, 1))
+        block = block[length:]
     return out
 
 
@@ -283,10 +305,15 @@ class GpuLoader(DeviceLoader):
             else "on the CPU (no CUDA device)"
         )
         share = self.dataset.cpu_share
+        by_workers = (
+            "by the workers (PIL), cropped with the rest"
+            if self.dataset.pil.train
+            else "and cropped by the workers (PIL)"
+        )
         text = (
             f"loader gpu: file bytes from {self.loader.num_workers} DataLoader worker(s); "
             f"decoder {self.decoder.name}: {self.decoder.describe()}; "
-            + (f"{100 * share:.0f} % of the images decoded and cropped by the workers (PIL); " if share else "")
+            + (f"{100 * share:.0f} % of the images decoded {by_workers}; " if share else "")
             + (
                 f"crop, resize, flip and normalisation: one Triton kernel per batch, {where}"
                 if self.kernel_missing is None
@@ -338,8 +365,9 @@ class GpuLoader(DeviceLoader):
             retire.clear()
 
     def _decode(self, host: dict, stages) -> _Decoded:
-        """Decode-thread work for one batch: device images, plus PIL for what the decoder refused."""
-        images = self.decoder.images(host)
+        """Decode-thread work for one batch: device images (the decoder's, then the regions the
+        workers decoded, in one upload), plus PIL for what the decoder refused."""
+        images = self.decoder.images(host) + regions(host, self.device)
         fallback, labels, positions, bad = [], [], [], list(host["bad"])
         for i, img in enumerate(images):
             if img is None:
