@@ -114,7 +114,7 @@ def stages(loader, device, max_batches: int):
         hosts.append(unpacked(host))
         if len(hosts) == max_batches:
             break
-    n = sum(int(h["lengths"].numel()) for h in hosts)
+    n = sum(int(h["lengths"].numel()) - h["regions"] for h in hosts)  # bitstreams (regions: decoded by the workers)
     decoder = loader.decoder
     if decoder.in_workers:
         decoded = [decoder.images(h) for h in hosts]
@@ -127,6 +127,7 @@ def stages(loader, device, max_batches: int):
             decoded = [decoder.images(h) for h in hosts]
             sync(device)
             decode_rate = n / (time.perf_counter() - start)
+    decoded = [images + gpu_loader.regions(h, device) for images, h in zip(decoded, hosts)]
 
     def crop_groups(images, host):
         crops = gpu_loader.crop_resize(images, host["boxes"], loader.size)
