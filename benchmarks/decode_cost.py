@@ -23,6 +23,7 @@ from torchvision.io import ImageReadMode, decode_jpeg
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kd.data.bytes_dataset import jpeg_size  # noqa: E402
+from kd.data.decoders import BASELINE_ONLY  # noqa: E402
 
 
 def main() -> None:
@@ -30,7 +31,7 @@ def main() -> None:
     for path in sorted(Path(sys.argv[1]).rglob("*")):
         if path.suffix.lower() in (".jpg", ".jpeg"):
             data = path.read_bytes()
-            if jpeg_size(data) is not None:
+            if jpeg_size(data, BASELINE_ONLY) is not None:  # progressive files go to PIL, not nvJPEG
                 blobs.append(torch.frombuffer(bytearray(data), dtype=torch.uint8))
     print(f"{len(blobs)} baseline JPEGs")
     device = torch.device("cuda")

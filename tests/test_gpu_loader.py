@@ -318,7 +318,8 @@ def test_a_share_of_the_images_is_decoded_by_the_workers_in_the_batchs_order(nat
 def test_a_region_resizes_as_the_whole_decoded_image(tmp_path):
     """The region's margin: a bilinear resize of the box reads from half a pixel before it to its
     rounded-up end, so the region (and, for a large image, its reduced decode) gives the crop the
-    whole decoded image gives, whatever the box's fractions and the image's borders."""
+    whole decoded image gives, whatever the box's fractions and the image's borders. A region far
+    larger than the output (a large PNG: no reduced decode) comes as the finished PIL crop."""
     from kd.data.folder import ImageFolderPIL
 
     rng = np.random.default_rng(3)
@@ -326,11 +327,17 @@ def test_a_region_resizes_as_the_whole_decoded_image(tmp_path):
     for i, (w, h) in enumerate(((173, 131), (90, 203), (1100, 830))):
         paths.append(str(tmp_path / f"{i}.jpg"))
         Path(paths[-1]).write_bytes(jpeg_bytes(natural_image(rng, w, h)))
+    paths.append(str(tmp_path / "large.png"))
+    Image.fromarray(natural_image(rng, 900, 700)).save(paths[-1])
     folder = ImageFolderPIL([(p, 0) for p in paths], 48, True)
-    reduced = 0
-    for index in range(3):
+    reduced = finished = 0
+    for index in range(len(paths)):
         for seed in range(12):
             pixels, box, flip, _, path = folder.region((index, seed))
+            if box == (0.0, 0.0, 48.0, 48.0) and pixels.shape == (48, 48, 3) and not flip:
+                finished += path.endswith(".png")  # the worker's own crop, flipped, as the PIL loader's
+                assert np.array_equal(pixels, np.asarray(folder.crop((index, seed))[0]))
+                continue
             with Image.open(path) as im:
                 full_width = im.width
                 _, whole_box = folder._train_box(im, seed)
@@ -339,7 +346,8 @@ def test_a_region_resizes_as_the_whole_decoded_image(tmp_path):
             got = crop_resize([torch.from_numpy(np.array(pixels)).permute(2, 0, 1)], torch.tensor([box]), 48)
             want = crop_resize([torch.from_numpy(whole).permute(2, 0, 1)], torch.tensor([whole_box]), 48)
             assert (got - want).abs().max() < 0.01, (index, seed)  # float32 coordinates; no margin: levels off
-    assert reduced > 0  # the large image's small crops were decoded at a fraction of its size
+    assert reduced > 0  # the large JPEG's small crops were decoded at a fraction of its size
+    assert finished > 0  # the PNG's large crops
 
 
 class RefusingDecoder(CpuThread):
@@ -434,6 +442,7 @@ def test_auto_cpu_share_follows_the_workers():
     cuda = torch.device("cuda", 0)  # only named: no CUDA call
     shares = [auto_cpu_share(Nvjpeg(cuda), workers) for workers in (0, 2, 8, 15, 64)]
     assert shares[0] == 0.0 and all(0.0 < a < b < 1.0 for a, b in zip(shares[1:], shares[2:]))
+    assert auto_cpu_share(Nvjpeg(cuda), 15, train=False) < shares[3]  # validation's workers finish crops: slower
     assert auto_cpu_share(CpuWorkers(cuda), 15) == 0.0  # the workers decode everything anyway
     assert auto_cpu_share(CpuThread(CPU), 15) == 0.0  # no device to share with
 
@@ -662,7 +671,7 @@ def test_cuda_loader_matches_the_cpu_path(nat_folder, monkeypatch, train):
 
     _, train_s, val_s = scan(str(nat_folder))
     samples = train_s if train else val_s
-    cfg = cfg_for(nat_folder, device="cuda")
+    cfg = cfg_for(nat_folder, device="cuda", cpu_decode_share=0.3)  # the workers' regions (train) too
     device = torch.device("cuda", 0)
     gpu = make_gpu_loader(cfg, samples, train, 1, 0, 8, device, True)
     assert gpu.decoder.name in ("nvimgcodec", "nvjpeg"), gpu.describe()

@@ -119,6 +119,11 @@ def default_val_resize(image_size: int) -> int:
     return int(round(image_size * 256 / 224))
 
 
+#: A train region (ImageFolderPIL.region) of more than this many times the output's pixels is
+#: resized by the worker instead (a large PNG, say, which no reduced decode shrinks): sending it
+#: whole would cost more shared and pinned memory and copying than the resize saves.
+MAX_REGION_AREA = 16
+
 #: The reduced decode keeps at least this many pixels per output pixel (as Pillow's thumbnail):
 #: libjpeg's block averaging then leaves the final resize a real reduction. Without it, crops of
 #: detailed photos decoded at 1/8 drifted 3-6 levels from the full-size decode; with it, under 2.
@@ -226,7 +231,9 @@ class ImageFolderPIL:
         The same draws as :meth:`crop`. A bilinear resize of the box (roi_align's ``aligned``
         sampling, the one-kernel crop) reads pixels from half a pixel before the box to its
         rounded-up end, so on the region it gives what it gives on the whole decoded image;
-        the resize itself, about a third of the PIL path's CPU time, is left to the device.
+        the resize itself, about a third of the PIL path's CPU time, is left to the device. A
+        region of more than MAX_REGION_AREA times the output's pixels comes back as the finished
+        crop instead (flipped, with the whole output as its box and no flip left to do).
         """
         index, seed = item
         path, label = self.samples[index]
@@ -236,12 +243,21 @@ class ImageFolderPIL:
                 im.load()  # im.size: the decoded (maybe reduced) size from here on
                 left, top = max(0, math.floor(x1) - 1), max(0, math.floor(y1) - 1)
                 right, bottom = min(im.width, math.ceil(x2) + 1), min(im.height, math.ceil(y2) + 1)
-                part = im.crop((left, top, right, bottom))
-                pixels = np.asarray(part if part.mode == "RGB" else part.convert("RGB"))
+                finish = (right - left) * (bottom - top) > MAX_REGION_AREA * self.size * self.size
+                if finish:
+                    part = (im if im.mode == "RGB" else im.convert("RGB")).resize(
+                        (self.size, self.size), _BILINEAR, box=(x1, y1, x2, y2)
+                    )
+                else:
+                    part = im.crop((left, top, right, bottom))
+                    part = part if part.mode == "RGB" else part.convert("RGB")
         except Exception:  # any decoder failure: truncated, not an image, unreadable
             return None, (0.0, 0.0, 0.0, 0.0), False, label, path
         flip = torch.rand(1, generator=gen).item() < 0.5
-        return pixels, (x1 - left, y1 - top, x2 - left, y2 - top), flip, label, path
+        if finish:
+            part = part.transpose(_FLIP_LEFT_RIGHT) if flip else part
+            return np.asarray(part), (0.0, 0.0, float(self.size), float(self.size)), False, label, path
+        return np.asarray(part), (x1 - left, y1 - top, x2 - left, y2 - top), flip, label, path
 
 
 def collate(batch):

@@ -55,6 +55,8 @@ DECODER_ENV = "KD_GPU_DECODER"
 #: and with it 0.3 measured 86.7 % of the step's speed and 0.2 76.9 % (15 workers, one machine):
 #: so the rate that gives 0.3 with 15 workers.
 PIL_RATE_PER_WORKER = 184.0
+#: The same for validation, whose workers still finish their crops.
+PIL_CROP_RATE_PER_WORKER = 144.0
 DEVICE_DECODE_RATE = 6450.0
 #: Largest float32 stack handed to one roi_align call (elements; 2**27 is 512 MiB).
 MAX_STACK_ELEMENTS = 1 << 27
@@ -444,12 +446,13 @@ class GpuLoader(DeviceLoader):
         return torch.addcmul(self.bias, x, self.scale, out=images)
 
 
-def auto_cpu_share(decoder: Decoder, workers: int) -> float:
+def auto_cpu_share(decoder: Decoder, workers: int, train: bool = True) -> float:
     """The share of images the workers decode when --cpu-decode-share is not given: none where the
-    CPU decodes anyway, else in proportion to the two sides' rates (PIL_RATE_PER_WORKER, DEVICE_DECODE_RATE)."""
+    CPU decodes anyway, else in proportion to the two sides' rates (PIL_RATE_PER_WORKER, or
+    PIL_CROP_RATE_PER_WORKER for validation's finished crops, against DEVICE_DECODE_RATE)."""
     if decoder.in_workers or decoder.device.type != "cuda" or workers == 0:
         return 0.0
-    cpu = workers * PIL_RATE_PER_WORKER
+    cpu = workers * (PIL_RATE_PER_WORKER if train else PIL_CROP_RATE_PER_WORKER)
     return round(cpu / (cpu + DEVICE_DECODE_RATE), 2)
 
 
@@ -471,7 +474,7 @@ def make_gpu_loader(
     decoder, notes = shared_decoder(device, os.environ.get(DECODER_ENV, "auto").strip() or "auto")
     share = cfg.cpu_decode_share
     if share is None:
-        share = auto_cpu_share(decoder, worker_count(cfg, num_replicas))
+        share = auto_cpu_share(decoder, worker_count(cfg, num_replicas), train)
     dataset = JpegBytes(
         samples,
         cfg.image_size,
