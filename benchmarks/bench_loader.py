@@ -35,7 +35,7 @@ from kd import config as kd_config  # noqa: E402
 from kd.data import crop_kernel as kd_crop_kernel  # noqa: E402
 from kd.data import gpu as gpu_loader  # noqa: E402
 from kd.data.bytes_dataset import unpacked  # noqa: E402
-from kd.data.decoders import DECODERS  # noqa: E402
+from kd.data.decoders import DECODERS, device_lengths  # noqa: E402
 from kd.data.folder import scan  # noqa: E402
 from kd.data.loader import make_loader  # noqa: E402
 
@@ -114,7 +114,7 @@ def stages(loader, device, max_batches: int):
         hosts.append(unpacked(host))
         if len(hosts) == max_batches:
             break
-    n = sum(int(h["lengths"].numel()) - h["regions"] for h in hosts)  # bitstreams (regions: decoded by the workers)
+    n = sum(len(device_lengths(h)[0]) for h in hosts)  # bitstreams (the regions were decoded by the workers)
     decoder = loader.decoder
     if decoder.in_workers:
         decoded = [decoder.images(h) for h in hosts]

@@ -33,6 +33,8 @@ def write_digits(root: Path, size: int = IMAGE_SIZE, val_fraction: float = 0.25,
         from sklearn.datasets import load_digits
     except ImportError:
         raise KDError("kd demo needs scikit-learn: pip install 'kd[demo]' (or pip install scikit-learn)") from None
+    from kd.data.folder import BILINEAR
+
     digits = load_digits()
     rng = np.random.default_rng(seed)
     for label in range(10):
@@ -44,9 +46,7 @@ def write_digits(root: Path, size: int = IMAGE_SIZE, val_fraction: float = 0.25,
             folder.mkdir(parents=True, exist_ok=True)
             for i in part:
                 pixels = (digits.images[i] * (255.0 / 16.0)).astype(np.uint8)
-                # the ignore: Pillow defines Image.BILINEAR in a loop over its enums, which mypy cannot see
-                bilinear = Image.BILINEAR  # type: ignore[attr-defined]
-                img = Image.fromarray(pixels, mode="L").resize((size, size), bilinear).convert("RGB")
+                img = Image.fromarray(pixels, mode="L").resize((size, size), BILINEAR).convert("RGB")
                 img.save(folder / f"{i:04d}.jpg", quality=95)
     return root
 

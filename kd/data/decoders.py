@@ -43,6 +43,15 @@ def torchvision_decode(blob: torch.Tensor, device: Optional[torch.device] = None
         return None
 
 
+def device_lengths(host: dict) -> Tuple[List[int], List[int]]:
+    """Bytes per device sample of a packed batch (:func:`kd.data.bytes_dataset.collate_packed`),
+    apart: the bitstreams (or the workers' decodes) for the decoder, then the ``regions`` the
+    workers decoded, which follow them in ``data``."""
+    lengths = host["lengths"].tolist()
+    split = len(lengths) - host["regions"]
+    return lengths[:split], lengths[split:]
+
+
 class Decoder:
     """Base class. ``in_workers``: the DataLoader workers decode and this object only moves pixels."""
 
@@ -67,7 +76,7 @@ class Decoder:
     def images(self, host: dict) -> List[Optional[torch.Tensor]]:
         """The device images of a packed host batch's bitstreams, in its order (not its
         ``regions``, the pixels the workers decoded, which follow them)."""
-        lengths = host["lengths"].tolist()[: len(host["lengths"]) - host["regions"]]
+        lengths, _ = device_lengths(host)
         if not lengths:
             return []
         return self.decode(list(torch.split(host["data"][: sum(lengths)], lengths)))
@@ -199,7 +208,7 @@ class CpuWorkers(Decoder):
     in_workers = True
 
     def images(self, host):
-        lengths = host["lengths"].tolist()[: len(host["lengths"]) - host["regions"]]
+        lengths, _ = device_lengths(host)
         if not lengths:
             return []
         data = host["data"][: sum(lengths)].to(self.device, non_blocking=True)

@@ -19,7 +19,7 @@ from PIL import Image
 from kd.errors import KDError
 
 # Pillow defines these in a loop over its enums, which mypy cannot see (Image.Resampling needs Pillow >= 9.1)
-_BILINEAR = Image.BILINEAR  # type: ignore[attr-defined]
+BILINEAR = Image.BILINEAR  # type: ignore[attr-defined]
 _FLIP_LEFT_RIGHT = Image.FLIP_LEFT_RIGHT  # type: ignore[attr-defined]
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -149,6 +149,11 @@ def reduced_decode(im: Image.Image, scale_x: float, scale_y: float) -> int:
     return max(1, round(full / drafted[1][2])) if drafted else 1
 
 
+def rgb(im: Image.Image) -> Image.Image:
+    """``im`` in RGB: itself where it is (convert() would copy the whole image first)."""
+    return im if im.mode == "RGB" else im.convert("RGB")
+
+
 def to_uint8_chw(img: Image.Image) -> torch.Tensor:
     return torch.from_numpy(np.array(img, dtype=np.uint8)).permute(2, 0, 1).contiguous()
 
@@ -201,8 +206,7 @@ class ImageFolderPIL:
                     factor = reduced_decode(im, new[0] / width, new[1] / height)
                     box = (0, 0, width / factor, height / factor)
                 im.load()
-                # an RGB file is resized as decoded: convert() would copy the whole image first
-                img = (im if im.mode == "RGB" else im.convert("RGB")).resize(new, _BILINEAR, box=box)
+                img = rgb(im).resize(new, BILINEAR, box=box)
         except Exception:  # any decoder failure: truncated, not an image, unreadable
             return None, label, path
         if self.train:
@@ -245,12 +249,9 @@ class ImageFolderPIL:
                 right, bottom = min(im.width, math.ceil(x2) + 1), min(im.height, math.ceil(y2) + 1)
                 finish = (right - left) * (bottom - top) > MAX_REGION_AREA * self.size * self.size
                 if finish:
-                    part = (im if im.mode == "RGB" else im.convert("RGB")).resize(
-                        (self.size, self.size), _BILINEAR, box=(x1, y1, x2, y2)
-                    )
+                    part = rgb(im).resize((self.size, self.size), BILINEAR, box=(x1, y1, x2, y2))
                 else:
-                    part = im.crop((left, top, right, bottom))
-                    part = part if part.mode == "RGB" else part.convert("RGB")
+                    part = rgb(im.crop((left, top, right, bottom)))
         except Exception:  # any decoder failure: truncated, not an image, unreadable
             return None, (0.0, 0.0, 0.0, 0.0), False, label, path
         flip = torch.rand(1, generator=gen).item() < 0.5

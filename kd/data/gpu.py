@@ -41,7 +41,7 @@ import torchvision.ops  # noqa: F401  (registers torch.ops.torchvision.roi_align
 
 from kd.data import crop_kernel
 from kd.data.bytes_dataset import BAD, JpegBytes, collate_packed, unpacked
-from kd.data.decoders import Decoder, make_decoder
+from kd.data.decoders import Decoder, device_lengths, make_decoder
 from kd.data.loader import MEAN, STD, Batch, DeviceLoader, make_data_loader, upload, worker_count
 
 #: Environment override of the decoder choice: auto, nvimgcodec, nvjpeg, cpu, cpu-thread.
@@ -107,14 +107,12 @@ def crop_resize(
 def regions(host: dict, device: torch.device) -> List[Optional[torch.Tensor]]:
     """The ``regions`` last device samples of an unpacked batch (HWC pixels the workers decoded)
     on ``device`` in one copy, each as a ``(3, h, w)`` view."""
-    count = host["regions"]
-    if not count:
+    bitstreams, lengths = device_lengths(host)
+    if not lengths:
         return []
-    lengths = host["lengths"].tolist()
-    start = sum(lengths[:-count])
-    block = upload(host["data"][start:], device)
+    block = upload(host["data"][sum(bitstreams) :], device)
     out: List[Optional[torch.Tensor]] = []
-    for length, (h, w) in zip(lengths[-count:], host["shapes"][-count:].tolist()):
+    for length, (h, w) in zip(lengths, host["shapes"][len(bitstreams) :].tolist()):
         out.append(block[:length].view(h, w, 3).permute(2, 0, 1))
         block = block[length:]
     return out
