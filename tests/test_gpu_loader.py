@@ -7,6 +7,7 @@ import io
 import math
 import threading
 from pathlib import Path
+from typing import List
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from torchvision.transforms import RandomResizedCrop
 
 from conftest import kd_main, run_kd
 from kd import config as kd_config
-from kd.data import build
+from kd.data import build, crop_kernel
 from kd.data import gpu as gpu_mod
 from kd.data.bytes_dataset import (
     ENCODED,
@@ -563,6 +564,79 @@ def test_stage_times_account_for_every_batch(nat_folder, monkeypatch):
         times = gpu.stage_times
         assert times["batches"] == (epoch + 1) * len(got) == (epoch + 1) * len(gpu)
         assert times["decode"] > 0 and times["prep"] > 0 and min(times.values()) >= 0
+
+
+#: Tensor calls that make the host wait for the device: a value read back, or an output whose
+#: size depends on the values (nonzero, a boolean mask...).
+DEVICE_READS = tuple(
+    "item tolist __bool__ __float__ __int__ __index__ cpu numpy equal allclose nonzero masked_select unique argwhere".split()
+)
+
+
+class OnDevice(torch.Tensor):
+    """A tensor the loader put on its device (on the CPU in CI), and every result computed from one:
+    counts the calls that would wait for a GPU (DEVICE_READS, boolean-mask indexing)."""
+
+    reads: List[str] = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        masks = [a for a in args[1:] if isinstance(a, torch.Tensor) and a.dtype == torch.bool]
+        if name in DEVICE_READS or (name == "__getitem__" and masks):
+            cls.reads.append(name)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class _Launcher:
+    """Stands in for the compiled crop kernel: ``kernel[grid](*args)`` only records the launch."""
+
+    def __init__(self, launches: list):
+        self.launches = launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append(grid)
+
+
+def test_the_loader_never_waits_for_the_device(nat_folder, monkeypatch):
+    """The decode thread and the main thread's prep queue work and return: a read of a device value
+    (or an op whose output size depends on one) would make the host wait for the GPU once per
+    batch. Everything the loader puts on its device is marked, and so is all computed from it."""
+    from kd.data import loader as loader_mod
+    from kd.data.folder import scan
+
+    monkeypatch.setattr(gpu_mod, "upload", lambda t, device: loader_mod.upload(t, device).as_subclass(OnDevice))
+    decode = CpuThread.decode
+    monkeypatch.setattr(
+        CpuThread,
+        "decode",
+        lambda self, blobs: [None if img is None else img.as_subclass(OnDevice) for img in decode(self, blobs)],
+    )
+    monkeypatch.setattr(OnDevice, "reads", [])
+    monkeypatch.setenv(gpu_mod.DECODER_ENV, "cpu-thread")
+    _, train, val = scan(str(nat_folder))
+    launches: List[object] = []  # the one-kernel crop's Python side; its launch is left out (no GPU here)
+    monkeypatch.setattr(crop_kernel, "_compiled", lambda: _Launcher(launches))
+    fused_batches = 0
+    for samples, is_train, fused in (
+        (train, True, False),
+        (val, False, False),
+        (train, True, True),
+        (val, False, True),
+    ):
+        gpu = make_gpu_loader(cfg_for(nat_folder, cpu_decode_share=0.5), samples, is_train, 1, 0, 4, CPU, False)
+        if fused:
+            gpu.kernel_missing = None
+        OnDevice.reads.clear()  # the decoder's self-check read its probe once when it was made
+        for epoch in (0, 1):
+            got = batches(gpu, epoch)
+            # the marks reached the output (the kernel writes into memory it did not compute from)
+            assert got and all(isinstance(b.labels, OnDevice) and isinstance(b.images, OnDevice) != fused for b in got)
+            assert OnDevice.reads == [], f"the loader waits for the device: {OnDevice.reads}"
+            fused_batches += len(got) if fused else 0
+    assert len(launches) == fused_batches > 0
+    bool(got[0].labels.any())  # the counter itself sees a read
+    assert OnDevice.reads == ["__bool__"]
 
 
 def test_decode_thread_errors_reach_the_consumer(image_folder):
