@@ -33,7 +33,7 @@ from kd.data.bytes_dataset import (
 )
 from kd.data.decoders import BASELINE_ONLY, DECODERS, CpuThread, CpuWorkers, Nvjpeg, make_decoder, pil_rgb
 from kd.data.gpu import GpuLoader, auto_cpu_share, crop_resize, make_gpu_loader
-from kd.data.loader import MEAN, STD, make_data_loader, make_loader
+from kd.data.loader import GPU_LOADER_HINT, MEAN, STD, make_data_loader, make_loader
 from kd.data.sampler import sample_seed
 from kd.errors import KDError
 
@@ -525,6 +525,17 @@ def test_same_batches_as_pil_loader_and_mid_epoch_skip(image_folder):
     for a, b in zip(full[1:], resumed, strict=True):
         assert torch.equal(a.labels, b.labels) and torch.allclose(a.images, b.images)
     assert "loader gpu" in gpu.train.describe() and "decoder cpu" in gpu.train.describe()
+
+
+def test_the_pil_loader_points_to_the_gpu_loader_on_a_gpu(image_folder):
+    """The default loader on a GPU decodes every image on the CPU: its log line says what to use."""
+    pil = build(cfg_for(image_folder, loader="pil", image_size=32), 1, 0, 8, CPU, False).train
+    assert pil.describe().startswith("loader pil: ") and "--loader gpu" not in pil.describe()
+    pil.device = torch.device("cuda", 0)  # only the line is asked for: nothing runs there
+    assert pil.describe().endswith(f"normalised on cuda:0; {GPU_LOADER_HINT}")
+    gpu = build(cfg_for(image_folder, image_size=32), 1, 0, 8, CPU, False).train
+    gpu.device = torch.device("cuda", 0)
+    assert GPU_LOADER_HINT not in gpu.describe()
 
 
 def test_limit_and_early_stop_leave_no_thread(image_folder):
