@@ -593,8 +593,10 @@ class OnDevice(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", str(func))
-        masks = [a for a in args[1:] if isinstance(a, torch.Tensor) and a.dtype == torch.bool]
-        if name in DEVICE_READS or (name == "__getitem__" and masks):
+        index = args[1] if name == "__getitem__" and len(args) > 1 else ()
+        parts = index if isinstance(index, (tuple, list)) else (index,)
+        masks = [a for a in parts if isinstance(a, torch.Tensor) and a.dtype == torch.bool]
+        if name in DEVICE_READS or masks:
             cls.reads.append(name)
         return super().__torch_function__(func, types, args, kwargs or {})
 
