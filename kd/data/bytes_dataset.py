@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from kd.data.decoders import DEVICE_SOF, torchvision_decode
-from kd.data.folder import ImageFolderPIL, random_resized_crop_params
+from kd.data.folder import ImageFolderPIL, flip_coin, random_resized_crop_params
 
 #: How far from the end of a file the end-of-image marker is looked for.
 EOI_WINDOW = 4096
@@ -85,7 +85,7 @@ def train_box(height: int, width: int, seed: int, scale=(0.08, 1.0)) -> Tuple[Tu
     """RandomResizedCrop box ``(x1, y1, x2, y2)`` and the flip coin, drawn exactly as the PIL path."""
     gen = torch.Generator().manual_seed(seed)
     top, left, h, w = random_resized_crop_params(height, width, gen, scale)
-    flip = torch.rand(1, generator=gen).item() < 0.5
+    flip = flip_coin(gen)
     return (left, top, left + w, top + h), flip
 
 

@@ -89,6 +89,11 @@ def scan(root: str) -> Tuple[List[str], List[Tuple[str, int]], List[Tuple[str, i
     return classes, train, val
 
 
+def flip_coin(gen: torch.Generator) -> bool:
+    """The horizontal flip, drawn from the sample's generator after its crop (both loaders, every path)."""
+    return torch.rand(1, generator=gen).item() < 0.5
+
+
 def random_resized_crop_params(
     height: int, width: int, gen: torch.Generator, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)
 ) -> Tuple[int, int, int, int]:
@@ -210,7 +215,7 @@ class ImageFolderPIL:
         except Exception:  # any decoder failure: truncated, not an image, unreadable
             return None, label, path
         if self.train:
-            if torch.rand(1, generator=gen).item() < 0.5:
+            if flip_coin(gen):
                 img = img.transpose(_FLIP_LEFT_RIGHT)
         else:
             left = (img.width - self.size) // 2
@@ -254,7 +259,7 @@ class ImageFolderPIL:
                     part = rgb(im.crop((left, top, right, bottom)))
         except Exception:  # any decoder failure: truncated, not an image, unreadable
             return None, (0.0, 0.0, 0.0, 0.0), False, label, path
-        flip = torch.rand(1, generator=gen).item() < 0.5
+        flip = flip_coin(gen)
         if finish:
             part = part.transpose(_FLIP_LEFT_RIGHT) if flip else part
             return np.asarray(part), (0.0, 0.0, float(self.size), float(self.size)), False, label, path

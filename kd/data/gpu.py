@@ -111,11 +111,8 @@ def regions(host: dict, device: torch.device) -> List[Optional[torch.Tensor]]:
     if not lengths:
         return []
     block = upload(host["data"][sum(bitstreams) :], device)
-    out: List[Optional[torch.Tensor]] = []
-    for length, (h, w) in zip(lengths, host["shapes"][len(bitstreams) :].tolist()):
-        out.append(block[:length].view(h, w, 3).permute(2, 0, 1))
-        block = block[length:]
-    return out
+    shapes = host["shapes"][len(bitstreams) :].tolist()
+    return [part.view(h, w, 3).permute(2, 0, 1) for part, (h, w) in zip(torch.split(block, lengths), shapes)]
 
 
 class _CudaStages:
