@@ -274,6 +274,11 @@ def report(runs, csv_path, plot_path):
 @click.option("--compile/--no-compile", default=False, show_default=True)
 @click.option("--loader", type=click.Choice(["pil", "gpu"]), default=None, help="With --data DIR (default pil).")
 @click.option(
+    "--vs-synthetic",
+    is_flag=True,
+    help="With --data DIR: also time each combination on synthetic tensors; adds their img/s and the folder's %.",
+)
+@click.option(
     "--methods",
     default=None,
     metavar="kd,dkd,..",
@@ -301,6 +306,7 @@ def bench(
     amp_dtype,
     compile,
     loader,
+    vs_synthetic,
     methods,
     sets,
     out,
@@ -330,6 +336,7 @@ def bench(
         amp_dtype=amp_dtype,
         compile=compile,
         loader=loader,
+        vs_synthetic=vs_synthetic,
         sets=list(sets),
         methods=[m.strip() for m in (methods or "").split(",") if m.strip()],
     )

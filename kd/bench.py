@@ -21,6 +21,8 @@ from kd.errors import KDError
 from kd.runfolder import RunFolder
 
 COLUMNS = ["backend", "opt", "methods", "s_per_20_iters", "img_per_s", "peak_mem_gb", "speedup", "impl", "note"]
+#: with --vs-synthetic, after img_per_s: the same combination on synthetic tensors, and the folder's share of it
+SYNTHETIC_COLUMNS = ["synthetic_img_per_s", "of_synthetic_pct"]
 
 
 def combo_command(backend: str, opt: str, args: Dict[str, Any], out: Path) -> List[str]:
@@ -124,10 +126,15 @@ def bench(
     """All combinations; a combination that cannot run shows why in its row."""
     if args.get("iters", 0) < 1 or args.get("warmup", 0) < 1:
         raise KDError("--iters and --warmup must be at least 1")
+    methods = [m for m in args.get("methods") or () if m]
+    vs_synthetic = bool(args.get("vs_synthetic"))
+    if vs_synthetic and args.get("data", "synthetic") == "synthetic":
+        raise KDError("--vs-synthetic compares a run on --data DIR with one on synthetic tensors: give --data DIR")
+    if vs_synthetic and methods:
+        raise KDError("--vs-synthetic times one method per combination: leave out --methods")
     out = Path(out or tempfile.mkdtemp(prefix="kd-bench-"))
     out.mkdir(parents=True, exist_ok=True)
     warn_slow_cpu_precision(opts, args)
-    methods = [m for m in args.get("methods") or () if m]
     if methods:
         return bench_methods(backends, opts, methods, args, out, timeout)
     rows: List[Dict[str, Any]] = []
@@ -135,6 +142,11 @@ def bench(
         for opt in opts:
             print(f"kd bench: {backend} {opt} ...", file=sys.stderr, flush=True)
             rows.append(run_combo(backend, opt, args, out / "runs" / f"{backend}_{opt}", timeout))
+            if vs_synthetic:
+                print(f"kd bench: {backend} {opt} on synthetic tensors ...", file=sys.stderr, flush=True)
+                on_synthetic = {**args, "data": "synthetic", "loader": None, "workers": None}
+                synthetic = run_combo(backend, opt, on_synthetic, out / "runs" / f"{backend}_{opt}_synthetic", timeout)
+                add_synthetic(rows[-1], synthetic)
     base = next((r for r in rows if r["backend"] == "dp" and r["opt"] == "O0" and "img_per_s" in r), None)
     base = base or next((r for r in rows if "img_per_s" in r), None)
     for r in rows:
@@ -144,6 +156,28 @@ def bench(
             r.setdefault(c, "-")
     write_outputs(rows, out, f"{base['backend']} {base['opt']}" if base else "-")
     return rows
+
+
+def add_synthetic(row: Dict[str, Any], synthetic: Dict[str, object]) -> None:
+    """``row`` (a run on a folder) gains the synthetic run's img/s and its own share of it, in %."""
+    folder_rate, rate = row.get("img_per_s"), synthetic.get("img_per_s")
+    row["synthetic_img_per_s"], row["of_synthetic_pct"] = "-", "-"
+    if not isinstance(rate, (int, float)):  # the synthetic run failed: its reason, unless the row's own says it
+        why = synthetic.get("note")
+        if why and why != row.get("note"):
+            row["note"] = "; ".join(n for n in (row.get("note"), f"synthetic: {why}") if n)
+        return
+    row["synthetic_img_per_s"] = rate
+    if isinstance(folder_rate, (int, float)) and rate > 0:
+        row["of_synthetic_pct"] = round(100 * folder_rate / rate, 1)
+
+
+def columns(rows: Sequence[Dict[str, object]]) -> List[str]:
+    """COLUMNS, with SYNTHETIC_COLUMNS after img_per_s where the rows have them."""
+    if not any(SYNTHETIC_COLUMNS[0] in r for r in rows):
+        return list(COLUMNS)
+    at = COLUMNS.index("img_per_s") + 1
+    return COLUMNS[:at] + SYNTHETIC_COLUMNS + COLUMNS[at:]
 
 
 def bench_methods(
@@ -199,7 +233,7 @@ def warn_slow_cpu_precision(opts: Sequence[str], args: Dict[str, object]) -> Non
 
 
 def markdown(rows: List[Dict[str, object]]) -> str:
-    return table.markdown(rows, COLUMNS)
+    return table.markdown(rows, columns(rows))
 
 
 def write_outputs(rows: List[Dict[str, object]], out: Path, baseline: str, note=None) -> None:
@@ -207,7 +241,7 @@ def write_outputs(rows: List[Dict[str, object]], out: Path, baseline: str, note=
     when the chart cannot be drawn, as matplotlib is missing."""
     (out / "bench.json").write_text(json.dumps({"baseline": baseline, "rows": rows}, indent=2))
     with open(out / "bench.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=COLUMNS, extrasaction="ignore")
+        writer = csv.DictWriter(fh, fieldnames=columns(rows), extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
     (out / "bench.md").write_text(markdown(rows) + "\n")

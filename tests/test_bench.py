@@ -102,3 +102,46 @@ def test_bench_data_reports_the_loader_alone(tmp_path):
         assert r.stdout.startswith(f"loader {loader}")
     r = kd_main("bench", "data", "--data", tmp_path / "missing")
     assert r.returncode == 2 and r.stderr.startswith("kd: error:") and "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_bench_vs_synthetic_gives_each_row_its_share_of_the_step(tmp_path):
+    """--vs-synthetic runs each combination on the folder and on synthetic tensors (two kd train
+    processes, the second without the loader's options) and reports the folder's share, in %."""
+    data = make_image_folder(tmp_path / "data", classes=2, train_per_class=12)
+    out = tmp_path / "bench"
+    common = ["--teacher", "resnet18", "--student", "resnet18", "--device", "cpu", "--backends", "single"]
+    common += ["--opt", "O0", "-b", "4", "--image-size", "32", "--iters", "2", "--warmup", "1"]
+    r = kd_main("bench", *common, "--data", data, "-j", "1", "--vs-synthetic", "--out", out)
+    assert r.returncode == 0, r.stderr
+    (row,) = json.loads((out / "bench.json").read_text())["rows"]
+    assert row["img_per_s"] > 0 and row["synthetic_img_per_s"] > 0, row
+    assert row["of_synthetic_pct"] == round(100 * row["img_per_s"] / row["synthetic_img_per_s"], 1)
+    assert f"data: {data}" in (out / "runs" / "single_O0" / "config.yaml").read_text()
+    synthetic = (out / "runs" / "single_O0_synthetic" / "config.yaml").read_text()
+    assert "data: synthetic" in synthetic and "workers: 1" not in synthetic
+    header = r.stdout.splitlines()[0]
+    assert "| img_per_s | synthetic_img_per_s | of_synthetic_pct |" in header, r.stdout
+    with open(out / "bench.csv") as fh:
+        assert next(csv.DictReader(fh))["of_synthetic_pct"] == str(row["of_synthetic_pct"])
+
+
+def test_bench_vs_synthetic_needs_a_folder_and_one_method(tmp_path):
+    for extra in ([], ["--data", tmp_path, "--methods", "kd,dkd"]):
+        out = tmp_path / "bench"
+        r = kd_main("bench", "--device", "cpu", "--vs-synthetic", "--out", out, *extra)
+        assert r.returncode == 2 and r.stderr.startswith("kd: error: --vs-synthetic"), r.stderr
+        assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+        assert not out.exists()
+
+
+def test_a_failed_synthetic_run_says_why_once():
+    from kd.bench import add_synthetic
+
+    both = {"img_per_s": "-", "note": "--backend dp needs CUDA GPUs"}
+    add_synthetic(both, {"note": "--backend dp needs CUDA GPUs"})
+    assert both["note"] == "--backend dp needs CUDA GPUs" and both["of_synthetic_pct"] == "-"
+    folder_ran = {"img_per_s": 120.0, "note": ""}
+    add_synthetic(folder_ran, {"note": "timed out after 60s"})
+    assert folder_ran["note"] == "synthetic: timed out after 60s"
+    assert folder_ran["synthetic_img_per_s"] == "-" and folder_ran["of_synthetic_pct"] == "-"
