@@ -276,7 +276,8 @@ def report(runs, csv_path, plot_path):
 @click.option(
     "--vs-synthetic",
     is_flag=True,
-    help="With --data DIR: also time each combination on synthetic tensors; adds their img/s and the folder's %.",
+    help="With --data DIR: also time each combination on synthetic tensors; adds that img/s and the folder "
+    "run's img/s as a % of it.",
 )
 @click.option(
     "--methods",
@@ -286,7 +287,13 @@ def report(runs, csv_path, plot_path):
 )
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Passed to every combination's kd train.")
 @click.option("--out", "-o", type=click.Path(path_type=Path), default=Path("runs/bench"), show_default=True)
-@click.option("--timeout", type=float, default=1800, show_default=True, help="Seconds per combination.")
+@click.option(
+    "--timeout",
+    type=float,
+    default=1800,
+    show_default=True,
+    help="Seconds per run (a combination, or its synthetic run).",
+)
 @click.pass_context
 def bench(
     ctx,

@@ -14,8 +14,9 @@
 #   b128      batch 128 alone
 #   epochs    kd train, 3 epochs over the folder: per-epoch validation, checkpoint and loader start
 #   beside    batch 256 and 128 ($BESIDE_BATCHES): the step on synthetic tensors alone, on the folder, and with the loader
-#             running beside it, its batches dropped at 95 % of the step's rate (kd's auto share, share 0,
-#             share 1), with 15 busy processes and with Python bursts in a thread (benchmarks/beside_step.py)
+#             running beside it, its batches dropped (kd's auto share and share 0 taken at most at 95 % of the
+#             step's rate, share 1 as fast as it goes), with 15 busy processes and with Python bursts in a
+#             thread (benchmarks/beside_step.py)
 # The folder runs of eager, b128 and compiled use --cpu-decode-share $SHARE where set (else kd's auto share).
 # Every ratio goes to $OUT/summary.txt. Timed steps: $ITERS (120) after $WARMUP (30) at batch 256, twice
 # as many at 128; they must fit in one epoch (a smaller folder needs fewer).
@@ -59,17 +60,20 @@ batch() {  # B ITERS WARMUP ARGS...: the pair at batch B (ARGS: more kd bench op
 b256() { batch 256 "$IT" "$WU" "$@"; }
 b128() { batch 128 $((2 * IT)) $((2 * WU)) "$@"; }
 
-beside() {  # NAME B LOAD... -- TRAIN_ARGS...: one beside_step.py run, its JSON line to the summary
+beside() {  # NAME B LOAD... -- TRAIN_ARGS...: one beside_step.py run; its JSON line to the summary, the
+  # step's images/s to stdout (nothing where the run failed)
   local name=$1 b=$2 it=$((IT * 256 / $2)) wu=$((WU * 256 / $2)); shift 2
-  local line
   # to a file, not a pipe: a pipe would wait for every child that inherited it (the loader's workers)
-  $PY benchmarks/beside_step.py -b "$b" "$@" --teacher resnet101 --student resnet18 --teacher-weights none \
+  $PY benchmarks/beside_step.py "$@" --teacher resnet101 --student resnet18 --teacher-weights none \
     --student-weights none --opt O1 --amp-dtype float16 --backend single --epochs 1 --no-progress --overwrite -b "$b" \
     --limit-train-batches $((it + wu)) --set timing_warmup="$wu" --out "/tmp/e2e/beside/$name" \
     > "$OUT/beside_$name.json" 2> "$OUT/beside_$name.log"
+  local line
   line=$(tail -1 "$OUT/beside_$name.json")
-  echo "beside $name: $line" | tee -a "$OUT/summary.txt"
-  echo "$line" | $PY -c "import json, sys; print(json.loads(sys.stdin.read())['step_img_per_s'])" 2>/dev/null
+  echo "beside $name: ${line:-no result (see $OUT/beside_$name.log)}" >> "$OUT/summary.txt"
+  echo "beside $name: ${line:-no result}" >&2
+  echo "$line" | $PY -c "import json, sys; r = json.loads(sys.stdin.read())['step_img_per_s']; print(r or '')" \
+    2>/dev/null
 }
 
 for part in "$@"; do case "$part" in
@@ -125,12 +129,16 @@ print(f"{len(files)} JPEGs in {root}, {mb:.0f} MiB (mean {1024 * mb / len(files)
 EOF
   ;;
   beside) for b in ${BESIDE_BATCHES:-256 128}; do
-            alone=$(beside "alone_b$b" "$b" --beside none -- --data synthetic | tail -1)
-            pace=$($PY -c "print(round(0.95 * ${alone:-0}))")
+            alone=$(beside "alone_b$b" "$b" --beside none -- --data synthetic)
             beside "folder_b$b" "$b" --beside none -- --data "$DATA" --loader gpu -j "$J" > /dev/null
-            beside "loader_b$b" "$b" --beside loader --data "$DATA" -j "$J" --rate "$pace" -- --data synthetic > /dev/null
-            beside "loader_share0_b$b" "$b" --beside loader --data "$DATA" -j "$J" --share 0 --rate "$pace" -- \
-              --data synthetic > /dev/null
+            if [ -n "$alone" ]; then  # the loader's batches taken at most at 95 % of the step alone
+              pace=$($PY -c "print(round(0.95 * $alone))")
+              beside "loader_b$b" "$b" --beside loader --data "$DATA" -j "$J" --rate "$pace" -- --data synthetic > /dev/null
+              beside "loader_share0_b$b" "$b" --beside loader --data "$DATA" -j "$J" --share 0 --rate "$pace" -- \
+                --data synthetic > /dev/null
+            else
+              echo "beside: no rate for the step alone at batch $b, so no paced loader rows" | tee -a "$OUT/summary.txt"
+            fi
             beside "loader_share1_b$b" "$b" --beside loader --data "$DATA" -j "$J" --share 1 -- --data synthetic > /dev/null
             beside "burn15_b$b" "$b" --beside burn:15 -- --data synthetic > /dev/null
             beside "gil_b$b" "$b" --beside gil:0.2:0.5 -- --data synthetic > /dev/null

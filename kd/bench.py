@@ -142,7 +142,7 @@ def bench(
         for opt in opts:
             print(f"kd bench: {backend} {opt} ...", file=sys.stderr, flush=True)
             rows.append(run_combo(backend, opt, args, out / "runs" / f"{backend}_{opt}", timeout))
-            if vs_synthetic:
+            if vs_synthetic and "img_per_s" in rows[-1]:  # a folder run that failed has no share to give
                 print(f"kd bench: {backend} {opt} on synthetic tensors ...", file=sys.stderr, flush=True)
                 on_synthetic = {**args, "data": "synthetic", "loader": None, "workers": None}
                 synthetic = run_combo(backend, opt, on_synthetic, out / "runs" / f"{backend}_{opt}_synthetic", timeout)
@@ -152,7 +152,7 @@ def bench(
     for r in rows:
         r["speedup"] = round(r["img_per_s"] / base["img_per_s"], 2) if base and "img_per_s" in r else "-"
         r.setdefault("methods", args.get("kd_loss") or "kd")
-        for c in COLUMNS:
+        for c in COLUMNS + (SYNTHETIC_COLUMNS if vs_synthetic else []):
             r.setdefault(c, "-")
     write_outputs(rows, out, f"{base['backend']} {base['opt']}" if base else "-")
     return rows
@@ -162,10 +162,8 @@ def add_synthetic(row: Dict[str, Any], synthetic: Dict[str, object]) -> None:
     """``row`` (a run on a folder) gains the synthetic run's img/s and its own share of it, in %."""
     folder_rate, rate = row.get("img_per_s"), synthetic.get("img_per_s")
     row["synthetic_img_per_s"], row["of_synthetic_pct"] = "-", "-"
-    if not isinstance(rate, (int, float)):  # the synthetic run failed: its reason, unless the row's own says it
-        why = synthetic.get("note")
-        if why and why != row.get("note"):
-            row["note"] = "; ".join(n for n in (row.get("note"), f"synthetic: {why}") if n)
+    if not isinstance(rate, (int, float)):  # the synthetic run failed: its reason beside the row's own
+        row["note"] = "; ".join(n for n in (row.get("note"), f"synthetic: {synthetic.get('note')}") if n)
         return
     row["synthetic_img_per_s"] = rate
     if isinstance(folder_rate, (int, float)) and rate > 0:

@@ -112,18 +112,32 @@ def test_bench_vs_synthetic_gives_each_row_its_share_of_the_step(tmp_path):
     out = tmp_path / "bench"
     common = ["--teacher", "resnet18", "--student", "resnet18", "--device", "cpu", "--backends", "single"]
     common += ["--opt", "O0", "-b", "4", "--image-size", "32", "--iters", "2", "--warmup", "1"]
-    r = kd_main("bench", *common, "--data", data, "-j", "1", "--vs-synthetic", "--out", out)
+    r = kd_main("bench", *common, "--data", data, "--loader", "gpu", "-j", "1", "--vs-synthetic", "--out", out)
     assert r.returncode == 0, r.stderr
     (row,) = json.loads((out / "bench.json").read_text())["rows"]
     assert row["img_per_s"] > 0 and row["synthetic_img_per_s"] > 0, row
     assert row["of_synthetic_pct"] == round(100 * row["img_per_s"] / row["synthetic_img_per_s"], 1)
-    assert f"data: {data}" in (out / "runs" / "single_O0" / "config.yaml").read_text()
+    on_folder = (out / "runs" / "single_O0" / "config.yaml").read_text()
+    assert f"data: {data}" in on_folder and "loader: gpu" in on_folder and "workers: 1" in on_folder
     synthetic = (out / "runs" / "single_O0_synthetic" / "config.yaml").read_text()
-    assert "data: synthetic" in synthetic and "workers: 1" not in synthetic
+    assert "data: synthetic" in synthetic and "loader: pil" in synthetic and "workers: null" in synthetic
     header = r.stdout.splitlines()[0]
     assert "| img_per_s | synthetic_img_per_s | of_synthetic_pct |" in header, r.stdout
     with open(out / "bench.csv") as fh:
         assert next(csv.DictReader(fh))["of_synthetic_pct"] == str(row["of_synthetic_pct"])
+
+
+@pytest.mark.slow
+def test_bench_vs_synthetic_skips_the_synthetic_run_of_a_failed_row(tmp_path):
+    out = tmp_path / "bench"
+    args = ["--teacher", "resnet18", "--student", "resnet18", "--device", "cpu", "--opt", "O0", "-b", "4"]
+    r = kd_main(
+        "bench", *args, "--iters", "1", "--warmup", "1", "--data", tmp_path / "missing", "--vs-synthetic", "-o", out
+    )
+    assert r.returncode == 0, r.stderr
+    (row,) = json.loads((out / "bench.json").read_text())["rows"]
+    assert row["img_per_s"] == "-" and "missing" in row["note"], row
+    assert row["of_synthetic_pct"] == "-" and not (out / "runs" / "single_O0_synthetic").exists()
 
 
 def test_bench_vs_synthetic_needs_a_folder_and_one_method(tmp_path):
@@ -135,12 +149,9 @@ def test_bench_vs_synthetic_needs_a_folder_and_one_method(tmp_path):
         assert not out.exists()
 
 
-def test_a_failed_synthetic_run_says_why_once():
+def test_a_failed_synthetic_run_says_why_in_the_row():
     from kd.bench import add_synthetic
 
-    both = {"img_per_s": "-", "note": "--backend dp needs CUDA GPUs"}
-    add_synthetic(both, {"note": "--backend dp needs CUDA GPUs"})
-    assert both["note"] == "--backend dp needs CUDA GPUs" and both["of_synthetic_pct"] == "-"
     folder_ran = {"img_per_s": 120.0, "note": ""}
     add_synthetic(folder_ran, {"note": "timed out after 60s"})
     assert folder_ran["note"] == "synthetic: timed out after 60s"
