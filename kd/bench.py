@@ -132,6 +132,9 @@ def bench(
         raise KDError("--vs-synthetic compares a run on --data DIR with one on synthetic tensors: give --data DIR")
     if vs_synthetic and methods:
         raise KDError("--vs-synthetic times one method per combination: leave out --methods")
+    from kd.launch import check_data
+
+    check_data(str(args.get("data", "synthetic")))  # once here, not as the same note in every row
     out = Path(out or tempfile.mkdtemp(prefix="kd-bench-"))
     out.mkdir(parents=True, exist_ok=True)
     warn_slow_cpu_precision(opts, args)

@@ -79,13 +79,17 @@ def preflight(cfg) -> None:
     if not cfg.no_teacher:
         models.check_name(cfg.teacher)
     LOSSES.get("ce" if cfg.no_teacher else cfg.kd_loss)
-    if cfg.data != "synthetic":
-        for split in ("train", "val"):
-            if not (Path(cfg.data) / split).is_dir():
-                what = "does not exist" if not Path(cfg.data).is_dir() else f"has no {split}/ subfolder"
-                raise KDError(
-                    f"data folder {cfg.data} {what} (expected DIR/train/<class>/*.jpg and DIR/val/<class>/*.jpg)"
-                )
+    check_data(cfg.data)
+
+
+def check_data(data: str) -> None:
+    """``--data``: 'synthetic', or a folder with train/ and val/ subfolders."""
+    if data == "synthetic":
+        return
+    for split in ("train", "val"):
+        if not (Path(data) / split).is_dir():
+            what = "does not exist" if not Path(data).is_dir() else f"has no {split}/ subfolder"
+            raise KDError(f"data folder {data} {what} (expected DIR/train/<class>/*.jpg and DIR/val/<class>/*.jpg)")
 
 
 def train(cfg, resume: Optional[str] = None, overwrite: bool = False, students=None):

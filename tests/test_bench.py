@@ -129,15 +129,14 @@ def test_bench_vs_synthetic_gives_each_row_its_share_of_the_step(tmp_path):
 
 @pytest.mark.slow
 def test_bench_vs_synthetic_skips_the_synthetic_run_of_a_failed_row(tmp_path):
+    data = make_image_folder(tmp_path / "data", classes=2, train_per_class=4)
     out = tmp_path / "bench"
-    args = ["--teacher", "resnet18", "--student", "resnet18", "--device", "cpu", "--opt", "O0", "-b", "4"]
-    r = kd_main(
-        "bench", *args, "--iters", "1", "--warmup", "1", "--data", tmp_path / "missing", "--vs-synthetic", "-o", out
-    )
+    args = ["--teacher", "resnet18", "--student", "resnet18", "--device", "cpu", "--backends", "dp", "--opt", "O0"]
+    r = kd_main("bench", *args, "--iters", "1", "--warmup", "1", "--data", data, "--vs-synthetic", "-o", out)
     assert r.returncode == 0, r.stderr
     (row,) = json.loads((out / "bench.json").read_text())["rows"]
-    assert row["img_per_s"] == "-" and "missing" in row["note"], row
-    assert row["of_synthetic_pct"] == "-" and not (out / "runs" / "single_O0_synthetic").exists()
+    assert row["img_per_s"] == "-" and "CUDA" in row["note"], row  # dp needs GPUs
+    assert row["of_synthetic_pct"] == "-" and not (out / "runs" / "dp_O0_synthetic").exists()
 
 
 def test_bench_vs_synthetic_needs_a_folder_and_one_method(tmp_path):
@@ -147,6 +146,14 @@ def test_bench_vs_synthetic_needs_a_folder_and_one_method(tmp_path):
         assert r.returncode == 2 and r.stderr.startswith("kd: error: --vs-synthetic"), r.stderr
         assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
         assert not out.exists()
+
+
+def test_bench_refuses_a_missing_data_folder_before_any_run(tmp_path):
+    out = tmp_path / "bench"
+    r = kd_main("bench", "--device", "cpu", "--data", tmp_path / "missing", "--out", out)
+    assert r.returncode == 2 and r.stderr.startswith("kd: error: data folder"), r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not out.exists()
 
 
 def test_a_failed_synthetic_run_says_why_in_the_row():
