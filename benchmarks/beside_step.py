@@ -55,24 +55,18 @@ class Loader:
     """The ``--loader gpu`` training loader over ``data``, iterated epoch after epoch in a thread."""
 
     def __init__(self, data: str, workers: int, share, batch: int, image_size: int, rate: float):
-        self.options = {"teacher": "resnet18", "student": "resnet18", "data": data, "loader": "gpu"}
-        self.options.update(workers=workers, batch_size=batch, image_size=image_size)
-        self.share, self.rate = share, rate
+        self.options = {"data": data, "loader": "gpu", "workers": workers, "cpu_decode_share": share}
+        self.options.update(batch_size=batch, image_size=image_size)
+        self.rate = rate
         self.images, self.error = 0, None
         self.stop, self.ready = threading.Event(), threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        from backends.base import resolve_device
-        from kd import config as kd_config
-        from kd.data import build
-        from kd.runtime import resolve as resolve_runtime
+        from kd.bench import build_loaders
 
         try:
-            sets = [] if self.share is None else [f"cpu_decode_share={self.share}"]
-            cfg = kd_config.resolve(options=self.options, sets=sets)
-            device = resolve_device(cfg)
-            data = build(cfg, 1, 0, cfg.batch_size, device, resolve_runtime(cfg, device).channels_last)
+            data, _ = build_loaders(self.options)  # the loaders of kd train and kd bench data
             print(f"beside: {data.train.describe()}", file=sys.stderr, flush=True)
             epoch = 0
             while not self.stop.is_set():

@@ -278,22 +278,11 @@ def bench_data(options: Dict[str, object], epochs: int, echo=print, split: str =
 
     import torch
 
-    from backends.base import resolve_device
-    from kd import config as kd_config
-    from kd.data import build
-    from kd.runtime import resolve as resolve_runtime
-
     if epochs < 1:
         raise KDError("--epochs must be at least 1")
-    # the models are not built; names only satisfy the config's validation
-    cfg = kd_config.resolve(options={"teacher": "resnet18", "student": "resnet18", **options})
-    if cfg.data == "synthetic":
-        raise KDError("kd bench data needs --data DIR (an ImageNet-layout folder), not synthetic")
-    device = resolve_device(cfg)
-    channels_last = resolve_runtime(cfg, device).channels_last
     if split not in ("train", "val"):
         raise KDError(f"--split must be train or val, got {split!r}")
-    data = build(cfg, 1, 0, cfg.batch_size, device, channels_last)  # kd train's own choice of loader
+    data, device = build_loaders(options)
     loader = data.train if split == "train" else data.val
     echo(loader.describe())
 
@@ -305,6 +294,22 @@ def bench_data(options: Dict[str, object], epochs: int, echo=print, split: str =
         return _time_passes(loader, epochs, split, sync, echo)
     finally:
         data.close()
+
+
+def build_loaders(options: Dict[str, object]):
+    """The train and val loaders ``kd train`` builds for ``options`` (a ``--data DIR`` run), without
+    its models, in this one process: ``(kd.data.Data, device)``."""
+    from backends.base import resolve_device
+    from kd import config as kd_config
+    from kd.data import build
+    from kd.runtime import resolve as resolve_runtime
+
+    # the models are not built; names only satisfy the config's validation
+    cfg = kd_config.resolve(options={"teacher": "resnet18", "student": "resnet18", **options})
+    if cfg.data == "synthetic":
+        raise KDError("kd bench data needs --data DIR (an ImageNet-layout folder), not synthetic")
+    device = resolve_device(cfg)
+    return build(cfg, 1, 0, cfg.batch_size, device, resolve_runtime(cfg, device).channels_last), device
 
 
 def _time_passes(loader, epochs: int, split: str, sync, echo) -> List[Dict[str, float]]:
