@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Set
 
 import torch
 
@@ -24,7 +24,7 @@ from kd.runfolder import RunFolder
 from kd.runtime import resolve as resolve_runtime
 from kd.sides import StudentSide, build_models
 from kd.signals import StopFlag
-from kd.step import StepHook
+from kd.step import BufferGuard, StepHook
 from kd.teaching import Teacher
 
 
@@ -99,13 +99,15 @@ class RunBuilder:
         if cfg.compile:
             self.model = torch.compile(self.model, mode=cfg.compile_mode)
         self.params = [p for p in self.side.parameters() if p.requires_grad]
+        self.buffers = BufferGuard(self.side)  # put back on a skipped step
         self.scheduler = build_scheduler(cfg, self.optimizer, len(self.data.train))
 
         self.epoch = 0
         self.batch_in_epoch = 0
         self.global_step = 0
         self.best_top1 = -1.0
-        self.bad_images = 0
+        self.bad_files: Set[str] = set()  # the unreadable files met so far, on every process
+        self.new_bad_files: Set[str] = set()  # those this process met since the last check
         self.meter = Meter(dev)
         self.stop = StopFlag() if shared is None else shared.stop
         self.steps_in_epoch = len(self.data.train)
@@ -114,6 +116,7 @@ class RunBuilder:
         self.teacher_top1: Optional[float] = None
         if resumed is not None:
             checkpoint.restore_run(self, resumed)
+            self.logger.resume_at(self.epoch)
             self.logger.info(f"resumed from {resume_from} at epoch {self.epoch + 1}")
         self._resumed_step = self.global_step
         if shared is None:

@@ -133,7 +133,7 @@ def restore_run(t, state: dict) -> None:
     t.batch_in_epoch = state.get("batch_in_epoch", 0)
     t.global_step = state["global_step"]
     t.best_top1 = state["best_top1"]
-    t.bad_images = state.get("bad_images", 0)
+    t.bad_files = set(state.get("bad_files", []))
     if state.get("meter") and t.backend.is_main:
         t.meter.load_state_dict(state["meter"])
     rng = state.get("rng", {}).get(str(t.backend.rank))
@@ -158,13 +158,23 @@ def run_state(t, rng: Optional[Dict[str, Any]] = None, meter: Optional[dict] = N
         "batch_in_epoch": t.batch_in_epoch,
         "global_step": t.global_step,
         "best_top1": t.best_top1,
-        "bad_images": t.bad_images,
+        "bad_images": len(t.bad_files),
+        "bad_files": sorted(t.bad_files),
         "meter": meter,
         "rng": rng or {},
         "student_name": t.cfg.student,
         "num_classes": t.num_classes,
         "config": t.cfg.to_dict(),
     }
+
+
+def nonfinite_keys(state: Dict[str, torch.Tensor]) -> list:
+    """The names of the floating tensors of ``state`` that hold inf or NaN (one host read)."""
+    names = [k for k, v in state.items() if v.is_floating_point()]
+    if not names:
+        return []
+    bad = torch.stack([~torch.isfinite(state[k]).all() for k in names]).tolist()
+    return [k for k, b in zip(names, bad) if b]
 
 
 def save_run(t, best: bool, step_copy: bool = False) -> None:
@@ -174,17 +184,28 @@ def save_run(t, best: bool, step_copy: bool = False) -> None:
     A failed write (disk full) keeps the previous file and stops the run with a clear error.
     """
     t.backend.sync_buffers(t.side)
-    # every process's generators (each draws its own dropout masks), restored rank by rank
-    rng = {str(rank): state for rank, state in enumerate(t.backend.all_gather_object(rng_state()))}
+    # every process's generators (each draws its own dropout masks), restored rank by rank, and the
+    # unreadable files each met since the last check
+    gathered = t.backend.all_gather_object((rng_state(), sorted(t.new_bad_files)))
+    rng = {str(rank): state for rank, (state, _) in enumerate(gathered)}
+    for _, paths in gathered:
+        t.bad_files.update(paths)
+    t.new_bad_files.clear()
     # a mid-epoch checkpoint holds the epoch's sums over every process; rank 0 alone restores them
     meter = t.meter.global_state(t.backend) if t.batch_in_epoch else None
     if t.backend.is_main and t.meter.streak.item() > 0:
-        t.logger.info("not checkpointing: the last loss was not finite; the previous checkpoint stays")
+        t.logger.info("not checkpointing: the last step was skipped (not finite); the previous checkpoint stays")
     elif t.backend.is_main:
         run = RunFolder(t.out)
         folder, path = run.checkpoints, run.last
+        state = run_state(t, rng, meter)
+        broken = nonfinite_keys(state["student"]) + nonfinite_keys(state["loss"])
+        if broken:  # never a checkpoint that cannot evaluate (the step's policy should make this impossible)
+            t.logger.info(f"not checkpointing: {', '.join(broken[:3])} not finite; the previous checkpoint stays")
+            t.backend.barrier()
+            return
         try:
-            save_atomic(run_state(t, rng, meter), path)
+            save_atomic(state, path)
             if best:
                 copy_atomic(path, run.best)
             if step_copy:  # the oldest go first, so a kill at any moment leaves at most --keep-last copies

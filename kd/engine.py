@@ -117,8 +117,10 @@ class Trainer(RunBuilder):
         return record
 
     def finish(self) -> None:
-        """The end of training: a run whose last steps were not finite fails; the logs close."""
-        ended_nonfinite = self.meter.streak.clone()
+        """The end of training: a run whose last steps had a non-finite loss fails (steps skipped on
+        their gradients alone, a float16 overflow say, fail only at --max-nonfinite-steps); the logs close."""
+        meter = self.meter
+        ended_nonfinite = ((meter.streak > 0) & (meter.sources.reshape(-1)[:-1] > 0).any()).float()
         self.backend.all_reduce_sum(ended_nonfinite)
         if ended_nonfinite.item() > 0:  # a run is not done on weights that the last steps could not train
             raise NonFinite(self._nonfinite_message(f"in its last {int(self.meter.streak.item())} step(s)", self.epoch))
@@ -164,18 +166,30 @@ class Trainer(RunBuilder):
             teacher_out = self.prepared_teacher.forward(images)
         if teacher_out is not None:
             t_logits, t_feats = teacher_out[0], {k: teacher_out[1][k] for k in self.t_layers}
+        self.buffers.save()
         with precision.autocast():
             parts = self.model(images, batch.labels, t_logits, t_feats, progress)
         parts = {k: v.float().mean() for k, v in parts.items()}
         self.loss_terms = self.loss_terms or sorted(k for k in parts if k not in ("loss", LOGITS_SUM))
-        flags = nonfinite_flags(parts, t_logits, self.loss_terms)
+        buffers_finite = self.buffers.check()
+        flags = nonfinite_flags(parts, t_logits, self.loss_terms, buffers_finite)
+        # The step's policy: a step whose loss or buffers are not finite is skipped whatever its
+        # gradients say. Its gradients are made NaN (x1.0 otherwise: bit for bit the same) before
+        # any sync, so every process and every skip rule below (loss scaler, kd's own check, a
+        # fused optimizer's) refuses it alike; the loss scale does not back off for it.
+        good = torch.isfinite(parts["loss"])
+        if buffers_finite is not None:
+            good = good & buffers_finite
         skipped = precision.step(
-            parts["loss"],
+            parts["loss"] * torch.where(good, 1.0, float("nan")),
             self.optimizer,
             self.params,
             lambda: self.backend.sync_gradients(self.model),
             self.cfg.grad_clip,
+            keep_scale=~good,
         )
+        self.buffers.restore(skipped)  # a skipped step leaves BatchNorm's statistics as they were
+        flags = torch.cat([flags, (skipped & good).float().reshape(1)])  # skipped on its gradients alone
         self.scheduler.step()
         self.global_step += 1
         self.batch_in_epoch += 1
@@ -188,6 +202,7 @@ class Trainer(RunBuilder):
         """Train mode, fresh interval meter and progress bar for an epoch of ``steps`` steps."""
         self.steps_in_epoch = steps
         self.side.train()
+        self.buffers.refresh()  # the buffers as they are now (after casts, a resume)
         self._interval = Meter(self.device)
         self._bar = self.logger.progress(steps, f"epoch {self.epoch + 1}/{self.cfg.epochs}")
         self._bar.update(self.batch_in_epoch)
@@ -200,6 +215,7 @@ class Trainer(RunBuilder):
         with torch.no_grad():
             for m in (meter, self._interval):
                 m.add(out.parts, out.images, out.skipped, len(batch.bad), out.flags)
+        self.new_bad_files.update(p for p in batch.bad if p not in self.bad_files)
         self._bar.update(1)
         if self.first_step is None and self.global_step == self._resumed_step + 1:
             self.first_step = first_step_record(
@@ -208,18 +224,24 @@ class Trainer(RunBuilder):
         end_of_epoch = self.batch_in_epoch == self.steps_in_epoch
         stop_check = self.stop.requested if backend.world_size == 1 else self.global_step % self.stop_every == 0
         if self.global_step % cfg.log_every == 0 or end_of_epoch or stop_check:
-            stats = self._interval.reduce(
-                backend, extra=[float(self.stop.requested), meter.worst, meter.streak, float(meter.bad)]
-            )
-            stop_all, worst, _, bad_epoch = stats.pop("_extra")
+            # counts are summed over the processes; the streak limit is each process's own (how many
+            # processes reached it, so that the limit does not shrink with their number)
+            too_long = (meter.worst >= cfg.max_nonfinite_steps).float()
+            new_bad = float(len(self.new_bad_files))
+            stats = self._interval.reduce(backend, extra=[float(self.stop.requested), too_long, new_bad])
+            stop_all, too_long_anywhere, new_bad_anywhere = stats.pop("_extra")
+            if new_bad_anywhere > 0:  # rare: the unreadable files met for the first time, from every process
+                for paths in backend.all_gather_object(sorted(self.new_bad_files)):
+                    self.bad_files.update(paths)
+                self.new_bad_files.clear()
             self._log_interval(stats, time.perf_counter() - self._t_interval, self._bar)
             self._interval = Meter(self.device)
             self._t_interval = time.perf_counter()
-            if worst >= cfg.max_nonfinite_steps:
+            if too_long_anywhere > 0:
                 raise NonFinite(self._nonfinite_message(f"for {cfg.max_nonfinite_steps} consecutive steps"))
-            if self.bad_images + bad_epoch > cfg.max_bad_images:
+            if len(self.bad_files) > cfg.max_bad_images:  # distinct files: one bad file is met every epoch
                 raise KDError(
-                    f"{int(self.bad_images + bad_epoch)} unreadable images, more than "
+                    f"{len(self.bad_files)} unreadable images, more than "
                     f"--max-bad-images {cfg.max_bad_images}; see the log for their names"
                 )
             if stop_all > 0 and not end_of_epoch:
@@ -239,8 +261,8 @@ class Trainer(RunBuilder):
         self._bar.close()
         meter = self.meter
         totals = meter.reduce(self.backend)
-        self.bad_images += int(totals.pop("bad"))
-        totals.update(data_wait_s=meter.wait, first_batch_s=first_wait or 0.0, bad_images=self.bad_images)
+        totals.pop("bad")  # met this epoch, repeats included; the record counts distinct files
+        totals.update(data_wait_s=meter.wait, first_batch_s=first_wait or 0.0, bad_images=len(self.bad_files))
         self.meter = Meter(self.device)
         self.meter.streak, self.meter.sources = meter.streak, meter.sources  # a non-finite streak spans epochs
         return totals
@@ -264,7 +286,7 @@ class Trainer(RunBuilder):
         scale = self.precision.loss_scale()
         extra = {
             "lr": self.optimizer.param_groups[0]["lr"],
-            "bad_images": self.bad_images + self.meter.bad,
+            "bad_images": len(self.bad_files | self.new_bad_files),
             **({"loss_scale": float(scale)} if scale is not None else {}),
             **({"gpu_mem_gb": torch.cuda.memory_allocated(self.device) / 2**30} if self.device.type == "cuda" else {}),
         }

@@ -72,8 +72,15 @@ def prepare_out(cfg, resume: Optional[str], overwrite: bool) -> Optional[Path]:
 
 def preflight(cfg) -> None:
     """Cheap checks of names and paths, before any process, model or loader is made."""
+    import torch
+
     from kd import models
     from kd.losses import LOSSES
+    from kd.version import torch_too_old
+
+    reason = torch_too_old(torch.__version__)
+    if reason:
+        raise KDError(reason)
 
     models.check_name(cfg.student)
     if not cfg.no_teacher:

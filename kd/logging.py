@@ -86,6 +86,9 @@ class NullLogger:
         self.scalars("train", scalars, step)
         bar.set_postfix_str(f"loss {scalars['loss']:.4f} lr {scalars['lr']:.4g} img/s {scalars['img_per_s']:.0f}")
 
+    def resume_at(self, epochs_done: int) -> None:
+        pass
+
     def epoch(self, record: Dict[str, float]) -> None:
         pass
 
@@ -137,6 +140,19 @@ class RunLogger(NullLogger):
     def scalars(self, prefix: str, values: Dict[str, float], step: int) -> None:
         for key, value in values.items():
             self.writer.add_scalar(f"{prefix}/{key}", value, step)
+
+    def resume_at(self, epochs_done: int) -> None:
+        """Drop the metrics.jsonl lines of epochs after ``epochs_done`` (the checkpoint resumed from):
+        a run stopped between an epoch's line and its checkpoint trains that epoch again."""
+        path = self.metrics_path
+        if not path.is_file():
+            return
+        lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+        kept = [line for line in lines if line.strip() and json.loads(line).get("epoch", 0) <= epochs_done]
+        if len(kept) < len(lines):
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text("".join(kept), encoding="utf-8")
+            os.replace(tmp, path)
 
     def epoch(self, record: Dict[str, float]) -> None:
         with open(self.metrics_path, "a", encoding="utf-8") as fh:

@@ -38,12 +38,16 @@ class Meter:
             self.sums[k] = self.sums.get(k, 0.0) + torch.where(finite, v.detach() * n, 0.0)
         self.count += n
         self.finite += finite * n
+        good = finite  # a step counts against --max-nonfinite-steps if its loss was not finite or it was skipped
         if skipped is not None:
             self.skipped += skipped.float()
-        self.streak = torch.where(finite, torch.zeros_like(self.streak), self.streak + 1)
+            good = finite & ~skipped
+        self.streak = torch.where(good, torch.zeros_like(self.streak), self.streak + 1)
         self.worst = torch.maximum(self.worst, self.streak)
         if flags is not None:
-            self.sources = torch.where(finite, torch.zeros_like(flags), torch.maximum(self.sources, flags))
+            if self.sources.shape != flags.shape:  # the first step (or a checkpoint of an older kd)
+                self.sources = torch.zeros_like(flags)
+            self.sources = torch.where(good, torch.zeros_like(flags), torch.maximum(self.sources, flags))
         self.bad += bad
 
     def reduce(self, backend, extra=()) -> Dict[str, Any]:
@@ -101,14 +105,26 @@ class Meter:
         self.wait = state["wait"]
 
 
-def nonfinite_flags(parts: Dict[str, torch.Tensor], t_logits: Optional[torch.Tensor], terms: List[str]) -> torch.Tensor:
-    """1 for each source (the teacher's logits, the student's, each loss term of ``terms``) not finite in
-    this step, on the device; takes the student's logits sum (``LOGITS_SUM``) out of ``parts``."""
+def nonfinite_flags(
+    parts: Dict[str, torch.Tensor],
+    t_logits: Optional[torch.Tensor],
+    terms: List[str],
+    buffers_finite: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """1 for each source (the teacher's logits, the student's, each loss term of ``terms``, the
+    student's buffers) not finite in this step, on the device; takes the student's logits sum
+    (``LOGITS_SUM``) out of ``parts``. The engine appends one more: skipped on the gradients alone."""
     from kd.sides import LOGITS_SUM
 
     student = parts.pop(LOGITS_SUM)
-    teacher = t_logits.sum() if t_logits is not None else torch.zeros((), device=student.device)
-    return (~torch.isfinite(torch.stack([teacher, student, *[parts[k] for k in terms]]))).float()
+    zero = torch.zeros((), device=student.device)
+    teacher = t_logits.sum() if t_logits is not None else zero
+    flags = (~torch.isfinite(torch.stack([teacher, student, *[parts[k] for k in terms]]))).float()
+    buffers = (~buffers_finite).float() if buffers_finite is not None else zero
+    return torch.cat([flags, buffers.reshape(1)])
+
+
+GRADIENTS = "the gradients (with a finite loss)"
 
 
 def format_record(record: Dict[str, float], epochs: int) -> str:
@@ -133,11 +149,17 @@ def nonfinite_message(
     the teacher's logits, the student's, then ``loss_terms``), and what to do. ``teacher`` is its
     (name, dtype) or None."""
     names = ["the teacher's logits", "the student's logits"] + [f"the loss term {k!r}" for k in loss_terms]
+    names += ["the student's BatchNorm statistics", GRADIENTS]
     found = [name for name, hit in zip(names, hits) if hit > 0]
     if found and found[0] == "the teacher's logits" and teacher:
         hint = (
             f"the teacher {teacher[0]} runs in {teacher[1]}: try --teacher-precision float32, "
             "and check --teacher-weights"
+        )
+    elif found == [GRADIENTS]:
+        hint = (
+            "a loss whose value is finite gave non-finite gradients (a norm or standard deviation at zero, "
+            "say): check the method's hyper-parameters (--loss-arg), lower --lr, or try --amp-dtype bfloat16"
         )
     elif found and found[0] == "the student's logits":
         hint = "lower --lr, add --warmup-epochs or --grad-clip, or use --opt O0 or --amp-dtype bfloat16"
@@ -145,7 +167,8 @@ def nonfinite_message(
         hint = "check the method's hyper-parameters (--loss-arg) and lower --lr"
     source = f"{' and '.join(found)} {'was' if len(found) == 1 else 'were'} not finite" if found else "source unknown"
     kept = f"the last good checkpoint is {last}" if last.exists() else "no checkpoint was written"
+    what = "the gradients were" if found == [GRADIENTS] else "the loss was"
     return (
-        f"the loss was not finite {how_long} (epoch {epoch}, step {step}): {source}; "
+        f"{what} not finite {how_long} (epoch {epoch}, step {step}): {source}; "
         f"those steps were skipped and the run stopped, {kept}; {hint}"
     )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -44,3 +44,47 @@ def check_batch(batch, log) -> None:
         log(f"skipped unreadable image {path}")
     if len(batch) == 0:
         raise KDError("a whole batch of images was unreadable; check the data folder")
+
+
+class BufferGuard:
+    """The buffers a training forward changes (BatchNorm's running statistics and its counter),
+    saved before each step and put back where the step is skipped, so that a skipped step leaves
+    the model exactly as it was. All on the device, no host sync: :meth:`save` before the
+    forward, :meth:`check` after it, :meth:`restore` once the step's fate is known. One flat copy
+    per dtype, so a step costs a few kernels whatever the number of layers."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self._groups: List[List[torch.Tensor]] = []
+        self._saved: List[torch.Tensor] = []
+        self._now: List[torch.Tensor] = []
+
+    def refresh(self) -> None:
+        """Collect the buffers again, after anything that may have replaced them (a cast, a resume)."""
+        groups: Dict[torch.dtype, List[torch.Tensor]] = {}
+        for buf in self.module.buffers():
+            if buf is not None and buf.numel():
+                groups.setdefault(buf.dtype, []).append(buf)
+        self._groups = list(groups.values())
+
+    def _flat(self) -> List[torch.Tensor]:
+        return [torch.cat([b.detach().reshape(-1) for b in group]) for group in self._groups]
+
+    def save(self) -> None:
+        """Before the step's forward."""
+        self._saved = self._flat()
+
+    def check(self) -> Optional[torch.Tensor]:
+        """After the forward: a 0-dim bool on the device, true where every floating buffer is finite
+        (None for a model without floating buffers)."""
+        self._now = self._flat()
+        checks = [torch.isfinite(flat).all() for flat in self._now if flat.is_floating_point()]
+        return torch.stack(checks).all() if checks else None
+
+    @torch.no_grad()
+    def restore(self, skipped: torch.Tensor) -> None:
+        """Every buffer back to its value at :meth:`save` where ``skipped`` (0-dim bool) is true."""
+        for group, saved, now in zip(self._groups, self._saved, self._now):
+            kept = torch.where(skipped, saved, now)
+            torch._foreach_copy_(group, [v.view_as(b) for v, b in zip(kept.split([b.numel() for b in group]), group)])
+        self._saved = self._now = []

@@ -59,7 +59,7 @@ def test_bench_table_csv_json_on_cpu(bench):
         assert x["img_per_s"] > 0 and x["s_per_20_iters"] > 0, x
     assert "2 process(es)" in ran[2]["impl"] and "bfloat16" in ran[3]["impl"]
     for x in rows[4:]:
-        assert x["img_per_s"] == "-" and "CUDA" in x["note"] or "--nproc" in x["note"], x
+        assert x["img_per_s"] == "-" and ("CUDA" in x["note"] or "--nproc" in x["note"]), x
     assert ran[0]["speedup"] == 1.0
     with open(out / "bench.csv") as fh:
         assert len(list(csv.DictReader(fh))) == 6

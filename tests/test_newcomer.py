@@ -130,9 +130,10 @@ def test_slow_precision_warning_names_what_to_do():
 def test_cpu_flags_of_this_machine():
     from kd.cpu import cpu_flags
 
+    if not Path("/proc/cpuinfo").is_file():
+        pytest.skip("no /proc/cpuinfo: kd reads no flags here")
     flags = cpu_flags()
-    if Path("/proc/cpuinfo").is_file():
-        assert flags and all(f == f.lower() and " " not in f for f in flags)
+    assert flags and all(f == f.lower() and " " not in f for f in flags)
 
 
 # item 3: a class folder with no image

@@ -443,11 +443,16 @@ def test_nonfinite_losses_stop_the_run_and_keep_the_last_good_checkpoint(data, t
 
     monkeypatch.setattr(kd.sides, "build_loss", lambda name, num_classes, args: NanAfterEpoch1(num_classes))
     cfg = tiny_cfg(data, tmp_path / "nan", opt=opt, epochs=3, max_nonfinite_steps=2)
+    t = trainer(cfg)
     with pytest.raises(KDError, match="not finite for 2 consecutive steps"):
-        kd.train(cfg)
+        t.fit()
+    t.close()
     state = last_checkpoint(Path(cfg.out))
-    assert state["epoch"] == 1 and state["global_step"] == 3
-    assert all(torch.isfinite(v).all() for v in state["student"].values() if v.is_floating_point())
+    assert state["epoch"] == 1 and state["global_step"] == 3 and t.global_step == 5
+    # the two NaN steps after that checkpoint reached neither the weights nor the buffers
+    held = t.precision.model_state(t.side)
+    for key, value in state["student"].items():
+        assert torch.equal(value, held[f"student.{key}"]), key
     assert len(records(Path(cfg.out))) == 1
 
 

@@ -12,10 +12,13 @@ What kd asks of apex.amp, per level:
   models handed to apex are the student side without its KD loss module, which stays float32
   with its inputs cast up (as in the native levels), so the KD softmax never runs in float16.
 * the teacher: it has its own precision (:mod:`kd.teacher`) on torch.autocast; at O1 apex's
-  globally patched torch functions are switched off around its forward
-  (``amp.disable_casts()``), so a teacher that kd runs in bfloat16 or float32 stays so.
+  globally patched torch functions are switched off around its forward (as
+  ``amp.disable_casts()`` does, but back on even when the forward raises), so a teacher that
+  kd runs in bfloat16 or float32 stays so.
 * each step: ``amp.scale_loss(loss, optimizer)`` around backward and the gradient sync, clip
-  on ``amp.master_params(optimizer)``, ``optimizer.step()`` (apex skips it on overflow);
+  on ``amp.master_params(optimizer)``, ``optimizer.step()``. At O1/O2 (dynamic scale) apex
+  skips that step on overflow; at O0/O3 (a static scale of 1) apex checks nothing, so kd checks
+  the gradients itself and skips as the native levels do;
 * checkpoints: the float32 master weights at O2 (apex's own ``state_dict`` hook would give
   the float16 weights upcast), and ``amp.state_dict()`` (loss scale and its counter).
 
@@ -26,12 +29,13 @@ precision and says so in the log.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Dict, List, Optional
 
 import torch
 from torch import nn
 
-from kd.precision.native import MasterStateMixin, Precision, keep_losses_float32
+from kd.precision.native import MasterStateMixin, Precision, keep_losses_float32, nonfinite_gradients, step_unless
 
 REMOVED = "apex.amp was removed from NVIDIA apex in May 2025; the last release tag with it is 25.05"
 
@@ -72,6 +76,18 @@ def unavailable(cfg, device: torch.device) -> Optional[str]:
     return None
 
 
+@contextlib.contextmanager
+def _casts_off(handle):
+    """apex.amp's ``disable_casts()``, which turns its patched casts back on even when the block
+    raises (apex's own leaves them off for the rest of the process then)."""
+    was = handle._is_active
+    handle._is_active = False
+    try:
+        yield
+    finally:
+        handle._is_active = was
+
+
 class ApexAmpPrecision(MasterStateMixin, Precision):
     """apex.amp at ``cfg.opt``; float16 at O1-O3 (float32 at O0)."""
 
@@ -108,8 +124,9 @@ class ApexAmpPrecision(MasterStateMixin, Precision):
 
     def other_model_context(self):
         """At O1 (once amp.initialize has patched torch's functions), those patches off."""
-        if self.opt == "O1" and getattr(self.amp._amp_state, "handle", None) is not None:
-            return self.amp.disable_casts()
+        handle = getattr(self.amp._amp_state, "handle", None)
+        if self.opt == "O1" and handle is not None:
+            return _casts_off(handle)
         return super().other_model_context()
 
     def input_cast(self, images: torch.Tensor) -> torch.Tensor:
@@ -123,20 +140,43 @@ class ApexAmpPrecision(MasterStateMixin, Precision):
         self.optimizer = optimizer
         return model, optimizer
 
-    def step(self, loss, optimizer, params, sync, clip):
+    @property
+    def dynamic(self) -> bool:
+        """O1/O2 scale the loss dynamically, and only then does apex check the gradients and skip."""
+        return self.opt in ("O1", "O2")
+
+    def step(self, loss, optimizer, params, sync, clip, keep_scale=None):
+        scaler = self._scaler()
+        before = (scaler._loss_scale, scaler._unskipped) if scaler is not None else None
         with self.amp.scale_loss(loss, optimizer) as scaled:
             scaled.backward()
-            sync()  # inside: apex unscales and checks for overflow on leaving the block
-        skipped = bool(getattr(optimizer._amp_stash, "already_patched", False))  # step() will skip
-        if clip:
-            torch.nn.utils.clip_grad_norm_(list(self.amp.master_params(optimizer)), clip)
-        optimizer.step()
+            sync()  # inside: apex unscales and (O1/O2) checks for overflow on leaving the block
+        masters = list(self.amp.master_params(optimizer))
+        if self.dynamic:
+            skipped = bool(getattr(optimizer._amp_stash, "already_patched", False))  # step() will skip
+            if skipped and keep_scale is not None and before is not None and bool(keep_scale):
+                scaler._loss_scale, scaler._unskipped = before  # apex has synced already: a host read is free
+            if clip:
+                torch.nn.utils.clip_grad_norm_(masters, clip)
+            optimizer.step()
+            found = torch.tensor(float(skipped), device=self.device)
+        else:
+            # O0/O3: a static scale of 1, with which apex checks nothing and steps on anything
+            # (its LossScaler skips only when dynamic); kd's own check, as the native levels do
+            found = nonfinite_gradients(masters, self._found, self._one)
+            if clip:
+                torch.nn.utils.clip_grad_norm_(masters, clip)
+            step_unless(optimizer, found)
         optimizer.zero_grad()  # apex's O2 zero_grad takes no arguments
-        return torch.tensor(skipped, device=self.device)
+        return found > 0
+
+    def _scaler(self):
+        scalers = getattr(self.amp._amp_state, "loss_scalers", None)
+        return scalers[0] if scalers else None
 
     def loss_scale(self) -> torch.Tensor:
-        scalers = getattr(self.amp._amp_state, "loss_scalers", None)
-        return torch.tensor(float(scalers[0].loss_scale()) if scalers else 1.0)
+        scaler = self._scaler()
+        return torch.tensor(float(scaler.loss_scale()) if scaler is not None else 1.0)
 
     def _named_masters(self, model: nn.Module) -> Dict[str, torch.Tensor]:
         if not self.master_weights or self.optimizer is None:

@@ -158,16 +158,21 @@ class Precision:
         params: Iterable[torch.Tensor],
         sync: Callable[[], None],
         clip: Optional[float],
+        keep_scale: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """The whole update for one batch; returns a 0-dim bool tensor on the device: was it skipped.
 
         A step whose gradients hold inf or NaN is skipped at every level: by the loss scaler
         where there is one (float16), else by the same check here, so a non-finite loss never
         reaches the weights. The check reads the gradients after their sync, so every process
-        decides alike.
+        decides alike. Whether to skip is the engine's decision (it makes the gradients of a step
+        it refuses NaN); this object only carries it out.
 
         ``params`` are the model's trainable parameters (clipped unless the level keeps master
         weights, which are clipped instead); ``sync`` reduces gradients across processes.
+        ``keep_scale`` (0-dim bool on the device): the step is skipped for a cause the loss scale
+        did not make (a non-finite loss), so the scale and its growth counter stay as they were
+        instead of backing off.
         """
         scaler = self.scaler
         (scaler.scale(loss) if scaler else loss).backward()
@@ -183,11 +188,15 @@ class Precision:
             if clip:
                 scaler.unscale_(optimizer)
                 torch.nn.utils.clip_grad_norm_(params, clip)
-            # _scale (Optional in the stubs) is set by scaler.scale(loss), before any step
-            scale_before = cast(torch.Tensor, scaler._scale).clone()
+            # _scale and _growth_tracker (Optional in the stubs) are set by scaler.scale(loss), before any step
+            scale, tracker = cast(torch.Tensor, scaler._scale), cast(torch.Tensor, scaler._growth_tracker)
+            scale_before, tracker_before = scale.clone(), tracker.clone()
             scaler.step(optimizer)  # skips optimizer.step() on inf/NaN gradients (one host sync)
             scaler.update()
-            skipped = cast(torch.Tensor, scaler._scale) < scale_before  # the scale only ever drops on a skipped step
+            skipped = scale < scale_before  # the scale only ever drops on a skipped step
+            if keep_scale is not None:
+                scale.copy_(torch.where(keep_scale, scale_before, scale))
+                tracker.copy_(torch.where(keep_scale, tracker_before, tracker))
         self._after_step()
         optimizer.zero_grad(set_to_none=True)
         return skipped
