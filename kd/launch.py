@@ -141,7 +141,7 @@ def _preflight_all(cfg, resume: Optional[str], overwrite: bool, students) -> Opt
 def prepare_students_out(students, resume: Optional[str], overwrite: bool) -> Optional[Path]:
     """:func:`prepare_out` for every folder of ``students`` (a :class:`kd.together.Students`);
     ``students.out`` when resuming."""
-    from kd.together import STUDENTS_FILE, is_students_folder
+    from kd.together import STUDENTS_FILE, is_students_folder, stopped_students
 
     if resume not in (None, "last"):
         raise KDError(
@@ -152,8 +152,10 @@ def prepare_students_out(students, resume: Optional[str], overwrite: bool) -> Op
             f"--out {students.out} already holds students ({STUDENTS_FILE}); "
             f"continue them with --resume or replace them with --overwrite"
         )
-    for cfg in students.cfgs:
-        prepare_out(cfg, resume, overwrite)
+    stopped = stopped_students(students.out) if resume else {}
+    for name, cfg in zip(students.names, students.cfgs):
+        if name not in stopped:  # a student stopped on a non-finite loss is not resumed
+            prepare_out(cfg, resume, overwrite)
     return students.out if resume else None
 
 
@@ -252,7 +254,13 @@ def worker(cfg, out: str, resume_from: Optional[Path], error_dir: str, visible: 
         except AttributeError:  # not on Linux
             cores = os.cpu_count() or 1
         torch.set_num_threads(max(1, cores // max(place.local_world_size, 1)))
-    last = [RunFolder(s.out).last for s in students.cfgs] if students is not None else [RunFolder(out).last]
+    if students is not None:
+        from kd.together import stopped_students
+
+        stopped = stopped_students(Path(out))
+        last = [RunFolder(s.out).last for n, s in zip(students.names, students.cfgs) if n not in stopped]
+    else:
+        last = [RunFolder(out).last]
     if place.restart > 0 and all(path.is_file() for path in last):
         # --max-restarts: the restarted group continues from the last checkpoint(s)
         resume_from = Path(out) if students is not None else last[0]

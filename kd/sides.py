@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -88,10 +89,22 @@ def build_models(cfg, num_classes: int, teacher: Optional[nn.Module] = None):
 
         loss_args = {k: v for k, v in loss_args.items() if k in CrossEntropy.defaults}
     loss = build_loss("ce" if cfg.no_teacher else cfg.kd_loss, num_classes, loss_args)
-    student = models.build(cfg.student, num_classes, cfg.student_weights)
+    with seeded(cfg.seed):
+        student = models.build(cfg.student, num_classes, cfg.student_weights)
     if not loss.needs_teacher:
         teacher = None
     elif teacher is None:
-        teacher = models.freeze(models.build(cfg.teacher, num_classes, cfg.teacher_weights))
-    s_layers, t_layers = setup_feature_layers(loss, student, teacher, cfg)
+        with seeded(cfg.seed + 1):  # a teacher without weights: the same whichever student builds it
+            teacher = models.freeze(models.build(cfg.teacher, num_classes, cfg.teacher_weights))
+    with seeded(cfg.seed + 2):  # the connectors: the same whether or not this student built the teacher
+        s_layers, t_layers = setup_feature_layers(loss, student, teacher, cfg)
     return student, loss, teacher, s_layers, t_layers
+
+
+@contextlib.contextmanager
+def seeded(seed: int):
+    """torch's CPU generator at ``seed`` inside, back where it was after: each part of a run is drawn
+    from its own position, so a student built beside others equals its own run."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield

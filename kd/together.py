@@ -49,6 +49,23 @@ def is_students_folder(out: Path) -> bool:
     return (Path(out) / STUDENTS_FILE).is_file()
 
 
+def stopped_students(out: Path) -> Dict[str, str]:
+    """The students of the run in ``out`` that a non-finite loss stopped: name -> why."""
+    path = Path(out) / STUDENTS_FILE
+    if not path.is_file():
+        return {}
+    return dict((yaml.safe_load(path.read_text()) or {}).get("stopped") or {})
+
+
+def write_students(out: Path, names: Sequence[str], stopped: Dict[str, str]) -> None:
+    """``out``/students.yaml: the students, and those stopped (a resume continues the others)."""
+    out.mkdir(parents=True, exist_ok=True)
+    content = {"students": list(names), **({"stopped": dict(stopped)} if stopped else {})}
+    tmp = out / f".{STUDENTS_FILE}.tmp"
+    tmp.write_text(yaml.safe_dump(content))
+    tmp.replace(out / STUDENTS_FILE)
+
+
 @contextlib.contextmanager
 def own_generators(lane: Trainer):
     """``lane``'s own random generators in place for its calls (its dropout masks, and its checkpoint's
@@ -83,7 +100,10 @@ class MultiTrainer:
         self.hooks = list(hooks)
         self.validates = validate
         self.global_step = 0
-        self.failed: Dict[str, str] = {}
+        # students a non-finite loss stopped (in an earlier part of this run too): not resumed
+        self.failed: Dict[str, str] = stopped_students(students.out) if resume else {}
+        if self.failed and all(name in self.failed for name in students.names):
+            raise KDError(f"every student of {students.out} stopped on a non-finite loss; nothing to resume")
         runtime = resolve_runtime(cfg, backend.device)
         self.stop = StopFlag()
         num_replicas, rank = backend.data_shard()
@@ -95,6 +115,8 @@ class MultiTrainer:
         self.teacher: Optional[Teacher] = None
         try:
             for name, lane_cfg in zip(students.names, students.cfgs):
+                if name in self.failed:
+                    continue
                 out = students.out / name
                 lane = Trainer(
                     lane_cfg,
@@ -132,8 +154,7 @@ class MultiTrainer:
         if cache is not None:
             self.lanes[0].logger.info(f"val: {cache()}")
         if backend.is_main:
-            students.out.mkdir(parents=True, exist_ok=True)
-            (students.out / STUDENTS_FILE).write_text(yaml.safe_dump({"students": list(students.names)}))
+            write_students(students.out, students.names, self.failed)
         for lane in self.lanes:
             lane.start_folder()
         self.active = list(self.lanes)
@@ -169,6 +190,8 @@ class MultiTrainer:
             lane.logger.close()
             self.failed[lane.name] = str(exc)
             self.active.remove(lane)
+            if self.backend.is_main:  # a resume continues the others
+                write_students(self.students.out, self.students.names, self.failed)
             return None
 
     def fit(self) -> Dict[str, float]:

@@ -108,6 +108,23 @@ def test_students_together_equal_separate_runs_bit_for_bit(data, tmp_path):
         assert [json.loads(line)["epoch"] for line in records] == [1, 2]
 
 
+@pytest.mark.parametrize("methods", ["kd,fitnet", "kd,at"])
+def test_a_feature_student_after_another_equals_its_separate_run(data, tmp_path, methods):
+    """A feature method's connectors are drawn from its own seed, not from where the RNG stood after
+    the student that built the shared teacher."""
+    layers = dict(feature_layers=["body.2"])
+    multi.train(multi.plan([], options(data, tmp_path / "table", kd_loss=methods, **layers), []))
+    for method in methods.split(","):
+        kd.train(kd_config.resolve(options=options(data, tmp_path / "alone" / method, kd_loss=method, **layers)))
+        together, alone = state(tmp_path / "table" / method), state(tmp_path / "alone" / method)
+        assert together["global_step"] == alone["global_step"] == 3
+        assert alone["loss"] or method != "fitnet"  # fitnet's connectors are in the checkpoint
+        for part in ("student", "loss"):
+            assert together[part].keys() == alone[part].keys()
+            for key, value in alone[part].items():
+                assert torch.equal(together[part][key], value), (method, part, key)
+
+
 def test_a_diverging_student_stops_alone(data, tmp_path):
     good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
     good.write_text(yaml.safe_dump({"kd_loss": "kd", "lr": 0.05}))
@@ -118,6 +135,11 @@ def test_a_diverging_student_stops_alone(data, tmp_path):
         multi.train(students)
     records = [json.loads(line) for line in (tmp_path / "table" / "good" / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in records] == [1, 2]
+    # --resume with more epochs continues the student that trained and leaves the stopped one stopped
+    with pytest.raises(KDError, match=r"student bad stopped: the loss was not finite .*\(completed: good\)"):
+        multi.train(multi.resumed(tmp_path / "table", {"epochs": 3}, []), resume="last")
+    records = [json.loads(line) for line in (tmp_path / "table" / "good" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records] == [1, 2, 3]
 
 
 def test_students_must_agree_on_what_they_share(data, tmp_path):
