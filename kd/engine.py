@@ -163,7 +163,7 @@ class Trainer(RunBuilder):
         progress = self.epoch + self.batch_in_epoch / max(self.steps_in_epoch, 1)
         t_logits = t_feats = None
         if teacher_out is None and self.prepared_teacher is not None:
-            teacher_out = self.prepared_teacher.forward(images)
+            teacher_out = self.prepared_teacher.forward(batch.images)  # as probed: not the student's cast
         if teacher_out is not None:
             t_logits, t_feats = teacher_out[0], {k: teacher_out[1][k] for k in self.t_layers}
         self.buffers.save()

@@ -252,7 +252,7 @@ class MultiTrainer:
                 check_batch(batch, self.active[0].logger.info)
                 teacher_out = None
                 if self.teacher is not None:
-                    teacher_out = self.teacher.forward(self.active[0].precision.input_cast(batch.images))
+                    teacher_out = self.teacher.forward(batch.images)  # as probed: not the students' cast
                 stop = False
                 for lane in list(self.active):
 

@@ -22,23 +22,33 @@ def evaluate(forward, loader, backend, precision, limit: Optional[int] = None) -
 
     ``precision`` gives ``autocast()`` and ``input_cast()`` (a run's or a teacher's precision).
     Exact across processes: the val sampler shards without padding and the counts are summed.
+    A RuntimeError in any process's forward is raised in every process, after the one collective.
     The caller puts the model in eval mode.
     """
-    sums = torch.zeros(5, device=backend.device)  # correct1, correct5, n, loss*n, rows with non-finite logits
+    # correct1, correct5, n, loss*n, rows with non-finite logits, processes whose forward raised
+    sums = torch.zeros(6, device=backend.device)
+    error: Optional[RuntimeError] = None
     for index, batch in enumerate(loader):
         if limit is not None and index >= limit:
             break
         if len(batch) == 0:
             continue
-        with precision.autocast():
-            logits = forward(precision.input_cast(batch.images))
+        try:
+            with precision.autocast():
+                logits = forward(precision.input_cast(batch.images))
+        except RuntimeError as exc:  # out of memory, a kernel the device refuses: every process hears of it
+            error = exc
+            break
         logits = logits.float()
         sums[:2] += accuracy_counts(logits, batch.labels)
         sums[2] += len(batch)
         sums[3] += torch.nn.functional.cross_entropy(logits, batch.labels, reduction="sum")
         sums[4] += (~torch.isfinite(logits).all(dim=1)).sum()
+    sums[5] = float(error is not None)
     backend.all_reduce_sum(sums)
-    c1, c5, n, loss, nonfinite = sums.tolist()
+    if sums[5].item() > 0:  # the same exception on every process, so they stay in step
+        raise error if error is not None else RuntimeError("the forward failed on another process")
+    c1, c5, n, loss, nonfinite, _ = sums.tolist()
     n = max(n, 1.0)
     return {
         "top1": 100.0 * c1 / n,

@@ -29,6 +29,7 @@ from conftest import make_image_folder
 from kd import config as kd_config
 from kd.errors import KDError
 from kd.placement import Placement
+from kd.precision import Precision
 
 
 # ----------------------------------------------------------------------------- tiny models
@@ -141,6 +142,32 @@ def _eval_job(job):
         backend.teardown()
 
 
+def _failing_eval_job(job):
+    """Rank 1's forward raises (an OOM, say) at its first batch: both ranks raise, and the next
+    evaluation on the same process group is still exact (the ranks stayed in step)."""
+    from kd.validation import evaluate
+
+    backend = backends.get("torch_ddp")(job["cfg"])
+    backend.setup()
+    try:
+        rank = backend.rank
+
+        def broken(images):
+            if rank == 1:
+                raise RuntimeError("CUDA out of memory (simulated)")
+            return torch.zeros(len(images), 7)
+
+        raised = ""
+        try:
+            evaluate(broken, fixed_loader(job["cfg"], backend), backend, Precision(backend.device))
+        except RuntimeError as exc:
+            raised = str(exc)
+        after = evaluate_fixed(job["cfg"], backend)
+        torch.save({"raised": raised, "after": after}, Path(job["result"]).with_suffix(f".{rank}"))
+    finally:
+        backend.teardown()
+
+
 def _averager_job(job):
     """Rank 1 lacks the gradient of ``b``; nobody has one for ``c``."""
     backend = backends.get("apex_ddp")(job["cfg"])
@@ -173,18 +200,21 @@ def _rng_job(job):
         backend.teardown()
 
 
-def evaluate_fixed(cfg, backend):
+def fixed_loader(cfg, backend):
     from kd.data.folder import scan_split
     from kd.data.loader import make_loader
+
+    _, samples = scan_split(Path(cfg.data), "val")
+    num_replicas, rank = backend.data_shard()
+    return make_loader(cfg, samples, False, num_replicas, rank, 4, backend.device, False)
+
+
+def evaluate_fixed(cfg, backend):
     from kd.validation import evaluate
-    from kd.precision import Precision
 
     torch.manual_seed(123)
     net = TinyNet(7).eval()
-    _, samples = scan_split(Path(cfg.data), "val")
-    num_replicas, rank = backend.data_shard()
-    loader = make_loader(cfg, samples, False, num_replicas, rank, 4, backend.device, False)
-    return evaluate(net, loader, backend, Precision(backend.device))
+    return evaluate(net, fixed_loader(cfg, backend), backend, Precision(backend.device))
 
 
 TINY = dict(
@@ -238,6 +268,13 @@ def two_process_runs(data7, tmp_path_factory):
             "port": free_port(),
             "result": str(root / "eval.pt"),
             "cfg": tiny_cfg(data7, root / "eval", backend="torch_ddp"),
+        },
+        {
+            "kind": "eval_fail",
+            "fn": _failing_eval_job,
+            "port": free_port(),
+            "result": str(root / "eval_fail"),
+            "cfg": tiny_cfg(data7, root / "eval_fail", backend="torch_ddp"),
         },
         {
             "kind": "averager",
@@ -500,6 +537,17 @@ def test_validation_over_two_processes_equals_one_exactly(two_process_runs, data
 
 
 @pytest.mark.slow
+def test_a_forward_that_fails_on_one_rank_fails_on_every_rank_in_step(two_process_runs):
+    """The teacher probe and validation: a RuntimeError on rank 1 only (an OOM) reaches rank 0 too,
+    after the one collective, so a fallback (the plain teacher) starts on every rank together."""
+    full = torch.load(two_process_runs / "eval.pt", weights_only=True)
+    for rank in (0, 1):
+        result = torch.load((two_process_runs / "eval_fail").with_suffix(f".{rank}"), weights_only=True)
+        expected = "CUDA out of memory (simulated)" if rank == 1 else "the forward failed on another process"
+        assert result["raised"] == expected
+        assert result["after"] == full
+
+
 def test_native_apex_averages_missing_gradients_as_zero(two_process_runs):
     for rank in (0, 1):
         grads = torch.load((two_process_runs / "avg").with_suffix(f".{rank}"), weights_only=True)

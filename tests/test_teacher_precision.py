@@ -217,3 +217,23 @@ def test_a_run_ending_on_nonfinite_steps_does_not_succeed(data, tmp_path, monkey
         kd.train(cfg)
     rec = records(tmp_path / "end")
     assert rec[-1]["train_skipped_steps"] == 2 and math.isfinite(rec[-1]["train_loss"])  # means over finite steps
+
+
+@pytest.mark.parametrize("opt", ["O2", "O3"])
+def test_a_float32_teacher_is_fed_what_it_was_probed_with(data, trained, tmp_path, opt):
+    """At O2/O3 the student's input is cast to bfloat16; a float32 teacher still gets the float32 crop
+    (it had been fed the student's rounded one, while its probe saw float32)."""
+    cfg = cfg_for(data, tmp_path / opt, teacher_weights=str(trained), opt=opt, teacher_precision="float32")
+    backend = backends.get("single")(cfg)
+    backend.setup()
+    t = Trainer(cfg, backend, Path(cfg.out))
+    seen = []
+    first = next(m for m in t.prepared_teacher.module.modules() if isinstance(m, nn.Conv2d))
+    first.register_forward_pre_hook(lambda m, args: seen.append(args[0].detach().clone()))
+    t.data.train.set_epoch(0)
+    batch = next(iter(t.data.train))
+    t.side.train()
+    t.step(batch)
+    t.close()
+    assert t.prepared_teacher.dtype_name == "float32" and len(seen) == 1
+    assert seen[0].dtype == torch.float32 and torch.equal(seen[0], batch.images)
