@@ -5,7 +5,7 @@
 # under each backend, a teacher made to overflow float16, and stops (a non-finite loss, SIGTERM)
 # with apex where it is installed. Every run reports its exit code, wall time, first-step time,
 # teacher precision, losses and skipped steps.
-# Usage: bash benchmarks/mission.sh PART...  (PART: data | teacher | backends | together | overflow | stops | apex)
+# Usage: bash benchmarks/mission.sh PART...  (PART: data | teacher | backends | together | overflow | stops | ctrlc | apex)
 # together: four students (kd, dkd, dist, lskd) from one teacher forward, under each of TOGETHER_BACKENDS.
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -122,6 +122,17 @@ EOF
            wait $pid; rc=$?
            echo "term_$b: exit $rc, $(( ($(date +%s%N) - t0) / 1000000 )) ms after SIGTERM; left: $(pgrep -fc "term_$b" || true) processes" | tee -a "$OUT/summary.txt"
            tail -2 "$OUT/term_$b.log" | sed "s/^/    /" | tee -a "$OUT/summary.txt"
+         done ;;
+  ctrlc) for b in ${CTRLC_BACKENDS:-torch_ddp}; do  # a terminal's Ctrl-C in set-up and mid-epoch, two ranks on GPU 0
+           for moment in "backend:0" "first step done:3"; do
+             rm -rf "$RUNS/ctrlc_$b"
+             printf "ctrlc_%s at '%s': " "$b" "$moment" | tee -a "$OUT/summary.txt"
+             $T 200 $PY benchmarks/ctrl_c.py "${moment%%:*}" "${moment##*:}" -- train $COMMON --teacher resnet101 \
+               --teacher-weights "$TEACHER" --student resnet18 --backend $b --nproc 2 --gpus 0 --opt O1 --epochs 3 \
+               --out "$RUNS/ctrlc_$b" 2>&1 | tail -1 | tee -a "$OUT/summary.txt"
+           done
+           $T 200 $KD train --out "$RUNS/ctrlc_$b" --resume --no-progress > "$OUT/ctrlc_resume_$b.log" 2>&1
+           report "ctrlc_$b" $? 0
          done ;;
   apex) for opt in O1; do
           run "apexamp_single" 240 $COMMON --teacher resnet101 --teacher-weights "$TEACHER" --student resnet18 \

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Set
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -23,7 +23,7 @@ from kd.precision import make_precision
 from kd.runfolder import RunFolder
 from kd.runtime import resolve as resolve_runtime
 from kd.sides import StudentSide, build_models
-from kd.signals import StopFlag
+from kd.signals import StopFlag, in_setup
 from kd.step import BufferGuard, StepHook
 from kd.teaching import Teacher
 
@@ -34,10 +34,17 @@ class RunBuilder:
     started: float
     hooks: List[StepHook]
 
-    def _build(self, cfg, backend, out: Path, resume_from: Optional[Path], shared=None) -> None:
+    def _build(
+        self, cfg, backend, out: Path, resume_from: Optional[Path], shared=None, stop: Optional[StopFlag] = None
+    ) -> None:
         """Set up for ``cfg`` on the set-up ``backend``: one student's run in ``out``, resumed from
         ``resume_from`` where given; ``shared`` (:class:`kd.together.Shared`) brings the data, the
-        teacher and the stop flag of a run of several students."""
+        teacher and the stop flag of a run of several students. A stop signal during set-up ends it
+        at the next of a few points, every process alike, with nothing written."""
+        self.owns_stop = shared is None and stop is None
+        self.stop = (
+            shared.stop if shared is not None else stop if stop is not None else StopFlag(backend.placement.launched)
+        )
         self.first_step: Optional[Dict[str, float]] = None  # seconds to the first step, once taken
         self.loss_terms: List[str] = []  # the loss parts besides the total, in the order of the non-finite flags
         resumed = checkpoint.load(resume_from) if resume_from is not None else None  # a broken file fails first
@@ -56,6 +63,7 @@ class RunBuilder:
         self.name = self.out.name  # the student's name beside others (kd.multi); its run folder's name
         self.rng: Dict[str, Any] = {}  # kd.multi: its generators' state between its calls (checkpoint.rng_state)
         self.owns_inputs = shared is None
+        self.stop_in_setup()
         if shared is None:
             num_replicas, rank = backend.data_shard()
             self.data = kd_data.build(
@@ -63,6 +71,16 @@ class RunBuilder:
             )
         else:
             self.data = shared.data
+        try:
+            self._build_rest(cfg, backend, resumed, resume_from, shared)
+        except BaseException:
+            if shared is None:
+                self.data.close()
+            raise
+
+    def _build_rest(self, cfg, backend, resumed, resume_from, shared) -> None:
+        dev = self.device
+        self.stop_in_setup()
         self.num_classes = num_classes = cfg.num_classes or len(self.data.classes)
         if cfg.num_classes and cfg.data != "synthetic" and cfg.num_classes != len(self.data.classes):
             raise KDError(f"--num-classes {cfg.num_classes} but {cfg.data} has {len(self.data.classes)} class folders")
@@ -86,8 +104,10 @@ class RunBuilder:
         self.side = backend.prepare_model(self.side)  # before the optimizer: sync-BN layers, parameter layout
         self.prepared_teacher: Optional[Teacher] = None
         self.notes: List[str] = []  # what kd chose for the user, kept as comments in config.yaml
+        self.stop_in_setup()
         if teacher is not None and shared is None:
             self.use_teacher(self.prepare_teacher(teacher, self.t_layers, self.hooks, backend, self.notes))
+            self.stop_in_setup()
         optimizer = build_optimizer(cfg, self.side.named_parameters(), fused_ok=self.precision.fused_optimizer_ok)
         self.side, self.optimizer = self.precision.prepare(self.side, optimizer)
         self.model = backend.wrap(self.side)
@@ -109,7 +129,8 @@ class RunBuilder:
         self.bad_files: Set[str] = set()  # the unreadable files met so far, on every process
         self.new_bad_files: Set[str] = set()  # those this process met since the last check
         self.meter = Meter(dev)
-        self.stop = StopFlag() if shared is None else shared.stop
+        # an epoch trained whose validation a stop cut short: its training totals and seconds
+        self.pending_epoch: Optional[Tuple[Dict[str, float], float]] = None
         self.steps_in_epoch = len(self.data.train)
         self.stop_every = min(cfg.log_every, 10)  # steps between stop checks across processes
         self.epoch_ended: Optional[float] = None
@@ -124,8 +145,23 @@ class RunBuilder:
             cache = getattr(self.data.val, "describe_cache", None)
             if cache is not None:
                 self.logger.info(f"val: {cache()}")
+            self.stop_in_setup()  # the last point at which a stop writes nothing
             self.start_folder()
         self._setup_seconds = time.time() - self.started
+
+    @property
+    def position(self) -> Tuple[int, int]:
+        """(epoch, batch in epoch) where training goes on: an epoch whose validation is pending counts as ended."""
+        if self.pending_epoch is not None:
+            return self.epoch + 1, 0
+        return self.epoch, self.batch_in_epoch
+
+    def stop_in_setup(self) -> None:
+        """Before the first step: a stop asked for during set-up ends the run here, with nothing
+        written (a fresh run's folder is removed by :func:`kd.launch.train`). A collective: every
+        process decides alike."""
+        if stop_anywhere(self.stop, self.backend, self.device):
+            raise in_setup(self.stop.signame)
 
     @property
     def teacher(self):
@@ -159,3 +195,10 @@ class RunBuilder:
             else:
                 self.out.mkdir(parents=True, exist_ok=True)
             kd_config.save(self.cfg, RunFolder(self.out).config, notes=self.notes)
+
+
+def stop_anywhere(stop: StopFlag, backend, device: torch.device) -> bool:
+    """Whether a stop signal reached any process (a collective)."""
+    flag = torch.tensor(float(stop.requested), device=device)
+    backend.all_reduce_sum(flag)
+    return flag.item() > 0

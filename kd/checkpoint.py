@@ -134,6 +134,8 @@ def restore_run(t, state: dict) -> None:
     t.global_step = state["global_step"]
     t.best_top1 = state["best_top1"]
     t.bad_files = set(state.get("bad_files", []))
+    pending = state.get("pending_epoch")
+    t.pending_epoch = (pending["train"], pending["seconds"]) if pending else None
     if state.get("meter") and t.backend.is_main:
         t.meter.load_state_dict(state["meter"])
     rng = state.get("rng", {}).get(str(t.backend.rank))
@@ -160,6 +162,8 @@ def run_state(t, rng: Optional[Dict[str, Any]] = None, meter: Optional[dict] = N
         "best_top1": t.best_top1,
         "bad_images": len(t.bad_files),
         "bad_files": sorted(t.bad_files),
+        # an epoch trained whose validation a stop cut short
+        "pending_epoch": {"train": t.pending_epoch[0], "seconds": t.pending_epoch[1]} if t.pending_epoch else None,
         "meter": meter,
         "rng": rng or {},
         "student_name": t.cfg.student,
@@ -205,14 +209,15 @@ def save_run(t, best: bool, step_copy: bool = False) -> None:
             t.backend.barrier()
             return
         try:
-            save_atomic(state, path)
-            if best:
-                copy_atomic(path, run.best)
-            if step_copy:  # the oldest go first, so a kill at any moment leaves at most --keep-last copies
-                kept = sorted(folder.glob("step_*.pt"))
-                for old in kept[: max(0, len(kept) - (t.cfg.keep_last - 1))]:
-                    old.unlink()
-                copy_atomic(path, folder / f"step_{t.global_step:08d}.pt")
+            with t.stop.critical():  # a forced stop (a second Ctrl-C) waits for the files
+                save_atomic(state, path)
+                if best:
+                    copy_atomic(path, run.best)
+                if step_copy:  # the oldest go first, so a kill at any moment leaves at most --keep-last copies
+                    kept = sorted(folder.glob("step_*.pt"))
+                    for old in kept[: max(0, len(kept) - (t.cfg.keep_last - 1))]:
+                        old.unlink()
+                    copy_atomic(path, folder / f"step_{t.global_step:08d}.pt")
         except OSError as exc:
             raise KDError(
                 f"could not write a checkpoint to {folder}: {exc.strerror or exc}; the previous checkpoint is intact"

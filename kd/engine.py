@@ -18,7 +18,7 @@ from kd.logging import command_start, first_step_record
 from kd.meter import Meter, format_record, nonfinite_flags, nonfinite_message
 from kd.runfolder import RunFolder
 from kd.sides import LOGITS_SUM
-from kd.signals import Interrupted
+from kd.signals import Interrupted, StopFlag
 from kd.step import StepHook, StepOutput, check_batch
 from kd.validation import validate_student
 
@@ -42,18 +42,21 @@ class Trainer(RunBuilder):
         hooks: Sequence[StepHook] = (),
         validate: bool = True,
         shared=None,
+        stop: Optional[StopFlag] = None,
     ):
         """``hooks`` see every step and epoch record; ``validate=False`` skips the teacher's and the
-        student's validation passes (timed benchmark runs); ``shared`` is a :class:`kd.together.Shared`."""
+        student's validation passes (timed benchmark runs); ``shared`` is a :class:`kd.together.Shared`;
+        ``stop`` the process's :class:`kd.signals.StopFlag` (one of the Trainer's own where not given)."""
         self.started = command_start(default=time.time())
         self.hooks = list(hooks)
         self.validates = validate
-        self._build(cfg, backend, Path(out), resume_from, shared)
+        self._build(cfg, backend, Path(out), resume_from, shared, stop)
 
     def close(self) -> None:
         """Signal handlers back, logs closed, loader workers and threads stopped: nothing outlives the run."""
-        if self.owns_inputs:
+        if self.owns_stop:
             self.stop.restore()
+        if self.owns_inputs:
             self.data.close()
         self.logger.close()
 
@@ -70,13 +73,24 @@ class Trainer(RunBuilder):
         """Epochs until ``cfg.epochs``: train, validate, log, checkpoint; returns the last epoch's record."""
         record: Dict[str, float] = {}
         if self.prepared_teacher is not None and self.epoch == 0 and self.batch_in_epoch == 0 and self.validates:
-            self.teacher_top1 = self.prepared_teacher.validate()
+            self.teacher_top1 = self.prepared_teacher.validate(self.stop)
+        self.stop_in_setup()
+        record = self.finish_pending_epoch() or record
         while self.epoch < self.cfg.epochs:
             start = time.perf_counter()
             train = self.train_epoch()
             record = self.end_epoch(train, start, time.perf_counter() - start)
         self.finish()
         return record
+
+    def finish_pending_epoch(self) -> Optional[Dict[str, float]]:
+        """After a resume: the end (validation, log, checkpoint) of an epoch whose training was done
+        when a stop cut its validation short; its record, or None where there is no such epoch."""
+        if self.pending_epoch is None:
+            return None
+        train, seconds = self.pending_epoch
+        self.pending_epoch = None
+        return self.end_epoch(train, time.perf_counter(), seconds)
 
     def end_epoch(
         self, train: Dict[str, float], start: float, seconds: float, extra: Optional[Dict[str, object]] = None
@@ -97,7 +111,12 @@ class Trainer(RunBuilder):
         for hook in self.hooks:
             hook.on_epoch_end(self, record)
         if self.validates and ((self.epoch + 1) % cfg.eval_every == 0 or self.epoch == cfg.epochs - 1):
-            record.update(validate_student(self.side, self.eval_forward, self.data.val, self.backend, self.precision))
+            stop = lambda: self.stop.requested  # noqa: E731
+            val = validate_student(self.side, self.eval_forward, self.data.val, self.backend, self.precision, stop)
+            if val is None:  # stopped: the epoch's training is kept, a resume validates it
+                self.pending_epoch = (train, seconds)
+                raise self.interrupt()
+            record.update(val)
         if self.teacher_top1 is not None:
             record["teacher_top1"], self.teacher_top1 = self.teacher_top1, None
         if self.device.type == "cuda":
@@ -254,7 +273,7 @@ class Trainer(RunBuilder):
         """A stop asked for by a signal: this step's checkpoint, and the exception that says so."""
         self._bar.close()
         self.save(best=False)
-        return Interrupted(self.stop.signame, self.global_step, self.out)
+        return Interrupted(self.stop.signame or "a signal", self.global_step, self.out)
 
     def end_train_epoch(self, first_wait: Optional[float]) -> Dict[str, float]:
         """The epoch's training totals over every process (a collective)."""

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Dict, Optional, Type, Union
 from kd.errors import KDError
 from kd.placement import Placement, slurm_env
 from kd.runfolder import RunFolder
+from kd.signals import Interrupted, held_for_children
 
 if TYPE_CHECKING:  # imported where used: a launcher process builds no Trainer
     from kd.engine import Trainer
@@ -119,9 +120,17 @@ def train(cfg, resume: Optional[str] = None, overwrite: bool = False, students=N
     nproc = backend_cls.num_processes(cfg)  # refuses requests that cannot be met, before any work
     _check_available(cfg, backend_cls)
     resume_from = _preflight_all(cfg, resume, overwrite, students)
-    if nproc == 1:
-        return run_worker(cfg, _out(cfg, students), resume_from, place, students)
-    return launch_local(cfg, nproc, resume_from, students)
+    folders = [Path(c.out) for c in students.cfgs] + [Path(students.out)] if students is not None else [Path(cfg.out)]
+    existed = {folder for folder in folders if folder.exists()}
+    try:
+        if nproc == 1:
+            return run_worker(cfg, _out(cfg, students), resume_from, place, students)
+        return launch_local(cfg, nproc, resume_from, students)
+    except (Interrupted, KeyboardInterrupt):
+        if resume_from is None:  # a stop before the first checkpoint leaves the disk as it was
+            for folder in folders:
+                RunFolder(folder).discard_unstarted(keep_folder=folder in existed)
+        raise
 
 
 def _out(cfg, students) -> Path:
@@ -217,9 +226,10 @@ def launch_local(cfg, nproc: int, resume_from: Optional[Path], students=None):
     previous = logging.root.manager.disable
     logging.disable(logging.ERROR)  # the agent's own failure report; kd reports the cause below
     try:
-        results = elastic_launch(config, worker)(
-            cfg, str(_out(cfg, students)), resume_from, error_dir, visible, students
-        )
+        with held_for_children():  # the workers take a stop signal once kd's handler is in place
+            results = elastic_launch(config, worker)(
+                cfg, str(_out(cfg, students)), resume_from, error_dir, visible, students
+            )
     except (ChildFailedError, signal_exception) as exc:
         stopped = Path(error_dir, "interrupted.txt")
         if stopped.exists():  # the workers stopped on a signal after writing their checkpoint
@@ -241,8 +251,22 @@ def launch_local(cfg, nproc: int, resume_from: Optional[Path], students=None):
 
 def worker(cfg, out: str, resume_from: Optional[Path], error_dir: str, visible: Optional[str], students=None):
     """The entrypoint of each process kd's launcher starts (module level, so it pickles)."""
-    from kd.signals import Interrupted
+    from kd.signals import Interrupted, install_early
 
+    try:
+        install_early(launched=True)  # first: the signals held while this process started arrive now
+        return _worker(cfg, out, resume_from, visible, students)
+    except Interrupted as exc:
+        if Placement.from_environment(None).rank == 0:
+            Path(error_dir, "interrupted.txt").write_text(f"{exc.signame}\n{exc}", encoding="utf-8")
+        raise SystemExit(143 if exc.signame == "SIGTERM" else 130) from None
+    except KDError as exc:
+        rank = Placement.from_environment(None).rank
+        Path(error_dir, f"rank{rank:05d}.txt").write_text(str(exc), encoding="utf-8")
+        raise SystemExit(2) from None
+
+
+def _worker(cfg, out: str, resume_from: Optional[Path], visible: Optional[str], students):
     if visible is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible
     place = Placement.for_visible_gpus(visible) if visible is not None else Placement.from_environment(cfg.gpus)
@@ -264,15 +288,7 @@ def worker(cfg, out: str, resume_from: Optional[Path], error_dir: str, visible: 
     if place.restart > 0 and all(path.is_file() for path in last):
         # --max-restarts: the restarted group continues from the last checkpoint(s)
         resume_from = Path(out) if students is not None else last[0]
-    try:
-        return run_worker(cfg, Path(out), resume_from, place, students)
-    except Interrupted as exc:
-        if place.rank == 0:
-            Path(error_dir, "interrupted.txt").write_text(f"{exc.signame}\n{exc}", encoding="utf-8")
-        raise SystemExit(143 if exc.signame == "SIGTERM" else 130) from None
-    except KDError as exc:
-        Path(error_dir, f"rank{place.rank:05d}.txt").write_text(str(exc), encoding="utf-8")
-        raise SystemExit(2) from None
+    return run_worker(cfg, Path(out), resume_from, place, students, signals_ready=True)
 
 
 def first_error(error_dir: str) -> Optional[str]:
@@ -288,7 +304,12 @@ def accept_legacy_local_rank(local_rank: Optional[int]) -> None:
 
 
 def run_worker(
-    cfg, out: Path, resume_from: Optional[Path] = None, place: Optional[Placement] = None, students=None
+    cfg,
+    out: Path,
+    resume_from: Optional[Path] = None,
+    place: Optional[Placement] = None,
+    students=None,
+    signals_ready: bool = False,
 ) -> Dict[str, float]:
     """Everything one process does for a run, from backend set-up to teardown, where ``place`` (as the
     launcher found it) says. ``timing_warmup`` (``kd bench``) adds the step timer and skips validation.
@@ -296,24 +317,37 @@ def run_worker(
     where ``resume_from`` is given."""
     import backends
     from kd.engine import Trainer
+    from kd.signals import StopFlag, install_early
 
+    launched = bool(place and place.launched)
+    # until here a stop signal ends the process at once (kd's own workers installed that at their
+    # start); from the StopFlag on it sets the flag the run checks
+    restore_signals = None if signals_ready else install_early(launched)
     backend = backends.get(cfg.backend)(cfg, place)
-    backend.setup()
     trainer: Optional[Union[Trainer, MultiTrainer]] = None
+    stop: Optional[StopFlag] = None
     hooks = []
     if cfg.timing_warmup:
         from kd.timing import StepTimer
 
         hooks.append(StepTimer(cfg.timing_warmup, backend))
     try:
+        stop = StopFlag(launched)  # before the process group: a signal inside its C++ set-up only sets the flag
+        backend.setup()
         if students is not None:
             from kd.together import MultiTrainer
 
-            trainer = MultiTrainer(students, backend, resume_from is not None, hooks=hooks, validate=not hooks)
+            trainer = MultiTrainer(
+                students, backend, resume_from is not None, hooks=hooks, validate=not hooks, stop=stop
+            )
         else:
-            trainer = Trainer(cfg, backend, out, resume_from, hooks=hooks, validate=not hooks)
+            trainer = Trainer(cfg, backend, out, resume_from, hooks=hooks, validate=not hooks, stop=stop)
         return trainer.fit()
     finally:
         if trainer is not None:
             trainer.close()
         backend.teardown()
+        if stop is not None:
+            stop.restore()
+        if restore_signals is not None:
+            restore_signals()

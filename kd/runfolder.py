@@ -71,3 +71,20 @@ class RunFolder:
             elif target.exists():
                 target.unlink()
         self.root.mkdir(parents=True, exist_ok=True)
+
+    def discard_unstarted(self, keep_folder: bool) -> None:
+        """Remove what a run wrote before its first checkpoint (a stop during set-up: config.yaml,
+        tb/, students.yaml), and the folder itself unless ``keep_folder`` (it was there before)."""
+        if self.last.exists() or not self.root.is_dir():
+            return
+        for name in (*self.RUN_FILES, "students.yaml"):
+            target = self.root / name
+            if target.is_dir():
+                shutil.rmtree(target, ignore_errors=True)
+            elif target.exists():
+                target.unlink()
+        if not keep_folder:
+            try:
+                self.root.rmdir()  # only if nothing else is in it
+            except OSError:
+                pass

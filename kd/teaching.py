@@ -9,7 +9,7 @@ that any number of students may read.
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -17,6 +17,7 @@ from torch import nn
 from kd import teacher as kd_teacher
 from kd.evaluate import teacher_preprocessing_note
 from kd.sides import TeacherSide
+from kd.signals import StopFlag, in_setup
 from kd.validation import evaluate
 
 
@@ -88,10 +89,15 @@ class Teacher:
             torch.compiler.cudagraph_mark_step_begin()
         return self.module(images)[0]
 
-    def validate(self) -> float:
-        """Top-1 on the val split, logged with the teacher's precision (and a preprocessing note)."""
+    def validate(self, stop: Optional[StopFlag] = None) -> float:
+        """Top-1 on the val split, logged with the teacher's precision (and a preprocessing note).
+        Raises :class:`kd.signals.Interrupted` in every process where ``stop`` ended the pass."""
         start = time.perf_counter()
-        top1 = evaluate(self._logits, self.val, self.backend, self.precision)["top1"]
+        asked = (lambda: stop.requested) if stop is not None else None
+        val = evaluate(self._logits, self.val, self.backend, self.precision, stop=asked)
+        if val["stopped"]:
+            raise in_setup(stop.signame if stop is not None else "")
+        top1 = val["top1"]
         self.log(
             f"teacher {self.cfg.teacher}: val top-1 {top1:.2f} (in {self.dtype_name}, "
             f"{time.perf_counter() - start:.1f}s)"

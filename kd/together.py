@@ -14,12 +14,13 @@ import yaml
 
 from kd import checkpoint
 from kd import data as kd_data
+from kd.build import stop_anywhere
 from kd.engine import Trainer
 from kd.errors import KDError, NonFinite
 from kd.logging import command_start
 from kd.runfolder import RunFolder
 from kd.runtime import resolve as resolve_runtime
-from kd.signals import Interrupted, StopFlag
+from kd.signals import Interrupted, StopFlag, in_setup
 from kd.step import StepHook, StepOutput, check_batch
 from kd.teaching import Teacher
 
@@ -84,10 +85,17 @@ class MultiTrainer:
     teacher forward per batch, each student's step, rules, log and checkpoints as its own run's."""
 
     def __init__(
-        self, students: Students, backend, resume: bool = False, hooks: Sequence[StepHook] = (), validate: bool = True
+        self,
+        students: Students,
+        backend,
+        resume: bool = False,
+        hooks: Sequence[StepHook] = (),
+        validate: bool = True,
+        stop: Optional[StopFlag] = None,
     ):
         """``resume``: every student continues from its own ``last.pt``; ``hooks`` see each shared step
-        (with this object as trainer) and each epoch's shared record (``kd bench``'s timer)."""
+        (with this object as trainer) and each epoch's shared record (``kd bench``'s timer); ``stop``
+        the process's :class:`kd.signals.StopFlag` (one of its own where not given)."""
         started = command_start(default=time.time())  # every student's first step counts from here
         cfg = students.cfgs[0]
         if cfg.compile and cfg.compile_mode in ("reduce-overhead", "max-autotune"):
@@ -105,7 +113,8 @@ class MultiTrainer:
         if self.failed and all(name in self.failed for name in students.names):
             raise KDError(f"every student of {students.out} stopped on a non-finite loss; nothing to resume")
         runtime = resolve_runtime(cfg, backend.device)
-        self.stop = StopFlag()
+        self.owns_stop = stop is None
+        self.stop = stop if stop is not None else StopFlag(backend.placement.launched)
         num_replicas, rank = backend.data_shard()
         self.data = kd_data.build(
             cfg, num_replicas, rank, backend.local_batch(cfg.batch_size), backend.device, runtime.channels_last
@@ -131,7 +140,7 @@ class MultiTrainer:
             if len(self.lanes) > 1 and self.lanes[0].precision.one_per_process:
                 raise KDError("apex.amp holds one model per process; several students need --amp-impl native")
             self._prepare_teacher(shared)
-            positions = {(lane.epoch, lane.batch_in_epoch) for lane in self.lanes}
+            positions = {lane.position for lane in self.lanes}
             if len(positions) > 1:
                 where = ", ".join(
                     f"{lane.name}: epoch {lane.epoch + 1} step {lane.batch_in_epoch}" for lane in self.lanes
@@ -153,6 +162,9 @@ class MultiTrainer:
         cache = getattr(self.data.val, "describe_cache", None)
         if cache is not None:
             self.lanes[0].logger.info(f"val: {cache()}")
+        if stop_anywhere(self.stop, backend, backend.device):  # a stop during set-up writes nothing
+            self.close()
+            raise in_setup(self.stop.signame)
         if backend.is_main:
             write_students(students.out, students.names, self.failed)
         for lane in self.lanes:
@@ -176,7 +188,8 @@ class MultiTrainer:
         """Every student's logs, the data pipeline's workers and the signal handlers: nothing outlives the run."""
         for lane in self.lanes:
             lane.close()
-        self.stop.restore()
+        if self.owns_stop:
+            self.stop.restore()
         self.data.close()
 
     def _run(self, lane: Trainer, call):
@@ -199,10 +212,15 @@ class MultiTrainer:
         stopped by a non-finite loss once the others are done."""
         lead = self.lanes[0]
         if self.teacher is not None and self.validates and lead.epoch == 0 and lead.batch_in_epoch == 0:
-            top1 = self.teacher.validate()
+            top1 = self.teacher.validate(self.stop)
             for lane in self.lanes:
                 lane.teacher_top1 = top1 if lane.needs_teacher else None
+        lead.stop_in_setup()
         records: Dict[str, Dict[str, float]] = {}
+        for lane in list(self.active):  # students whose last validation a stop cut short
+            record = self._run(lane, lane.finish_pending_epoch)
+            if record is not None:
+                records[lane.name] = record
         while self.active and self.active[0].epoch < self.active[0].cfg.epochs:
             start = time.perf_counter()
             totals = self.train_epoch()
@@ -210,15 +228,22 @@ class MultiTrainer:
             extra: Dict[str, object] = {}
             for hook in self.hooks:
                 hook.on_epoch_end(self, extra)
+            stopped = False
             for lane in list(self.active):
-                record = self._run(
-                    lane,
-                    lambda lane=lane, totals=totals, start=start, seconds=seconds, extra=extra: lane.end_epoch(
-                        totals[lane.name], start, seconds, extra
-                    ),
-                )
+                try:
+                    record = self._run(
+                        lane,
+                        lambda lane=lane, totals=totals, start=start, seconds=seconds, extra=extra: lane.end_epoch(
+                            totals[lane.name], start, seconds, extra
+                        ),
+                    )
+                except Interrupted:  # its validation was stopped, its epoch saved: the others' next
+                    stopped = True
+                    continue
                 if record is not None:
                     records[lane.name] = record
+            if stopped:
+                self._raise_interrupted()
         for lane in list(self.active):
             self._run(lane, lane.finish)
         if self.failed:
@@ -280,9 +305,12 @@ class MultiTrainer:
         for lane in self.active:
             with own_generators(lane):
                 lane.interrupt()
+        self._raise_interrupted()
+
+    def _raise_interrupted(self) -> None:
         out = self.students.out
         raise Interrupted(
-            self.stop.signame,
+            self.stop.signame or "a signal",
             message=f"stopped by {self.stop.signame} at step {self.global_step}; "
             f"every student's checkpoint written below {out}; "
             f"continue with: kd train --out {out} --resume",

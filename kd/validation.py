@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 
@@ -16,20 +16,27 @@ def accuracy_counts(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(forward, loader, backend, precision, limit: Optional[int] = None) -> Dict[str, float]:
+def evaluate(
+    forward, loader, backend, precision, limit: Optional[int] = None, stop: Optional[Callable[[], bool]] = None
+) -> Dict[str, float]:
     """top-1/top-5 (percent), loss and non-finite count of ``forward(images) -> logits`` over the
     val split (its first ``limit`` batches per process, where given).
 
     ``precision`` gives ``autocast()`` and ``input_cast()`` (a run's or a teacher's precision).
     Exact across processes: the val sampler shards without padding and the counts are summed.
     A RuntimeError in any process's forward is raised in every process, after the one collective.
+    ``stop()`` is asked before each batch: where it says so in any process, the pass ends early
+    and the result has ``stopped`` > 0 in every process (its figures are then partial).
     The caller puts the model in eval mode.
     """
-    # correct1, correct5, n, loss*n, rows with non-finite logits, processes whose forward raised
-    sums = torch.zeros(6, device=backend.device)
+    # correct1, correct5, n, loss*n, rows with non-finite logits, processes whose forward raised, stopped
+    sums = torch.zeros(7, device=backend.device)
     error: Optional[RuntimeError] = None
     for index, batch in enumerate(loader):
         if limit is not None and index >= limit:
+            break
+        if stop is not None and stop():
+            sums[6] = 1.0
             break
         if len(batch) == 0:
             continue
@@ -48,7 +55,7 @@ def evaluate(forward, loader, backend, precision, limit: Optional[int] = None) -
     backend.all_reduce_sum(sums)
     if sums[5].item() > 0:  # the same exception on every process, so they stay in step
         raise error if error is not None else RuntimeError("the forward failed on another process")
-    c1, c5, n, loss, nonfinite, _ = sums.tolist()
+    c1, c5, n, loss, nonfinite, _, stopped = sums.tolist()
     n = max(n, 1.0)
     return {
         "top1": 100.0 * c1 / n,
@@ -56,18 +63,21 @@ def evaluate(forward, loader, backend, precision, limit: Optional[int] = None) -
         "loss": loss / n,
         "count": int(sums[2].item()),
         "nonfinite": int(nonfinite),
+        "stopped": int(stopped),
     }
 
 
-def validate_student(side, forward, loader, backend, precision) -> Dict[str, float]:
+def validate_student(side, forward, loader, backend, precision, stop=None) -> Optional[Dict[str, float]]:
     """The student on the val split, as the record's ``val_*`` keys: the model the checkpoint holds
-    (every process's buffers as rank 0's)."""
+    (every process's buffers as rank 0's); None where ``stop()`` ended the pass (in every process)."""
     import time
 
     side.eval()
     backend.sync_buffers(side)
     start = time.perf_counter()
-    val = evaluate(forward, loader, backend, precision)
+    val = evaluate(forward, loader, backend, precision, stop=stop)
+    if val["stopped"]:
+        return None
     return {
         "val_top1": val["top1"],
         "val_top5": val["top5"],

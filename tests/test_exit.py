@@ -8,6 +8,7 @@ installed) the same, since apex runs once did not exit after stopping.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -151,3 +152,102 @@ def test_apex_runs_stop_promptly_too(data, tmp_path, how, backend):
     stop(proc, how)
     out = assert_gone(proc, marker)
     assert proc.returncode == (SIGNALS[how][1] if how in SIGNALS else 2), out
+
+
+# ----------------------------------------------------------------------------- Ctrl-C as a terminal sends it
+DDP = ["--backend", "torch_ddp", "--nproc", "2", "-j", "1", "--no-progress", "--device", "cpu"]
+TEACHER = ["--teacher", "resnet18", "--teacher-weights", "none", "--student", "resnet18"]
+
+
+@pytest.fixture(scope="module")
+def long_val(tmp_path_factory):
+    """One training step an epoch (12 images, batch 12) and a validation pass of a few seconds."""
+    return make_image_folder(
+        tmp_path_factory.mktemp("long_val"), classes=3, train_per_class=4, val_per_class=70, size=(64, 64)
+    )
+
+
+def start_group(marker: str, *args):
+    """``kd train ARGS`` in a process group of its own, as a terminal's foreground job."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "KD_TEST_MARKER": marker}
+    env["OMP_NUM_THREADS"] = "1"
+    return subprocess.Popen(
+        [sys.executable, "-m", "cli", "train", *map(str, args)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def ctrl_c(proc, after: str, delay: float = 0.0) -> float:
+    """Ctrl-C to the whole group (kd's launcher, its workers, their loader workers) once ``after``
+    is printed; the time it was sent."""
+    wait_line(proc, after)
+    time.sleep(delay)
+    os.killpg(proc.pid, signal.SIGINT)
+    return time.time()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment", ["backend torch_ddp", "val: "])
+def test_ctrl_c_during_set_up_leaves_the_disk_as_it_was(long_val, tmp_path, moment):
+    """In the workers' model building, and in the teacher's first validation pass (after the run
+    folder was started): one line, exit 130, and no --out."""
+    marker = uuid.uuid4().hex
+    out = tmp_path / "run"
+    proc = start_group(marker, "--data", long_val, *TEACHER, *DDP, "--image-size", 64, "-b", 12, "--out", out)
+    sent = ctrl_c(proc, moment)
+    text = assert_gone(proc, marker)
+    assert proc.returncode == 130 and time.time() - sent < 20, text
+    assert "Traceback" not in text and text.strip().splitlines()[-1] == (
+        "kd: stopped by SIGINT during set-up; nothing was written"
+    ), text
+    assert not out.exists()
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_validation_keeps_the_epoch_and_resumes_it(long_val, tmp_path):
+    """The stop lands in the end-of-epoch validation: the epoch's training is saved (its validation
+    pending, not the stop's partial one), and --resume validates it, then trains on."""
+    marker = uuid.uuid4().hex
+    out = tmp_path / "run"
+    args = ["--data", long_val, *TEACHER, *DDP, "--image-size", 64, "-b", 12, "--epochs", 2]
+    proc = start_group(marker, *args, "--teacher-precision", "float32", "--out", out)
+    sent = ctrl_c(proc, "first step done", 0.3)
+    text = assert_gone(proc, marker)
+    assert proc.returncode == 130 and time.time() - sent < 20, text
+    assert "Traceback" not in text and "kd: stopped by SIGINT at step 1; checkpoint written" in text, text
+    state = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
+    assert (state["epoch"], state["global_step"]) == (0, 1) and state["pending_epoch"]["train"]["images"] == 12
+    assert not (out / "metrics.jsonl").exists()
+    proc = start_group(marker, "--out", out, "--resume")
+    text = assert_gone(proc, marker, grace=300)
+    assert proc.returncode == 0, text
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records] == [1, 2] and records[0]["train_images"] == 12 and "val_top1" in records[0]
+
+
+def test_a_second_ctrl_c_waits_for_the_checkpoint_and_a_launched_process_ignores_it():
+    from kd.signals import StopFlag
+
+    flag = StopFlag(launched=False)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with flag.critical():
+                os.kill(os.getpid(), signal.SIGINT)
+                os.kill(os.getpid(), signal.SIGINT)  # "stop now", but not inside the write
+                time.sleep(0.05)
+                written = True
+        assert flag.requested and flag.signame == "SIGINT" and written
+    finally:
+        flag.restore()
+    flag = StopFlag(launched=True)  # the launcher's forwarded copy of the first signal
+    try:
+        for _ in range(3):
+            os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+        assert flag.requested
+    finally:
+        flag.restore()
