@@ -562,30 +562,42 @@ def test_float16_levels_on_cuda(data, tmp_path, opt):
 @needs_cuda
 @pytest.mark.parametrize("opt", ["O1", "O2"])
 def test_fused_sgd_on_cuda_matches_foreach(data, tmp_path, opt, monkeypatch):
-    """CUDA runs use fused SGD (the scaler's inf check stays on the device); same result as foreach."""
-    states = {}
-    # deterministic kernels: the two runs then differ only by the optimizer's arithmetic (with
-    # cuDNN's atomics in the backward, 2 epochs drifted apart beyond the tolerance once)
+    """CUDA runs use fused SGD (the scaler's inf check stays on the device), and its steps are
+    foreach SGD's: the same weights, masters and momentum after each of several float16 steps, one
+    of them skipped, from the same gradients (a small model without atomics in its backward and
+    deterministic cuDNN, so that both get the same gradients; two whole runs of a real student
+    drift apart by cuDNN's nondeterminism alone)."""
+    t = trainer(tiny_cfg(data, tmp_path / opt, device="cuda", opt=opt))
+    assert t.optimizer.defaults.get("fused") is True
+    t.close()
     monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    cls = {"O1": AutocastPrecision, "O2": MasterWeightPrecision}[opt]
+    cuda = torch.device("cuda")
+    runs = []
     for fused in (True, False):
-        cfg = tiny_cfg(
-            data,
-            tmp_path / f"{opt}_{fused}",
-            device="cuda",
-            opt=opt,
-            epochs=2,
-            fused_optimizer=fused,
-            cudnn_benchmark=False,
-        )  # the same convolution algorithms in both runs
-        t = trainer(cfg)
-        assert bool(t.optimizer.defaults.get("fused")) == fused
-        t.fit()
-        states[fused] = last_checkpoint(Path(cfg.out))
-    a, b = states[True], states[False]
-    assert a["precision"]["scaler"] == b["precision"]["scaler"]
-    for key, value in a["student"].items():
-        if value.is_floating_point():
-            torch.testing.assert_close(value, b["student"][key], rtol=2e-3, atol=2e-4, msg=key)
+        model = small_model().cuda()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4, fused=fused)
+        precision = cls(cuda, torch.float16)
+        model, optimizer = precision.prepare(model, optimizer)
+        runs.append((precision, model, optimizer))
+    for seed in range(6):
+        skipped = []
+        for precision, model, optimizer in runs:
+            g = torch.Generator().manual_seed(seed)
+            x, y = torch.randn(8, 3, 8, 8, generator=g).cuda(), torch.randint(0, 3, (8,), generator=g).cuda()
+            with precision.autocast():
+                out = model(precision.input_cast(x))
+            loss = nn.functional.cross_entropy(out.float(), y) * (float("inf") if seed == 3 else 1.0)
+            params = [p for p in model.parameters() if p.requires_grad]
+            skipped.append(bool(precision.step(loss, optimizer, params, lambda: None, 1.0)))
+        assert skipped == [seed == 3] * 2
+        (pa, ma, sa), (pb, mb, sb) = (snapshot(model, optimizer) for _, model, optimizer in runs)
+        for x, y in zip(pa + ma, pb + mb):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+        for x, y in zip(sa, sb):
+            torch.testing.assert_close(x["momentum_buffer"], y["momentum_buffer"], rtol=1e-5, atol=1e-6)
+    assert runs[0][0].scaler.state_dict() == runs[1][0].scaler.state_dict()
 
 
 @pytest.mark.gpu
