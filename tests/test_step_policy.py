@@ -266,3 +266,18 @@ def test_the_stated_torch_minimum_is_the_one_kd_checks(data, tmp_path, monkeypat
         "kd: error: kd needs torch 2.4 or newer, this is torch 2.3.1+cpu: pip install 'torch>=2.4'"
     ], r.stderr
     assert not (tmp_path / "old").exists()
+
+
+def test_apex_casts_come_back_on_after_a_teacher_forward_that_raises():
+    """apex's own disable_casts() leaves its casts off for the rest of the process when the block
+    raises (no try/finally); kd's turns them back on (the handle is apex's AmpHandle's one flag)."""
+    from types import SimpleNamespace
+
+    from kd.precision.apex import _casts_off
+
+    handle = SimpleNamespace(_is_active=True)
+    with pytest.raises(RuntimeError):
+        with _casts_off(handle):
+            assert handle._is_active is False
+            raise RuntimeError("CUDA out of memory (in the teacher's forward)")
+    assert handle._is_active is True
