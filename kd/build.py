@@ -121,6 +121,8 @@ class RunBuilder:
         self.params = [p for p in self.side.parameters() if p.requires_grad]
         self.buffers = BufferGuard(self.side)  # put back on a skipped step
         self.scheduler = build_scheduler(cfg, self.optimizer, len(self.data.train))
+        self.step_lr = self.optimizer.param_groups[0]["lr"]  # the lr of the last step taken (logged)
+        self.epoch_lr: Optional[float] = None  # the lr of this epoch's first step
 
         self.epoch = 0
         self.batch_in_epoch = 0

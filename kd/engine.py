@@ -101,7 +101,8 @@ class Trainer(RunBuilder):
         record = {
             "epoch": self.epoch + 1,
             **{f"train_{k}": v for k, v in train.items()},
-            "lr": self.optimizer.param_groups[0]["lr"],
+            # the lr the epoch's first step trained at (the optimizer's holds the next step's)
+            "lr": self.epoch_lr if self.epoch_lr is not None else self.optimizer.param_groups[0]["lr"],
             "seconds": seconds,
             "img_per_s": train.get("images", 0) / max(seconds, 1e-9),
             **(extra or {}),
@@ -132,6 +133,7 @@ class Trainer(RunBuilder):
         self.logger.info(format_record(record, cfg.epochs))
         self.epoch += 1
         self.batch_in_epoch = 0
+        self.epoch_lr = None
         self.save(best)
         return record
 
@@ -209,6 +211,9 @@ class Trainer(RunBuilder):
         )
         self.buffers.restore(skipped)  # a skipped step leaves BatchNorm's statistics as they were
         flags = torch.cat([flags, (skipped & good).float().reshape(1)])  # skipped on its gradients alone
+        self.step_lr = self.optimizer.param_groups[0]["lr"]  # the lr this step trained at (logged)
+        if self.epoch_lr is None:
+            self.epoch_lr = self.step_lr
         self.scheduler.step()
         self.global_step += 1
         self.batch_in_epoch += 1
@@ -304,7 +309,7 @@ class Trainer(RunBuilder):
     def _log_interval(self, stats: Dict[str, float], elapsed: float, bar) -> None:
         scale = self.precision.loss_scale()
         extra = {
-            "lr": self.optimizer.param_groups[0]["lr"],
+            "lr": self.step_lr,  # the last step's
             "bad_images": len(self.bad_files | self.new_bad_files),
             **({"loss_scale": float(scale)} if scale is not None else {}),
             **({"gpu_mem_gb": torch.cuda.memory_allocated(self.device) / 2**30} if self.device.type == "cuda" else {}),

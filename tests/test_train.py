@@ -261,3 +261,19 @@ def test_feature_method_connectors_are_trained_and_checkpointed(image_folder, tm
         assert any(k.startswith("connectors.") for k in state["loss"])
     r = kd_main("train", "--out", out, "--resume", "--epochs", 2)
     assert r.returncode == 0, r.stderr
+
+
+def test_the_logged_lr_is_the_one_the_epoch_trained_at(image_folder, tmp_path):
+    """A milestone after epoch 1: epoch 1 trained at the base lr and is logged so (it had been
+    logged at the decayed lr, the optimizer's value for the next step), in TensorBoard too."""
+    cfg = tiny_cfg(
+        image_folder, tmp_path / "lr", no_teacher=True, teacher=None, lr=0.05, lr_schedule="step", lr_milestones=[1]
+    )
+    kd.train(cfg)
+    records = [json.loads(line) for line in (tmp_path / "lr" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in records] == pytest.approx([0.05, 0.005])
+    events = EventAccumulator(str(tmp_path / "lr" / "tb"))
+    events.Reload()
+    assert [e.value for e in events.Scalars("epoch/lr")] == pytest.approx([0.05, 0.005])
+    steps = events.Scalars("train/lr")  # each interval's last step
+    assert steps[0].value == pytest.approx(0.05) and steps[-1].value == pytest.approx(0.005)
