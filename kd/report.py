@@ -10,7 +10,7 @@ import io
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
@@ -64,7 +64,7 @@ def collect(run: Path) -> Dict[str, object]:
     best = max(evals, key=lambda r: r["val_top1"])
     wall = sum(r.get("seconds", 0.0) for r in records)
     last = evals[-1]
-    ref = (cfg.get("reference") or {}).get("top1")
+    ref, why = paper_reference(cfg, records)
     return {
         "run": str(run),
         "method": "baseline" if cfg.get("no_teacher") else cfg.get("kd_loss", "?"),
@@ -79,7 +79,44 @@ def collect(run: Path) -> Dict[str, object]:
         "diff": round(best["val_top1"] - ref, 2) if ref is not None else "-",
         "wall": duration(wall),
         "wall_s": round(wall, 1),
+        "_no_reference": why,
     }
+
+
+#: ImageNet-1k's training images: a run made from a recipe is the paper's setting only on them.
+IMAGENET_TRAIN_IMAGES = 1_281_167
+#: Recipe keys that do not change what is measured (where and how fast it runs).
+NOT_THE_SETTING = {
+    "description", "reference", "data", "out", "compile", "compile_mode", "opt", "amp_dtype", "amp_impl",
+    "workers", "loader", "progress_bar", "log_every", "eval_every", "save_every_steps", "keep_last",
+    "gpus", "backend", "device", "nproc", "recipe",
+}  # fmt: skip
+
+
+def paper_reference(cfg: Dict[str, Any], records: List[Dict[str, Any]]) -> Tuple[Optional[float], Optional[str]]:
+    """(the recipe's published top-1, None) for a run of that recipe's setting on ImageNet, else
+    (None, why not) where the run's recipe has a reference: another model, method, hyper-parameter
+    or epoch count than the recipe's, or other data (an epoch of fewer images than ImageNet's)."""
+    ref = (cfg.get("reference") or {}).get("top1")
+    if ref is None:
+        return None, None
+    name = cfg.get("recipe")
+    try:
+        from kd.config import find_recipe, load_yaml
+
+        recipe = load_yaml(find_recipe(str(name))) if name else {}
+    except KDError:
+        recipe = {}
+    if not recipe:
+        return None, f"its recipe {name} is not found here, so its setting cannot be checked"
+    differ = [k for k in recipe if k not in NOT_THE_SETTING and cfg.get(k) != recipe[k]]
+    if differ:
+        shown = ", ".join(f"{k} {cfg.get(k)!r} (recipe: {recipe[k]!r})" for k in differ[:3])
+        return None, f"not the setting of recipe {name}: {shown}{' ...' if len(differ) > 3 else ''}"
+    images = records[0].get("train_images") if records else None
+    if images is not None and images < 0.99 * IMAGENET_TRAIN_IMAGES:
+        return None, f"trained on {int(images):,} images an epoch, not ImageNet-1k's {IMAGENET_TRAIN_IMAGES:,}"
+    return ref, None
 
 
 MAX_DEPTH = 3  # folder levels searched below a path (runs/<group>/<run>/ is 2): a dataset beside the runs is not walked
@@ -117,9 +154,14 @@ def report(runs: Sequence[Path], note: Optional[Callable[[str], None]] = None) -
     rows = []
     for run in [run for path in runs for run in find_runs(Path(path), skipped.append)]:
         try:
-            rows.append(collect(run))
+            row = collect(run)
         except KDError as exc:  # a run that has not evaluated yet, a broken metrics.jsonl
             skipped.append(f"skipped {run}: {exc}")
+            continue
+        why = row.pop("_no_reference")
+        if why:
+            skipped.append(f"{run}: no paper reference shown, {why}")
+        rows.append(row)
     if not rows:
         reasons = "; ".join(s[len("skipped ") :] for s in skipped[:3]) or "no path given"
         raise KDError(f"no kd run to report: {reasons}{' ...' if len(skipped) > 3 else ''}")
@@ -160,7 +202,7 @@ def plot(runs: Sequence[Path], path: Path, note: Optional[Callable[[str], None]]
         label = Path(run).name if len(found) > 1 else str(run)
         evals = [r for r in records if "val_top1" in r]
         top1.plot([r["epoch"] for r in evals], [r["val_top1"] for r in evals], color=color, marker=".", label=label)
-        ref = (cfg.get("reference") or {}).get("top1")
+        ref, _ = paper_reference(cfg, records)
         if ref is not None:
             top1.axhline(ref, color=color, linestyle="--", linewidth=1, label=f"{label}: paper {ref}")
         trained = [r for r in records if "train_loss" in r]

@@ -36,23 +36,49 @@ def test_short_schedule_scales_milestones():
     assert cfg.epochs == 20 and cfg.lr_milestones == [6, 12, 18]
 
 
+def fake_run(out, recipe, options, train_images):
+    """A run folder as kd writes it for ``recipe`` with ``options``: its config.yaml, and three
+    evaluated epochs of ``train_images`` images each (1.5 h in all)."""
+    out.mkdir(parents=True)
+    cfg = kd_config.resolve(recipe=recipe, options=options)
+    kd_config.save(cfg, out / "config.yaml")
+    rows = [
+        {"epoch": e, "train_images": train_images, "val_top1": v, "val_top5": v + 20, "seconds": 1800}
+        for e, v in ((1, 60.0), (2, 70.5), (3, 70.1))
+    ]
+    (out / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in rows) + "\n")
+    return out
+
+
+def test_a_paper_reference_is_shown_for_the_recipes_setting_only(tmp_path):
+    """The recipe's top-1 is the paper's for its models, method, hyper-parameters and epochs on
+    ImageNet: another student, more epochs, or a small folder get none, and a note says why."""
+    same = fake_run(tmp_path / "same", "imagenet/r34_r18_kd", {}, train_images=1_281_024)
+    student = fake_run(tmp_path / "student", "imagenet/r34_r18_kd", {"student": "resnet34"}, 1_281_024)
+    small = fake_run(tmp_path / "small", "imagenet/r34_r18_kd", {}, train_images=12_000)
+    r = kd_main("report", same, student, small)
+    assert r.returncode == 0, r.stderr
+    rows = {line.split("|")[1].strip(): line.split("|") for line in r.stdout.splitlines() if "|" in line}
+    assert rows[str(same)][10].strip() == "71.03" and rows[str(same)][11].strip() == "-0.53"
+    assert rows[str(student)][10].strip() == "-" and rows[str(small)][10].strip() == "-"
+    assert (
+        f"kd report: {student}: no paper reference shown, not the setting of recipe imagenet/r34_r18_kd: " in r.stderr
+    )
+    assert "student 'resnet34' (recipe: 'resnet18')" in r.stderr
+    assert f"{small}: no paper reference shown, trained on 12,000 images an epoch, not ImageNet-1k's 1,281,167" in (
+        r.stderr
+    )
+
+
 def test_recipes_cli_and_report(tmp_path):
     r = kd_main("recipes", "list")
     assert r.returncode == 0 and "imagenet/r34_r18_dkd" in r.stdout and "71.7" in r.stdout
     r = kd_main("recipes", "show", "imagenet/r34_r18_dist")
     assert r.returncode == 0 and "kd_loss: dist" in r.stdout
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "config.yaml").write_text(
-        "kd_loss: dkd\nteacher: resnet34\nstudent: resnet18\nepochs: 3\nreference: {top1: 71.7}\n"
-    )
-    rows = [
-        {"epoch": e, "val_top1": v, "val_top5": v + 20, "seconds": 1800} for e, v in ((1, 60.0), (2, 70.5), (3, 70.1))
-    ]
-    (run / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in rows) + "\n")
+    run = fake_run(tmp_path / "run", "imagenet/r34_r18_dkd", {}, train_images=1_281_024)
     r = kd_main("report", run, "--csv", tmp_path / "t.csv")
     assert r.returncode == 0, r.stderr
-    assert "| dkd | resnet34 | resnet18 | 3/3 | 70.5 | 90.5 | 70.1 | 90.1 | 71.7 | -1.2 | 1.5h |" in r.stdout
+    assert "| dkd | resnet34 | resnet18 | 3/100 | 70.5 | 90.5 | 70.1 | 90.1 | 71.7 | -1.2 | 1.5h |" in r.stdout
     assert (tmp_path / "t.csv").read_text().startswith("run,method")
     r = kd_main("report", tmp_path / "nothing")
     assert r.returncode == 2 and "does not exist" in r.stderr
