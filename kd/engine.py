@@ -102,7 +102,7 @@ class Trainer(RunBuilder):
             "epoch": self.epoch + 1,
             **{f"train_{k}": v for k, v in train.items()},
             # the lr the epoch's first step trained at (the optimizer's holds the next step's)
-            "lr": self.epoch_lr if self.epoch_lr is not None else self.optimizer.param_groups[0]["lr"],
+            "lr": float(self.epoch_lr if self.epoch_lr is not None else self.optimizer.param_groups[0]["lr"]),
             "seconds": seconds,
             "img_per_s": train.get("images", 0) / max(seconds, 1e-9),
             **(extra or {}),
