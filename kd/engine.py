@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Dict, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 import torch
 
@@ -98,7 +98,7 @@ class Trainer(RunBuilder):
         """The epoch's record from its training totals: hooks, validation, the log, metrics.jsonl and
         the checkpoint; the epoch counter moves on. ``extra`` joins the record first."""
         cfg = self.cfg
-        record = {
+        record: Dict[str, Any] = {
             "epoch": self.epoch + 1,
             **{f"train_{k}": v for k, v in train.items()},
             # the lr the epoch's first step trained at (the optimizer's holds the next step's)
