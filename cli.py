@@ -195,6 +195,19 @@ def eval_cmd(model, weights, data, batch_size, image_size, val_resize, workers, 
     click.echo(f"{r['model']} {weights}: top-1 {r['top1']:.2f}  top-5 {r['top5']:.2f}  ({r['count']} images)")
 
 
+@cli.command("export")
+@click.argument("run", type=click.Path(path_type=Path))
+@click.option(
+    "--out", "-o", required=True, type=click.Path(path_type=Path), help="weights.pt, .pth or .safetensors to write."
+)
+def export_cmd(run, out):
+    """A run's student (RUN: a run folder, its best.pt, or a kd checkpoint) as a plain state dict,
+    with its model name, classes and preprocessing in OUT's .json beside it."""
+    from kd.export import describe, export
+
+    click.echo(describe(export(run, out), out))
+
+
 @cli.command()
 @click.option("--out", "-o", default="runs/demo", show_default=True, metavar="DIR", help="Where the demo runs go.")
 @click.option("--epochs", type=int, default=None, help="Epochs of every run [teacher 20, students 6].")

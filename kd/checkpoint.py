@@ -148,10 +148,13 @@ def run_state(t, rng: Optional[Dict[str, Any]] = None, meter: Optional[dict] = N
     position in the epoch, counters, the run's config, and (from :func:`save_run`) every rank's
     generators and a mid-epoch meter."""
     side = t.precision.model_state(t.side)
+    student = {k[len("student.") :]: v for k, v in side.items() if k.startswith("student.")}
     return {
         "format": FORMAT_VERSION,
         "kd_version": __version__,
-        "student": {k[len("student.") :]: v for k, v in side.items() if k.startswith("student.")},
+        "student": student,
+        # the same tensors (stored once) where timm's load_checkpoint and most scripts look
+        "state_dict": student,
         "loss": {k[len("loss.") :]: v for k, v in side.items() if k.startswith("loss.")},
         "optimizer": t.optimizer.state_dict(),
         "scheduler": t.scheduler.state_dict(),
@@ -168,6 +171,7 @@ def run_state(t, rng: Optional[Dict[str, Any]] = None, meter: Optional[dict] = N
         "rng": rng or {},
         "student_name": t.cfg.student,
         "num_classes": t.num_classes,
+        "classes": list(t.data.classes),
         "config": t.cfg.to_dict(),
     }
 

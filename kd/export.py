@@ -1,0 +1,89 @@
+"""``kd export RUN -o weights.pt|weights.safetensors``: a run's student as a plain state dict, with
+what it needs beside it (model name, classes, preprocessing) in ``weights.json``.
+
+The state dict is the student's own (the keys its torchvision or timm model has), float32, so
+``model.load_state_dict(torch.load("weights.pt"))`` and ``timm.create_model(name,
+checkpoint_path="weights.pt", num_classes=N)`` load it as they load any weights. A kd
+checkpoint itself holds the same tensors under ``state_dict`` as well, where timm's
+``load_checkpoint`` looks.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict
+
+from kd import checkpoint
+from kd.data.folder import default_val_resize
+from kd.data.loader import MEAN, STD
+from kd.errors import KDError
+from kd.runfolder import RunFolder
+
+FORMATS = (".pt", ".pth", ".safetensors")
+
+
+def source_checkpoint(run: Path) -> Path:
+    """The checkpoint to export: ``run`` itself (a .pt file), or a run folder's best.pt (else last.pt)."""
+    if run.is_file():
+        return run
+    folder = RunFolder(run)
+    for path in (folder.best, folder.last):
+        if path.is_file():
+            return path
+    raise KDError(f"{run} holds no checkpoint (neither {folder.best} nor {folder.last})")
+
+
+def preprocessing(config: Dict[str, Any]) -> Dict[str, Any]:
+    """What the student expects at evaluation: the run's crop and resize, and kd's normalisation."""
+    size = int(config.get("image_size") or 224)
+    return {
+        "image_size": size,
+        "resize": int(config.get("val_resize") or default_val_resize(size)),
+        "interpolation": "bilinear",
+        "mean": [round(m / 255, 6) for m in MEAN],
+        "std": [round(s / 255, 6) for s in STD],
+    }
+
+
+def export(run: Path, out: Path) -> Dict[str, Any]:
+    """Write the student of ``run`` (a run folder or a kd checkpoint) to ``out`` and its description
+    to ``out`` with the suffix .json; returns that description. ``out`` is written atomically."""
+    out = Path(out)
+    if out.suffix not in FORMATS:
+        raise KDError(f"-o {out}: give a file ending in {', '.join(FORMATS)}")
+    path = source_checkpoint(Path(run))
+    state = checkpoint.load(path)
+    weights = {k: v.contiguous() for k, v in state["student"].items()}
+    config = state.get("config") or {}
+    info = {
+        "model": state.get("student_name") or config.get("student"),
+        "num_classes": state.get("num_classes"),
+        "classes": state.get("classes"),
+        "preprocessing": preprocessing(config),
+        "source": str(path),
+        "epoch": state.get("epoch"),
+        "best_top1": state.get("best_top1"),
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.suffix == ".safetensors":
+        from safetensors.torch import save_file
+
+        tmp = out.with_name(f".{out.name}.tmp")
+        save_file(weights, str(tmp), metadata={"model": str(info["model"]), "num_classes": str(info["num_classes"])})
+        tmp.replace(out)
+    else:
+        checkpoint.save_atomic(weights, out)
+    out.with_suffix(".json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+    return info
+
+
+def describe(info: Dict[str, Any], out: Path) -> str:
+    load = (
+        f"timm.create_model('{str(info['model'])[len('timm:') :]}', checkpoint_path='{out}', "
+        f"num_classes={info['num_classes']})"
+        if str(info["model"]).startswith("timm:")
+        else f"torchvision.models.get_model('{info['model']}', num_classes={info['num_classes']})"
+        f".load_state_dict(torch.load('{out}'))"
+    )
+    return f"wrote {out} and {out.with_suffix('.json')} ({info['model']}, {info['num_classes']} classes); load: {load}"
