@@ -151,6 +151,9 @@ class StopFlag:
         if not self.requested:
             self.requested = True
             self.signame = signal.Signals(signum).name
+            # the process is stopping: should the set-up handler be back (after restore(), while the
+            # process ends), a late copy of the signal is a repeat to it, not a new stop
+            _early.setdefault("signame", self.signame)
 
     @contextlib.contextmanager
     def critical(self) -> Iterator[None]:

@@ -251,3 +251,22 @@ def test_a_second_ctrl_c_waits_for_the_checkpoint_and_a_launched_process_ignores
         assert flag.requested
     finally:
         flag.restore()
+
+
+def test_a_late_copy_of_the_signal_after_the_run_is_no_new_stop():
+    """A launched worker's run has stopped on a SIGINT and put the set-up handler back; the
+    launcher's forwarded copy then arrives while the process exits: ignored (it had raised there,
+    a traceback in threading's shutdown)."""
+    from kd.signals import StopFlag, install_early
+
+    restore = install_early(launched=True)
+    try:
+        flag = StopFlag(launched=True)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+        flag.restore()
+        assert flag.requested
+        os.kill(os.getpid(), signal.SIGINT)  # would raise Interrupted from the set-up handler
+        time.sleep(0.05)
+    finally:
+        restore()
