@@ -205,9 +205,10 @@ def test_crop_resize_identity_and_order():
 
 # ----------------------------------------------------------------------------- reduced decode
 def test_large_jpegs_are_decoded_reduced_and_still_give_torchvisions_crops(tmp_path, monkeypatch):
-    """A crop that shrinks 4x or more is decoded by libjpeg at 1/2, 1/4 or 1/8 size: the result
-    must stay the crop torchvision's transforms make from the full-size image (a box one pixel
-    off is 35 levels off on this image), and other formats are decoded whole."""
+    """A training crop that shrinks 4x or more is decoded by libjpeg at 1/2, 1/4 or 1/8 size: the
+    result must stay the crop torchvision's transforms make from the full-size image (a box one
+    pixel off is 35 levels off on this image), and other formats are decoded whole. Validation
+    decodes in full and equals torchvision's crop exactly."""
     import torchvision.transforms.functional as F
 
     from kd.data import folder as folder_mod
@@ -247,9 +248,10 @@ def test_large_jpegs_are_decoded_reduced_and_still_give_torchvisions_crops(tmp_p
                 ref = F.resized_crop(full, top, left, h, w, [size, size], F.InterpolationMode.BILINEAR)
                 if torch.rand(1, generator=gen).item() < 0.5:
                     ref = F.hflip(ref)
-            else:
-                ref = F.resize(full, ds.resize, F.InterpolationMode.BILINEAR)
-                ref = F.crop(ref, (ref.height - size) // 2, (ref.width - size) // 2, size, size)
+            else:  # validation decodes in full: torchvision's Resize + CenterCrop, bit for bit
+                ref = F.center_crop(F.resize(full, ds.resize, F.InterpolationMode.BILINEAR), [size, size])
+                assert torch.equal(got, F.pil_to_tensor(ref).float()), seed
+                continue
             diff = (got - F.pil_to_tensor(ref).float()).abs().mean().item()
             assert diff < 2.5, (train, seed, diff)  # 0.4-1.5 measured; the full-size decode: 0.2-0.4
     assert max(factors) >= 4 and min(factors) >= 1

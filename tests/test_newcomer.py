@@ -60,6 +60,7 @@ def test_eval_cli_takes_model_and_preprocessing_from_the_checkpoint(trained):
     assert "timm:resnet10t" in r.stdout and "image size 32" in r.stdout and "val resize 32" in r.stdout, r.stdout
     assert "checkpoint" in r.stdout
     assert f"top-1 {logged['val_top1']:.2f}" in r.stdout
+    assert f"loss {logged['val_loss']:.4f}" in r.stdout  # the mean validation loss, as timm's validate prints
 
 
 def test_eval_of_a_checkpoint_is_the_runs_own_validation(trained):

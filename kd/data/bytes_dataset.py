@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from kd.data.decoders import DEVICE_SOF, torchvision_decode
-from kd.data.folder import ImageFolderPIL, flip_coin, random_resized_crop_params
+from kd.data.folder import ImageFolderPIL, flip_coin, random_resized_crop_params, val_geometry
 
 #: How far from the end of a file the end-of-image marker is looked for.
 EOI_WINDOW = 4096
@@ -90,10 +90,8 @@ def train_box(height: int, width: int, seed: int, scale=(0.08, 1.0)) -> Tuple[Tu
 
 
 def val_box(height: int, width: int, size: int, resize: int) -> Tuple[float, float, float, float]:
-    """The source box of the PIL path's val transform: short side to ``resize``, centre ``size`` crop."""
-    scale = resize / min(width, height)
-    new_w, new_h = max(size, int(round(width * scale))), max(size, int(round(height * scale)))
-    left, top = (new_w - size) // 2, (new_h - size) // 2
+    """The source box of the val transform (torchvision's Resize + CenterCrop, :func:`val_geometry`)."""
+    new_w, new_h, left, top = val_geometry(height, width, size, resize)
     sx, sy = width / new_w, height / new_h
     return left * sx, top * sy, (left + size) * sx, (top + size) * sy
 

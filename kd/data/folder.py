@@ -124,6 +124,16 @@ def default_val_resize(image_size: int) -> int:
     return int(round(image_size * 256 / 224))
 
 
+def val_geometry(height: int, width: int, size: int, resize: int) -> Tuple[int, int, int, int]:
+    """torchvision's ``Resize(resize)`` then ``CenterCrop(size)``, as numbers: the resized width and
+    height (the short side ``resize``, the long side truncated as torchvision does) and the crop's
+    left and top (rounded half to even, as torchvision's ``int(round(...))``)."""
+    short, long = (width, height) if width <= height else (height, width)
+    new_short, new_long = resize, int(resize * long / short)
+    new_w, new_h = (new_short, new_long) if width <= height else (new_long, new_short)
+    return new_w, new_h, int(round((new_w - size) / 2.0)), int(round((new_h - size) / 2.0))
+
+
 #: A train region (ImageFolderPIL.region) of more than this many times the output's pixels is
 #: resized by the worker instead (a large PNG, say, which no reduced decode shrinks): sending it
 #: whole would cost more shared and pinned memory and copying than the resize saves.
@@ -167,9 +177,10 @@ class ImageFolderPIL:
     """(path, label) samples decoded with PIL into uint8 CHW tensors of ``size`` x ``size``.
 
     Indexed by ``(index, seed)`` pairs (see :class:`kd.data.sampler.SeededSampler`). Train:
-    RandomResizedCrop + horizontal flip; val: resize the short side to ``resize``, centre crop.
-    A JPEG whose crop shrinks by 4 or more is decoded at 1/2, 1/4 or 1/8 size, keeping two
-    decoded pixels per output pixel (:func:`reduced_decode`).
+    RandomResizedCrop + horizontal flip, where a JPEG whose crop shrinks by 4 or more is decoded
+    at 1/2, 1/4 or 1/8 size, keeping two decoded pixels per output pixel (:func:`reduced_decode`).
+    Val: torchvision's ``Resize(resize)`` + ``CenterCrop(size)`` on the full decode, bit for bit
+    (:func:`val_geometry`).
     An unreadable image yields ``None`` plus its path, and the collate function drops it.
     """
 
@@ -204,23 +215,16 @@ class ImageFolderPIL:
                 width, height = im.size
                 if self.train:
                     gen, box = self._train_box(im, seed)
-                    new = (self.size, self.size)
-                else:
-                    scale = self.resize / min(width, height)
-                    new = (max(self.size, int(round(width * scale))), max(self.size, int(round(height * scale))))
-                    factor = reduced_decode(im, new[0] / width, new[1] / height)
-                    box = (0, 0, width / factor, height / factor)
-                im.load()
-                img = rgb(im).resize(new, BILINEAR, box=box)
+                    im.load()
+                    img = rgb(im).resize((self.size, self.size), BILINEAR, box=box)
+                else:  # torchvision's Resize + CenterCrop on the full decode, bit for bit
+                    new_w, new_h, left, top = val_geometry(height, width, self.size, self.resize)
+                    img = rgb(im).resize((new_w, new_h), BILINEAR)
+                    img = img.crop((left, top, left + self.size, top + self.size))
         except Exception:  # any decoder failure: truncated, not an image, unreadable
             return None, label, path
-        if self.train:
-            if flip_coin(gen):
-                img = img.transpose(_FLIP_LEFT_RIGHT)
-        else:
-            left = (img.width - self.size) // 2
-            top = (img.height - self.size) // 2
-            img = img.crop((left, top, left + self.size, top + self.size))
+        if self.train and flip_coin(gen):
+            img = img.transpose(_FLIP_LEFT_RIGHT)
         return img, label, path
 
     def _train_box(self, im: Image.Image, seed: int) -> Tuple[torch.Generator, Tuple[float, float, float, float]]:
