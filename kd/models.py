@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import functools
+import math
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -45,37 +47,94 @@ def check_name(name: str) -> None:
         raise KDError(f"unknown torchvision model {name!r}{hint}; use a torchvision classification model or timm:NAME")
 
 
-def _pretrained_state(name: str) -> Dict[str, torch.Tensor]:
-    """The library's own pretrained weights, from the local cache or downloaded."""
+TORCHVISION_WEIGHTS = "torchvision:"
+
+
+def is_named(weights: Optional[str]) -> bool:
+    """``pretrained``, ``torchvision:TAG`` or ``timm:TAG``: weights a library publishes by name."""
+    return bool(weights) and (weights == "pretrained" or str(weights).startswith((TORCHVISION_WEIGHTS, TIMM_PREFIX)))
+
+
+def torchvision_weights(name: str, weights: str):
+    """The torchvision ``Weights`` enum member that ``weights`` names for model ``name``:
+    ``pretrained`` is the library's default (IMAGENET1K_V2 for resnet50, not the papers' V1),
+    ``torchvision:IMAGENET1K_V1`` (or ``torchvision:ResNet50_Weights.IMAGENET1K_V1``) a given one."""
+    import torchvision.models as tvm
+
+    if name.startswith(TIMM_PREFIX):
+        raise KDError(f"--weights {weights}: {name} is a timm model; name timm weights as timm:TAG (e.g. timm:a1_in1k)")
     try:
-        if name.startswith(TIMM_PREFIX):
+        enum = tvm.get_model_weights(name)
+    except ValueError:
+        raise KDError(f"torchvision publishes no weights for {name}") from None
+    if weights == "pretrained":
+        return enum.DEFAULT
+    tag = weights[len(TORCHVISION_WEIGHTS) :].split(".")[-1]
+    if tag == "DEFAULT":
+        return enum.DEFAULT
+    members = [w.name for w in enum]
+    if tag not in members:
+        raise KDError(
+            f"{name} has no torchvision weights {tag!r}{suggest(tag, members)}; choose from: {', '.join(members)}"
+        )
+    return enum[tag]
+
+
+def timm_arch(name: str, weights: str) -> str:
+    """``arch`` or ``arch.tag`` for timm: ``pretrained`` is timm's default tag, ``timm:TAG`` that one."""
+    arch = name[len(TIMM_PREFIX) :]
+    if weights.startswith(TIMM_PREFIX):
+        return f"{arch}.{weights[len(TIMM_PREFIX) :]}"
+    return arch
+
+
+def _pretrained_state(name: str, weights: str = "pretrained") -> Dict[str, torch.Tensor]:
+    """The weights a library publishes by name (``pretrained``, ``torchvision:TAG``, ``timm:TAG``),
+    from the local cache or downloaded; offline and not cached, one line naming the file to place."""
+    if name.startswith(TIMM_PREFIX):
+        if weights.startswith(TORCHVISION_WEIGHTS):
+            raise KDError(f"--weights {weights}: {name} is a timm model; name timm weights as timm:TAG")
+        arch = timm_arch(name, weights)
+        try:
             import timm
 
-            return timm.create_model(name[len(TIMM_PREFIX) :], pretrained=True).state_dict()
-        import torchvision.models as tvm
+            return timm.create_model(arch, pretrained=True).state_dict()
+        except Exception as exc:  # a hub error, an unknown tag, no network
+            raise KDError(
+                f"cannot get timm weights {arch} ({type(exc).__name__}: {first_line(exc)}); fetch them once where "
+                f"there is a network (python -c \"import timm; timm.create_model('{arch}', pretrained=True)\") "
+                f"into the Hugging Face cache, or pass a local file with --teacher-weights PATH"
+            ) from None
+    member = torchvision_weights(name, weights)
+    from torch.hub import get_dir
 
-        weights = tvm.get_model_weights(name).DEFAULT
-        return weights.get_state_dict(progress=False)
-    except KDError:
-        raise
-    except Exception as exc:  # network errors come in many types (URLError, HF hub errors, ...)
+    cached = Path(get_dir()) / "checkpoints" / Path(member.url).name
+    if cached.is_file():
+        return extract_state(checkpoint.read(cached, "cannot read weights file"), str(cached))
+    try:
+        return member.get_state_dict(progress=False)
+    except Exception as exc:  # no network (URLError and friends), a broken download
         raise KDError(
-            f"cannot get pretrained weights for {name} "
-            f"({type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else 'no detail'}); "
-            f"offline? pass a local file with --teacher-weights PATH (or --student-weights PATH)"
+            f"cannot get torchvision:{member.name} for {name} ({type(exc).__name__}: {first_line(exc)}); "
+            f"offline, place {cached.name} (from {member.url}) in {cached.parent}"
         ) from None
 
 
+def first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0][:120] if str(exc).strip() else "no detail"
+
+
 def build(name: str, num_classes: int, weights: str = "none") -> nn.Module:
-    """Model ``name`` with ``num_classes`` outputs and ``weights`` = none | pretrained | PATH."""
+    """Model ``name`` with ``num_classes`` outputs and ``weights`` = none | pretrained |
+    torchvision:TAG | timm:TAG | PATH."""
     check_name(name)
     state = None
-    if weights == "pretrained":
-        state = _pretrained_state(name)
+    if is_named(weights):
+        state = _pretrained_state(name, weights)
         head = classifier_outputs(state)
         if head is not None and head != num_classes:
             raise KDError(
-                f"pretrained {name} has {head} classes but the data has {num_classes}; "
+                f"{weights} {name} has {head} classes but the data has {num_classes}; "
                 f"train or fine-tune a teacher for this data and pass it with --teacher-weights PATH"
             )
     elif weights not in ("none", None):
@@ -167,3 +226,92 @@ def freeze(model: nn.Module) -> nn.Module:
     for p in model.parameters():
         p.requires_grad_(False)
     return model
+
+
+# ----------------------------------------------------------------------------- each model's data config
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+INTERPOLATIONS = ("bilinear", "bicubic")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """How a model wants its images (timm's ``resolve_data_config``, torchvision's weight transforms):
+    the normalisation (0-1 scale), and its evaluation transform, the short side resized to
+    ``val_resize(image_size)`` with ``interpolation``, then the centre crop."""
+
+    mean: Tuple[float, float, float] = IMAGENET_MEAN
+    std: Tuple[float, float, float] = IMAGENET_STD
+    interpolation: str = "bilinear"
+    #: the short side before the crop, as a multiple of the crop (256/224 for torchvision's ImageNet)
+    resize_ratio: float = 256 / 224
+    #: timm floors ``image_size / crop_pct``; torchvision's resize sizes are published numbers, kd rounds
+    floor: bool = False
+    source: str = "torchvision's ImageNet defaults"
+
+    def val_resize(self, image_size: int) -> int:
+        value = image_size * self.resize_ratio
+        return int(math.floor(value + 1e-6)) if self.floor else int(round(value))
+
+    def describe(self, image_size: int) -> str:
+        mean = ", ".join(f"{m:g}" for m in self.mean)
+        std = ", ".join(f"{s:g}" for s in self.std)
+        return (
+            f"mean ({mean}) std ({std}); eval: {self.interpolation} resize {self.val_resize(image_size)}, "
+            f"centre crop {image_size} ({self.source})"
+        )
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {
+            "mean": list(self.mean),
+            "std": list(self.std),
+            "interpolation": self.interpolation,
+            "resize_ratio": self.resize_ratio,
+            "floor": self.floor,
+            "source": self.source,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> DataConfig:
+        if d.get("interpolation", "bilinear") not in INTERPOLATIONS:
+            raise KDError(f"interpolation {d.get('interpolation')!r}: kd resizes with {' or '.join(INTERPOLATIONS)}")
+        return cls(
+            tuple(float(x) for x in d.get("mean", IMAGENET_MEAN)),  # type: ignore[arg-type]
+            tuple(float(x) for x in d.get("std", IMAGENET_STD)),  # type: ignore[arg-type]
+            str(d.get("interpolation", "bilinear")),
+            float(d.get("resize_ratio", 256 / 224)),
+            bool(d.get("floor", False)),
+            str(d.get("source", "given")),
+        )
+
+
+def data_config(name: str, weights: Optional[str] = "none") -> DataConfig:
+    """Model ``name``'s data config, from its name and ``weights`` alone (no model is built):
+    a timm model's pretrained config (its default tag's, or ``timm:TAG``'s); a torchvision model's
+    named weights' transforms (``pretrained`` is the library's default weights); otherwise
+    torchvision's ImageNet defaults. Weights from a file keep the model's own config (timm) or
+    the defaults (torchvision)."""
+    weights = weights or "none"
+    if name.startswith(TIMM_PREFIX):
+        from timm.models import get_pretrained_cfg
+
+        arch = timm_arch(name, weights) if is_named(weights) else name[len(TIMM_PREFIX) :]
+        cfg = get_pretrained_cfg(arch)
+        if cfg is None:
+            return DataConfig(source=f"timm has no pretrained config for {arch}: torchvision's ImageNet defaults")
+        interpolation = cfg.interpolation if cfg.interpolation in INTERPOLATIONS else "bicubic"
+        return DataConfig(tuple(cfg.mean), tuple(cfg.std), interpolation, 1.0 / cfg.crop_pct, True, f"timm {arch}")  # type: ignore[arg-type]
+    if not is_named(weights):
+        return DataConfig()
+    member = torchvision_weights(name, weights)
+    keys = getattr(member.transforms, "keywords", {})
+    crop, resize = keys.get("crop_size", 224), keys.get("resize_size", 256)
+    mode = str(getattr(keys.get("interpolation"), "value", "bilinear"))
+    return DataConfig(
+        tuple(keys.get("mean", IMAGENET_MEAN)),  # type: ignore[arg-type]
+        tuple(keys.get("std", IMAGENET_STD)),  # type: ignore[arg-type]
+        mode if mode in INTERPOLATIONS else "bilinear",
+        resize / crop,
+        False,
+        f"torchvision {type(member).__name__}.{member.name}",
+    )

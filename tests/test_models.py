@@ -1,0 +1,91 @@
+"""Models by name, weights by name (offline, from the local cache), and each model's data config,
+held equal to the libraries' own: timm's ``resolve_data_config`` and transforms, torchvision's
+weight transforms."""
+
+from __future__ import annotations
+
+import math
+import urllib.error
+
+import pytest
+import timm
+import torch
+import torchvision.models as tvm
+from timm.data import create_transform, resolve_data_config
+
+from kd import models
+from kd.errors import KDError
+
+
+# models whose configs differ: normalisation (0.5 for ViT), crop_pct (0.875, 0.9, 0.95), interpolation
+@pytest.mark.parametrize(
+    "arch", ["vit_tiny_patch16_224", "resnet50", "resnet50.tv_in1k", "deit_tiny_patch16_224", "mobilenetv3_small_100"]
+)
+def test_timm_data_config_is_timms_own(arch):
+    name, _, tag = arch.partition(".")
+    ours = models.data_config(f"timm:{name}", f"timm:{tag}" if tag else "none")
+    theirs = resolve_data_config(model=timm.create_model(arch, pretrained=False))
+    assert ours.mean == pytest.approx(theirs["mean"]) and ours.std == pytest.approx(theirs["std"])
+    assert ours.interpolation == theirs["interpolation"]
+    resize = create_transform(**theirs).transforms[0]  # timm's eval transform: Resize, CenterCrop, ...
+    assert ours.val_resize(224) == resize.size == math.floor(224 / theirs["crop_pct"])
+    assert resize.interpolation.value == ours.interpolation
+
+
+@pytest.mark.parametrize("weights,resize", [("pretrained", 232), ("torchvision:IMAGENET1K_V2", 232),
+                                            ("torchvision:IMAGENET1K_V1", 256)])  # fmt: skip
+def test_torchvision_weights_bring_their_published_eval_transform(weights, resize):
+    member = models.torchvision_weights("resnet50", weights)
+    reference = member.transforms()
+    ours = models.data_config("resnet50", weights)
+    assert ours.val_resize(224) == reference.resize_size[0] == resize and reference.crop_size[0] == 224
+    assert ours.mean == pytest.approx(reference.mean) and ours.std == pytest.approx(reference.std)
+    assert ours.interpolation == reference.interpolation.value
+    assert models.data_config("resnet50", "none").val_resize(224) == 256  # no weights: ImageNet's usual
+
+
+def test_named_weights_load_from_torchs_cache_offline(tmp_path, monkeypatch):
+    """torchvision:IMAGENET1K_V1 maps to its published file in torch's hub cache; a file placed
+    there (here generated) is what the model gets, with no download."""
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    member = tvm.ResNet18_Weights.IMAGENET1K_V1
+    torch.manual_seed(0)
+    state = tvm.resnet18(num_classes=1000).state_dict()
+    (tmp_path / "hub" / "checkpoints").mkdir(parents=True)
+    torch.save(state, tmp_path / "hub" / "checkpoints" / "resnet18-f37072fd.pth")
+    assert member.url.endswith("/resnet18-f37072fd.pth")
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("downloaded although the file was in the cache")
+
+    monkeypatch.setattr(tvm.ResNet18_Weights.IMAGENET1K_V1.__class__, "get_state_dict", no_network)
+    model = models.build("resnet18", 1000, "torchvision:IMAGENET1K_V1")
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+    with pytest.raises(KDError, match="torchvision:IMAGENET1K_V1 resnet18 has 1000 classes but the data has 10"):
+        models.build("resnet18", 10, "torchvision:IMAGENET1K_V1")
+
+
+def test_named_weights_offline_and_not_cached_say_which_file_to_place(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+
+    def offline(self, *args, **kwargs):
+        raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
+
+    monkeypatch.setattr(tvm.ResNet50_Weights.IMAGENET1K_V1.__class__, "get_state_dict", offline)
+    with pytest.raises(KDError) as err:
+        models.build("resnet50", 1000, "torchvision:IMAGENET1K_V1")
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("cannot get torchvision:IMAGENET1K_V1 for resnet50 (URLError")
+    assert message.endswith(
+        f"offline, place resnet50-0676ba61.pth (from https://download.pytorch.org/models/resnet50-0676ba61.pth) "
+        f"in {tmp_path / 'hub' / 'checkpoints'}"
+    )
+
+
+def test_unknown_weight_names_list_the_choices():
+    with pytest.raises(
+        KDError, match=r"resnet50 has no torchvision weights 'IMAGENET1K_V3'.*IMAGENET1K_V1, IMAGENET1K_V2"
+    ):
+        models.torchvision_weights("resnet50", "torchvision:IMAGENET1K_V3")
+    with pytest.raises(KDError, match="timm:resnet50 is a timm model"):
+        models.torchvision_weights("timm:resnet50", "torchvision:IMAGENET1K_V1")
