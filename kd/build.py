@@ -11,10 +11,11 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from kd import checkpoint
+from kd import checkpoint, models
 from kd import config as kd_config
 from kd import data as kd_data
 from kd.cpu import slow_precision_warning
+from kd.data.loader import val_transform
 from kd.errors import KDError
 from kd.logging import NullLogger, RunLogger
 from kd.meter import Meter
@@ -48,6 +49,7 @@ class RunBuilder:
         self.first_step: Optional[Dict[str, float]] = None  # seconds to the first step, once taken
         self.loss_terms: List[str] = []  # the loss parts besides the total, in the order of the non-finite flags
         resumed = checkpoint.load(resume_from) if resume_from is not None else None  # a broken file fails first
+        cfg = models.with_data_configs(cfg)  # each model's mean, std and eval transform, saved in config.yaml
         self.cfg = cfg
         self.backend = backend
         self.out = out
@@ -103,6 +105,8 @@ class RunBuilder:
         self.side = StudentSide(student, loss, s_layers).to(dev, memory_format=self.memory_format)  # type: ignore[call-overload]
         self.side = backend.prepare_model(self.side)  # before the optimizer: sync-BN layers, parameter layout
         self.prepared_teacher: Optional[Teacher] = None
+        # the loaders normalise for the (first) student; another student renormalises on the device
+        self.renorm = models.renormaliser(getattr(self.data.train, "norm", None), cfg.student_data)
         self.notes: List[str] = []  # what kd chose for the user, kept as comments in config.yaml
         self.stop_in_setup()
         if teacher is not None and shared is None:
@@ -113,7 +117,9 @@ class RunBuilder:
         self.model = backend.wrap(self.side)
         torch.manual_seed(cfg.seed + backend.rank)  # each process its own dropout / drop-path masks
         self.logger.info(backend.describe())  # after wrap: what the backend decided there (e.g. torch_ddp's detection)
-        self.eval_forward = backend.wrap_forward(self.side.student)
+        forward = backend.wrap_forward(self.side.student)
+        renorm = self.renorm
+        self.eval_forward = forward if renorm is None else (lambda images: forward(renorm(images)))
         # CUDA-graph modes: each step starts a new graph generation (the last step's outputs are dead)
         self.graph_step = cfg.compile and cfg.compile_mode in ("reduce-overhead", "max-autotune")
         if cfg.compile:
@@ -142,6 +148,7 @@ class RunBuilder:
             self.logger.resume_at(self.epoch)
             self.logger.info(f"resumed from {resume_from} at epoch {self.epoch + 1}")
         self._resumed_step = self.global_step
+        self.log_data_configs()  # once set-up has succeeded: a failed start stays one line
         if shared is None:
             self.logger.info(self.data.train.describe())  # after set-up, so a failed start stays one line
             cache = getattr(self.data.val, "describe_cache", None)
@@ -179,9 +186,37 @@ class RunBuilder:
         model = model.to(self.device, memory_format=self.memory_format)  # type: ignore[call-overload]  # as the student side above
         for hook in hooks:
             hook.on_teacher(self, model)
+        from kd.data.pipeline import build_val
+
+        cfg = self.cfg
+        teacher_data = models.DataConfig.from_dict(cfg.teacher_data or {})
+        evaluation = (teacher_data.val_resize(cfg.image_size), teacher_data.interpolation)
+        val, owns_val = self.data.val, False
+        if self.data.val_samples and evaluation != val_transform(cfg):  # its own crops for its own top-1
+            own = dataclasses.replace(cfg, val_resize=evaluation[0], val_interpolation=evaluation[1])
+            num_replicas, rank = backend.data_shard()
+            val = build_val(
+                own, self.data.val_samples, num_replicas, rank, backend.local_batch(cfg.batch_size), self.device,
+                self.runtime.channels_last,
+            )  # fmt: skip
+            owns_val = True
+            self.logger.info(
+                f"teacher {cfg.teacher}: validated on its own crops ({evaluation[1]}, resize {evaluation[0]})"
+            )
+        renorm = models.renormaliser(getattr(self.data.train, "norm", None), cfg.teacher_data)
         return Teacher(
-            model, layers, self.cfg, backend, self.runtime, self.precision, self.data.val, self.logger.info, notes
+            model, layers, cfg, backend, self.runtime, self.precision, val, self.logger.info, notes, renorm, owns_val
         )
+
+    def log_data_configs(self) -> None:
+        """Each model's normalisation and evaluation transform, and where it came from."""
+        cfg = self.cfg
+        for role, name, data in (
+            ("student", cfg.student, cfg.student_data),
+            ("teacher", cfg.teacher, cfg.teacher_data),
+        ):
+            if data:
+                self.logger.info(f"{role} {name}: {models.DataConfig.from_dict(data).describe(cfg.image_size)}")
 
     def use_teacher(self, teacher: Teacher) -> None:
         """The prepared teacher this student learns from (its own, or one shared with other students)."""

@@ -35,7 +35,12 @@ class RunConfig:
     # data
     data: Optional[str] = None
     image_size: int = 224
-    val_resize: Optional[int] = None  # default: image_size * 256 / 224
+    val_resize: Optional[int] = None  # default: the student's data config's, at image_size
+    val_interpolation: Optional[str] = None  # bilinear | bicubic; default: the student's data config's
+    # each model's data config (kd.models.DataConfig as a dict: mean, std, interpolation, resize);
+    # None: resolved from the model's name and weights at set-up, then saved here
+    student_data: Optional[Dict[str, Any]] = None
+    teacher_data: Optional[Dict[str, Any]] = None
     min_crop_scale: float = 0.08  # RandomResizedCrop's lower area bound
     loader: str = "pil"
     workers: Optional[int] = None  # None: min(8, CPU cores per process)
@@ -163,6 +168,10 @@ def coerce(name: str, value: Any) -> Any:
             return dict(value)
         if name == "reference":
             return dict(value) if isinstance(value, dict) else {"top1": float(value)}
+        if name in ("student_data", "teacher_data"):
+            if not isinstance(value, dict):
+                raise ValueError("a mapping (mean, std, interpolation, resize_ratio)")
+            return dict(value)
         if "bool" in ftype:
             if isinstance(value, bool):
                 return value
@@ -359,6 +368,10 @@ def validate(cfg: RunConfig) -> RunConfig:
         f"compile_mode must be one of {', '.join(COMPILE_MODES)}, got {cfg.compile_mode!r}",
     )
     need(cfg.lr_schedule in LR_SCHEDULES, f"--lr-schedule must be {_one_of(LR_SCHEDULES)}, got {cfg.lr_schedule!r}")
+    need(
+        cfg.val_interpolation in (None, "bilinear", "bicubic"),
+        f"val_interpolation must be bilinear or bicubic, got {cfg.val_interpolation!r}",
+    )
     need(cfg.epochs >= 1, "--epochs must be at least 1")
     need(cfg.batch_size >= 1, "--batch-size must be at least 1")
     need(cfg.lr > 0, "--lr must be positive")

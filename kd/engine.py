@@ -57,6 +57,8 @@ class Trainer(RunBuilder):
         if self.owns_stop:
             self.stop.restore()
         if self.owns_inputs:
+            if self.prepared_teacher is not None:
+                self.prepared_teacher.close()
             self.data.close()
         self.logger.close()
 
@@ -180,7 +182,7 @@ class Trainer(RunBuilder):
         nothing back from the device."""
         precision = self.precision
         self._graph_step_begin()
-        images = precision.input_cast(batch.images)
+        images = precision.input_cast(batch.images if self.renorm is None else self.renorm(batch.images))
         progress = self.epoch + self.batch_in_epoch / max(self.steps_in_epoch, 1)
         t_logits = t_feats = None
         if teacher_out is None and self.prepared_teacher is not None:

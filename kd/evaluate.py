@@ -55,6 +55,7 @@ class EvalSettings:
     val_resize: int
     workers: int
     sources: Dict[str, str]
+    data: models.DataConfig = dataclasses.field(default_factory=models.DataConfig)  # mean, std, interpolation
 
     def describe(self, num_classes: int) -> str:
         return ", ".join(
@@ -63,6 +64,8 @@ class EvalSettings:
                 f"{num_classes} classes ({self.sources['classes']})",
                 f"image size {self.image_size} ({self.sources['image size']})",
                 f"val resize {self.val_resize} ({self.sources['val resize']})",
+                f"{self.data.interpolation}, mean ({', '.join(f'{m:g}' for m in self.data.mean)}) "
+                f"std ({', '.join(f'{v:g}' for v in self.data.std)}) ({self.data.source})",
                 f"workers {self.workers} ({self.sources['workers']})",
             ]
         )
@@ -98,15 +101,19 @@ def resolve(
     num_classes = pick("classes", num_classes, run.get("num_classes"), None, "class folders of val/")
     image_size = pick("image size", image_size, cfg.get("image_size"), DEFAULT_IMAGE_SIZE)
     same_size = bool(run) and image_size == cfg.get("image_size")  # the run's resize belongs to the run's size
+    own = models.DataConfig.from_dict(cfg["student_data"]) if cfg.get("student_data") else None
+    if own is None:
+        own = models.data_config(model, weights)
     val_resize = pick(
         "val resize",
         val_resize,
-        (cfg.get("val_resize") or default_val_resize(image_size)) if same_size else None,
-        default_val_resize(image_size),
-        "default: image size * 256/224",
+        (cfg.get("val_resize") or own.val_resize(image_size)) if same_size else None,
+        own.val_resize(image_size),
+        f"the model's: {own.source}",
     )
     workers = pick("workers", workers, None, default_workers(1), "default: min(8, CPU cores)")
-    return EvalSettings(model, num_classes, image_size, val_resize, workers, sources)
+    sources["data"] = own.source
+    return EvalSettings(model, num_classes, image_size, val_resize, workers, sources, own)
 
 
 def evaluate_model(
@@ -146,6 +153,7 @@ def evaluate_model(
         device=device,
         image_size=s.image_size,
         val_resize=s.val_resize,
+        student_data=s.data.to_dict(),
         workers=s.workers,
         num_classes=n,
         opt=opt,

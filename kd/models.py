@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -292,6 +293,9 @@ def data_config(name: str, weights: Optional[str] = "none") -> DataConfig:
     torchvision's ImageNet defaults. Weights from a file keep the model's own config (timm) or
     the defaults (torchvision)."""
     weights = weights or "none"
+    stored = kd_run_data(weights)
+    if stored:  # a kd checkpoint: the data config its run trained and validated with
+        return DataConfig.from_dict({**stored, "source": f"its kd run, {Path(weights).name}"})
     if name.startswith(TIMM_PREFIX):
         from timm.models import get_pretrained_cfg
 
@@ -315,3 +319,65 @@ def data_config(name: str, weights: Optional[str] = "none") -> DataConfig:
         False,
         f"torchvision {type(member).__name__}.{member.name}",
     )
+
+
+def kd_run_data(weights: str) -> Optional[Dict[str, Any]]:
+    """The student's data config saved in a kd checkpoint's config, or None for any other weights."""
+    if is_named(weights) or weights == "none" or not Path(weights).is_file():
+        return None
+    try:
+        obj = checkpoint.read(weights, "cannot read weights file", mmap=True)
+    except KDError:  # not a file kd can read: building the model says why
+        return None
+    config = obj.get("config") if isinstance(obj, dict) and "kd_version" in obj else None
+    data = config.get("student_data") if isinstance(config, dict) else None
+    return data if isinstance(data, dict) else None
+
+
+def with_data_configs(cfg):
+    """``cfg`` with its student's and its teacher's data configs (``student_data``, ``teacher_data``)
+    resolved from their names and weights where not given (a saved config keeps its own)."""
+    changes: Dict[str, Any] = {}
+    if cfg.student_data is None:
+        changes["student_data"] = data_config(cfg.student, cfg.student_weights).to_dict()
+    if cfg.teacher_data is None and not cfg.no_teacher and cfg.teacher:
+        changes["teacher_data"] = data_config(cfg.teacher, cfg.teacher_weights).to_dict()
+    return dataclasses.replace(cfg, **changes) if changes else cfg
+
+
+MeanStd = Tuple[Sequence[float], Sequence[float]]
+
+
+class Renormalise:
+    """Images normalised with one mean and std (the loaders') as another model wants them:
+    ``x * std_a / std_b + (mean_a - mean_b) / std_b`` per channel, one kernel on the device."""
+
+    def __init__(
+        self, source: Tuple[Sequence[float], Sequence[float]], target: Tuple[Sequence[float], Sequence[float]]
+    ):
+        (mean_a, std_a), (mean_b, std_b) = source, target
+        self.scale = [sa / sb for sa, sb in zip(std_a, std_b)]
+        self.shift = [(ma - mb) / sb for ma, mb, sb in zip(mean_a, mean_b, std_b)]
+        self._on: Dict[Any, Tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        key = images.device
+        if key not in self._on:
+            self._on[key] = (
+                torch.tensor(self.scale, device=key).view(1, 3, 1, 1),
+                torch.tensor(self.shift, device=key).view(1, 3, 1, 1),
+            )
+        scale, shift = self._on[key]
+        return torch.addcmul(shift, images, scale)
+
+
+def renormaliser(loader_norm: Optional[MeanStd], data: Optional[Dict[str, Any]]) -> Optional[Renormalise]:
+    """A :class:`Renormalise` from the loaders' normalisation (0-255 scale, as the loaders keep it)
+    to a model's data config, or None where they agree (or either is unknown: synthetic data)."""
+    if loader_norm is None or not data:
+        return None
+    source = ([m / 255 for m in loader_norm[0]], [s / 255 for s in loader_norm[1]])
+    target = (list(data["mean"]), list(data["std"]))
+    if all(abs(a - b) < 1e-9 for a, b in zip([*source[0], *source[1]], [*target[0], *target[1]])):
+        return None
+    return Renormalise(source, target)

@@ -51,6 +51,7 @@ __all__ = [
 PER_STUDENT = (
     "student",
     "student_weights",
+    "student_data",
     "kd_loss",
     "ce_weight",
     "label_smoothing",
@@ -79,7 +80,7 @@ PER_STUDENT = (
     # a student trained alone on the labels (a baseline row) needs no teacher of its own
     "no_teacher",
 )
-TEACHER_KEYS = ("teacher", "teacher_weights", "teacher_precision")
+TEACHER_KEYS = ("teacher", "teacher_weights", "teacher_precision", "teacher_data")
 
 
 # ----------------------------------------------------------------------------- planning

@@ -41,11 +41,17 @@ class Teacher:
         val,
         log: Callable[[str], None],
         notes: List[str],
+        renorm: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+        owns_val: bool = False,
     ):
+        """``renorm``: from the loaders' normalisation to the teacher's own (None where they agree);
+        ``owns_val``: ``val`` is the teacher's own (its eval transform), closed after its first validation."""
         self.cfg = cfg
         self.backend = backend
         self.layers = list(layers)
         self.val = val
+        self.owns_val = owns_val
+        self.renorm = renorm if renorm is not None else (lambda images: images)
         self.log = log
         self.graph_step = cfg.compile and cfg.compile_mode in ("reduce-overhead", "max-autotune")
         self.precision: kd_teacher.TeacherPrecision  # set by choose() below, which kd_teacher.prepare always calls
@@ -53,7 +59,9 @@ class Teacher:
         def choose(candidate: nn.Module) -> nn.Module:
             def probe(m, p):
                 side = backend.wrap_forward(TeacherSide(m, self.layers))
-                return evaluate(lambda images: side(images)[0], val, backend, p, limit=kd_teacher.PROBE_BATCHES)
+                return evaluate(
+                    lambda images: side(self.renorm(images))[0], val, backend, p, limit=kd_teacher.PROBE_BATCHES
+                )
 
             self.precision, chosen, line = kd_teacher.choose(
                 candidate,
@@ -82,12 +90,18 @@ class Teacher:
     def forward(self, images: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         """The frozen teacher's float32 logits and tapped features for a batch, in its own precision."""
         with torch.no_grad(), self.precision.autocast():
-            return self.module(self.precision.input_cast(images))
+            return self.module(self.precision.input_cast(self.renorm(images)))
 
     def _logits(self, images: torch.Tensor) -> torch.Tensor:
         if self.graph_step:  # under CUDA graphs a new call may overwrite the last call's outputs
             torch.compiler.cudagraph_mark_step_begin()
-        return self.module(images)[0]
+        return self.module(self.renorm(images))[0]
+
+    def close(self) -> None:
+        """The teacher's own val loader's workers, if it has one, stopped (idempotent)."""
+        if self.owns_val:
+            self.val.close()
+            self.owns_val = False
 
     def validate(self, stop: Optional[StopFlag] = None) -> float:
         """Top-1 on the val split, logged with the teacher's precision (and a preprocessing note).
@@ -95,6 +109,7 @@ class Teacher:
         start = time.perf_counter()
         asked = (lambda: stop.requested) if stop is not None else None
         val = evaluate(self._logits, self.val, self.backend, self.precision, stop=asked)
+        self.close()  # its own val loader is needed for nothing more
         if val["stopped"]:
             raise in_setup(stop.signame if stop is not None else "")
         top1 = val["top1"]

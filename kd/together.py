@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
-from kd import checkpoint
+from kd import checkpoint, models
 from kd import data as kd_data
 from kd.build import stop_anywhere
 from kd.engine import Trainer
@@ -97,7 +97,7 @@ class MultiTrainer:
         (with this object as trainer) and each epoch's shared record (``kd bench``'s timer); ``stop``
         the process's :class:`kd.signals.StopFlag` (one of its own where not given)."""
         started = command_start(default=time.time())  # every student's first step counts from here
-        cfg = students.cfgs[0]
+        cfg = models.with_data_configs(students.cfgs[0])  # the loaders normalise for the first student
         if cfg.compile and cfg.compile_mode in ("reduce-overhead", "max-autotune"):
             raise KDError(
                 f"compile_mode {cfg.compile_mode} (CUDA graphs) cannot share the teacher's outputs between "
@@ -188,6 +188,8 @@ class MultiTrainer:
         """Every student's logs, the data pipeline's workers and the signal handlers: nothing outlives the run."""
         for lane in self.lanes:
             lane.close()
+        if self.teacher is not None:
+            self.teacher.close()
         if self.owns_stop:
             self.stop.restore()
         self.data.close()

@@ -57,8 +57,9 @@ class CachedVal:
         per_batch = getattr(loader, "batch_size", 1) * 3 * image_size * image_size
         self.fits = len(loader) * per_batch <= budget_bytes
         self.batches: Optional[List[Tuple[torch.Tensor, torch.Tensor, List[str]]]] = None
-        self.mean = torch.tensor(MEAN, device=device).view(1, 3, 1, 1)
-        self.std = torch.tensor(STD, device=device).view(1, 3, 1, 1)
+        mean, std = getattr(loader, "norm", (MEAN, STD))  # the loader's own normalisation, undone and redone
+        self.mean = torch.tensor(mean, device=device).view(1, 3, 1, 1)
+        self.std = torch.tensor(std, device=device).view(1, 3, 1, 1)
 
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
         self.loader.set_epoch(epoch, skip_batches)

@@ -20,6 +20,7 @@ from kd.errors import KDError
 
 # Pillow defines these in a loop over its enums, which mypy cannot see (Image.Resampling needs Pillow >= 9.1)
 BILINEAR = Image.BILINEAR  # type: ignore[attr-defined]
+BICUBIC = Image.BICUBIC  # type: ignore[attr-defined]
 _FLIP_LEFT_RIGHT = Image.FLIP_LEFT_RIGHT  # type: ignore[attr-defined]
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -191,12 +192,16 @@ class ImageFolderPIL:
         train: bool,
         resize: Optional[int] = None,
         min_scale: float = 0.08,
+        interpolation: str = "bilinear",
     ):
+        """``resize`` and ``interpolation`` (bilinear or bicubic) are validation's; training crops
+        always resize bilinearly (the crop both models of a KD step see)."""
         self.samples = list(samples)
         self.scale = (min_scale, 1.0)
         self.size = size
         self.train = train
         self.resize = resize or default_val_resize(size)
+        self.val_filter = BICUBIC if interpolation == "bicubic" else BILINEAR
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -219,7 +224,7 @@ class ImageFolderPIL:
                     img = rgb(im).resize((self.size, self.size), BILINEAR, box=box)
                 else:  # torchvision's Resize + CenterCrop on the full decode, bit for bit
                     new_w, new_h, left, top = val_geometry(height, width, self.size, self.resize)
-                    img = rgb(im).resize((new_w, new_h), BILINEAR)
+                    img = rgb(im).resize((new_w, new_h), self.val_filter)
                     img = img.crop((left, top, left + self.size, top + self.size))
         except Exception:  # any decoder failure: truncated, not an image, unreadable
             return None, label, path

@@ -42,7 +42,17 @@ import torchvision.ops  # noqa: F401  (registers torch.ops.torchvision.roi_align
 from kd.data import crop_kernel
 from kd.data.bytes_dataset import BAD, JpegBytes, collate_packed, unpacked
 from kd.data.decoders import Decoder, device_lengths, make_decoder
-from kd.data.loader import MEAN, STD, Batch, DeviceLoader, make_data_loader, upload, worker_count
+from kd.data.loader import (
+    MEAN,
+    STD,
+    Batch,
+    DeviceLoader,
+    make_data_loader,
+    normalisation,
+    upload,
+    val_transform,
+    worker_count,
+)
 
 #: Environment override of the decoder choice: auto, nvimgcodec, nvjpeg, cpu, cpu-thread.
 DECODER_ENV = "KD_GPU_DECODER"
@@ -280,8 +290,9 @@ class GpuLoader(DeviceLoader):
         dataset: JpegBytes,
         decoder: Decoder,
         notes: Sequence[str] = (),
+        norm: Tuple[Tuple[float, ...], Tuple[float, ...]] = (MEAN, STD),
     ):
-        super().__init__(loader, sampler, device, channels_last, limit)
+        super().__init__(loader, sampler, device, channels_last, limit, norm)
         self.dataset = dataset
         self.decoder = decoder
         self.notes = list(notes)
@@ -291,9 +302,9 @@ class GpuLoader(DeviceLoader):
         self._stage_obj = None
         #: seconds per stage over every epoch so far (STAGE_TIMES): where a slow loader waits
         self.stage_times: Dict[str, float] = dict.fromkeys(STAGE_TIMES, 0.0)
-        std = torch.tensor(STD).view(1, 3, 1, 1)
+        std = torch.tensor(self.norm[1]).view(1, 3, 1, 1)
         self.scale = (1.0 / std).to(device)
-        self.bias = (-torch.tensor(MEAN).view(1, 3, 1, 1) / std).to(device)
+        self.bias = (-torch.tensor(self.norm[0]).view(1, 3, 1, 1) / std).to(device)
 
     def describe(self) -> str:
         where = (
@@ -474,7 +485,7 @@ def make_gpu_loader(
         samples,
         cfg.image_size,
         train,
-        cfg.val_resize,
+        val_transform(cfg)[0],
         cfg.min_crop_scale,
         decode_in_worker=decoder.in_workers,
         frame_types=decoder.frame_types,
@@ -482,4 +493,4 @@ def make_gpu_loader(
     )
     loader, sampler = make_data_loader(cfg, dataset, collate_packed, train, num_replicas, rank, local_batch, device)
     limit = cfg.limit_train_batches if train else cfg.limit_val_batches
-    return GpuLoader(loader, sampler, decoder.device, channels_last, limit, dataset, decoder, notes)
+    return GpuLoader(loader, sampler, decoder.device, channels_last, limit, dataset, decoder, notes, normalisation(cfg))

@@ -14,7 +14,7 @@ import os
 import random
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Protocol
+from typing import Any, Dict, Iterator, List, Optional, Protocol, Tuple
 
 import numpy as np
 import torch
@@ -25,6 +25,25 @@ from kd.data.sampler import SeededSampler
 
 MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
+
+
+def normalisation(cfg) -> Tuple[Tuple[float, ...], Tuple[float, ...]]:
+    """The loaders' mean and std on the 0-255 scale: the student's data config (the first student's
+    where several share the loaders; the others and the teacher renormalise on the device)."""
+    data = getattr(cfg, "student_data", None) or {}
+    if "mean" not in data:
+        return MEAN, STD
+    return tuple(m * 255 for m in data["mean"]), tuple(s * 255 for s in data["std"])
+
+
+def val_transform(cfg) -> Tuple[int, str]:
+    """The validation's short-side resize and its interpolation: ``--val-resize`` and
+    ``val_interpolation`` where given, else the student's data config's at ``--image-size``."""
+    from kd.models import DataConfig
+
+    data = getattr(cfg, "student_data", None)
+    dc = DataConfig.from_dict(data) if data else DataConfig()
+    return cfg.val_resize or dc.val_resize(cfg.image_size), getattr(cfg, "val_interpolation", None) or dc.interpolation
 
 
 def default_mp_context() -> str:
@@ -148,14 +167,17 @@ class DeviceLoader:
         device: torch.device,
         channels_last: bool,
         limit: Optional[int] = None,
+        norm: Tuple[Tuple[float, ...], Tuple[float, ...]] = (MEAN, STD),
     ):
+        """``norm``: the mean and std (0-255) images are normalised with, on the device."""
         self.loader = loader
         self.sampler = sampler
         self.device = device
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         self.limit = limit
-        self.mean = torch.tensor(MEAN, device=device).view(1, 3, 1, 1)
-        self.std = torch.tensor(STD, device=device).view(1, 3, 1, 1)
+        self.norm = norm
+        self.mean = torch.tensor(norm[0], device=device).view(1, 3, 1, 1)
+        self.std = torch.tensor(norm[1], device=device).view(1, 3, 1, 1)
         self.skipped_batches = 0
 
     @property
@@ -246,10 +268,11 @@ def make_loader(
     cfg, samples, train: bool, num_replicas: int, rank: int, local_batch: int, device: torch.device, channels_last: bool
 ) -> DeviceLoader:
     """A PIL loader over ``samples``: shuffled and padded for training, sharded exactly for val."""
-    dataset = ImageFolderPIL(samples, cfg.image_size, train, cfg.val_resize, cfg.min_crop_scale)
+    resize, interpolation = val_transform(cfg)
+    dataset = ImageFolderPIL(samples, cfg.image_size, train, resize, cfg.min_crop_scale, interpolation)
     loader, sampler = make_data_loader(cfg, dataset, collate, train, num_replicas, rank, local_batch, device)
     limit = cfg.limit_train_batches if train else cfg.limit_val_batches
-    return DeviceLoader(loader, sampler, device, channels_last, limit)
+    return DeviceLoader(loader, sampler, device, channels_last, limit, normalisation(cfg))
 
 
 def make_data_loader(

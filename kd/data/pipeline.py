@@ -7,15 +7,15 @@ loader's pieces); ``--data synthetic`` makes random batches on the device.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import List
+from dataclasses import dataclass, field
+from typing import List, Tuple
 
 import torch
 
 from kd.data.cache import CachedVal, default_budget_gb
 from kd.data.folder import scan
 from kd.data.gpu import make_gpu_loader
-from kd.data.loader import Loader, SyntheticLoader, make_loader
+from kd.data.loader import Loader, SyntheticLoader, make_loader, val_transform
 from kd.errors import KDError
 from kd.registry import suggest
 
@@ -32,6 +32,7 @@ class Data:
     classes: List[str]
     num_train: int
     num_val: int
+    val_samples: List[Tuple[str, int]] = field(default_factory=list)  # for a teacher's own val loader
 
     def close(self) -> None:
         for loader in (self.train, self.val):
@@ -55,9 +56,16 @@ def build(cfg, num_replicas: int, rank: int, local_batch: int, device: torch.dev
     classes, train_samples, val_samples = scan(cfg.data)
     make = LOADERS[cfg.loader]
     train = make(cfg, train_samples, True, num_replicas, rank, local_batch, device, channels_last)
-    val = make(cfg, val_samples, False, num_replicas, rank, local_batch, device, channels_last)
+    val = build_val(cfg, val_samples, num_replicas, rank, local_batch, device, channels_last)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", num_replicas))  # this host's processes under a launcher
     budget = default_budget_gb(min(local, num_replicas)) if cfg.val_cache_gb is None else cfg.val_cache_gb
     if budget > 0:
         val = CachedVal(val, cfg.image_size, device, channels_last, budget * 2**30)
-    return Data(train, val, classes, len(train_samples), len(val_samples))
+    return Data(train, val, classes, len(train_samples), len(val_samples), val_samples)
+
+
+def build_val(cfg, samples, num_replicas: int, rank: int, local_batch: int, device, channels_last: bool) -> Loader:
+    """The val loader for ``cfg``'s validation transform; the device path resizes bilinearly only, so
+    a bicubic evaluation (most timm models) is decoded and resized by the PIL path's workers."""
+    make = LOADERS[cfg.loader] if val_transform(cfg)[1] == "bilinear" else make_loader
+    return make(cfg, samples, False, num_replicas, rank, local_batch, device, channels_last)
