@@ -15,9 +15,8 @@ from pathlib import Path
 from typing import Any, Dict
 
 from kd import checkpoint
-from kd.data.folder import default_val_resize
-from kd.data.loader import MEAN, STD
 from kd.errors import KDError
+from kd.models import DataConfig
 from kd.runfolder import RunFolder
 
 FORMATS = (".pt", ".pth", ".safetensors")
@@ -35,14 +34,15 @@ def source_checkpoint(run: Path) -> Path:
 
 
 def preprocessing(config: Dict[str, Any]) -> Dict[str, Any]:
-    """What the student expects at evaluation: the run's crop and resize, and kd's normalisation."""
+    """What the student was validated with: the run's crop, resize and interpolation, and its normalisation."""
     size = int(config.get("image_size") or 224)
+    data = DataConfig.from_dict(config["student_data"]) if config.get("student_data") else DataConfig()
     return {
         "image_size": size,
-        "resize": int(config.get("val_resize") or default_val_resize(size)),
-        "interpolation": "bilinear",
-        "mean": [round(m / 255, 6) for m in MEAN],
-        "std": [round(s / 255, 6) for s in STD],
+        "resize": int(config.get("val_resize") or data.val_resize(size)),
+        "interpolation": config.get("val_interpolation") or data.interpolation,
+        "mean": [round(m, 6) for m in data.mean],
+        "std": [round(s, 6) for s in data.std],
     }
 
 
