@@ -24,10 +24,19 @@ def summary(name: str) -> Dict[str, object]:
         "epochs": data.get("epochs", "-"),
         "batch": data.get("batch_size", "-"),
         "lr": data.get("lr", "-"),
-        "paper_setup": f"{ref.get('gpus', '?')} GPUs x {ref.get('per_gpu_batch', '?')}" if ref else "-",
+        "paper_setup": paper_setup(ref, data.get("batch_size")),
         "reference_top1": top1(ref.get("top1")),
         "source": ref.get("source", "-"),
     }
+
+
+def paper_setup(ref: Dict[str, object], batch: object) -> str:
+    """How the source ran it: 'GPUs x batch per GPU', or the total batch where the GPUs are not stated."""
+    if not ref:
+        return "-"
+    if ref.get("gpus") and ref.get("per_gpu_batch"):
+        return f"{ref['gpus']} GPUs x {ref['per_gpu_batch']}"
+    return f"batch {batch}, GPUs not stated"
 
 
 def top1(value: object) -> str:

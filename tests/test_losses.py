@@ -176,15 +176,20 @@ def test_dkd_matches_paper(T, tckd_weight, nckd_weight):
     assert close(out["loss"], ref_ce(np64(s), y.numpy()) + expected_kd)
 
 
-def test_dkd_warmup_ramps_kd_part_linearly():
+def test_dkd_warmup_is_mdistillers_per_epoch_factor():
+    """mdistiller's DKD: ``min(epoch / warmup, 1)`` with the epoch counted from 1, once per epoch:
+    warmup 1 (its ImageNet setting) is no ramp at all (kd had ramped over the first epoch)."""
     s, t, y = logits(3), logits(4), labels(5)
     args = {"warmup": 4.0}
     full = run("dkd", args, student_logits=s, teacher_logits=t, labels=y, progress=10.0)
-    for progress, ramp in [(0.0, 0.0), (1.0, 0.25), (3.0, 0.75), (4.0, 1.0)]:
+    for progress, ramp in [(0.0, 0.25), (0.9, 0.25), (1.0, 0.5), (2.5, 0.75), (3.0, 1.0), (4.0, 1.0)]:
         out = run("dkd", args, student_logits=s, teacher_logits=t, labels=y, progress=progress)
         assert close(out["loss"], full["ce"] + ramp * full["kd"])
     no_warmup = run("dkd", {"warmup": 0.0}, student_logits=s, teacher_logits=t, labels=y, progress=0.0)
     assert close(no_warmup["loss"], full["loss"])
+    imagenet = run("dkd", {"warmup": 1.0}, student_logits=s, teacher_logits=t, labels=y, progress=0.0)
+    assert close(imagenet["loss"], run("dkd", {"warmup": 1.0}, student_logits=s, teacher_logits=t, labels=y)["loss"])
+    assert close(imagenet["loss"], imagenet["ce"] + imagenet["kd"])  # the first step already at full weight
 
 
 def test_dkd_hand_values():
@@ -282,7 +287,7 @@ def test_lskd_matches_paper(T):
     s, t, y = logits(14), logits(15, scale=8.0), labels(16)
     out = run("lskd", {"temperature": T}, student_logits=s, teacher_logits=t, labels=y)
     assert close(out["kd"], ref_lskd(np64(s), np64(t), T))
-    assert close(out["loss"], ref_ce(np64(s), y.numpy()) + 6.0 * ref_lskd(np64(s), np64(t), T))
+    assert close(out["loss"], ref_ce(np64(s), y.numpy()) + 9.0 * ref_lskd(np64(s), np64(t), T))
 
 
 def test_lskd_hand_values():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Tuple
 
 import torch
@@ -50,14 +51,14 @@ def dkd_parts(
 
 @register("dkd")
 class DecoupledKD(DistillLoss):
-    """DKD: ``ce_weight * CE + min(progress / warmup, 1) * (tckd_weight * TCKD + nckd_weight * NCKD)``.
+    """DKD: ``ce_weight * CE + min(epoch / warmup, 1) * (tckd_weight * TCKD + nckd_weight * NCKD)``.
 
     Defaults are the official ImageNet setting (mdistiller ``configs/imagenet/r34_r18/dkd.yaml``:
     CE_WEIGHT 1, BETA 0.5, T 1, WARMUP 1; ALPHA 1 from its defaults); the paper's and
-    mdistiller's ``alpha`` / ``beta`` are ``tckd_weight`` / ``nckd_weight`` here. ``warmup`` is in
-    epochs and ramps the KD part linearly with the fractional ``progress``; 0 disables it.
-    mdistiller steps the factor once per epoch counting from 1, so there its warmup of 1
-    means no ramp at all; here the KD part grows over the first epoch.
+    mdistiller's ``alpha`` / ``beta`` are ``tckd_weight`` / ``nckd_weight`` here. The warm-up is
+    mdistiller's (``distillers/DKD.py``): a factor stepped once per epoch, ``epoch`` counted from
+    1, so ``warmup`` 1 (ImageNet's) means no ramp at all and ``warmup`` 20 (CIFAR's) gives 1/20 in
+    the first epoch; 0 disables it.
     """
 
     defaults = {"ce_weight": 1.0, "tckd_weight": 1.0, "nckd_weight": 0.5, "temperature": 1.0, "warmup": 1.0}
@@ -68,5 +69,6 @@ class DecoupledKD(DistillLoss):
         assert x.teacher_logits is not None  # a method that needs_teacher always gets its logits
         tckd, nckd = dkd_parts(x.student_logits, x.teacher_logits, x.labels, h["temperature"])
         kd = h["tckd_weight"] * tckd + h["nckd_weight"] * nckd
-        ramp = min(x.progress / h["warmup"], 1.0) if h["warmup"] > 0 else 1.0
+        epoch = math.floor(x.progress) + 1  # 1-based, as mdistiller's trainer passes it
+        ramp = min(epoch / h["warmup"], 1.0) if h["warmup"] > 0 else 1.0
         return ramp * kd, {"kd": kd, "tckd": tckd, "nckd": nckd}
