@@ -5,7 +5,7 @@
 # under each backend, a teacher made to overflow float16, and stops (a non-finite loss, SIGTERM)
 # with apex where it is installed. Every run reports its exit code, wall time, first-step time,
 # teacher precision, losses and skipped steps.
-# Usage: bash benchmarks/mission.sh PART...  (PART: data | teacher | backends | together | overflow | stops | ctrlc | apex)
+# Usage: bash benchmarks/mission.sh PART...  (PART: data | teacher | backends | together | overflow | stops | ctrlc | field | apex)
 # together: four students (kd, dkd, dist, lskd) from one teacher forward, under each of TOGETHER_BACKENDS.
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -134,6 +134,13 @@ EOF
            $T 200 $KD train --out "$RUNS/ctrlc_$b" --resume --no-progress > "$OUT/ctrlc_resume_$b.log" 2>&1
            report "ctrlc_$b" $? 0
          done ;;
+  field) # a timm teacher with its own data config ((0.5, 0.5, 0.5), bicubic, crop_pct 0.95) beside a
+         # torchvision student, on the GPU loader; then the student exported and loaded by timm and torchvision
+         run field_timm_teacher 300 $COMMON --teacher timm:resnetv2_50 --teacher-weights none --student resnet18 \
+           --opt O1 --amp-dtype float16 --epochs 1
+         grep -h "mean (\|own crops\|loader" "$OUT/field_timm_teacher.log" | sed "s/^/    /" | tee -a "$OUT/summary.txt"
+         $KD export "$RUNS/field_timm_teacher" -o /tmp/field_student.pt 2>&1 | tee -a "$OUT/summary.txt"
+         $PY -c "import timm, torch, torchvision; m = torchvision.models.resnet18(num_classes=100); m.load_state_dict(torch.load('/tmp/field_student.pt')); t = timm.create_model('resnet18', num_classes=100, checkpoint_path='$RUNS/field_timm_teacher/checkpoints/last.pt'); print('loaded by torchvision (strict) and timm')" 2>&1 | tail -1 | tee -a "$OUT/summary.txt" ;;
   apex) for opt in O1; do
           run "apexamp_single" 240 $COMMON --teacher resnet101 --teacher-weights "$TEACHER" --student resnet18 \
             --amp-impl apex --opt $opt --gpus 0 --epochs 2 --lr 0.2
