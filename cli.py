@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 import click
@@ -131,10 +132,37 @@ def train(ctx, recipes, sets, loss_arg, resume, overwrite, local_rank, **options
     if resume:
         out = RunFolder(given.get("out") or (Path(resume).parent.parent if resume != "last" else "runs/kd"))
         given["out"] = str(out.root)
+        checkpoint = out.last if resume == "last" else Path(resume)
+        if not checkpoint.is_file():
+            raise KDError(
+                f"nothing to resume: {checkpoint} does not exist"
+                + (f" ({out.root} holds no run; start it without --resume)" if not out.config.is_file() else "")
+            )
         if out.config.is_file():
             base = kd_config.load(out.config)
     cfg = kd_config.resolve(recipe=recipes[0] if recipes else None, options=given, sets=list(sets), base=base)
+    if resume:
+        from kd.checkpoint import finished_epochs
+
+        done = finished_epochs(checkpoint, cfg.epochs)
+        if done is not None:
+            click.echo(f"kd: {cfg.out} already finished ({done} epochs); raise --epochs to continue", err=True)
+            return
+    started = time.time()
     kd.train(cfg, resume=resume, overwrite=overwrite)
+    _summary([Path(cfg.out)], started)
+
+
+def _summary(runs, started: float, names=()) -> None:
+    """One line per run on stdout, from the main process only."""
+    from kd.placement import Placement
+    from kd.report import summary_line
+    from kd.runfolder import RunFolder
+
+    if Placement.from_environment(None).rank == 0:
+        for i, run in enumerate(runs):
+            if RunFolder(run).is_run():
+                click.echo(summary_line(run, time.time() - started, names[i] if names else ""))
 
 
 def _several_students(recipes, given, resume) -> bool:
@@ -149,8 +177,11 @@ def _train_students(recipes, given, sets, resume, overwrite) -> None:
     """``kd train`` of several students (kd.multi): planned from the options, or those of --out resumed."""
     from kd import multi
 
+    started = time.time()
     if not resume:
-        return multi.train(multi.plan(recipes, given, sets), overwrite=overwrite)
+        students = multi.plan(recipes, given, sets)
+        multi.train(students, overwrite=overwrite)
+        return _summary([Path(c.out) for c in students.cfgs], started, students.names)
     out = Path(given.get("out") or "runs/kd")
     if recipes or given.get("kd_loss"):  # the same command again with --resume: fine when it names the same students
         asked = [Path(r).stem for r in recipes] if recipes else str(given["kd_loss"]).split(",")
@@ -161,7 +192,9 @@ def _train_students(recipes, given, sets, resume, overwrite) -> None:
                 f"not {', '.join(asked)}; leave out --recipe and --kd-loss, or name the same ones"
             )
         given = {k: v for k, v in given.items() if k != "kd_loss"}
-    multi.train(multi.resumed(out, given, sets), resume=resume, overwrite=overwrite)
+    students = multi.resumed(out, given, sets)
+    multi.train(students, resume=resume, overwrite=overwrite)
+    _summary([Path(c.out) for c in students.cfgs], started, students.names)
 
 
 @cli.command("eval")

@@ -119,6 +119,14 @@ def load(path: Path) -> Dict[str, Any]:
     return obj
 
 
+def finished_epochs(path: Path, epochs: int) -> Optional[int]:
+    """The epochs the run of checkpoint ``path`` trained where that is ``epochs`` or more (nothing left
+    to resume), else None."""
+    state = load(path)
+    done = int(state.get("epoch", 0))
+    return done if done >= epochs and not state.get("pending_epoch") else None
+
+
 # ----------------------------------------------------------------- a trainer's state
 def restore_run(t, state: dict) -> None:
     """Put ``state`` (a :func:`run_state`) back into the trainer ``t``: weights, optimizer, schedule,

@@ -312,6 +312,10 @@ def resolve(
         overrides.update(parsed)
     if base is None and "epochs" in overrides:
         cfg = scale_schedule(cfg, planned.epochs, overrides)
+    if cfg.teacher is None and not cfg.no_teacher and cfg.teacher_weights:
+        from kd.models import kd_run_model
+
+        cfg = dataclasses.replace(cfg, teacher=kd_run_model(cfg.teacher_weights))  # a kd checkpoint names its model
     return validate(cfg)
 
 
@@ -349,7 +353,9 @@ def validate(cfg: RunConfig) -> RunConfig:
 
     need(cfg.student is not None, "--student is required (a torchvision model name or timm:NAME)")
     need(
-        cfg.no_teacher or cfg.teacher is not None, "--teacher is required (or --no-teacher to train the student alone)"
+        cfg.no_teacher or cfg.teacher is not None,
+        "--teacher is required (or a kd checkpoint as --teacher-weights, which names its model; "
+        "or --no-teacher to train the student alone)",
     )
     need(cfg.data is not None, "--data is required (a folder with train/ and val/ ImageFolders, or 'synthetic')")
     need(cfg.opt in OPT_LEVELS, f"--opt must be one of {', '.join(OPT_LEVELS)}, got {cfg.opt!r}")

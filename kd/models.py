@@ -321,15 +321,27 @@ def data_config(name: str, weights: Optional[str] = "none") -> DataConfig:
     )
 
 
-def kd_run_data(weights: str) -> Optional[Dict[str, Any]]:
-    """The student's data config saved in a kd checkpoint's config, or None for any other weights."""
-    if is_named(weights) or weights == "none" or not Path(weights).is_file():
+def _kd_checkpoint(weights: str) -> Optional[Dict[str, Any]]:
+    """A kd checkpoint's contents (memory-mapped), or None for named weights and other files."""
+    if not weights or is_named(weights) or weights == "none" or not Path(weights).is_file():
         return None
     try:
         obj = checkpoint.read(weights, "cannot read weights file", mmap=True)
     except KDError:  # not a file kd can read: building the model says why
         return None
-    config = obj.get("config") if isinstance(obj, dict) and "kd_version" in obj else None
+    return obj if isinstance(obj, dict) and "kd_version" in obj else None
+
+
+def kd_run_model(weights: str) -> Optional[str]:
+    """The model a kd checkpoint holds (its run's student), or None for any other weights."""
+    obj = _kd_checkpoint(weights)
+    return obj.get("student_name") if obj else None
+
+
+def kd_run_data(weights: str) -> Optional[Dict[str, Any]]:
+    """The student's data config saved in a kd checkpoint's config, or None for any other weights."""
+    obj = _kd_checkpoint(weights)
+    config = obj.get("config") if obj else None
     data = config.get("student_data") if isinstance(config, dict) else None
     return data if isinstance(data, dict) else None
 

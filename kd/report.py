@@ -83,6 +83,24 @@ def collect(run: Path) -> Dict[str, object]:
     }
 
 
+def summary_line(run: Path, seconds: float, name: str = "") -> str:
+    """The line ``kd train`` ends with: best and last top-1, the wall time, the run folder and the
+    best checkpoint (what a user opens next)."""
+    folder = RunFolder(run)
+    records = [json.loads(line) for line in folder.metrics.read_text().splitlines() if line.strip()]
+    evals = [r for r in records if "val_top1" in r]
+    prefix = f"[{name}] " if name else ""
+    epochs = f"{records[-1]['epoch']} epoch(s)" if records else "no epoch"
+    if not evals:
+        return f"{prefix}done: {epochs} in {duration(seconds)}; run {run}"
+    best, last = max(evals, key=lambda r: r["val_top1"]), evals[-1]
+    checkpoint = folder.best if folder.best.is_file() else folder.last
+    return (
+        f"{prefix}done: best top-1 {best['val_top1']:.2f} at epoch {best['epoch']}, last top-1 "
+        f"{last['val_top1']:.2f} at epoch {last['epoch']}, {duration(seconds)}; run {run}, best checkpoint {checkpoint}"
+    )
+
+
 #: ImageNet-1k's training images: a run made from a recipe is the paper's setting only on them.
 IMAGENET_TRAIN_IMAGES = 1_281_167
 #: Recipe keys that do not change what is measured (where and how fast it runs).

@@ -1,0 +1,76 @@
+"""A newcomer's second hour (issue 34): a run ends with a line saying where its result is, --resume
+says when there is nothing to do, a kd checkpoint names the teacher's model."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from conftest import kd_main, make_image_folder
+
+TINY = ["--image-size", 32, "-b", 8, "-j", 0, "--device", "cpu", "--epochs", 1, "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_image_folder(tmp_path_factory.mktemp("second_hour"))
+
+
+@pytest.fixture(scope="module")
+def teacher_run(data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("teacher") / "run"
+    r = kd_main("train", "--data", data, "--no-teacher", "--student", "timm:resnet10t", *TINY, "--out", out)
+    assert r.returncode == 0, r.stderr
+    return r, out
+
+
+def test_a_run_ends_with_where_its_result_is(teacher_run):
+    r, out = teacher_run
+    line = r.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(
+        rf"done: best top-1 \d+\.\d\d at epoch 1, last top-1 \d+\.\d\d at epoch 1, \d+s; run {re.escape(str(out))}, "
+        rf"best checkpoint {re.escape(str(out / 'checkpoints' / 'best.pt'))}",
+        line,
+    ), r.stdout
+
+
+def test_several_students_end_with_a_line_each(data, tmp_path):
+    out = tmp_path / "table"
+    args = ["--teacher", "timm:resnet10t", "--teacher-weights", "none", "--student", "timm:resnet10t"]
+    r = kd_main("train", "--data", data, *args, "--kd-loss", "kd,dkd", *TINY, "--limit-train-batches", 1, "--out", out)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()[-2:]
+    assert lines[0].startswith("[kd] done: best top-1 ") and lines[0].endswith(
+        f"{out / 'kd' / 'checkpoints' / 'best.pt'}"
+    )
+    assert lines[1].startswith("[dkd] done: best top-1 ") and str(out / "dkd") in lines[1]
+
+
+def test_resume_where_nothing_was_run_says_so(tmp_path):
+    r = kd_main("train", "--out", tmp_path / "empty", "--resume")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"kd: error: nothing to resume: {tmp_path / 'empty' / 'checkpoints' / 'last.pt'} does not exist "
+        f"({tmp_path / 'empty'} holds no run; start it without --resume)"
+    ], r.stderr
+
+
+def test_resume_of_a_finished_run_says_how_to_continue(teacher_run):
+    _, out = teacher_run
+    r = kd_main("train", "--out", out, "--resume")
+    assert r.returncode == 0 and r.stderr.strip().splitlines() == [
+        f"kd: {out} already finished (1 epochs); raise --epochs to continue"
+    ], r.stderr
+    assert r.stdout == ""
+
+
+def test_a_kd_checkpoint_as_teacher_names_its_model(data, teacher_run, tmp_path):
+    _, teacher = teacher_run
+    ckpt = teacher / "checkpoints" / "best.pt"
+    r = kd_main(
+        "train", "--data", data, "--teacher-weights", ckpt, "--student", "resnet18", *TINY, "--out", tmp_path / "s"
+    )
+    assert r.returncode == 0, r.stderr
+    assert "teacher timm:resnet10t: runs in" in r.stderr
+    r = kd_main("train", "--data", data, "--student", "resnet18", *TINY, "--out", tmp_path / "t")
+    assert r.returncode == 2 and "--teacher is required" in r.stderr
