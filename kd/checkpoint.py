@@ -100,12 +100,32 @@ def read(path: Union[str, Path], cannot: str, mmap: bool = False) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as exc:
-        first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
+        raise KDError(f"{cannot} {path}: {why_unreadable(path, exc)}") from None
+
+
+def why_unreadable(path: Union[str, Path], exc: Exception) -> str:
+    """What a file torch.load could not read is, in one complete sentence (torch's own messages run
+    to paragraphs, and blame unpickling for files that are no pickle at all)."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(4)
+    except OSError as err:
+        return f"it cannot be opened ({err.strerror or err})"
+    if head.startswith(b"PK\x03\x04"):  # torch.save's zip archive
         if isinstance(exc, pickle.UnpicklingError) and "weights only" in str(exc).lower():
-            raise KDError(
-                f"{cannot} {path}: it needs code to be unpickled, which kd refuses (weights_only=True). {first}"
-            ) from None
-        raise KDError(f"{cannot} {path}: {type(exc).__name__}: {first}") from None
+            return (
+                "it holds Python objects other than tensors, which would need code to be unpickled, and kd "
+                "refuses that (weights_only=True); save the model's state_dict() with torch.save instead"
+            )
+        return f"the PyTorch archive is damaged or truncated ({type(exc).__name__}); copy or save it again"
+    if head[:1] == b"\x80":  # a pickle (protocol 2 or later): torch's legacy format, or plain pickle
+        if isinstance(exc, pickle.UnpicklingError) and "weights only" in str(exc).lower():
+            return (
+                "it is a pickle of Python objects other than tensors, which would need code to be unpickled, "
+                "and kd refuses that (weights_only=True); save the model's state_dict() with torch.save instead"
+            )
+        return f"the pickle is damaged or truncated ({type(exc).__name__}); copy or save it again"
+    return "it is not a PyTorch file (torch.save writes a zip archive or a pickle, and this file is neither)"
 
 
 def load(path: Path) -> Dict[str, Any]:

@@ -74,3 +74,30 @@ def test_a_kd_checkpoint_as_teacher_names_its_model(data, teacher_run, tmp_path)
     assert "teacher timm:resnet10t: runs in" in r.stderr
     r = kd_main("train", "--data", data, "--student", "resnet18", *TINY, "--out", tmp_path / "t")
     assert r.returncode == 2 and "--teacher is required" in r.stderr
+
+
+def test_a_broken_weights_file_is_named_for_what_it_is(data, tmp_path):
+    """One complete sentence: random bytes are no PyTorch file (not an unpickling matter), a cut
+    archive is damaged, a pickle of objects is refused for what it holds."""
+    import os
+    import pickle
+
+    import torch
+
+    (tmp_path / "random.pt").write_bytes(os.urandom(4096).replace(b"PK", b"pk").lstrip(b"\x80") or b"x")
+    torch.save({"w": torch.ones(8)}, tmp_path / "whole.pt")
+    (tmp_path / "cut.pt").write_bytes((tmp_path / "whole.pt").read_bytes()[:300])
+    with open(tmp_path / "objects.pt", "wb") as fh:
+        pickle.dump({"w": torch.nn.Linear(2, 2)}, fh, protocol=2)
+    expected = {
+        "random.pt": "it is not a PyTorch file (torch.save writes a zip archive or a pickle, and this file is neither)",
+        "cut.pt": "the PyTorch archive is damaged or truncated (RuntimeError); copy or save it again",
+        "objects.pt": "it is a pickle of Python objects other than tensors, which would need code to be unpickled, "
+        "and kd refuses that (weights_only=True); save the model's state_dict() with torch.save instead",
+    }
+    for name, why in expected.items():
+        path = tmp_path / name
+        r = kd_main("train", "--data", data, "--teacher", "resnet18", "--teacher-weights", path, "--student", "resnet18",
+                    *TINY, "--out", tmp_path / "out")  # fmt: skip
+        lines = [line for line in r.stderr.splitlines() if "Warning" not in line and not line.startswith("  ")]
+        assert r.returncode == 2 and lines[-1] == f"kd: error: cannot read weights file {path}: {why}", r.stderr
