@@ -141,7 +141,7 @@ def train(ctx, recipes, sets, loss_arg, resume, overwrite, local_rank, **options
         if out.config.is_file():
             base = kd_config.load(out.config)
     cfg = kd_config.resolve(recipe=recipes[0] if recipes else None, options=given, sets=list(sets), base=base)
-    if resume:
+    if resume and not overwrite:  # (both together are refused, as a contradiction, by kd.train)
         from kd.checkpoint import finished_epochs
 
         done = finished_epochs(checkpoint, cfg.epochs)
