@@ -463,16 +463,17 @@ def bench_data_cmd(
 @cli.command("losses")
 def losses_cmd():
     """The registered KD methods and their hyper-parameters (every one has ce_weight and label_smoothing)."""
-    from kd.losses import LOSSES
-    from kd.table import aligned
+    import textwrap
 
-    rows = []
+    from kd.losses import LOSSES
+
+    width = 8 + max(len(name) for name in LOSSES.names()) // 8 * 8  # the names' column
     for name in LOSSES.names():
         cls = LOSSES.get(name)
-        params = ", ".join(f"{k}={v}" for k, v in cls.defaults.items()) or "-"
-        doc = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
-        rows.append((name, params, doc))
-    click.echo(aligned(rows))
+        doc = (cls.__doc__ or "").strip().splitlines()[0].replace("``", "") if cls.__doc__ else ""
+        params = "  ".join(f"{k}={v}" for k, v in cls.defaults.items()) or "-"
+        for text in (f"{name:<{width}}{doc}", " " * width + params):
+            click.echo(textwrap.fill(text, 88, subsequent_indent=" " * width))
 
 
 @cli.command("backends")

@@ -89,7 +89,7 @@ class RunBuilder:
 
         # apex.amp holds one model per process: beside other students, apex_ddp's wish for it gives way
         self.precision = make_precision(cfg, dev, prefer_apex=backend.prefers_apex_amp and shared is None)
-        self.logger.info(self.precision.describe())
+        said = [self.precision.describe()]  # logged once set-up has succeeded: a failed start stays one line
         warning = slow_precision_warning(cfg.opt, self.precision.dtype, dev)
         if warning:
             self.logger.info(warning)
@@ -116,7 +116,7 @@ class RunBuilder:
         self.side, self.optimizer = self.precision.prepare(self.side, optimizer)
         self.model = backend.wrap(self.side)
         torch.manual_seed(cfg.seed + backend.rank)  # each process its own dropout / drop-path masks
-        self.logger.info(backend.describe())  # after wrap: what the backend decided there (e.g. torch_ddp's detection)
+        said.append(backend.describe())  # after wrap: what the backend decided there (e.g. torch_ddp's detection)
         forward = backend.wrap_forward(self.side.student)
         renorm = self.renorm
         self.eval_forward = forward if renorm is None else (lambda images: forward(renorm(images)))
@@ -148,6 +148,8 @@ class RunBuilder:
             self.logger.resume_at(self.epoch)
             self.logger.info(f"resumed from {resume_from} at epoch {self.epoch + 1}")
         self._resumed_step = self.global_step
+        for line in said:
+            self.logger.info(line)
         self.log_data_configs()  # once set-up has succeeded: a failed start stays one line
         if shared is None:
             self.logger.info(self.data.train.describe())  # after set-up, so a failed start stays one line

@@ -15,10 +15,10 @@ def names() -> List[str]:
 def summary(name: str) -> Dict[str, object]:
     data = load_yaml(find_recipe(name))
     ref = data.get("reference") or {}
-    method = "baseline" if data.get("no_teacher") else data.get("kd_loss", "kd")
+    method = "ce" if data.get("no_teacher") else data.get("kd_loss", "kd")
     return {
         "recipe": name,
-        "teacher": data.get("teacher", "-") if method != "baseline" else "-",
+        "teacher": data.get("teacher", "-") if method != "ce" else "-",
         "student": data.get("student", "-"),
         "method": method,
         "epochs": data.get("epochs", "-"),

@@ -67,7 +67,7 @@ def collect(run: Path) -> Dict[str, object]:
     ref, why = paper_reference(cfg, records)
     return {
         "run": str(run),
-        "method": "baseline" if cfg.get("no_teacher") else cfg.get("kd_loss", "?"),
+        "method": "ce" if cfg.get("no_teacher") else cfg.get("kd_loss", "?"),  # the student alone: --kd-loss ce
         "teacher": "-" if cfg.get("no_teacher") else cfg.get("teacher", "?"),
         "student": cfg.get("student", "?"),
         "epochs": f"{records[-1]['epoch']}/{cfg.get('epochs', '?')}",

@@ -101,3 +101,11 @@ def test_a_broken_weights_file_is_named_for_what_it_is(data, tmp_path):
                     *TINY, "--out", tmp_path / "out")  # fmt: skip
         lines = [line for line in r.stderr.splitlines() if "Warning" not in line and not line.startswith("  ")]
         assert r.returncode == 2 and lines[-1] == f"kd: error: cannot read weights file {path}: {why}", r.stderr
+
+
+def test_report_calls_a_run_without_teacher_by_its_method_ce(teacher_run):
+    _, out = teacher_run
+    r = kd_main("report", out)
+    assert r.returncode == 0 and f"| {out} | ce | - | timm:resnet10t |" in r.stdout, r.stdout
+    r = kd_main("recipes", "list")
+    assert "| imagenet/baseline_r18 | - | resnet18 | ce |" in r.stdout, r.stdout
