@@ -336,6 +336,7 @@ def report(runs, csv_path, plot_path):
 )
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Passed to every combination's kd train.")
 @click.option("--out", "-o", type=click.Path(path_type=Path), default=Path("runs/bench"), show_default=True)
+@click.option("--keep-runs", is_flag=True, help="Keep each combination's run folder (OUT/runs/) after the table.")
 @click.option(
     "--timeout",
     type=float,
@@ -366,6 +367,7 @@ def bench(
     methods,
     sets,
     out,
+    keep_runs,
     timeout,
 ):
     """Compare backends x opt levels on this machine: s/20 iters, img/s, peak memory per GPU.
@@ -395,6 +397,7 @@ def bench(
         vs_synthetic=vs_synthetic,
         sets=list(sets),
         methods=[m.strip() for m in (methods or "").split(",") if m.strip()],
+        keep_runs=keep_runs,
     )
     from kd import config as kd_config
 

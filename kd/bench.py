@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -158,7 +159,18 @@ def bench(
         for c in COLUMNS + (SYNTHETIC_COLUMNS if vs_synthetic else []):
             r.setdefault(c, "-")
     write_outputs(rows, out, f"{base['backend']} {base['opt']}" if base else "-")
+    drop_runs(out, args)
     return rows
+
+
+def drop_runs(out: Path, args: Dict[str, Any]) -> None:
+    """The combinations' run folders (checkpoints and logs of short runs, hundreds of MB) go once the
+    table is written, unless ``--keep-runs``."""
+    runs = out / "runs"
+    if args.get("keep_runs") or not runs.is_dir():
+        return
+    shutil.rmtree(runs, ignore_errors=True)
+    print(f"kd bench: removed the combinations' runs in {runs} (--keep-runs keeps them)", file=sys.stderr, flush=True)
 
 
 def add_synthetic(row: Dict[str, Any], synthetic: Dict[str, object]) -> None:
@@ -216,6 +228,7 @@ def bench_methods(
         for c in COLUMNS:
             r.setdefault(c, "-")
     write_outputs(rows, out, "each method alone")
+    drop_runs(out, cast(Dict[str, Any], args))
     return rows
 
 

@@ -41,6 +41,7 @@ def bench(tmp_path_factory):
         "1",
         "--out",
         out,
+        "--keep-runs",  # the tests below read each combination's config.yaml
         *SETS,
     )
     return out, r
@@ -112,7 +113,9 @@ def test_bench_vs_synthetic_gives_each_row_its_share_of_the_step(tmp_path):
     out = tmp_path / "bench"
     common = ["--teacher", "resnet18", "--student", "resnet18", "--device", "cpu", "--backends", "single"]
     common += ["--opt", "O0", "-b", "4", "--image-size", "32", "--iters", "2", "--warmup", "1"]
-    r = kd_main("bench", *common, "--data", data, "--loader", "gpu", "-j", "1", "--vs-synthetic", "--out", out)
+    r = kd_main(
+        "bench", *common, "--data", data, "--loader", "gpu", "-j", "1", "--vs-synthetic", "--out", out, "--keep-runs"
+    )
     assert r.returncode == 0, r.stderr
     (row,) = json.loads((out / "bench.json").read_text())["rows"]
     assert row["img_per_s"] > 0 and row["synthetic_img_per_s"] > 0, row
@@ -132,7 +135,9 @@ def test_bench_vs_synthetic_skips_the_synthetic_run_of_a_failed_row(tmp_path):
     data = make_image_folder(tmp_path / "data", classes=2, train_per_class=4)
     out = tmp_path / "bench"
     args = ["--teacher", "resnet18", "--student", "resnet18", "--device", "cpu", "--backends", "dp", "--opt", "O0"]
-    r = kd_main("bench", *args, "--iters", "1", "--warmup", "1", "--data", data, "--vs-synthetic", "-o", out)
+    r = kd_main(
+        "bench", *args, "--iters", "1", "--warmup", "1", "--data", data, "--vs-synthetic", "-o", out, "--keep-runs"
+    )
     assert r.returncode == 0, r.stderr
     (row,) = json.loads((out / "bench.json").read_text())["rows"]
     assert row["img_per_s"] == "-" and "CUDA" in row["note"], row  # dp needs GPUs
@@ -163,3 +168,16 @@ def test_a_failed_synthetic_run_says_why_in_the_row():
     add_synthetic(folder_ran, {"note": "timed out after 60s"})
     assert folder_ran["note"] == "synthetic: timed out after 60s"
     assert folder_ran["synthetic_img_per_s"] == "-" and folder_ran["of_synthetic_pct"] == "-"
+
+
+def test_bench_keeps_only_its_table_unless_asked(tmp_path, capsys):
+    """The combinations' run folders (a CPU bench left 250 MB) go once the table is written."""
+    from kd.bench import drop_runs
+
+    for keep in (True, False):
+        (tmp_path / "runs" / "single_O0" / "checkpoints").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "runs" / "single_O0" / "checkpoints" / "last.pt").write_bytes(b"x" * 1000)
+        (tmp_path / "bench.json").write_text("{}")
+        drop_runs(tmp_path, {"keep_runs": keep})
+        assert (tmp_path / "runs").exists() == keep and (tmp_path / "bench.json").exists()
+    assert f"removed the combinations' runs in {tmp_path / 'runs'} (--keep-runs keeps them)" in capsys.readouterr().err
