@@ -121,8 +121,12 @@ class RunBuilder:
         renorm = self.renorm
         self.eval_forward = forward if renorm is None else (lambda images: forward(renorm(images)))
         # CUDA-graph modes: each step starts a new graph generation (the last step's outputs are dead)
-        self.graph_step = cfg.compile and cfg.compile_mode in ("reduce-overhead", "max-autotune")
-        if cfg.compile:
+        self.graph_step = self.runtime.compile and cfg.compile_mode in ("reduce-overhead", "max-autotune")
+        if self.runtime.compile:
+            said.append(
+                f"torch.compile ({cfg.compile_mode}): the first step compiles the student "
+                f"{'and the teacher ' if not cfg.no_teacher else ''}(a minute or more), the steps after run faster"
+            )
             self.model = torch.compile(self.model, mode=cfg.compile_mode)
         self.params = [p for p in self.side.parameters() if p.requires_grad]
         self.buffers = BufferGuard(self.side)  # put back on a skipped step

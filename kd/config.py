@@ -93,7 +93,7 @@ class RunConfig:
     amp_dtype: Optional[str] = None  # None: float16 on CUDA, bfloat16 on the CPU
     amp_impl: str = "auto"
     channels_last: Optional[bool] = None  # None: on for CUDA
-    compile: bool = False
+    compile: Optional[bool] = False  # None ("auto", as recipes say): on CUDA only
     # torch.compile mode; reduce-overhead adds CUDA graphs (the compiled step is host-bound)
     compile_mode: str = "default"
     cudnn_benchmark: bool = True  # let cuDNN time its algorithms for the (fixed) input shapes
@@ -180,7 +180,9 @@ def coerce(name: str, value: Any) -> Any:
                 return True
             if text in ("0", "false", "no", "off"):
                 return False
-            raise ValueError("true or false")
+            if text == "auto" and "Optional" in ftype:
+                return None
+            raise ValueError("true or false" + (" or auto" if "Optional" in ftype else ""))
         if "int" in ftype and "float" not in ftype and not isinstance(default, float):
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError("an integer")

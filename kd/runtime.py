@@ -21,6 +21,9 @@ class Runtime:
     channels_last: bool
     #: the frozen teacher fused for inference (``--set fuse_teacher``; auto: on CUDA)
     fuse_teacher: bool
+    #: torch.compile the student and the teacher (``--compile``; auto, as recipes have it: on CUDA,
+    #: where it pays; on the CPU it compiles for about a minute for little gain)
+    compile: bool = False
 
     @property
     def memory_format(self) -> torch.memory_format:
@@ -34,4 +37,5 @@ def resolve(cfg, device: torch.device) -> Runtime:
         device=device,
         channels_last=cfg.channels_last if cfg.channels_last is not None else cuda,
         fuse_teacher=cfg.fuse_teacher if cfg.fuse_teacher is not None else cuda,
+        compile=cfg.compile if cfg.compile is not None else cuda,
     )

@@ -53,7 +53,7 @@ class Teacher:
         self.owns_val = owns_val
         self.renorm = renorm if renorm is not None else (lambda images: images)
         self.log = log
-        self.graph_step = cfg.compile and cfg.compile_mode in ("reduce-overhead", "max-autotune")
+        self.graph_step = runtime.compile and cfg.compile_mode in ("reduce-overhead", "max-autotune")
         self.precision: kd_teacher.TeacherPrecision  # set by choose() below, which kd_teacher.prepare always calls
 
         def choose(candidate: nn.Module) -> nn.Module:
@@ -80,7 +80,7 @@ class Teacher:
         memory_format = runtime.memory_format
         model = kd_teacher.prepare(model, self.layers, runtime.fuse_teacher, memory_format, choose, log)
         self.module = backend.wrap_forward(TeacherSide(model, self.layers))
-        if cfg.compile:
+        if runtime.compile:
             self.module = torch.compile(self.module, mode=cfg.compile_mode)
 
     @property

@@ -98,7 +98,7 @@ class MultiTrainer:
         the process's :class:`kd.signals.StopFlag` (one of its own where not given)."""
         started = command_start(default=time.time())  # every student's first step counts from here
         cfg = models.with_data_configs(students.cfgs[0])  # the loaders normalise for the first student
-        if cfg.compile and cfg.compile_mode in ("reduce-overhead", "max-autotune"):
+        if resolve_runtime(cfg, backend.device).compile and cfg.compile_mode in ("reduce-overhead", "max-autotune"):
             raise KDError(
                 f"compile_mode {cfg.compile_mode} (CUDA graphs) cannot share the teacher's outputs between "
                 f"students; use compile_mode default or max-autotune-no-cudagraphs"

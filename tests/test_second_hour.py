@@ -109,3 +109,31 @@ def test_report_calls_a_run_without_teacher_by_its_method_ce(teacher_run):
     assert r.returncode == 0 and f"| {out} | ce | - | timm:resnet10t |" in r.stdout, r.stdout
     r = kd_main("recipes", "list")
     assert "| imagenet/baseline_r18 | - | resnet18 | ce |" in r.stdout, r.stdout
+
+
+def test_a_recipes_compile_applies_on_cuda_only_and_says_when_it_starts(data, tmp_path, capfd):
+    """Recipes ask for torch.compile on CUDA (``compile: auto``): on the CPU it cost a silent minute
+    for little gain. Asked for (--compile), it is used anywhere, and the log says the first step compiles."""
+    from pathlib import Path
+
+    import torch
+
+    import backends
+    from kd import config as kd_config
+    from kd.engine import Trainer
+    from kd.runtime import resolve
+
+    cfg = kd_config.resolve(recipe="imagenet/r34_r18_dkd", options={"data": str(data)})
+    assert cfg.compile is None
+    assert not resolve(cfg, torch.device("cpu")).compile and resolve(cfg, torch.device("cuda")).compile
+    forced = kd_config.resolve(recipe="imagenet/r34_r18_dkd", options={"data": str(data), "compile": True})
+    assert resolve(forced, torch.device("cpu")).compile
+    tiny = dict(
+        data=str(data), out=str(tmp_path / "c"), no_teacher=True, student="resnet18", image_size=32, batch_size=8,
+        workers=0, device="cpu", compile=True, progress_bar=False,
+    )  # fmt: skip
+    cfg = kd_config.resolve(options=tiny)
+    backend = backends.get("single")(cfg)
+    backend.setup()
+    Trainer(cfg, backend, Path(cfg.out)).close()  # torch.compile is lazy: nothing compiles before a step
+    assert "torch.compile (default): the first step compiles the student (a minute or more)" in capfd.readouterr().err
