@@ -292,16 +292,14 @@ def report(runs, csv_path, plot_path):
 
     RUNS are run folders or folders of runs (kd report runs/demo); what is not a run is skipped with a note.
     """
-    from kd.report import markdown, plot, pyplot, to_csv
+    from kd.report import markdown, plot, to_csv
     from kd.report import report as collect
 
-    if plot_path:
-        pyplot()  # a missing matplotlib stops here, before anything is written
     rows = collect(runs, note=lambda line: click.echo(f"kd report: {line}", err=True))
     click.echo(markdown(rows))
     if csv_path:
         csv_path.write_text(to_csv(rows))
-    if plot_path:
+    if plot_path:  # the table is out first: a missing matplotlib costs only the figure
         click.echo(f"figure: {plot(runs, plot_path)}")
 
 

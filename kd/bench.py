@@ -267,11 +267,15 @@ def write_outputs(rows: List[Dict[str, object]], out: Path, baseline: str, note=
         (note or (lambda line: print(f"kd bench: {line}", file=sys.stderr, flush=True)))(f"no bench.png: {exc}")
         return
     ok = [r for r in rows if isinstance(r.get("img_per_s"), (int, float))]
-    fig, ax = plt.subplots(figsize=(max(4, 0.9 * len(ok)), 3.2))
-    ax.bar(
-        [f"{r['backend']} {r['opt']}\n{r.get('methods', '')}".strip() for r in ok],
-        [r["img_per_s"] for r in ok],
-        color="#4a7ab7",
+    fig, ax = plt.subplots(figsize=(max(4, 1.1 * len(ok)), 3.8))
+    ax.bar(range(len(ok)), [r["img_per_s"] for r in ok], color="#4a7ab7")
+    # one label per bar, slanted so that long ones (backend, level, methods) do not overlap
+    ax.set_xticks(
+        range(len(ok)),
+        [f"{r['backend']} {r['opt']} {r.get('methods', '')}".strip() for r in ok],
+        rotation=30,
+        ha="right",
+        fontsize=8,
     )
     ax.set_ylabel("images/s per student")
     ax.set_title("kd bench" if ok else "kd bench: no combination ran")

@@ -189,7 +189,10 @@ def report(runs: Sequence[Path], note: Optional[Callable[[str], None]] = None) -
     return rows
 
 
-MATPLOTLIB_MISSING = "matplotlib is not installed; install it with: pip install matplotlib (or pip install 'kd[plot]')"
+MATPLOTLIB_MISSING = (
+    "matplotlib is not installed, and kd draws its figures with it: pip install matplotlib "
+    "(a dependency of kd: pip install -e . in this clone installs it too)"
+)
 
 
 def pyplot():
@@ -212,22 +215,25 @@ def plot(runs: Sequence[Path], path: Path, note: Optional[Callable[[str], None]]
     if not found:
         raise KDError("no kd run to plot")
     fig, (top1, loss) = plt.subplots(1, 2, figsize=(11, 4.2))
+    names = run_labels(found)
+    dashed = False
     for i, run in enumerate(found):
         folder = RunFolder(run)
         records = [json.loads(line) for line in folder.metrics.read_text().splitlines() if line.strip()]
         cfg = (yaml.safe_load(folder.config.read_text()) or {}) if folder.config.is_file() else {}
         color = f"C{i % 10}"
-        label = Path(run).name if len(found) > 1 else str(run)
+        label = names[i]
         evals = [r for r in records if "val_top1" in r]
         top1.plot([r["epoch"] for r in evals], [r["val_top1"] for r in evals], color=color, marker=".", label=label)
         ref, _ = paper_reference(cfg, records)
         if ref is not None:
+            dashed = True
             top1.axhline(ref, color=color, linestyle="--", linewidth=1, label=f"{label}: paper {ref}")
         trained = [r for r in records if "train_loss" in r]
         loss.plot(
             [r["epoch"] for r in trained], [r["train_loss"] for r in trained], color=color, marker=".", label=label
         )
-    top1.set(xlabel="epoch", ylabel="val top-1 (%)", title="validation top-1 (dashed: paper)")
+    top1.set(xlabel="epoch", ylabel="val top-1 (%)", title="validation top-1" + (" (dashed: paper)" if dashed else ""))
     loss.set(xlabel="epoch", ylabel="train loss", title="training loss")
     for ax in (top1, loss):
         ax.grid(alpha=0.3)
@@ -238,6 +244,19 @@ def plot(runs: Sequence[Path], path: Path, note: Optional[Callable[[str], None]]
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def run_labels(runs: Sequence[Path]) -> List[str]:
+    """The shortest endings of the runs' paths that tell them apart (``a/kd`` and ``b/kd``, not ``kd``
+    twice); the whole path for a single run."""
+    parts = [Path(run).resolve().parts for run in runs]
+    if len(parts) < 2:
+        return [str(run) for run in runs]
+    for depth in range(1, max(len(p) for p in parts) + 1):
+        labels = ["/".join(p[-depth:]) for p in parts]
+        if len(set(labels)) == len(labels):
+            return labels
+    return [str(run) for run in runs]
 
 
 def markdown(rows: List[Dict[str, object]]) -> str:

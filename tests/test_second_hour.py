@@ -137,3 +137,58 @@ def test_a_recipes_compile_applies_on_cuda_only_and_says_when_it_starts(data, tm
     backend.setup()
     Trainer(cfg, backend, Path(cfg.out)).close()  # torch.compile is lazy: nothing compiles before a step
     assert "torch.compile (default): the first step compiles the student (a minute or more)" in capfd.readouterr().err
+
+
+def test_figures_are_part_of_the_plain_install():
+    import configparser
+
+    from conftest import ROOT
+
+    setup = configparser.ConfigParser()
+    setup.read(ROOT / "setup.cfg")
+    assert "matplotlib>=3.5" in setup["options"]["install_requires"].split()
+
+
+def test_report_plot_tells_runs_apart_and_draws_what_its_title_says(tmp_path, monkeypatch):
+    """Two runs named kd in two folders get labels a/kd and b/kd (the legend had shown kd twice);
+    without a recipe reference the title does not promise dashed lines."""
+    import json
+
+    import matplotlib.pyplot as plt
+
+    from kd import report
+
+    runs = []
+    for parent in ("a", "b"):
+        run = tmp_path / parent / "kd"
+        run.mkdir(parents=True)
+        (run / "config.yaml").write_text("kd_loss: kd\n")
+        rows = [{"epoch": e, "val_top1": 50 + e, "val_top5": 90, "train_loss": 2 - e / 3} for e in (1, 2)]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        runs.append(run)
+    figures = []
+    monkeypatch.setattr(plt, "close", lambda fig=None: figures.append(fig))
+    report.plot(runs, tmp_path / "fig.png")
+    top1 = figures[-1].axes[0]
+    assert [t.get_text() for t in top1.get_legend().get_texts()] == ["a/kd", "b/kd"]
+    assert top1.get_title() == "validation top-1"
+
+
+def test_report_without_matplotlib_prints_the_table_first(teacher_run, tmp_path, monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError("No module named 'matplotlib'")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    _, out = teacher_run
+    r = kd_main("report", out, "--plot", tmp_path / "fig.png")
+    assert r.returncode == 2 and f"| {out} | ce |" in r.stdout, (r.stdout, r.stderr)
+    assert r.stderr.strip().splitlines() == [
+        "kd: error: matplotlib is not installed, and kd draws its figures with it: pip install matplotlib "
+        "(a dependency of kd: pip install -e . in this clone installs it too)"
+    ]
