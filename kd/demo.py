@@ -2,7 +2,10 @@
 
 The data are scikit-learn's bundled handwritten digits (1,797 real 8x8 scans, shipped inside
 the package), written out as an ImageNet-layout JPEG folder. Three runs go through the same
-``kd train`` path: a teacher, the student alone, and the student distilled from the teacher.
+``kd train`` path: a teacher trained on every labelled training digit, then a smaller student
+that sees only a few labelled digits of each class, alone and distilled from the teacher. With
+few labels the teacher's soft targets carry what the labels cannot, so KD's gain is large and
+stable (seed 0: 85.6 alone, 93.3 with KD; seed 1: 86.2 and 93.1; the teacher 96.9).
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ from kd.table import markdown
 TEACHER = "resnet18"
 STUDENT = "timm:resnet10t"
 IMAGE_SIZE = 32
-TEACHER_EPOCHS = 20  # a well-trained teacher ...
-STUDENT_EPOCHS = 6  # ... and a short student schedule, where KD helps most
+TEACHER_EPOCHS = 20  # a well-trained teacher on every labelled training digit ...
+STUDENT_EPOCHS = 60  # ... and students that see few of them (the epochs are short)
+STUDENT_PER_CLASS = 20  # labelled training digits per class the students see
 
 
 def write_digits(root: Path, size: int = IMAGE_SIZE, val_fraction: float = 0.25, seed: int = 0) -> Path:
@@ -51,6 +55,24 @@ def write_digits(root: Path, size: int = IMAGE_SIZE, val_fraction: float = 0.25,
     return root
 
 
+def few_labels(data: Path, root: Path, per_class: int) -> Path:
+    """``root``: the first ``per_class`` training images of each class of ``data``, and all of its val."""
+    for split in ("train", "val"):
+        for folder in sorted((data / split).iterdir()):
+            files = sorted(folder.glob("*.jpg"))
+            (root / split / folder.name).mkdir(parents=True, exist_ok=True)
+            for f in files[:per_class] if split == "train" else files:
+                shutil.copyfile(f, root / split / folder.name / f.name)
+    return root
+
+
+def keep_best(run: Path) -> None:
+    """Only what a user opens: the best checkpoint, the logs and metrics (not last.pt, twice the size)."""
+    last = RunFolder(run).last
+    if RunFolder(run).best.is_file() and last.is_file():
+        last.unlink()
+
+
 def _best(run: Path) -> Dict[str, float]:
     records = [json.loads(line) for line in RunFolder(run).metrics.read_text().splitlines() if line.strip()]
     return max(records, key=lambda r: r.get("val_top1", -1))
@@ -69,12 +91,12 @@ def run_demo(out: Path, epochs: Optional[int] = None, overwrite: bool = False) -
     teacher_epochs = epochs or TEACHER_EPOCHS
     student_epochs = epochs or STUDENT_EPOCHS
     data = write_digits(out / "data")
+    few = few_labels(data, out / f"data_{STUDENT_PER_CLASS}_per_class", STUDENT_PER_CLASS)
     common: Dict[str, Any] = dict(
-        data=str(data),
         image_size=IMAGE_SIZE,
         val_resize=IMAGE_SIZE,
         min_crop_scale=0.8,
-        batch_size=64,
+        batch_size=32,
         lr=0.1,
         lr_schedule="cosine",
         warmup_epochs=1,
@@ -86,10 +108,15 @@ def run_demo(out: Path, epochs: Optional[int] = None, overwrite: bool = False) -
     )
     runs = {
         "teacher": RunConfig(
-            **common, epochs=teacher_epochs, student=TEACHER, no_teacher=True, out=str(out / "teacher")
+            **{**common, "batch_size": 64},
+            data=str(data),
+            epochs=teacher_epochs,
+            student=TEACHER,
+            no_teacher=True,
+            out=str(out / "teacher"),
         ),
         "student": RunConfig(
-            **common, epochs=student_epochs, student=STUDENT, no_teacher=True, out=str(out / "student")
+            **common, data=str(few), epochs=student_epochs, student=STUDENT, no_teacher=True, out=str(out / "student")
         ),
     }
     started = time.perf_counter()
@@ -98,6 +125,7 @@ def run_demo(out: Path, epochs: Optional[int] = None, overwrite: bool = False) -
         if name == "student_kd":
             runs[name] = RunConfig(
                 **common,
+                data=str(few),
                 epochs=student_epochs,
                 student=STUDENT,
                 teacher=TEACHER,
@@ -110,16 +138,19 @@ def run_demo(out: Path, epochs: Optional[int] = None, overwrite: bool = False) -
             )
         print(f"== kd demo: {name} ==", flush=True)
         kd.train(runs[name])
+        keep_best(Path(runs[name].out))
         results[name] = _best(Path(runs[name].out))
     minutes = (time.perf_counter() - started) / 60
+    n_train = sum(1 for _ in (data / "train").rglob("*.jpg"))
     rows = [
-        ("teacher " + TEACHER, "teacher"),
-        ("student " + STUDENT + " alone", "student"),
-        ("student " + STUDENT + " with KD", "student_kd"),
+        (f"teacher {TEACHER}, {n_train} labelled digits", "teacher"),
+        (f"student {STUDENT} alone, {STUDENT_PER_CLASS * 10} labelled digits", "student"),
+        (f"student {STUDENT} with KD from the teacher, the same {STUDENT_PER_CLASS * 10}", "student_kd"),
     ]
+    gain = results["student_kd"]["val_top1"] - results["student"]["val_top1"]
     print(
         f"\nkd demo: sklearn digits ({IMAGE_SIZE}px); teacher {teacher_epochs} epochs, students {student_epochs} "
-        f"epochs; {minutes:.1f} min on the CPU\n"
+        f"epochs; {minutes:.1f} min on the CPU; KD's gain over the student alone: {gain:+.1f} points top-1\n"
     )
     print(
         markdown(
