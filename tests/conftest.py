@@ -147,3 +147,36 @@ def kd_main(*args, env=None, threads=None) -> subprocess.CompletedProcess:
 def _few_threads():
     torch.set_num_threads(THREADS)
     yield
+
+
+@pytest.fixture
+def no_matplotlib(monkeypatch):
+    """An environment where ``import matplotlib`` fails, as in an install without it."""
+    import builtins
+
+    real = builtins.__import__
+
+    def refuse(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError("No module named 'matplotlib'")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", refuse)
+
+
+def in_process_trainer(cfg, precision=None):
+    """A :class:`kd.engine.Trainer` for ``cfg`` on the single backend, in this process; ``precision``
+    replaces the one kd would choose (levels the CLI does not offer, float16 on the CPU)."""
+    import unittest.mock
+
+    import backends
+    import kd.build
+    from kd.engine import Trainer
+
+    backend = backends.get("single")(cfg)
+    backend.setup()
+    Path(cfg.out).mkdir(parents=True, exist_ok=True)
+    if precision is None:
+        return Trainer(cfg, backend, Path(cfg.out))
+    with unittest.mock.patch.object(kd.build, "make_precision", lambda *args, **kwargs: precision):
+        return Trainer(cfg, backend, Path(cfg.out))

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import ROOT, make_image_folder
 
 TINY = [
@@ -64,14 +63,19 @@ def marked_processes(marker: str):
     return found
 
 
-def start(marker: str, *args):
+def start(marker: str, *args, group: bool = False):
+    """``kd train ARGS``; with ``group``, in a process group of its own, as a terminal's foreground
+    job (on one thread, so that two of them share the cores)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "KD_TEST_MARKER": marker}
+    if group:
+        env["OMP_NUM_THREADS"] = "1"
     return subprocess.Popen(
         [sys.executable, "-m", "cli", "train", *map(str, args)],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        start_new_session=group,
     )
 
 
@@ -167,20 +171,6 @@ def long_val(tmp_path_factory):
     )
 
 
-def start_group(marker: str, *args):
-    """``kd train ARGS`` in a process group of its own, as a terminal's foreground job."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "KD_TEST_MARKER": marker}
-    env["OMP_NUM_THREADS"] = "1"
-    return subprocess.Popen(
-        [sys.executable, "-m", "cli", "train", *map(str, args)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-
-
 def ctrl_c(proc, after: str, delay: float = 0.0) -> float:
     """Ctrl-C to the whole group (kd's launcher, its workers, their loader workers) once ``after``
     is printed; the time it was sent."""
@@ -197,7 +187,7 @@ def test_ctrl_c_during_set_up_leaves_the_disk_as_it_was(long_val, tmp_path, mome
     folder was started): one line, exit 130, and no --out."""
     marker = uuid.uuid4().hex
     out = tmp_path / "run"
-    proc = start_group(marker, "--data", long_val, *TEACHER, *DDP, "--image-size", 64, "-b", 12, "--out", out)
+    proc = start(marker, "--data", long_val, *TEACHER, *DDP, "--image-size", 64, "-b", 12, "--out", out, group=True)
     sent = ctrl_c(proc, moment)
     text = assert_gone(proc, marker)
     assert proc.returncode == 130 and time.time() - sent < 20, text
@@ -214,7 +204,7 @@ def test_ctrl_c_during_validation_keeps_the_epoch_and_resumes_it(long_val, tmp_p
     marker = uuid.uuid4().hex
     out = tmp_path / "run"
     args = ["--data", long_val, *TEACHER, *DDP, "--image-size", 64, "-b", 12, "--epochs", 2]
-    proc = start_group(marker, *args, "--teacher-precision", "float32", "--out", out)
+    proc = start(marker, *args, "--teacher-precision", "float32", "--out", out, group=True)
     sent = ctrl_c(proc, "first step done", 0.3)
     text = assert_gone(proc, marker)
     assert proc.returncode == 130 and time.time() - sent < 20, text
@@ -222,7 +212,7 @@ def test_ctrl_c_during_validation_keeps_the_epoch_and_resumes_it(long_val, tmp_p
     state = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
     assert (state["epoch"], state["global_step"]) == (0, 1) and state["pending_epoch"]["train"]["images"] == 12
     assert not (out / "metrics.jsonl").exists()
-    proc = start_group(marker, "--out", out, "--resume")
+    proc = start(marker, "--out", out, "--resume", group=True)
     text = assert_gone(proc, marker, grace=300)
     assert proc.returncode == 0, text
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -13,17 +13,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT, in_process_trainer, kd_main, make_image_folder, run_kd
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 
-import backends
 from kd import config as kd_config
 from kd.engine import Trainer
-from kd.sides import StudentSide
 from kd.errors import KDError
 from kd.losses import DistillInputs, DistillLoss
 from kd.precision import AutocastPrecision, MasterWeightPrecision, Precision, make_precision
-from conftest import ROOT, kd_main, make_image_folder, run_kd
+from kd.sides import StudentSide
 
 LEVELS = ["O0", "O1", "O2", "O3"]
 EPOCHS = 5
@@ -126,17 +125,7 @@ def tiny_cfg(data, out, **kw):
 
 def trainer(cfg, precision=None) -> Trainer:
     """A Trainer for ``cfg``; ``precision`` replaces the one kd would choose (levels the CLI does not offer)."""
-    import unittest.mock
-
-    import kd.build
-
-    backend = backends.get("single")(cfg)
-    backend.setup()
-    Path(cfg.out).mkdir(parents=True, exist_ok=True)
-    if precision is None:
-        return Trainer(cfg, backend, Path(cfg.out))
-    with unittest.mock.patch.object(kd.build, "make_precision", lambda *args, **kwargs: precision):
-        return Trainer(cfg, backend, Path(cfg.out))
+    return in_process_trainer(cfg, precision)
 
 
 # ----------------------------------------------------------------------------- kd train, per level

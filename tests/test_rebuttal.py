@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from conftest import make_image_folder
 from torch import nn
 
 import kd
-from kd import config as kd_config, multi
+from kd import config as kd_config
+from kd import multi
 from kd.errors import KDError
-from conftest import make_image_folder
 
 
 class DropNet(nn.Module):
@@ -180,20 +181,10 @@ def test_report_plot_draws_the_runs(tmp_path):
         assert image.size[0] > 100 and image.size[1] > 100
 
 
-def test_missing_matplotlib_is_said_not_skipped(tmp_path, monkeypatch):
-    import builtins
-
+def test_missing_matplotlib_is_said_not_skipped(tmp_path, no_matplotlib):
     from kd import bench
     from kd.report import plot
 
-    real = builtins.__import__
-
-    def no_matplotlib(name, *args, **kwargs):
-        if name.startswith("matplotlib"):
-            raise ImportError("No module named 'matplotlib'")
-        return real(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
     with pytest.raises(KDError, match=r"matplotlib.*pip install"):
         plot([], tmp_path / "fig.png")
     notes = []

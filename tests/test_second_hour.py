@@ -6,7 +6,6 @@ from __future__ import annotations
 import re
 
 import pytest
-
 from conftest import kd_main, make_image_folder
 
 TINY = ["--image-size", 32, "-b", 8, "-j", 0, "--device", "cpu", "--epochs", 1, "--no-progress"]
@@ -174,17 +173,7 @@ def test_report_plot_tells_runs_apart_and_draws_what_its_title_says(tmp_path, mo
     assert top1.get_title() == "validation top-1"
 
 
-def test_report_without_matplotlib_prints_the_table_first(teacher_run, tmp_path, monkeypatch):
-    import builtins
-
-    real = builtins.__import__
-
-    def no_matplotlib(name, *args, **kwargs):
-        if name.startswith("matplotlib"):
-            raise ImportError("No module named 'matplotlib'")
-        return real(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+def test_report_without_matplotlib_prints_the_table_first(teacher_run, tmp_path, no_matplotlib):
     _, out = teacher_run
     r = kd_main("report", out, "--plot", tmp_path / "fig.png")
     assert r.returncode == 2 and f"| {out} | ce |" in r.stdout, (r.stdout, r.stderr)

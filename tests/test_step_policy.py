@@ -9,23 +9,20 @@ import math
 import re
 from pathlib import Path
 from typing import Dict, List
-from unittest import mock
 
 import pytest
 import torch
+from conftest import in_process_trainer, make_image_folder, run_kd
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 
-import backends
 import kd.build
 import kd.sides
 from kd import config as kd_config
-from kd.engine import Trainer
 from kd.errors import NonFinite
 from kd.losses import DistillInputs, DistillLoss
 from kd.precision import MasterWeightPrecision
 from kd.step import BufferGuard, StepHook
-from conftest import make_image_folder, run_kd
 
 
 @pytest.fixture(scope="module")
@@ -52,14 +49,7 @@ def tiny_cfg(data, out, **kw):
     return kd_config.resolve(options=opts)
 
 
-def trainer(cfg, precision=None) -> Trainer:
-    backend = backends.get("single")(cfg)
-    backend.setup()
-    Path(cfg.out).mkdir(parents=True, exist_ok=True)
-    if precision is None:
-        return Trainer(cfg, backend, Path(cfg.out))
-    with mock.patch.object(kd.build, "make_precision", lambda *args, **kwargs: precision):
-        return Trainer(cfg, backend, Path(cfg.out))
+trainer = in_process_trainer
 
 
 def inf_pixel_on_call(model: nn.Module, call: int) -> None:
@@ -254,6 +244,7 @@ def test_the_stated_torch_minimum_is_the_one_kd_checks(data, tmp_path, monkeypat
     import configparser
 
     from conftest import ROOT, kd_main
+
     from kd.version import MIN_TORCH
 
     setup = configparser.ConfigParser()
