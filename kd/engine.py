@@ -240,7 +240,7 @@ class Trainer(RunBuilder):
         cfg, backend, meter = self.cfg, self.backend, self.meter
         with torch.no_grad():
             for m in (meter, self._interval):
-                m.add(out.parts, out.images, out.skipped, len(batch.bad), out.flags)
+                m.add(out.parts, out.images, out.skipped, out.flags)
         self.new_bad_files.update(p for p in batch.bad if p not in self.bad_files)
         self._bar.update(1)
         if self.first_step is None and self.global_step == self._resumed_step + 1:
@@ -287,7 +287,6 @@ class Trainer(RunBuilder):
         self._bar.close()
         meter = self.meter
         totals = meter.reduce(self.backend)
-        totals.pop("bad")  # met this epoch, repeats included; the record counts distinct files
         totals.update(data_wait_s=meter.wait, first_batch_s=first_wait or 0.0, bad_images=len(self.bad_files))
         self.meter = Meter(self.device)
         self.meter.streak, self.meter.sources = meter.streak, meter.sources  # a non-finite streak spans epochs

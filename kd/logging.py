@@ -81,7 +81,7 @@ class NullLogger:
     def interval(self, stats: Dict[str, float], extra: Dict[str, float], elapsed: float, step: int, bar) -> None:
         """The training scalars of a log interval (means over its steps, plus ``extra``), to TensorBoard
         and the progress bar."""
-        scalars = {k: v for k, v in stats.items() if k not in ("images", "bad")}
+        scalars = {k: v for k, v in stats.items() if k != "images"}
         scalars.update(extra, img_per_s=stats["images"] / max(elapsed, 1e-9))
         self.scalars("train", scalars, step)
         bar.set_postfix_str(f"loss {scalars['loss']:.4f} lr {scalars['lr']:.4g} img/s {scalars['img_per_s']:.0f}")

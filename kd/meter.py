@@ -20,7 +20,6 @@ class Meter:
         self.streak = torch.zeros((), device=device)
         self.worst = torch.zeros((), device=device)
         self.sources = torch.zeros((), device=device)  # non-finite flags seen during the current streak
-        self.bad = 0
         self.wait = 0.0
 
     def add(
@@ -28,11 +27,11 @@ class Meter:
         parts: Dict[str, torch.Tensor],
         n: int,
         skipped: Optional[torch.Tensor],
-        bad: int,
         flags: Optional[torch.Tensor] = None,
     ) -> None:
-        """One step: its loss parts (0-dim), images, skipped flag, unreadable images and non-finite flags
-        (a :class:`kd.step.StepOutput`'s, whose ``skipped`` and ``flags`` may be None)."""
+        """One step: its loss parts (0-dim), images, skipped flag and non-finite flags (a
+        :class:`kd.step.StepOutput`'s, whose ``skipped`` and ``flags`` may be None). Unreadable files
+        are counted by the loop, once each (:meth:`kd.engine.Trainer.after_step`)."""
         finite = torch.isfinite(parts["loss"].detach())
         for k, v in parts.items():  # the means are over the steps with a finite loss
             self.sums[k] = self.sums.get(k, 0.0) + torch.where(finite, v.detach() * n, 0.0)
@@ -48,36 +47,31 @@ class Meter:
             if self.sources.shape != flags.shape:  # the first step (or a checkpoint of an older kd)
                 self.sources = torch.zeros_like(flags)
             self.sources = torch.where(good, torch.zeros_like(flags), torch.maximum(self.sources, flags))
-        self.bad += bad
 
     def reduce(self, backend, extra=()) -> Dict[str, Any]:
         """Means of the parts over every process, and summed counters (one collective); with ``extra``,
         their sums as a list under ``"_extra"``."""
         keys = sorted(self.sums)
-        tail = [self.count, self.finite, self.skipped, torch.tensor(float(self.bad), device=self.device)]
+        tail = [self.count, self.finite, self.skipped]
         tail += [torch.as_tensor(x, dtype=torch.float32, device=self.device) for x in extra]
         vec = torch.stack([self.sums[k] for k in keys] + tail)
         backend.all_reduce_sum(vec)
         values = vec.tolist()
-        count, finite, skipped, bad = values[len(keys) : len(keys) + 4]
+        count, finite, skipped = values[len(keys) : len(keys) + 3]
         out = {k: values[i] / finite if finite else float("nan") for i, k in enumerate(keys)}
-        out.update(images=count, skipped_steps=skipped, bad=bad)
+        out.update(images=count, skipped_steps=skipped)
         if extra:
-            out["_extra"] = values[len(keys) + 4 :]
+            out["_extra"] = values[len(keys) + 3 :]
         return out
 
     def global_state(self, backend) -> dict:
         """:meth:`state_dict` with the sums and counters added up over every process (a collective)."""
         keys = sorted(self.sums)
-        vec = torch.stack(
-            [self.sums[k] for k in keys]
-            + [self.count, self.finite, self.skipped, torch.tensor(float(self.bad), device=self.device)]
-        )
+        vec = torch.stack([self.sums[k] for k in keys] + [self.count, self.finite, self.skipped])
         backend.all_reduce_sum(vec)
         state = self.state_dict()
         state["sums"] = {k: vec[i].cpu() for i, k in enumerate(keys)}
         state["count"], state["finite"], state["skipped"] = (vec[len(keys) + i].cpu() for i in range(3))
-        state["bad"] = int(vec[len(keys) + 3].item())
         return state
 
     def state_dict(self) -> dict:
@@ -89,7 +83,6 @@ class Meter:
             "streak": self.streak.cpu(),
             "worst": self.worst.cpu(),
             "sources": self.sources.cpu(),
-            "bad": self.bad,
             "wait": self.wait,
         }
 
@@ -101,7 +94,6 @@ class Meter:
         self.skipped = state["skipped"].to(self.device)
         self.streak = state["streak"].to(self.device)
         self.worst = state["worst"].to(self.device)
-        self.bad = state["bad"]
         self.wait = state["wait"]
 
 
