@@ -142,7 +142,9 @@ def load(path: Path) -> Dict[str, Any]:
 def finished_epochs(path: Path, epochs: int) -> Optional[int]:
     """The epochs the run of checkpoint ``path`` trained where that is ``epochs`` or more (nothing left
     to resume), else None."""
-    state = load(path)
+    state = read(path, "cannot load checkpoint", mmap=True)  # memory-mapped: the run reads it again
+    if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
+        raise KDError(f"{path} is not a kd checkpoint")
     done = int(state.get("epoch", 0))
     return done if done >= epochs and not state.get("pending_epoch") else None
 
