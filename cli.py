@@ -31,9 +31,9 @@ def _loss_names():
 
 
 def _loader_names():
-    from kd.data.pipeline import LOADERS
+    from kd.data.pipeline import LOADER_NAMES
 
-    return list(LOADERS)
+    return list(LOADER_NAMES)
 
 
 #: The registries whose names fill a ``{names}`` in an option's help (imported when help is shown).
@@ -214,7 +214,7 @@ def _train_students(recipes, given, sets, resume, overwrite) -> None:
     default=None,
     help="Short-side resize before the crop [the run's at its image size, else image-size * 256/224].",
 )
-@click.option("--workers", "-j", type=int, default=None, help="DataLoader worker processes [min(8, CPU cores)].")
+@click.option("--workers", "-j", type=int, default=None, help="DataLoader worker processes [CPU cores less one].")
 @click.option("--num-classes", type=int, default=None, help="[a kd checkpoint's, else the class folders of val/]")
 @click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
 def eval_cmd(model, weights, data, batch_size, image_size, val_resize, workers, num_classes, device):
@@ -319,7 +319,12 @@ def report(runs, csv_path, plot_path):
 @click.option("--workers", "-j", type=int, default=None)
 @click.option("--amp-dtype", type=click.Choice(AMP_DTYPES), default=None)
 @click.option("--compile/--no-compile", default=False, show_default=True)
-@click.option("--loader", type=click.Choice(["pil", "gpu"]), default=None, help="With --data DIR (default pil).")
+@click.option(
+    "--loader",
+    type=click.Choice(["auto", "pil", "gpu"]),
+    default=None,
+    help="With --data DIR, as kd train's [auto: gpu where CUDA and a GPU JPEG decoder work].",
+)
 @click.option(
     "--vs-synthetic",
     is_flag=True,
@@ -412,10 +417,10 @@ def bench(
 @bench.command("data")
 @click.option("--data", required=True, metavar="DIR", help="ImageNet-layout folder.")
 @click.option("--split", type=click.Choice(["train", "val"]), default="train", show_default=True, help="Which split.")
-@click.option("--loader", default="pil", show_default=True, metavar="pil|gpu")
+@click.option("--loader", default="auto", show_default=True, metavar="auto|pil|gpu", help="As kd train's.")
 @click.option("--cpu-decode-share", type=float, default=None, help="--loader gpu: as kd train's [from the workers].")
 @click.option("--val-cache-gb", type=float, default=None, help="--split val: as kd train's [an eighth of memory].")
-@click.option("--workers", "-j", type=int, default=None, help="DataLoader workers [min(8, CPU cores)].")
+@click.option("--workers", "-j", type=int, default=None, help="DataLoader workers [CPU cores less one].")
 @click.option("--batch-size", "-b", type=int, default=256, show_default=True)
 @click.option("--image-size", type=int, default=224, show_default=True)
 @click.option(

@@ -26,6 +26,8 @@ AMP_DTYPES = ("float16", "bfloat16")
 AMP_IMPLS = ("auto", "native", "apex")
 LR_SCHEDULES = ("step", "cosine", "constant")
 MP_CONTEXTS = ("fork", "forkserver", "spawn")
+#: ``--loader`` names (kd.data.pipeline.LOADERS makes the last two; auto chooses one of them)
+LOADER_NAMES = ("auto", "pil", "gpu")
 
 
 @dataclass
@@ -42,8 +44,8 @@ class RunConfig:
     student_data: Optional[Dict[str, Any]] = None
     teacher_data: Optional[Dict[str, Any]] = None
     min_crop_scale: float = 0.08  # RandomResizedCrop's lower area bound
-    loader: str = "pil"
-    workers: Optional[int] = None  # None: min(8, CPU cores per process)
+    loader: str = "auto"  # gpu where CUDA and a GPU JPEG decoder work, else pil (kd.data.pipeline)
+    workers: Optional[int] = None  # None: the CPU cores per process on this host less one (kd.data.loader)
     mp_context: Optional[str] = None  # None: the platform's safe default (kd.data.loader)
     cpu_decode_share: Optional[float] = None  # --loader gpu; None: from the worker count (kd.data.gpu)
     max_bad_images: int = 10
@@ -385,6 +387,10 @@ def validate(cfg: RunConfig) -> RunConfig:
     need(cfg.lr > 0, "--lr must be positive")
     need(0.0 < cfg.min_crop_scale <= 1.0, "--min-crop-scale must be in (0, 1]")
     need(cfg.image_size >= 8, "--image-size must be at least 8")
+    need(
+        cfg.loader in LOADER_NAMES,
+        f"unknown --loader {cfg.loader!r}{suggest(cfg.loader, LOADER_NAMES)}; choose from: {', '.join(LOADER_NAMES)}",
+    )
     need(cfg.workers is None or cfg.workers >= 0, "--workers must be 0 or more")
     need(cfg.val_cache_gb is None or cfg.val_cache_gb >= 0, "--val-cache-gb must be 0 or more")
     need(
@@ -454,7 +460,7 @@ class Option:
     """How one :class:`RunConfig` field appears on ``kd train``'s command line.
 
     The default shown in the help is the field's own; ``note`` says what a None default means
-    (``[min(8, CPU cores per process)]``) or explains the default (``[auto: cuda where available]``).
+    (``[CPU cores per process less one]``) or explains the default (``[auto: cuda where available]``).
     A ``{names}`` in ``help`` is filled by the CLI with the names its registry knows.
     """
 
@@ -534,9 +540,18 @@ TRAIN_OPTIONS = (
     Option("image_size", ("--image-size",), "Train crop and val crop size."),
     Option("val_resize", ("--val-resize",), "Val short-side resize.", note="image-size * 256/224"),
     Option("min_crop_scale", ("--min-crop-scale",), "Smallest crop area of RandomResizedCrop."),
-    Option("loader", ("--loader",), "Input pipeline: {names} (gpu: decode and crop on the GPU).", "NAME"),
     Option(
-        "workers", ("--workers", "-j"), "DataLoader worker processes per process.", note="min(8, CPU cores per process)"
+        "loader",
+        ("--loader",),
+        "Input pipeline: {names} (gpu: decode and crop on the GPU; auto: gpu where CUDA and a GPU JPEG "
+        "decoder work, else pil).",
+        "NAME",
+    ),
+    Option(
+        "workers",
+        ("--workers", "-j"),
+        "DataLoader worker processes per process.",
+        note="CPU cores per process less one",
     ),
     Option("mp_context", ("--mp-context",), "Worker start method.", choices=MP_CONTEXTS, note="forkserver on Linux"),
     Option(

@@ -111,7 +111,7 @@ def resolve(
         own.val_resize(image_size),
         f"the model's: {own.source}",
     )
-    workers = pick("workers", workers, None, default_workers(1), "default: min(8, CPU cores)")
+    workers = pick("workers", workers, None, default_workers(1), "default: CPU cores less one")
     sources["data"] = own.source
     return EvalSettings(model, num_classes, image_size, val_resize, workers, sources, own)
 

@@ -123,7 +123,7 @@ def test_bench_vs_synthetic_gives_each_row_its_share_of_the_step(tmp_path):
     on_folder = (out / "runs" / "single_O0" / "config.yaml").read_text()
     assert f"data: {data}" in on_folder and "loader: gpu" in on_folder and "workers: 1" in on_folder
     synthetic = (out / "runs" / "single_O0_synthetic" / "config.yaml").read_text()
-    assert "data: synthetic" in synthetic and "loader: pil" in synthetic and "workers: null" in synthetic
+    assert "data: synthetic" in synthetic and "loader: auto" in synthetic and "workers: null" in synthetic
     header = r.stdout.splitlines()[0]
     assert "| img_per_s | synthetic_img_per_s | of_synthetic_pct |" in header, r.stdout
     with open(out / "bench.csv") as fh:

@@ -34,6 +34,7 @@ from kd.data.bytes_dataset import (
 from kd.data.decoders import BASELINE_ONLY, DECODERS, CpuThread, CpuWorkers, Nvjpeg, make_decoder, pil_rgb
 from kd.data.gpu import GpuLoader, auto_cpu_share, crop_resize, make_gpu_loader
 from kd.data.loader import GPU_LOADER_HINT, MEAN, STD, make_data_loader, make_loader
+from kd.data.pipeline import choose_loader
 from kd.data.sampler import sample_seed
 from kd.errors import KDError
 
@@ -538,6 +539,27 @@ def test_the_pil_loader_points_to_the_gpu_loader_on_a_gpu(image_folder):
     gpu = build(cfg_for(image_folder, image_size=32), 1, 0, 8, CPU, False).train
     gpu.device = torch.device("cuda", 0)
     assert GPU_LOADER_HINT not in gpu.describe()
+
+
+def test_the_default_loader_is_auto_and_says_what_it_chose_and_why(image_folder):
+    """--loader auto (the default) is the gpu loader where CUDA and a GPU JPEG decoder work, else
+    pil, and its log line says which and why; on a GPU without a GPU decoder it names what failed."""
+    assert kd_config.RunConfig().loader == "auto"
+    data = build(cfg_for(image_folder, loader="auto", image_size=32), 1, 0, 8, CPU, False)
+    assert data.train.describe().startswith("loader pil (--loader auto: no CUDA device): PIL decode")
+    assert type(getattr(data.val, "loader", data.val)) is type(data.train)  # (inside the val cache)
+    if not torch.cuda.is_available():  # on a CPU machine a CUDA device has no GPU decoder: each one's reason
+        name, why = choose_loader("auto", torch.device("cuda", 0))
+        assert name == "pil" and why.startswith("--loader auto: no GPU JPEG decoder works here (nvjpeg "), why
+        assert "nvimgcodec" in why
+    assert choose_loader("gpu", CPU) == ("gpu", "") and choose_loader("pil", CPU) == ("pil", "")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_default_loader_on_a_gpu_is_the_gpu_loader(image_folder):
+    name, why = choose_loader("auto", torch.device("cuda", 0))
+    assert name == "gpu" and why.startswith("--loader auto: CUDA and the nv"), why
 
 
 def test_limit_and_early_stop_leave_no_thread(image_folder):

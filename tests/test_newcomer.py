@@ -265,9 +265,9 @@ def _help(*args) -> str:
 
 
 def test_workers_help_says_the_real_default():
-    assert "[min(8, CPU cores per process)]" in _help("train")
+    assert "[CPU cores per process less one]" in _help("train")
     assert "[8]" not in _help("train").split("--workers")[1][:80]
-    assert "min(8, CPU cores)" in _help("eval")
+    assert "[CPU cores less one]" in _help("eval")
 
 
 def test_eval_workers_default_to_the_cores(trained):

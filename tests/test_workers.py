@@ -224,3 +224,28 @@ def test_workers_run_nicer_than_the_training_process(tmp_path, monkeypatch):
     loader, _ = make_data_loader(cfg, _Niceness(), list, False, 1, 0, 2, torch.device("cpu"))
     (worker_nice,) = {n for batch in loader for n in batch}
     assert worker_nice == min(19, os.nice(0) + WORKER_NICE)
+
+
+@pytest.mark.parametrize(
+    "cores,processes,local,expected",
+    [
+        (16, 1, None, 15),  # one H200 machine: the fastest measured, -j 15
+        (2, 1, None, 1),
+        (1, 1, None, 1),  # never none: the training thread shares the core
+        (128, 8, None, 15),  # 8 GPUs, one process each
+        (128, 16, "8", 15),  # two such hosts: the cores are this host's, shared by its 8 processes only
+        (256, 1, None, 32),  # capped
+    ],
+)
+def test_default_workers_are_this_hosts_cores_per_process_less_one(monkeypatch, cores, processes, local, expected):
+    from kd import config as kd_config
+    from kd.data.loader import worker_count
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    if local is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+    cfg = kd_config.RunConfig()
+    assert worker_count(cfg, processes) == expected
+    assert worker_count(kd_config.RunConfig(workers=3), processes) == 3

@@ -319,7 +319,7 @@ class GpuLoader(DeviceLoader):
             else "and cropped by the workers (PIL)"
         )
         text = (
-            f"loader gpu: file bytes from {self.loader.num_workers} DataLoader worker(s); "
+            f"{self.heading('gpu')}: file bytes from {self.loader.num_workers} DataLoader worker(s); "
             f"decoder {self.decoder.name}: {self.decoder.describe()}; "
             + (f"{100 * share:.0f} % of the images decoded {by_workers}; " if share else "")
             + (
@@ -473,11 +473,16 @@ def shared_decoder(device: torch.device, choice: str) -> Tuple[Decoder, List[str
     return _SHARED[key]
 
 
+def decoder_choice() -> str:
+    """The JPEG decoder asked for in the environment (DECODER_ENV), else ``auto``."""
+    return os.environ.get(DECODER_ENV, "auto").strip() or "auto"
+
+
 def make_gpu_loader(
     cfg, samples, train: bool, num_replicas: int, rank: int, local_batch: int, device: torch.device, channels_last: bool
 ) -> GpuLoader:
     """A ``--loader gpu`` loader over ``samples``, sampled exactly as the PIL loader."""
-    decoder, notes = shared_decoder(device, os.environ.get(DECODER_ENV, "auto").strip() or "auto")
+    decoder, notes = shared_decoder(device, decoder_choice())
     share = cfg.cpu_decode_share
     if share is None:
         share = auto_cpu_share(decoder, worker_count(cfg, num_replicas), train)
