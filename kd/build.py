@@ -5,7 +5,6 @@ from leaving anything behind."""
 from __future__ import annotations
 
 import dataclasses
-import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -17,7 +16,7 @@ from kd import data as kd_data
 from kd.cpu import slow_precision_warning
 from kd.data.loader import val_transform
 from kd.errors import KDError
-from kd.logging import NullLogger, RunLogger
+from kd.logging import NullLogger, RunLogger, SetupClock
 from kd.meter import Meter
 from kd.optim import build_optimizer, build_scheduler
 from kd.precision import make_precision
@@ -32,7 +31,7 @@ from kd.teaching import Teacher
 class RunBuilder:
     """The set-up half of :class:`kd.engine.Trainer` (which runs the loop)."""
 
-    started: float
+    clock: SetupClock
     hooks: List[StepHook]
 
     def _build(
@@ -42,6 +41,7 @@ class RunBuilder:
         ``resume_from`` where given; ``shared`` (:class:`kd.together.Shared`) brings the data, the
         teacher and the stop flag of a run of several students. A stop signal during set-up ends it
         at the next of a few points, every process alike, with nothing written."""
+        self.clock.mark("launch")  # interpreter, imports, launcher, process group, device
         self.owns_stop = shared is None and stop is None
         self.stop = (
             shared.stop if shared is not None else stop if stop is not None else StopFlag(backend.placement.launched)
@@ -71,6 +71,7 @@ class RunBuilder:
             self.data = kd_data.build(
                 cfg, num_replicas, rank, backend.local_batch(cfg.batch_size), dev, self.runtime.channels_last
             )
+            self.clock.mark("data")
         else:
             self.data = shared.data
         try:
@@ -100,6 +101,7 @@ class RunBuilder:
         if shared is not None and teacher is not None:
             shared.teacher_model = teacher  # built after this student, as its own run builds it
         self.needs_teacher = teacher is not None
+        self.clock.mark("models")
 
         # Module.to(device, memory_format=...) is valid at run time; torch's overloads list the two apart
         self.side = StudentSide(student, loss, s_layers).to(dev, memory_format=self.memory_format)  # type: ignore[call-overload]
@@ -112,6 +114,7 @@ class RunBuilder:
         if teacher is not None and shared is None:
             self.use_teacher(self.prepare_teacher(teacher, self.t_layers, self.hooks, backend, self.notes))
             self.stop_in_setup()
+            self.clock.mark("teacher")  # on the device, fused, its precision probed
         optimizer = build_optimizer(cfg, self.side.named_parameters(), fused_ok=self.precision.fused_optimizer_ok)
         self.side, self.optimizer = self.precision.prepare(self.side, optimizer)
         self.model = backend.wrap(self.side)
@@ -131,6 +134,7 @@ class RunBuilder:
         self.params = [p for p in self.side.parameters() if p.requires_grad]
         self.buffers = BufferGuard(self.side)  # put back on a skipped step
         self.scheduler = build_scheduler(cfg, self.optimizer, len(self.data.train))
+        self.clock.mark("optimizer")  # with the precision, the backend's wrap and torch.compile's
         self.step_lr = self.optimizer.param_groups[0]["lr"]  # the lr of the last step taken (logged)
         self.epoch_lr: Optional[float] = None  # the lr of this epoch's first step
 
@@ -146,7 +150,6 @@ class RunBuilder:
         self.steps_in_epoch = len(self.data.train)
         self.stop_every = min(cfg.log_every, 10)  # steps between stop checks across processes
         self.epoch_ended: Optional[float] = None
-        self.teacher_top1: Optional[float] = None
         if resumed is not None:
             checkpoint.restore_run(self, resumed)
             self.logger.resume_at(self.epoch)
@@ -162,7 +165,7 @@ class RunBuilder:
                 self.logger.info(f"val: {cache()}")
             self.stop_in_setup()  # the last point at which a stop writes nothing
             self.start_folder()
-        self._setup_seconds = time.time() - self.started
+        self.clock.mark("folder")  # the resumed state, the log lines, the run folder
 
     @property
     def position(self) -> Tuple[int, int]:

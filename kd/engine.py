@@ -14,7 +14,7 @@ from kd import checkpoint
 from kd.build import RunBuilder
 from kd.data.loader import Batch
 from kd.errors import KDError, NonFinite
-from kd.logging import command_start, first_step_record
+from kd.logging import SetupClock, command_start, first_step_record
 from kd.meter import Meter, format_record, nonfinite_flags, nonfinite_message
 from kd.runfolder import RunFolder
 from kd.sides import LOGITS_SUM
@@ -47,7 +47,7 @@ class Trainer(RunBuilder):
         """``hooks`` see every step and epoch record; ``validate=False`` skips the teacher's and the
         student's validation passes (timed benchmark runs); ``shared`` is a :class:`kd.together.Shared`;
         ``stop`` the process's :class:`kd.signals.StopFlag` (one of the Trainer's own where not given)."""
-        self.started = command_start(default=time.time())
+        self.clock = SetupClock(command_start(default=time.time()))
         self.hooks = list(hooks)
         self.validates = validate
         self._build(cfg, backend, Path(out), resume_from, shared, stop)
@@ -74,8 +74,6 @@ class Trainer(RunBuilder):
     def fit(self) -> Dict[str, float]:
         """Epochs until ``cfg.epochs``: train, validate, log, checkpoint; returns the last epoch's record."""
         record: Dict[str, float] = {}
-        if self.prepared_teacher is not None and self.epoch == 0 and self.batch_in_epoch == 0 and self.validates:
-            self.teacher_top1 = self.prepared_teacher.validate(self.stop)
         self.stop_in_setup()
         record = self.finish_pending_epoch() or record
         while self.epoch < self.cfg.epochs:
@@ -113,6 +111,14 @@ class Trainer(RunBuilder):
             record["between_epochs_s"] = start - self.epoch_ended
         for hook in self.hooks:
             hook.on_epoch_end(self, record)
+        if self.validates and self.epoch == 0 and self.needs_teacher and self.prepared_teacher is not None:
+            # the teacher's top-1 after the first epoch, not before it: the first step comes sooner, and
+            # its probe has checked it on a few validation batches already (kd.teaching)
+            top1 = self.prepared_teacher.validate(self.stop)
+            if top1 is None:  # stopped: as below
+                self.pending_epoch = (train, seconds)
+                raise self.interrupt()
+            record["teacher_top1"] = top1
         if self.validates and ((self.epoch + 1) % cfg.eval_every == 0 or self.epoch == cfg.epochs - 1):
             stop = lambda: self.stop.requested  # noqa: E731
             val = validate_student(self.side, self.eval_forward, self.data.val, self.backend, self.precision, stop)
@@ -120,8 +126,6 @@ class Trainer(RunBuilder):
                 self.pending_epoch = (train, seconds)
                 raise self.interrupt()
             record.update(val)
-        if self.teacher_top1 is not None:
-            record["teacher_top1"], self.teacher_top1 = self.teacher_top1, None
         if self.device.type == "cuda":
             record["gpu_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         best = record.get("val_top1", -1.0) > self.best_top1
@@ -244,9 +248,7 @@ class Trainer(RunBuilder):
         self.new_bad_files.update(p for p in batch.bad if p not in self.bad_files)
         self._bar.update(1)
         if self.first_step is None and self.global_step == self._resumed_step + 1:
-            self.first_step = first_step_record(
-                self.started, self._setup_seconds, asked, waited, self.device, self.logger.info
-            )
+            self.first_step = first_step_record(self.clock, asked, waited, self.device, self.logger.info)
         end_of_epoch = self.batch_in_epoch == self.steps_in_epoch
         stop_check = self.stop.requested if backend.world_size == 1 else self.global_step % self.stop_every == 0
         if self.global_step % cfg.log_every == 0 or end_of_epoch or stop_check:

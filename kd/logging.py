@@ -50,21 +50,48 @@ def mark_command_start() -> None:
     os.environ[START_ENV] = repr(time.time() - process_age())
 
 
-def first_step_record(started: float, setup_s: float, asked: float, waited: float, device, log) -> Dict[str, float]:
-    """Seconds from the command (``started``) to this process's first step, which began by asking for
-    its batch at ``asked`` (``perf_counter``) and waited ``waited`` for it: logged, and returned for
-    metrics.jsonl (one device sync, once)."""
+class SetupClock:
+    """Seconds of each part of a run's set-up, from the command's start (``started``, ``time.time()``)
+    to its first step: where a slow start goes, logged and kept in metrics.jsonl."""
+
+    def __init__(self, started: float):
+        self.started = started
+        self.last = started
+        self.parts: Dict[str, float] = {}
+
+    def mark(self, part: str) -> None:
+        """``part`` ends now: the seconds since the last mark are its."""
+        now = time.time()
+        self.parts[part] = self.parts.get(part, 0.0) + now - self.last
+        self.last = now
+
+    @property
+    def seconds(self) -> float:
+        """From the command to the last mark."""
+        return self.last - self.started
+
+
+def first_step_record(clock: SetupClock, asked: float, waited: float, device, log) -> Dict[str, float]:
+    """Seconds from the command to this process's first step, which began by asking for its batch at
+    ``asked`` (``perf_counter``) and waited ``waited`` for it, with the set-up's parts (``clock``):
+    logged, and returned for metrics.jsonl (one device sync, once)."""
     if device.type == "cuda":
         import torch
 
         torch.cuda.synchronize(device)
     step = time.perf_counter() - asked - waited
-    total = time.time() - started
+    total = time.time() - clock.started
+    # between the set-up and the first batch: the epoch's start (loader iterator, logging)
+    before = max(total - clock.seconds - waited - step, 0.0)
+    parts = ", ".join(f"{name} {seconds:.1f}" for name, seconds in clock.parts.items())
     log(
-        f"first step done {total:.1f} s after the command (set-up {setup_s:.1f} s, "
-        f"then the first batch {waited:.1f} s and the step {step:.1f} s)"
+        f"first step done {total:.1f} s after the command (set-up {clock.seconds:.1f} s: {parts}; then "
+        f"the epoch's start {before:.1f} s, the first batch {waited:.1f} s and the step {step:.1f} s)"
     )
-    return {"startup_s": total, "startup_setup_s": setup_s, "startup_first_batch_s": waited}
+    record = {"startup_s": total, "startup_setup_s": clock.seconds}
+    record.update({f"startup_{name.replace(' ', '_')}_s": seconds for name, seconds in clock.parts.items()})
+    record.update(startup_epoch_start_s=before, startup_first_batch_s=waited, startup_step_s=step)
+    return record
 
 
 class NullLogger:

@@ -17,7 +17,7 @@ from torch import nn
 from kd import teacher as kd_teacher
 from kd.evaluate import teacher_preprocessing_note
 from kd.sides import TeacherSide
-from kd.signals import StopFlag, in_setup
+from kd.signals import StopFlag
 from kd.validation import evaluate
 
 
@@ -51,6 +51,7 @@ class Teacher:
         self.layers = list(layers)
         self.val = val
         self.owns_val = owns_val
+        self.top1: Optional[float] = None  # its val top-1 once measured (validate)
         self.renorm = renorm if renorm is not None else (lambda images: images)
         self.log = log
         self.graph_step = runtime.compile and cfg.compile_mode in ("reduce-overhead", "max-autotune")
@@ -103,16 +104,19 @@ class Teacher:
             self.val.close()
             self.owns_val = False
 
-    def validate(self, stop: Optional[StopFlag] = None) -> float:
-        """Top-1 on the val split, logged with the teacher's precision (and a preprocessing note).
-        Raises :class:`kd.signals.Interrupted` in every process where ``stop`` ended the pass."""
+    def validate(self, stop: Optional[StopFlag] = None) -> Optional[float]:
+        """Top-1 on the val split, logged with the teacher's precision (and a preprocessing note);
+        measured once (several students ask for it), None in every process where ``stop`` ended
+        the pass."""
+        if self.top1 is not None:
+            return self.top1
         start = time.perf_counter()
         asked = (lambda: stop.requested) if stop is not None else None
         val = evaluate(self._logits, self.val, self.backend, self.precision, stop=asked)
-        self.close()  # its own val loader is needed for nothing more
         if val["stopped"]:
-            raise in_setup(stop.signame if stop is not None else "")
-        top1 = val["top1"]
+            return None
+        self.close()  # its own val loader is needed for nothing more
+        self.top1 = top1 = val["top1"]
         self.log(
             f"teacher {self.cfg.teacher}: val top-1 {top1:.2f} (in {self.dtype_name}, "
             f"{time.perf_counter() - start:.1f}s)"

@@ -17,7 +17,7 @@ from kd import data as kd_data
 from kd.build import stop_anywhere
 from kd.engine import Trainer
 from kd.errors import KDError, NonFinite
-from kd.logging import command_start
+from kd.logging import SetupClock, command_start
 from kd.runfolder import RunFolder
 from kd.runtime import resolve as resolve_runtime
 from kd.signals import Interrupted, StopFlag, in_setup
@@ -96,7 +96,8 @@ class MultiTrainer:
         """``resume``: every student continues from its own ``last.pt``; ``hooks`` see each shared step
         (with this object as trainer) and each epoch's shared record (``kd bench``'s timer); ``stop``
         the process's :class:`kd.signals.StopFlag` (one of its own where not given)."""
-        started = command_start(default=time.time())  # every student's first step counts from here
+        clock = SetupClock(command_start(default=time.time()))  # every student's first step counts from here
+        clock.mark("launch")
         cfg = models.with_data_configs(students.cfgs[0])  # the loaders normalise for the first student
         if resolve_runtime(cfg, backend.device).compile and cfg.compile_mode in ("reduce-overhead", "max-autotune"):
             raise KDError(
@@ -119,6 +120,7 @@ class MultiTrainer:
         self.data = kd_data.build(
             cfg, num_replicas, rank, backend.local_batch(cfg.batch_size), backend.device, runtime.channels_last
         )
+        clock.mark("data")
         shared = Shared(self.data, None, self.stop)
         self.lanes: List[Trainer] = []
         self.teacher: Optional[Teacher] = None
@@ -139,7 +141,9 @@ class MultiTrainer:
                 self.lanes.append(lane)
             if len(self.lanes) > 1 and self.lanes[0].precision.one_per_process:
                 raise KDError("apex.amp holds one model per process; several students need --amp-impl native")
+            clock.mark("students")
             self._prepare_teacher(shared)
+            clock.mark("teacher")
             positions = {lane.position for lane in self.lanes}
             if len(positions) > 1:
                 where = ", ".join(
@@ -153,9 +157,6 @@ class MultiTrainer:
             self.close()
             raise
         self.global_step = self.lanes[0].global_step
-        setup_seconds = time.time() - started
-        for lane in self.lanes:
-            lane.started, lane._setup_seconds = started, setup_seconds
         for lane in self.lanes[1:]:
             lane.logger.bar_enabled = False  # one progress bar for all
         self.lanes[0].logger.info(self.data.train.describe())
@@ -169,6 +170,8 @@ class MultiTrainer:
             write_students(students.out, students.names, self.failed)
         for lane in self.lanes:
             lane.start_folder()
+            lane.clock = clock
+        clock.mark("folder")
         self.active = list(self.lanes)
 
     def _prepare_teacher(self, shared: Shared) -> None:
@@ -213,10 +216,6 @@ class MultiTrainer:
         """Every student's epochs; the first student's last record, or a KDError naming the students
         stopped by a non-finite loss once the others are done."""
         lead = self.lanes[0]
-        if self.teacher is not None and self.validates and lead.epoch == 0 and lead.batch_in_epoch == 0:
-            top1 = self.teacher.validate(self.stop)
-            for lane in self.lanes:
-                lane.teacher_top1 = top1 if lane.needs_teacher else None
         lead.stop_in_setup()
         records: Dict[str, Dict[str, float]] = {}
         for lane in list(self.active):  # students whose last validation a stop cut short

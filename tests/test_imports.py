@@ -99,3 +99,40 @@ def test_no_module_imports_one_that_imports_it_back():
 
 def test_no_import_circles():
     assert not cycles(import_graph()), "import circles (each a group of modules that reach one another)"
+
+
+#: What a ``kd train`` process may import beyond torch and torchvision (which bring torch._dynamo,
+#: torch._inductor, triton's Python side and FSDP themselves: torchvision.ops imports
+#: torch._dynamo): kd, its CLI and the packages the run uses. Not timm for torchvision models,
+#: not matplotlib (kd report's figures), not safetensors (kd export's).
+TRAIN_IMPORTS = {"kd", "backends", "cli", "click", "yaml", "tqdm", "tensorboard", "google", "absl", "fsspec"}
+TRAIN_IMPORTS |= {"numpy", "PIL", "torch", "torchvision", "typing_extensions", "packaging", "six"}
+
+IMPORTS_OF_A_RUN = """
+import json, sys
+import torch, torchvision
+before = set(sys.modules)
+import cli
+cli.cli.main(args=sys.argv[1:], standalone_mode=False)
+new = {name.split(".")[0] for name in set(sys.modules) - before}
+print(json.dumps(sorted(n for n in new if not n.startswith("_") and n not in sys.stdlib_module_names)))
+"""
+
+
+def test_a_training_run_imports_only_what_it_uses(tmp_path):
+    """Each import a run does not use is set-up time before every first step (the parent of a
+    several-process run and each of its processes pay it)."""
+    import json
+    import subprocess
+    import sys
+
+    args = ["train", "--data", "synthetic", "--teacher", "resnet18", "--teacher-weights", "none"]
+    args += ["--student", "resnet18", "--device", "cpu", "--epochs", "1", "--limit-train-batches", "1"]
+    args += ["--limit-val-batches", "1", "-b", "2", "--image-size", "32", "--out", str(tmp_path / "run")]
+    r = subprocess.run(
+        [sys.executable, "-c", IMPORTS_OF_A_RUN, *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0, r.stderr
+    imported = set(json.loads(r.stdout.strip().splitlines()[-1]))
+    assert {"kd", "tensorboard", "yaml"} <= imported  # the check sees what the run imports
+    assert imported <= TRAIN_IMPORTS, f"imported beyond what a run uses: {sorted(imported - TRAIN_IMPORTS)}"

@@ -68,7 +68,16 @@ def test_cli_run_writes_metrics_tensorboard_checkpoints(image_folder, tmp_path):
     assert 0.0 <= records[-1]["val_top1"] <= 100.0
     # the time from the command (its process start, interpreter and imports included) to the first step
     assert records[0]["startup_s"] > records[0]["startup_setup_s"] > 0 and "startup_s" not in records[1]
-    assert "first step done" in r.stderr
+    # the set-up's parts add up to it, and the rest of the way to the first step is in the record
+    parts = [records[0][f"startup_{p}_s"] for p in ("launch", "data", "models", "teacher", "optimizer", "folder")]
+    assert min(parts) >= 0 and sum(parts) == pytest.approx(records[0]["startup_setup_s"], abs=1e-3)
+    after = ("startup_setup_s", "startup_epoch_start_s", "startup_first_batch_s", "startup_step_s")
+    assert sum(records[0][k] for k in after) == pytest.approx(records[0]["startup_s"], abs=0.05)
+    assert "first step done" in r.stderr and "(set-up " in r.stderr and ": launch " in r.stderr
+    # the teacher's top-1 is measured after the first epoch, not before the first step
+    assert r.stderr.index("first step done") < r.stderr.index("teacher resnet18: val top-1")
+    assert r.stderr.index("teacher resnet18: val top-1") < r.stderr.index("epoch 1/2")
+    assert "teacher_top1" in records[0] and "teacher_top1" not in records[1]
     assert (out / "checkpoints" / "last.pt").is_file() and (out / "checkpoints" / "best.pt").is_file()
     saved = yaml.safe_load((out / "config.yaml").read_text())
     assert saved["student"] == "resnet18" and saved["batch_size"] == 8 and saved["epochs"] == 2
