@@ -231,6 +231,39 @@ def eval_cmd(model, weights, data, batch_size, image_size, val_resize, workers, 
     )
 
 
+@cli.command("prepare")
+@click.argument("src", metavar="SRC")
+@click.argument("dst", metavar="DST")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["raw", "jpeg"]),
+    default="raw",
+    show_default=True,
+    help="Training images as raw RGB pixels (nothing to decode) or re-encoded baseline JPEGs (smaller).",
+)
+@click.option("--max-side", type=int, default=256, show_default=True, help="Training images' longer side at most.")
+@click.option("--quality", type=int, default=90, show_default=True, help="--format jpeg: the JPEG quality.")
+@click.option("--workers", "-j", type=int, default=None, help="Processes [the CPU cores].")
+@click.option("--overwrite", is_flag=True, help="Replace a copy of another source or with other settings.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def prepare_cmd(src, dst, fmt, max_side, quality, workers, overwrite, no_progress):
+    """Write a copy of the ImageNet-layout folder SRC to DST that the loaders read faster: training
+    images reduced once (longer side capped) into a few large shard files, validation images as they
+    are. Resumable: run it again to finish. Train with kd train --data DST."""
+    from kd.data.prepare import Settings, prepare
+
+    prepare(
+        src,
+        dst,
+        Settings(format=fmt, max_side=max_side, quality=quality),
+        workers=workers,
+        overwrite=overwrite,
+        echo=click.echo,
+        progress=not no_progress,
+    )
+
+
 @cli.command("export")
 @click.argument("run", type=click.Path(path_type=Path))
 @click.option(

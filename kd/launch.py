@@ -91,8 +91,13 @@ def preflight(cfg) -> None:
 
 
 def check_data(data: str) -> None:
-    """``--data``: 'synthetic', or a folder with train/ and val/ subfolders."""
+    """``--data``: 'synthetic', a folder with train/ and val/ subfolders, or a prepared copy."""
+    from kd.data.prepared import is_prepared, read_manifest
+
     if data == "synthetic":
+        return
+    if is_prepared(Path(data)):
+        read_manifest(Path(data))  # one that kd cannot read fails here, before anything starts
         return
     for split in ("train", "val"):
         if not (Path(data) / split).is_dir():

@@ -15,13 +15,14 @@ workers' cores decode beside the device decoder instead of idling. Module-level 
 
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from kd.data.decoders import DEVICE_SOF, torchvision_decode
 from kd.data.folder import ImageFolderPIL, flip_coin, random_resized_crop_params, val_geometry
+from kd.data.prepared import RAW, Prepared
 
 #: How far from the end of a file the end-of-image marker is looked for.
 EOI_WINDOW = 4096
@@ -137,7 +138,7 @@ class JpegBytes:
         self.cpu_share = cpu_share
 
     @property
-    def samples(self) -> List[Tuple[str, int]]:
+    def samples(self) -> Sequence[Tuple[str, int]]:
         return self.pil.samples
 
     def __len__(self) -> int:
@@ -153,10 +154,16 @@ class JpegBytes:
         index, seed = item if isinstance(item, tuple) else (item, 0)
         if on_cpu(seed, self.cpu_share):
             return self.cpu_sample(index, seed)
-        path, label = self.pil.samples[index]
+        samples = self.pil.samples
+        path, label = samples[index]
         try:
-            with open(path, "rb") as fh:
-                data = fh.read()
+            if isinstance(samples, Prepared):
+                if samples.format(index) == RAW:  # pixels already: the worker crops them out (no decode)
+                    return self.cpu_sample(index, seed)
+                data = samples.data(index)
+            else:
+                with open(path, "rb") as fh:
+                    data = fh.read()
         except OSError:
             return Sample(BAD, None, 0, 0, (0, 0, 0, 0), False, label, path, index, seed)
         size = jpeg_size(data, self.frame_types)

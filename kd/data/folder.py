@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from kd.data.prepared import Prepared, is_prepared, open_copy, open_image
 from kd.errors import KDError
 
 # Pillow defines these in a loop over its enums, which mypy cannot see (Image.Resampling needs Pillow >= 9.1)
@@ -59,19 +60,25 @@ def _refuse_empty(root: Path, empty: List[str]) -> None:
         )
 
 
-def scan_split(root: Path, split: str) -> Tuple[List[str], List[Tuple[str, int]]]:
-    """Class names and (path, label) pairs of ``root/split/<class>/*``; KDError if unusable,
-    a class folder without images included."""
+def scan_split(root: Path, split: str) -> Tuple[List[str], Sequence[Tuple[str, int]]]:
+    """Class names and (path, label) pairs of ``root/split/<class>/*`` (or the split of a prepared
+    copy); KDError if unusable, a class folder without images included."""
+    if is_prepared(root):
+        classes, train, val = open_copy(root)
+        return classes, train if split == "train" else val
     classes, samples, empty = _scan_split(root, split)
     _refuse_empty(root, empty)
     return classes, samples
 
 
-def scan(root: str) -> Tuple[List[str], List[Tuple[str, int]], List[Tuple[str, int]]]:
-    """Classes, train samples and val samples of an ImageNet-layout folder."""
+def scan(root: str) -> Tuple[List[str], Sequence[Tuple[str, int]], Sequence[Tuple[str, int]]]:
+    """Classes, train samples and val samples of an ImageNet-layout folder, or of a prepared copy
+    of one (``kd prepare``: :class:`kd.data.prepared.Prepared` sample lists)."""
     path = Path(root)
     if not path.is_dir():
         raise KDError(f"data folder {root} does not exist")
+    if is_prepared(path):
+        return open_copy(path)
     classes, train, empty_train = _scan_split(path, "train")
     val_classes, val, empty_val = _scan_split(path, "val")
     _refuse_empty(path, empty_train + empty_val)
@@ -196,7 +203,7 @@ class ImageFolderPIL:
     ):
         """``resize`` and ``interpolation`` (bilinear or bicubic) are validation's; training crops
         always resize bilinearly (the crop both models of a KD step see)."""
-        self.samples = list(samples)
+        self.samples = samples if isinstance(samples, Prepared) else list(samples)
         self.scale = (min_scale, 1.0)
         self.size = size
         self.train = train
@@ -216,7 +223,7 @@ class ImageFolderPIL:
         index, seed = item if isinstance(item, tuple) else (item, 0)
         path, label = self.samples[index]
         try:
-            with Image.open(path) as im:
+            with open_image(self.samples, index) as im:
                 width, height = im.size
                 if self.train:
                     gen, box = self._train_box(im, seed)
@@ -256,7 +263,7 @@ class ImageFolderPIL:
         index, seed = item
         path, label = self.samples[index]
         try:
-            with Image.open(path) as im:
+            with open_image(self.samples, index) as im:
                 gen, (x1, y1, x2, y2) = self._train_box(im, seed)
                 im.load()  # im.size: the decoded (maybe reduced) size from here on
                 left, top = max(0, math.floor(x1) - 1), max(0, math.floor(y1) - 1)

@@ -180,6 +180,8 @@ class DeviceLoader:
 
     #: why ``--loader auto`` chose this loader, shown by describe() ("" when the user named it)
     why: str = ""
+    #: what it reads where that is not the folder's files: a prepared copy (kd.data.prepared)
+    source: str = ""
 
     def __init__(
         self,
@@ -230,7 +232,9 @@ class DeviceLoader:
 
     def heading(self, name: str) -> str:
         """``loader NAME (why)``: the start of describe()."""
-        return f"loader {name}" + (f" ({self.why})" if self.why else "")
+        return (
+            f"loader {name}" + (f" ({self.why})" if self.why else "") + (f" from {self.source}" if self.source else "")
+        )
 
     def close(self) -> None:
         """Stop the persistent worker processes now rather than at interpreter exit."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import List, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 
@@ -36,7 +36,7 @@ class Data:
     classes: List[str]
     num_train: int
     num_val: int
-    val_samples: List[Tuple[str, int]] = field(default_factory=list)  # for a teacher's own val loader
+    val_samples: Sequence[Tuple[str, int]] = field(default_factory=list)  # for a teacher's own val loader
 
     def close(self) -> None:
         for loader in (self.train, self.val):
@@ -57,6 +57,8 @@ def build(cfg, num_replicas: int, rank: int, local_batch: int, device: torch.dev
     classes, train_samples, val_samples = scan(cfg.data)
     train = LOADERS[name](cfg, train_samples, True, num_replicas, rank, local_batch, device, channels_last)
     train.why = why
+    describe = getattr(train_samples, "describe", None)  # a prepared copy says what it holds
+    train.source = describe() if describe is not None else ""
     val = build_val(cfg, val_samples, num_replicas, rank, local_batch, device, channels_last, name)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", num_replicas))  # this host's processes under a launcher
     budget = default_budget_gb(min(local, num_replicas)) if cfg.val_cache_gb is None else cfg.val_cache_gb

@@ -1,0 +1,163 @@
+"""Reading a prepared copy (``kd prepare SRC DST``): the samples of an ImageNet-layout folder in a
+few large shard files, with training images reduced so that the loaders do less per image.
+
+A copy is a folder with a manifest (MANIFEST, JSON), and per split shard files
+(``train-00000.bin``, ...), one index (``train.index.npy``: for every image its shard, byte
+offset and length, label, height, width and format) and the source paths (``train.paths.txt``). A
+training image is stored as ``raw`` RGB pixels (HWC uint8, nothing to decode) or re-encoded as
+``jpeg``, its longer side capped; a validation image is its source file's bytes, unchanged, so
+validation crops stay torchvision's bit for bit. :class:`Prepared` is a split's sample list: it
+reads like the ``(path, label)`` list of a folder, and opens each image from its shard
+(:meth:`Prepared.image`, :meth:`Prepared.data`). Module-level and picklable: DataLoader workers
+receive the folder and split only, and open the index (memory-mapped) and the shards themselves.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+from PIL import Image
+
+from kd.errors import KDError
+
+MANIFEST = "kd-prepared.json"
+FORMAT_VERSION = 1
+#: the index's record: where an image's bytes are, what they are, and where they came from
+INDEX_DTYPE = np.dtype(
+    [
+        ("shard", "<i4"),
+        ("offset", "<i8"),
+        ("length", "<i8"),
+        ("label", "<i4"),
+        ("height", "<i4"),
+        ("width", "<i4"),
+        ("format", "<i1"),
+    ]
+)
+#: index ``format`` codes: raw RGB pixels, a JPEG kd encoded, the source file's bytes
+RAW, JPEG, ORIGINAL = 0, 1, 2
+FORMATS = {"raw": RAW, "jpeg": JPEG, "original": ORIGINAL}
+
+
+def is_prepared(root: Path) -> bool:
+    return (root / MANIFEST).is_file()
+
+
+def read_manifest(root: Path) -> Dict[str, Any]:
+    """The manifest of the copy in ``root``; KDError (one line) for a manifest kd cannot use."""
+    path = root / MANIFEST
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise KDError(f"{path} is not a readable kd prepared-copy manifest ({exc})") from None
+    if not isinstance(manifest, dict) or manifest.get("kind") != "kd-prepared":
+        raise KDError(f"{path} is not a kd prepared-copy manifest")
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise KDError(
+            f"{root} is a prepared copy in format {version}; this kd reads format {FORMAT_VERSION}: "
+            f"prepare it again with this kd (kd prepare SOURCE {root} --overwrite)"
+        )
+    return manifest
+
+
+def open_copy(root: Path) -> Tuple[List[str], Prepared, Prepared]:
+    """Classes, train samples and val samples of the complete prepared copy in ``root``."""
+    manifest = read_manifest(root)
+    if not manifest.get("complete"):
+        raise KDError(
+            f"{root} is an unfinished prepared copy of {manifest.get('source')}; finish it with: "
+            f"kd prepare {manifest.get('source')} {root}"
+        )
+    for split in ("train", "val"):
+        for shard in manifest["splits"][split]["shards"]:
+            path = root / shard["file"]
+            size = path.stat().st_size if path.is_file() else None
+            if size != shard["bytes"]:
+                found = "missing" if size is None else f"{size:,} bytes, not {shard['bytes']:,}"
+                raise KDError(
+                    f"prepared copy {root} is damaged: {shard['file']} is {found}; "
+                    f"prepare it again (kd prepare {manifest.get('source')} {root} --overwrite)"
+                )
+    return list(manifest["classes"]), Prepared(root, "train"), Prepared(root, "val")
+
+
+class Prepared(Sequence[Tuple[str, int]]):
+    """One split of a prepared copy as a sample list: ``samples[i]`` is ``(source path, label)``
+    as for a folder, and :meth:`image` / :meth:`data` read image ``i`` from its shard."""
+
+    def __init__(self, root: Path, split: str):
+        self.root = Path(root)
+        self.split = split
+        self._index: Optional[np.ndarray] = None
+        self._files: Dict[int, int] = {}  # shard -> file descriptor, this process's own
+        self._pid = os.getpid()
+
+    def __getstate__(self) -> Dict[str, Any]:  # a worker opens the index and the shards itself
+        return {"root": self.root, "split": self.split}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__init__(state["root"], state["split"])  # type: ignore[misc]
+
+    @property
+    def records(self) -> np.ndarray:
+        if self._index is None:
+            self._index = np.load(self.root / f"{self.split}.index.npy", mmap_mode="r")
+        return self._index
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, i):  # type: ignore[override]  # ints only: the loaders index one sample at a time
+        """``(where, label)``: ``where`` names the image in messages (``{split}.paths.txt`` line ``i``
+        holds its source path; not read here, where every worker would hold them all)."""
+        record = self.records[i]
+        return f"{self.root / shard_name(self.split, int(record['shard']))}#{i}", int(record["label"])
+
+    def describe(self) -> str:
+        """What the loaders read: the copy and its training images' format (for the loader's log line)."""
+        settings = read_manifest(self.root)["settings"]
+        kind = "raw RGB pixels" if settings["format"] == "raw" else f"JPEG (quality {settings['quality']})"
+        return f"the prepared copy {self.root} ({self.split}: {kind}, longer side at most {settings['max_side']})"
+
+    def format(self, i: int) -> int:
+        return int(self.records[i]["format"])
+
+    def data(self, i: int) -> bytes:
+        """Image ``i``'s stored bytes (raw pixels, or an encoded file)."""
+        record = self.records[i]
+        fd = self._fd(int(record["shard"]))
+        return os.pread(fd, int(record["length"]), int(record["offset"]))
+
+    def image(self, i: int) -> Image.Image:
+        """Image ``i`` as a PIL image (an opened file, or RGB pixels with no copy)."""
+        record = self.records[i]
+        data = self.data(i)
+        if int(record["format"]) == RAW:
+            size = (int(record["width"]), int(record["height"]))
+            return Image.frombuffer("RGB", size, data, "raw", "RGB", 0, 1)
+        return Image.open(io.BytesIO(data))
+
+    def _fd(self, shard: int) -> int:
+        if self._pid != os.getpid():  # a forked worker: its parent's descriptors are not its own to share
+            self._files, self._pid = {}, os.getpid()
+        fd = self._files.get(shard)
+        if fd is None:
+            fd = self._files[shard] = os.open(self.root / shard_name(self.split, shard), os.O_RDONLY)
+        return fd
+
+
+def shard_name(split: str, shard: int) -> str:
+    return f"{split}-{shard:05d}.bin"
+
+
+def open_image(samples: Sequence[Tuple[str, int]], index: int) -> Image.Image:
+    """Sample ``index`` of a folder's list (its file) or of a prepared copy (its shard), opened."""
+    if isinstance(samples, Prepared):
+        return samples.image(index)
+    return Image.open(samples[index][0])
