@@ -67,6 +67,14 @@ class Settings:
         return f"{kind}, longer side at most {self.max_side}"
 
 
+def size_text(nbytes: float) -> str:
+    """``nbytes`` for people: 33 KB, 2.9 MB, 181.3 GB."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:,.1f} {unit}"
+    return f"{nbytes / 1e3:,.0f} KB"
+
+
 def reduced_size(width: int, height: int, max_side: int) -> Tuple[int, int]:
     """(width, height) with the longer side at most ``max_side``, the aspect ratio kept."""
     scale = max_side / max(width, height)
@@ -204,8 +212,8 @@ def prepare(
     per_image = estimate(train, settings)
     val_bytes = sum(os.path.getsize(p) for p, _ in val)
     echo(
-        f"kd prepare: {len(train):,} train images -> {settings.describe()}: about {per_image / 1e3:,.0f} KB an "
-        f"image, {per_image * len(train) / 1e9:,.1f} GB; {len(val):,} val images as they are: {val_bytes / 1e9:,.2f} GB"
+        f"kd prepare: {len(train):,} train images -> {settings.describe()}: about {size_text(per_image)} an "
+        f"image, {size_text(per_image * len(train))}; {len(val):,} val images as they are: {size_text(val_bytes)}"
     )
     out.mkdir(parents=True, exist_ok=True)
     manifest = {
@@ -239,8 +247,8 @@ def prepare(
             path.unlink(missing_ok=True)
     images, size = splits["train"]["images"], splits["train"]["bytes"]
     echo(
-        f"kd prepare: {dst}: {images:,} train images in {size / 1e9:,.2f} GB "
-        f"({size / max(images, 1) / 1e3:,.0f} KB an image), {splits['val']['images']:,} val"
+        f"kd prepare: {dst}: {images:,} train images in {size_text(size)} "
+        f"({size_text(size / max(images, 1))} an image), {splits['val']['images']:,} val"
         + "".join(f"; {len(splits[s]['bad'])} unreadable {s} image(s) left out" for s in SPLITS if splits[s]["bad"])
         + f"; train with: kd train --data {dst} ..."
     )
