@@ -5,7 +5,10 @@
 # under each backend, a teacher made to overflow float16, and stops (a non-finite loss, SIGTERM)
 # with apex where it is installed. Every run reports its exit code, wall time, first-step time,
 # teacher precision, losses and skipped steps.
-# Usage: bash benchmarks/mission.sh PART...  (PART: data | teacher | backends | together | overflow | stops | ctrlc | field | apex)
+# Usage: bash benchmarks/mission.sh PART...  (PART: data | teacher | backends | together | overflow | stops | ctrlc | field |
+#        apex | fast | resolution)
+# fast: the command as typed (kd's defaults) beside the best flags known and prepared copies, each as a share of
+#       the synthetic step, and the first step's breakdown; resolution: a short run on the folder and on a copy.
 # together: four students (kd, dkd, dist, lskd) from one teacher forward, under each of TOGETHER_BACKENDS.
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -141,6 +144,28 @@ EOF
          grep -h "mean (\|own crops\|loader" "$OUT/field_timm_teacher.log" | sed "s/^/    /" | tee -a "$OUT/summary.txt"
          $KD export "$RUNS/field_timm_teacher" -o /tmp/field_student.pt 2>&1 | tee -a "$OUT/summary.txt"
          $PY -c "import timm, torch, torchvision; m = torchvision.models.resnet18(num_classes=100); m.load_state_dict(torch.load('/tmp/field_student.pt')); t = timm.create_model('resnet18', num_classes=100, checkpoint_path='$RUNS/field_timm_teacher/checkpoints/last.pt'); print('loaded by torchvision (strict) and timm')" 2>&1 | tail -1 | tee -a "$OUT/summary.txt" ;;
+  fast) B="$PY -m cli bench --teacher resnet101 --student resnet18 --backends single --opt O1 --amp-dtype float16 -b 256"
+        B="$B --iters ${FAST_ITERS:-60} --warmup 15"
+        $T 300 $B --data "$DATA" --vs-synthetic --out /tmp/kdb/typed 2>&1 | tail -4 | tee -a "$OUT/summary.txt"
+        $T 200 $B --data "$DATA" --loader gpu -j 15 --out /tmp/kdb/best 2>&1 | tail -4 | tee -a "$OUT/summary.txt"
+        for prep in ${FAST_COPIES:-raw:256 jpeg:256 raw:192}; do
+          copy=/tmp/prep_${prep/:/_}; t0=$(date +%s%N)
+          $KD prepare "$DATA" "$copy" --format "${prep%%:*}" --max-side "${prep##*:}" --no-progress 2>&1 | tee -a "$OUT/summary.txt"
+          echo "prepare $prep: $(( ($(date +%s%N) - t0) / 1000000 )) ms, $(du -sh "$copy" | cut -f1)" | tee -a "$OUT/summary.txt"
+          for L in gpu pil; do
+            echo "== copy $prep, --loader $L -j 15" | tee -a "$OUT/summary.txt"
+            $T 200 $B --data "$copy" --loader $L -j 15 --out "/tmp/kdb/copy_${prep/:/_}_$L" 2>&1 | tail -3 | tee -a "$OUT/summary.txt"
+          done
+        done
+        run typed_first_step 240 --data "$DATA" --teacher resnet101 --teacher-weights "$TEACHER" --student resnet18 --opt O1 \
+          --epochs 1 --limit-train-batches 30 --no-progress --overwrite
+        grep -h "loader\|first step" "$OUT/typed_first_step.log" | sed "s/^/    /" | tee -a "$OUT/summary.txt" ;;
+  resolution) # the accuracy cost of a copy capped at 256: the same short training on the folder and on the copy
+        for data in "$DATA" /tmp/prep_raw_256; do
+          name=res_$(basename "$data")
+          run "$name" 400 --data "$data" --no-teacher --student resnet18 --opt O1 --amp-dtype bfloat16 -b 256 \
+            --epochs ${RES_EPOCHS:-16} --lr 0.4 --lr-schedule cosine --warmup-epochs 1 --no-progress --overwrite
+        done ;;
   apex) for opt in O1; do
           run "apexamp_single" 240 $COMMON --teacher resnet101 --teacher-weights "$TEACHER" --student resnet18 \
             --amp-impl apex --opt $opt --gpus 0 --epochs 2 --lr 0.2
