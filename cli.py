@@ -75,7 +75,7 @@ def train_options(fn):
 @click.option("--local_rank", "--local-rank", "local_rank", type=int, default=None, hidden=True)
 def cli(local_rank):
     """kd: knowledge-distillation training for image classification."""
-    from kd.launch import accept_legacy_local_rank
+    from kd.run.launch import accept_legacy_local_rank
 
     accept_legacy_local_rank(local_rank)  # torch.distributed.launch puts it before the command
 
@@ -115,7 +115,7 @@ def train(ctx, recipes, sets, loss_arg, resume, overwrite, local_rank, **options
     """
     import kd
     from kd import config as kd_config
-    from kd.launch import accept_legacy_local_rank
+    from kd.run.launch import accept_legacy_local_rank
     from kd.runfolder import RunFolder
 
     accept_legacy_local_rank(local_rank)
@@ -142,7 +142,7 @@ def train(ctx, recipes, sets, loss_arg, resume, overwrite, local_rank, **options
             base = kd_config.load(out.config)
     cfg = kd_config.resolve(recipe=recipes[0] if recipes else None, options=given, sets=list(sets), base=base)
     if resume and not overwrite:  # (both together are refused, as a contradiction, by kd.train)
-        from kd.checkpoint import finished_epochs
+        from kd.run.checkpoint import finished_epochs
 
         done = finished_epochs(checkpoint, cfg.epochs)
         if done is not None:
@@ -155,8 +155,8 @@ def train(ctx, recipes, sets, loss_arg, resume, overwrite, local_rank, **options
 
 def _summary(runs, started: float, names=()) -> None:
     """One line per run on stdout, from the main process only."""
-    from kd.placement import Placement
-    from kd.report import summary_line
+    from kd.commands.report import summary_line
+    from kd.run.placement import Placement
     from kd.runfolder import RunFolder
 
     if Placement.from_environment(None).rank == 0:
@@ -166,7 +166,7 @@ def _summary(runs, started: float, names=()) -> None:
 
 
 def _several_students(recipes, given, resume) -> bool:
-    from kd.multi import is_students_folder
+    from kd.run.plan import is_students_folder
 
     if len(recipes) > 1 or "," in str(given.get("kd_loss") or ""):
         return True
@@ -174,8 +174,8 @@ def _several_students(recipes, given, resume) -> bool:
 
 
 def _train_students(recipes, given, sets, resume, overwrite) -> None:
-    """``kd train`` of several students (kd.multi): planned from the options, or those of --out resumed."""
-    from kd import multi
+    """``kd train`` of several students (kd.run.plan): planned from the options, or those of --out resumed."""
+    from kd.run import plan as multi
 
     started = time.time()
     if not resume:
@@ -219,7 +219,7 @@ def _train_students(recipes, given, sets, resume, overwrite) -> None:
 @click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True)
 def eval_cmd(model, weights, data, batch_size, image_size, val_resize, workers, num_classes, device):
     """Top-1/top-5 of a model on DATA/val; a kd checkpoint evaluates with its run's settings."""
-    from kd.evaluate import evaluate_model
+    from kd.commands.evaluate import evaluate_model
 
     r = evaluate_model(
         model, weights, data, batch_size, device, image_size, workers, num_classes, val_resize=val_resize
@@ -272,7 +272,7 @@ def prepare_cmd(src, dst, fmt, max_side, quality, workers, overwrite, no_progres
 def export_cmd(run, out):
     """A run's student (RUN: a run folder, its best.pt, or a kd checkpoint) as a plain state dict,
     with its model name, classes and preprocessing in OUT's .json beside it."""
-    from kd.export import describe, export
+    from kd.commands.export import describe, export
 
     click.echo(describe(export(run, out), out))
 
@@ -283,7 +283,7 @@ def export_cmd(run, out):
 @click.option("--overwrite", is_flag=True, help="Replace an earlier demo in --out.")
 def demo(out, epochs, overwrite):
     """A real KD experiment on scikit-learn's bundled digits, offline, on the CPU."""
-    from kd.demo import run_demo
+    from kd.commands.demo import run_demo
 
     run_demo(Path(out), epochs=epochs, overwrite=overwrite)
 
@@ -296,7 +296,7 @@ def recipes():
 @recipes.command("list")
 def recipes_list():
     """All recipes with the paper's setting and reported top-1."""
-    from kd.recipes import table
+    from kd.commands.recipes import table
 
     click.echo(table())
 
@@ -305,7 +305,7 @@ def recipes_list():
 @click.argument("name")
 def recipes_show(name):
     """Print one recipe (use it with kd train --recipe NAME)."""
-    from kd.recipes import show
+    from kd.commands.recipes import show
 
     click.echo(show(name), nl=False)
 
@@ -325,8 +325,8 @@ def report(runs, csv_path, plot_path):
 
     RUNS are run folders or folders of runs (kd report runs/demo); what is not a run is skipped with a note.
     """
-    from kd.report import markdown, plot, to_csv
-    from kd.report import report as collect
+    from kd.commands.report import markdown, plot, to_csv
+    from kd.commands.report import report as collect
 
     rows = collect(runs, note=lambda line: click.echo(f"kd report: {line}", err=True))
     click.echo(markdown(rows))
@@ -412,8 +412,8 @@ def bench(
     """
     if ctx.invoked_subcommand:
         return
-    from kd.bench import bench as run_bench
-    from kd.bench import markdown
+    from kd.commands.bench import bench as run_bench
+    from kd.commands.bench import markdown
 
     args = dict(
         teacher=teacher,
@@ -477,7 +477,7 @@ def bench_data_cmd(
     mp_context,
 ):
     """Images/s of the input pipeline alone (decode, crop, flip, normalise, to the device)."""
-    from kd.bench import bench_data
+    from kd.commands.bench import bench_data
 
     bench_data(
         dict(
@@ -519,15 +519,15 @@ def losses_cmd():
 def backends_cmd():
     """The parallel backends, whether each can run here, and why not."""
     import backends
-    from kd.table import aligned
+    from kd.commands.table import aligned
 
     click.echo(aligned([(name, "yes" if ok else "no", note) for name, ok, note in backends.report()]))
 
 
 def main(argv=None) -> int:
     """Entry point of the ``kd`` console script: one line and exit code 2 for any user error."""
-    from kd.logging import START_ENV, mark_command_start
-    from kd.signals import Interrupted
+    from kd.run.log import START_ENV, mark_command_start
+    from kd.run.signals import Interrupted
 
     mark_command_start()  # processes that kd launches inherit it
     try:

@@ -15,7 +15,7 @@ actions:
 * reductions: ``all_reduce_sum(tensor)``, ``all_gather_object(obj)``, ``sync_buffers(module)``
   before evaluation and checkpoints, and ``barrier()``.
 
-A backend is made with the run's config and its :class:`~kd.placement.Placement` (where this
+A backend is made with the run's config and its :class:`~kd.run.placement.Placement` (where this
 process sits, as the launcher said; read from the environment when not given). The
 multi-process backends derive from :class:`backends.process_group.ProcessGroupBackend`.
 
@@ -32,8 +32,8 @@ import torch
 from torch import nn
 
 from kd.errors import KDError
-from kd.placement import Placement
 from kd.registry import Registry
+from kd.run.placement import Placement
 
 BACKENDS: Registry = Registry("backend", entry_point_group="kd.backends")
 register = BACKENDS.register

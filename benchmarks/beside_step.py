@@ -63,7 +63,7 @@ class Loader:
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        from kd.bench import build_loaders
+        from kd.commands.bench import build_loaders
 
         try:
             data, _ = build_loaders(self.options)  # the loaders of kd train and kd bench data

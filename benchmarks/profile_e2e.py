@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import backends  # noqa: E402
 from kd import config as kd_config  # noqa: E402
-from kd.engine import Trainer  # noqa: E402
+from kd.run.loop import Trainer  # noqa: E402
 
 
 def main() -> None:

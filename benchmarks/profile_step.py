@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import backends  # noqa: E402
 from kd import config as kd_config  # noqa: E402
-from kd.engine import Trainer  # noqa: E402
-from kd.timing import StepTimer  # noqa: E402
+from kd.run.loop import Trainer  # noqa: E402
+from kd.run.timing import StepTimer  # noqa: E402
 
 
 def build(args, overrides):

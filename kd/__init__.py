@@ -12,7 +12,7 @@ __all__ = ["__version__", "train"]
 def train(config, resume=None, overwrite=False):
     """Train with ``config`` (RunConfig or dict of options); returns the last epoch's metrics."""
     from kd import config as kd_config
-    from kd.launch import train as _train
+    from kd.run.launch import train as _train
 
     if isinstance(config, dict):
         config = kd_config.resolve(options=config)

@@ -55,7 +55,9 @@ class RunConfig:
     # models
     teacher: Optional[str] = None
     teacher_weights: str = "pretrained"
-    teacher_precision: str = "auto"  # auto: the run's dtype, checked before training, with a fallback (kd.teacher)
+    teacher_precision: str = (
+        "auto"  # auto: the run's dtype, checked before training, with a fallback (kd.teacher.probe)
+    )
     student: Optional[str] = None
     student_weights: str = "none"
     num_classes: Optional[int] = None

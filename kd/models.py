@@ -12,9 +12,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from kd import checkpoint
 from kd.errors import KDError
 from kd.registry import suggest
+from kd.run import checkpoint
 
 TIMM_PREFIX = "timm:"
 

@@ -165,18 +165,18 @@ def no_matplotlib(monkeypatch):
 
 
 def in_process_trainer(cfg, precision=None):
-    """A :class:`kd.engine.Trainer` for ``cfg`` on the single backend, in this process; ``precision``
+    """A :class:`kd.run.loop.Trainer` for ``cfg`` on the single backend, in this process; ``precision``
     replaces the one kd would choose (levels the CLI does not offer, float16 on the CPU)."""
     import unittest.mock
 
     import backends
-    import kd.build
-    from kd.engine import Trainer
+    import kd.run.build
+    from kd.run.loop import Trainer
 
     backend = backends.get("single")(cfg)
     backend.setup()
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
     if precision is None:
         return Trainer(cfg, backend, Path(cfg.out))
-    with unittest.mock.patch.object(kd.build, "make_precision", lambda *args, **kwargs: precision):
+    with unittest.mock.patch.object(kd.run.build, "make_precision", lambda *args, **kwargs: precision):
         return Trainer(cfg, backend, Path(cfg.out))

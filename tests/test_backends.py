@@ -2,7 +2,7 @@
 
 The multi-process tests start two processes with torch.multiprocessing (no mocks of
 torch.distributed), give them torchrun's environment and run the engine's own entry point
-(``kd.launch.worker``) there, one job after another. The models are registered with timm, as a
+(``kd.run.launch.worker``) there, one job after another. The models are registered with timm, as a
 user registers their own models, so ``--student timm:kd_test_net`` works in every process.
 """
 
@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as tmp
+from conftest import make_image_folder
 from torch import nn
 
 import backends
@@ -25,11 +26,10 @@ import kd
 from backends import dist as kd_dist
 from backends.apex_ddp import GradientAverager
 from backends.process_group import parameters_without_grad
-from conftest import make_image_folder
 from kd import config as kd_config
 from kd.errors import KDError
-from kd.placement import Placement
 from kd.precision import Precision
+from kd.run.placement import Placement
 
 
 # ----------------------------------------------------------------------------- tiny models
@@ -106,7 +106,7 @@ def free_port() -> int:
 # ----------------------------------------------------------------------------- two processes
 def _run_jobs(rank: int, world: int, jobs, error_root: str):
     """One spawned process: torchrun's variables, then each job in turn."""
-    from kd.launch import worker
+    from kd.run.launch import worker
 
     torch.set_num_threads(1)
     os.environ.update(
@@ -145,7 +145,7 @@ def _eval_job(job):
 def _failing_eval_job(job):
     """Rank 1's forward raises (an OOM, say) at its first batch: both ranks raise, and the next
     evaluation on the same process group is still exact (the ranks stayed in step)."""
-    from kd.validation import evaluate
+    from kd.run.accuracy import evaluate
 
     backend = backends.get("torch_ddp")(job["cfg"])
     backend.setup()
@@ -185,7 +185,7 @@ def _averager_job(job):
 
 def _rng_job(job):
     """The Trainer's set-up on torch_ddp, then a draw from torch's generator (the one dropout uses)."""
-    from kd.engine import Trainer
+    from kd.run.loop import Trainer
 
     backend = backends.get("torch_ddp")(job["cfg"])
     backend.setup()
@@ -210,7 +210,7 @@ def fixed_loader(cfg, backend):
 
 
 def evaluate_fixed(cfg, backend):
-    from kd.validation import evaluate
+    from kd.run.accuracy import evaluate
 
     torch.manual_seed(123)
     net = TinyNet(7).eval()
@@ -459,7 +459,7 @@ def replicate_in_place(module: nn.Module) -> nn.Module:
 
 def test_feature_taps_of_data_parallel_replicas_stay_apart():
     """Replicas share their modules' hook dicts; each tap keeps the output of its own replica only."""
-    from kd.features import tap
+    from kd.run.features import tap
 
     torch.manual_seed(0)
     meet = threading.Barrier(2)
@@ -561,7 +561,7 @@ def test_native_apex_averages_missing_gradients_as_zero(two_process_runs):
 def test_validation_is_that_of_the_saved_model_with_batchnorm(two_process_runs, data7, name):
     """Every process evaluates with rank 0's BatchNorm statistics, those of the checkpoint: the
     logged val loss is what one process computes from last.pt."""
-    from kd.evaluate import evaluate_model
+    from kd.commands.evaluate import evaluate_model
 
     assert not errors_of(two_process_runs, name)
     logged = json.loads((two_process_runs / name / "metrics.jsonl").read_text().splitlines()[-1])

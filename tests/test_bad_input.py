@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import kd_main, make_image_folder, run_kd
 
 BASE = ["--image-size", "32", "-b", "8", "-j", "0", "--epochs", "1", "--device", "cpu"]

@@ -6,7 +6,6 @@ import csv
 import json
 
 import pytest
-
 from conftest import kd_main, make_image_folder
 
 SETS = ["--set", "fuse_teacher=false", "--set", "momentum=0.5"]
@@ -162,7 +161,7 @@ def test_bench_refuses_a_missing_data_folder_before_any_run(tmp_path):
 
 
 def test_a_failed_synthetic_run_says_why_in_the_row():
-    from kd.bench import add_synthetic
+    from kd.commands.bench import add_synthetic
 
     folder_ran = {"img_per_s": 120.0, "note": ""}
     add_synthetic(folder_ran, {"note": "timed out after 60s"})
@@ -172,7 +171,7 @@ def test_a_failed_synthetic_run_says_why_in_the_row():
 
 def test_bench_keeps_only_its_table_unless_asked(tmp_path, capsys):
     """The combinations' run folders (a CPU bench left 250 MB) go once the table is written."""
-    from kd.bench import drop_runs
+    from kd.commands.bench import drop_runs
 
     for keep in (True, False):
         (tmp_path / "runs" / "single_O0" / "checkpoints").mkdir(parents=True, exist_ok=True)

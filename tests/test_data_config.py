@@ -7,16 +7,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import timm
 import torch
 import yaml
+from conftest import make_image_folder
 from PIL import Image
 from timm.data import create_transform, resolve_data_config
 
 import backends
-import timm
 from kd import config as kd_config
-from kd.engine import Trainer
-from conftest import make_image_folder
+from kd.run.loop import Trainer
 
 TEACHER = "timm:test_resnet"  # timm's own test model: mean and std 0.5, bilinear, crop_pct 0.95
 

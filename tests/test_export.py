@@ -11,7 +11,6 @@ import pytest
 import timm
 import torch
 import torchvision
-
 from conftest import kd_main, make_image_folder
 
 TINY = ["--no-teacher", "--image-size", 32, "-b", 8, "-j", 0, "--device", "cpu", "--epochs", 1]

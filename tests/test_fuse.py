@@ -1,4 +1,4 @@
-"""kd.fuse: the frozen teacher's inference rewrite gives the same outputs with fewer ops."""
+"""kd.teacher.fuse: the frozen teacher's inference rewrite gives the same outputs with fewer ops."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 import torchvision
 from torch import nn
 
-from kd.features import tap
-from kd.fuse import conv_bias_add_relu, conv_bias_relu, fuse_teacher
+from kd.run.features import tap
+from kd.teacher.fuse import conv_bias_add_relu, conv_bias_relu, fuse_teacher
 
 
 def scrambled(name: str, seed: int = 0) -> nn.Module:

@@ -12,10 +12,10 @@ from typing import List
 import numpy as np
 import pytest
 import torch
+from conftest import kd_main, run_kd
 from PIL import Image
 from torchvision.transforms import RandomResizedCrop
 
-from conftest import kd_main, run_kd
 from kd import config as kd_config
 from kd.data import build, crop_kernel
 from kd.data import gpu as gpu_mod

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import ROOT, kd_main, make_image_folder, run_kd
 
 STUDENT = "timm:test_convnext"  # LayerNorm, no BatchNorm: N processes equal one

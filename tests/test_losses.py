@@ -623,7 +623,7 @@ def test_kd_alpha_outside_0_1_is_refused():
 # ---------------------------------------------------------------- default layers and layer specs
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def module_names(source, name):
     if source == "tv":
         from torchvision.models import get_model

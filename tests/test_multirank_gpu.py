@@ -17,16 +17,16 @@ import traceback
 from pathlib import Path
 
 import pytest
+import test_backends as tb  # the tiny models (registered with timm) and configs
 import torch
 import torch.multiprocessing as tmp
+from conftest import ROOT, make_image_folder, run_kd
 from torch import nn
 
 import backends
 import kd
-from kd.precision import make_precision
-import test_backends as tb  # the tiny models (registered with timm) and configs
 from backends.apex_ddp import apex_parallel
-from conftest import ROOT, make_image_folder, run_kd
+from kd.precision import make_precision
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -296,7 +296,7 @@ def test_data_parallel_replicas_run_in_the_callers_autocast_dtype():
 def test_cuda_generator_state_is_this_process_gpus_and_old_lists_load():
     """A checkpoint holds the current GPU's state only; an older one's list of every GPU's state
     (saved where more GPUs were visible) gives the current GPU's entry instead of failing."""
-    from kd import checkpoint
+    from kd.run import checkpoint
 
     torch.zeros(1, device="cuda")  # CUDA initialised, as in a run
     torch.cuda.manual_seed(5)

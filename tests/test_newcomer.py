@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from conftest import ROOT, kd_main, make_image_folder
 
 import kd
 from kd import config as kd_config
 from kd.errors import KDError
-from conftest import ROOT, kd_main, make_image_folder
 
 TINY = dict(
     student="timm:resnet10t",
@@ -64,7 +64,7 @@ def test_eval_cli_takes_model_and_preprocessing_from_the_checkpoint(trained):
 
 
 def test_eval_of_a_checkpoint_is_the_runs_own_validation(trained):
-    from kd.evaluate import evaluate_model
+    from kd.commands.evaluate import evaluate_model
 
     data, ckpt, logged = trained
     r = evaluate_model(None, str(ckpt), str(data), batch_size=8, device="cpu", workers=0)
@@ -73,7 +73,7 @@ def test_eval_of_a_checkpoint_is_the_runs_own_validation(trained):
 
 
 def test_eval_options_override_the_checkpoint(trained):
-    from kd.evaluate import evaluate_model
+    from kd.commands.evaluate import evaluate_model
 
     data, ckpt, logged = trained
     r = evaluate_model(None, str(ckpt), str(data), batch_size=8, device="cpu", workers=0, image_size=48)
@@ -86,7 +86,7 @@ def test_eval_options_override_the_checkpoint(trained):
 
 
 def test_eval_plain_weights_file_needs_model(trained, tmp_path):
-    from kd.evaluate import evaluate_model
+    from kd.commands.evaluate import evaluate_model
 
     data, ckpt, _ = trained
     plain = tmp_path / "plain.pt"
@@ -111,7 +111,7 @@ def test_eval_class_count_must_fit_the_data(trained, tmp_path):
 
 
 def test_slow_precision_warning_names_what_to_do():
-    from kd.cpu import slow_precision_warning
+    from kd.precision.cpu import slow_precision_warning
 
     cpu = torch.device("cpu")
     avx2 = {"sse4_2", "avx", "avx2", "fma"}
@@ -130,7 +130,7 @@ def test_slow_precision_warning_names_what_to_do():
 
 
 def test_cpu_flags_of_this_machine():
-    from kd.cpu import cpu_flags
+    from kd.precision.cpu import cpu_flags
 
     if not Path("/proc/cpuinfo").is_file():
         pytest.skip("no /proc/cpuinfo: kd reads no flags here")
@@ -211,7 +211,7 @@ def _fake_run(folder: Path, top1: float, seconds: float) -> Path:
 
 
 def test_duration_a_person_reads():
-    from kd.report import duration
+    from kd.commands.report import duration
 
     seconds = (0, 42, 270, 720, 3.4 * 3600, 30 * 3600)
     assert [duration(s) for s in seconds] == ["0s", "42s", "4.5m", "12m", "3.4h", "30.0h"]
@@ -236,7 +236,7 @@ def test_report_a_folder_of_runs(tmp_path):
 
 
 def test_report_without_any_run_is_an_error(tmp_path):
-    from kd.report import report
+    from kd.commands.report import report
 
     make_image_folder(tmp_path / "data", classes=2, train_per_class=1, val_per_class=1)
     with pytest.raises(KDError, match="no kd run"):
@@ -246,7 +246,7 @@ def test_report_without_any_run_is_an_error(tmp_path):
 
 
 def test_report_csv_keeps_seconds(tmp_path):
-    from kd.report import report, to_csv
+    from kd.commands.report import report, to_csv
 
     rows = report([_fake_run(tmp_path / "a", 60.0, 90.0)])
     text = to_csv(rows)
@@ -271,8 +271,8 @@ def test_workers_help_says_the_real_default():
 
 
 def test_eval_workers_default_to_the_cores(trained):
+    from kd.commands.evaluate import resolve
     from kd.data.loader import default_workers
-    from kd.evaluate import resolve
 
     _, ckpt, _ = trained
     assert resolve(None, str(ckpt)).workers == default_workers(1)
@@ -283,7 +283,7 @@ def test_eval_workers_default_to_the_cores(trained):
 
 
 def test_recipes_list_prints_dash_and_the_papers_decimals():
-    from kd.recipes import table
+    from kd.commands.recipes import table
 
     rows = {line.split(" | ")[0][2:]: line for line in table().splitlines()[2:]}
     assert rows["imagenet/r101_r18_kd"].endswith("| - |"), rows["imagenet/r101_r18_kd"]

@@ -1,4 +1,4 @@
-"""kd.optim: fused SGD survives a first step skipped by the loss scaler."""
+"""kd.run.optim: fused SGD survives a first step skipped by the loss scaler."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from kd.optim import zero_momentum_buffers
+from kd.run.optim import zero_momentum_buffers
 
 
 def _model():

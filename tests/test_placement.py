@@ -1,4 +1,4 @@
-"""kd.placement: where a process sits, read once from torchrun's, srun's or kd's launcher's environment."""
+"""kd.run.placement: where a process sits, read once from torchrun's, srun's or kd's launcher's environment."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ from datetime import timedelta
 
 import pytest
 
-from kd import placement
 from kd.errors import KDError
-from kd.placement import Placement
+from kd.run import placement
+from kd.run.placement import Placement
 
 TORCHRUN = {
     "RANK": "3",

@@ -18,11 +18,11 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch import nn
 
 from kd import config as kd_config
-from kd.engine import Trainer
 from kd.errors import KDError
 from kd.losses import DistillInputs, DistillLoss
 from kd.precision import AutocastPrecision, MasterWeightPrecision, Precision, make_precision
-from kd.sides import StudentSide
+from kd.run.loop import Trainer
+from kd.run.sides import StudentSide
 
 LEVELS = ["O0", "O1", "O2", "O3"]
 EPOCHS = 5
@@ -188,7 +188,7 @@ def test_o2_checkpoint_evaluates_at_o0(runs, data):
 
 @pytest.mark.parametrize("opt", LEVELS)
 def test_evaluate_model_at_each_level(runs, data, opt):
-    from kd.evaluate import evaluate_model
+    from kd.commands.evaluate import evaluate_model
 
     weights = runs["O2"][0] / "checkpoints" / "last.pt"
     r = evaluate_model(
@@ -265,7 +265,7 @@ def test_o2_weights_bfloat16_batchnorm_float32_masters_float32(data, tmp_path):
 def test_o3_everything_bfloat16_no_masters(data, tmp_path):
     t = trainer(tiny_cfg(data, tmp_path / "o3", opt="O3", fuse_teacher=False))
     assert {p.dtype for p in t.side.student.parameters()} == {torch.bfloat16}
-    teacher = t.teacher.teacher  # its own precision (kd.teacher): weights in bfloat16 under autocast
+    teacher = t.teacher.teacher  # its own precision (kd.teacher.probe): weights in bfloat16 under autocast
     assert _dtypes(teacher, bn=False) == {torch.bfloat16} and _dtypes(teacher, bn=True) == {torch.float32}
     opt_params = {id(p) for g in t.optimizer.param_groups for p in g["params"]}
     assert opt_params == {id(p) for p in t.side.parameters() if p.requires_grad}
@@ -430,9 +430,9 @@ class NanAfterEpoch1(DistillLoss):
 
 @pytest.mark.parametrize("opt", ["O1", "O2"])
 def test_nonfinite_losses_stop_the_run_and_keep_the_last_good_checkpoint(data, tmp_path, opt, monkeypatch):
-    import kd.sides
+    import kd.run.sides
 
-    monkeypatch.setattr(kd.sides, "build_loss", lambda name, num_classes, args: NanAfterEpoch1(num_classes))
+    monkeypatch.setattr(kd.run.sides, "build_loss", lambda name, num_classes, args: NanAfterEpoch1(num_classes))
     cfg = tiny_cfg(data, tmp_path / "nan", opt=opt, epochs=3, max_nonfinite_steps=2)
     t = trainer(cfg)
     with pytest.raises(KDError, match="not finite for 2 consecutive steps"):

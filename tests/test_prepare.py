@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import kd_main, make_image_folder
 from PIL import Image
 
-from conftest import kd_main, make_image_folder
 from kd import config as kd_config
 from kd.data import build
 from kd.data.folder import scan

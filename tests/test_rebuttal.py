@@ -1,4 +1,4 @@
-"""Several students in one run (kd.multi): bit for bit equal to separate runs, a non-finite student
+"""Several students in one run (kd.run.plan): bit for bit equal to separate runs, a non-finite student
 stopped alone, shared settings enforced, resume, and the figure of ``kd report --plot``."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from torch import nn
 
 import kd
 from kd import config as kd_config
-from kd import multi
 from kd.errors import KDError
+from kd.run import plan as multi
 
 
 class DropNet(nn.Module):
@@ -182,8 +182,8 @@ def test_report_plot_draws_the_runs(tmp_path):
 
 
 def test_missing_matplotlib_is_said_not_skipped(tmp_path, no_matplotlib):
-    from kd import bench
-    from kd.report import plot
+    from kd.commands import bench
+    from kd.commands.report import plot
 
     with pytest.raises(KDError, match=r"matplotlib.*pip install"):
         plot([], tmp_path / "fig.png")

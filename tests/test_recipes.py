@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import kd_main, run_kd
 
 from kd import config as kd_config
-from kd import recipes
+from kd.commands import recipes
 from kd.losses import build_loss
-from conftest import kd_main, run_kd
 
 NAMES = recipes.names()
 

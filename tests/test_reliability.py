@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import ROOT, kd_main, make_image_folder, run_kd
 
 ARGS = [
@@ -148,7 +147,7 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(data, tmp_path):
 
 
 def test_checkpoint_write_is_atomic(tmp_path):
-    from kd.checkpoint import save_atomic
+    from kd.run.checkpoint import save_atomic
 
     path = tmp_path / "c.pt"
     save_atomic({"a": torch.ones(3)}, path)
@@ -236,16 +235,16 @@ def test_a_dead_rank_takes_the_group_down_or_it_restarts(data, tmp_path, restart
 def test_keep_last_holds_at_every_moment_of_a_step_checkpoint(data, tmp_path, monkeypatch):
     """A kill -9 may land between writing a step copy and pruning: the oldest go first, so no moment
     has more than --keep-last copies."""
-    import kd.checkpoint
+    import kd.run.checkpoint
 
     seen = []
-    real_copy = kd.checkpoint.copy_atomic
+    real_copy = kd.run.checkpoint.copy_atomic
 
     def counting_copy(src, dst):
         real_copy(src, dst)
         seen.append(len(list(Path(dst).parent.glob("step_*.pt"))))
 
-    monkeypatch.setattr(kd.checkpoint, "copy_atomic", counting_copy)
+    monkeypatch.setattr(kd.run.checkpoint, "copy_atomic", counting_copy)
     out = tmp_path / "keep"
     r = kd_main(
         "train", "--data", data, *ARGS, "-j", 0, "--epochs", 1, "--out", out, "--save-every-steps", 2, "--keep-last", 2

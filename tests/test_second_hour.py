@@ -119,8 +119,8 @@ def test_a_recipes_compile_applies_on_cuda_only_and_says_when_it_starts(data, tm
 
     import backends
     from kd import config as kd_config
-    from kd.engine import Trainer
-    from kd.runtime import resolve
+    from kd.run.loop import Trainer
+    from kd.run.runtime import resolve
 
     cfg = kd_config.resolve(recipe="imagenet/r34_r18_dkd", options={"data": str(data)})
     assert cfg.compile is None
@@ -155,7 +155,7 @@ def test_report_plot_tells_runs_apart_and_draws_what_its_title_says(tmp_path, mo
 
     import matplotlib.pyplot as plt
 
-    from kd import report
+    from kd.commands import report
 
     runs = []
     for parent in ("a", "b"):

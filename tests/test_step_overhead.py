@@ -17,7 +17,7 @@ import torch
 
 import backends
 from kd import config as kd_config
-from kd.engine import Trainer
+from kd.run.loop import Trainer
 
 READS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy")
 

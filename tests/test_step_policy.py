@@ -16,13 +16,13 @@ from conftest import in_process_trainer, make_image_folder, run_kd
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 
-import kd.build
-import kd.sides
+import kd.run.build
+import kd.run.sides
 from kd import config as kd_config
 from kd.errors import NonFinite
 from kd.losses import DistillInputs, DistillLoss
 from kd.precision import MasterWeightPrecision
-from kd.step import BufferGuard, StepHook
+from kd.run.step import BufferGuard, StepHook
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +150,7 @@ class NanGradients(DistillLoss):
 
 
 def test_finite_loss_with_nonfinite_gradients_stops_the_run(data, tmp_path, monkeypatch):
-    monkeypatch.setattr(kd.sides, "build_loss", lambda name, num_classes, args: NanGradients(num_classes))
+    monkeypatch.setattr(kd.run.sides, "build_loss", lambda name, num_classes, args: NanGradients(num_classes))
     cfg = tiny_cfg(data, tmp_path / "grads", epochs=3, max_nonfinite_steps=4)
     t = trainer(cfg)
     with pytest.raises(

@@ -1,4 +1,4 @@
-"""The teacher's own precision (kd.teacher) and non-finite losses at every opt level, on the CPU.
+"""The teacher's own precision (kd.teacher.probe) and non-finite losses at every opt level, on the CPU.
 
 The teachers are trained by kd itself (``--no-teacher``), then given a classifier bias that a
 reduced precision cannot carry: 3.40e38 is finite in float32 but rounds to inf in bfloat16
@@ -15,15 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from conftest import kd_main, make_image_folder
 from torch import nn
 
 import backends
 import kd
-from conftest import kd_main, make_image_folder
 from kd import config as kd_config
-from kd.engine import Trainer
 from kd.errors import KDError
 from kd.losses import DistillInputs, DistillLoss
+from kd.run.loop import Trainer
 
 NET = "timm:resnet10t"
 BASE = dict(
@@ -190,9 +190,9 @@ class KdTermNanFrom(DistillLoss):
 @pytest.mark.parametrize("opt", ["O0", "O3"])
 def test_nonfinite_loss_never_reaches_the_weights_and_names_its_source(data, tmp_path, opt, monkeypatch):
     """Levels without a loss scaler skip a non-finite step too; the stop names the loss term."""
-    import kd.sides
+    import kd.run.sides
 
-    monkeypatch.setattr(kd.sides, "build_loss", lambda name, n, args: KdTermNanFrom(n, bad_from=4))
+    monkeypatch.setattr(kd.run.sides, "build_loss", lambda name, n, args: KdTermNanFrom(n, bad_from=4))
     cfg = cfg_for(data, tmp_path / "nan", no_teacher=True, teacher=None, opt=opt, epochs=3, max_nonfinite_steps=3)
     backend = backends.get("single")(cfg)
     backend.setup()
@@ -209,9 +209,9 @@ def test_nonfinite_loss_never_reaches_the_weights_and_names_its_source(data, tmp
 
 
 def test_a_run_ending_on_nonfinite_steps_does_not_succeed(data, tmp_path, monkeypatch):
-    import kd.sides
+    import kd.run.sides
 
-    monkeypatch.setattr(kd.sides, "build_loss", lambda name, n, args: KdTermNanFrom(n, bad_from=5))
+    monkeypatch.setattr(kd.run.sides, "build_loss", lambda name, n, args: KdTermNanFrom(n, bad_from=5))
     cfg = cfg_for(data, tmp_path / "end", no_teacher=True, teacher=None, epochs=2, max_nonfinite_steps=100)
     with pytest.raises(KDError, match=r"in its last 2 step\(s\) \(epoch 2, step 6\)"):
         kd.train(cfg)

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from conftest import kd_main, run_kd
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import kd
 from kd import config as kd_config
-from kd.engine import Trainer
-from conftest import kd_main, run_kd
+from kd.run.loop import Trainer
 
 TINY = dict(image_size=32, batch_size=8, workers=0, lr=0.05, device="cpu", log_every=1, seed=0)
 

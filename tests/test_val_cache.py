@@ -7,13 +7,13 @@ import shutil
 
 import pytest
 import torch
-
 from conftest import make_image_folder
+
 from kd import config as kd_config
 from kd.data import build
 from kd.data.cache import CachedVal
 from kd.data.loader import STD
-from kd.validation import evaluate
+from kd.run.accuracy import evaluate
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities of TorchVision")

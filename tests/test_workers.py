@@ -6,9 +6,8 @@ import multiprocessing
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset
-
 from conftest import kd_main, make_image_folder, run_kd
+from torch.utils.data import DataLoader, Dataset
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +163,7 @@ import pickle, sys
 for dataset, collate, init in pickle.load(open(sys.argv[1], "rb")):
     init(0)
     collate([dataset[(0, 1)], dataset[(1, 2)]])  # what a worker does: (index, seed) -> sample, then a batch
-heavy = ("torchvision", "timm", "tensorboard", "kd.engine", "kd.models", "kd.data.gpu", "kd.data.pipeline")
+heavy = ("torchvision", "timm", "tensorboard", "kd.run.loop", "kd.models", "kd.data.gpu", "kd.data.pipeline")
 print(" ".join(sorted(m for m in sys.modules if m in heavy)))
 """
 
@@ -178,6 +177,7 @@ def test_a_spawned_worker_imports_only_what_it_reads_images_with(data, tmp_path)
     import sys
 
     from conftest import ROOT
+
     from kd.data.bytes_dataset import JpegBytes, collate_packed
     from kd.data.folder import ImageFolderPIL, collate, scan
     from kd.data.loader import seed_worker

@@ -4,7 +4,6 @@ worker imports torch: the companion of test_workers.py's fork and forkserver run
 from __future__ import annotations
 
 import pytest
-
 from conftest import make_image_folder
 from test_workers import START_METHOD_BACKENDS, train_two_epochs_with_two_workers
 

@@ -71,7 +71,7 @@ def mp_context(name: str):
         ctx.set_forkserver_preload(["torch", "kd.data.loader", "kd.data.folder", "kd.data.bytes_dataset"])
         from multiprocessing import forkserver
 
-        from kd.signals import ignoring_sigint
+        from kd.run.signals import ignoring_sigint
 
         with ignoring_sigint():  # a Ctrl-C while it imports torch stops the run, not it with a traceback
             forkserver.ensure_running()

@@ -12,7 +12,7 @@ casting of the models and inputs, master weights, the loss scaler and the step s
 | O2 | weights in reduced precision except BatchNorm (float32); float32 master weights in the optimizer | dynamic |
 | O3 | everything in reduced precision, no master weights: a speed ceiling, not a recipe | none |
 
-The frozen teacher has a precision of its own (:mod:`kd.teacher`, ``--teacher-precision``): by
+The frozen teacher has a precision of its own (:mod:`kd.teacher.probe`, ``--teacher-precision``): by
 default the run's dtype (float32 at O0), its conv/linear weights stored in that dtype under
 autocast at every level, with a fallback checked on validation batches before training.
 

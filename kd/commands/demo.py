@@ -19,9 +19,9 @@ from typing import Any, Dict, Optional
 import numpy as np
 from PIL import Image
 
+from kd.commands.table import markdown
 from kd.errors import KDError
 from kd.runfolder import RunFolder
-from kd.table import markdown
 
 TEACHER = "resnet18"
 STUDENT = "timm:resnet10t"

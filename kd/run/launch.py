@@ -13,10 +13,10 @@ Who starts the processes, as the environment tells:
 * Slurm's ``srun`` with several tasks (one per GPU): ``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS``,
   ``SLURM_LOCALID``, ``SLURM_STEP_TASKS_PER_NODE`` and the step's node list become torchrun's
   variables (``MASTER_ADDR``/``MASTER_PORT`` from the environment when set, else the first node
-  and a port derived from the job id; :func:`kd.placement.slurm_env`), and kd starts no process
+  and a port derived from the job id; :func:`kd.run.placement.slurm_env`), and kd starts no process
   of its own.
 
-Each process reads its place once, as a :class:`kd.placement.Placement`. A ``KDError`` in any
+Each process reads its place once, as a :class:`kd.run.placement.Placement`. A ``KDError`` in any
 worker reaches the user as one line and exit code 2 from the parent.
 """
 
@@ -32,13 +32,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Dict, Optional, Type, Union
 
 from kd.errors import KDError
-from kd.placement import Placement, slurm_env
+from kd.run.placement import Placement, slurm_env
+from kd.run.signals import Interrupted, held_for_children
 from kd.runfolder import RunFolder
-from kd.signals import Interrupted, held_for_children
 
 if TYPE_CHECKING:  # imported where used: a launcher process builds no Trainer
-    from kd.engine import Trainer
-    from kd.together import MultiTrainer
+    from kd.run.lanes import MultiTrainer
+    from kd.run.loop import Trainer
 
 
 def prepare_out(cfg, resume: Optional[str], overwrite: bool) -> Optional[Path]:
@@ -107,7 +107,7 @@ def check_data(data: str) -> None:
 
 def train(cfg, resume: Optional[str] = None, overwrite: bool = False, students=None):
     """Run ``cfg`` to the end; returns the last epoch's metrics (those of the main process).
-    ``students`` (a :class:`kd.multi.Students`, ``cfg`` its first) trains several students at once."""
+    ``students`` (a :class:`kd.run.plan.Students`, ``cfg`` its first) trains several students at once."""
     import backends
 
     backend_cls = backends.get(cfg.backend)
@@ -153,9 +153,9 @@ def _preflight_all(cfg, resume: Optional[str], overwrite: bool, students) -> Opt
 
 
 def prepare_students_out(students, resume: Optional[str], overwrite: bool) -> Optional[Path]:
-    """:func:`prepare_out` for every folder of ``students`` (a :class:`kd.together.Students`);
+    """:func:`prepare_out` for every folder of ``students`` (a :class:`kd.run.lanes.Students`);
     ``students.out`` when resuming."""
-    from kd.together import STUDENTS_FILE, is_students_folder, stopped_students
+    from kd.run.lanes import STUDENTS_FILE, is_students_folder, stopped_students
 
     if resume not in (None, "last"):
         raise KDError(
@@ -238,7 +238,7 @@ def launch_local(cfg, nproc: int, resume_from: Optional[Path], students=None):
     except (ChildFailedError, signal_exception) as exc:
         stopped = Path(error_dir, "interrupted.txt")
         if stopped.exists():  # the workers stopped on a signal after writing their checkpoint
-            from kd.signals import Interrupted
+            from kd.run.signals import Interrupted
 
             signame, message = stopped.read_text(encoding="utf-8").split("\n", 1)
             raise Interrupted(signame, message=message) from None
@@ -256,7 +256,7 @@ def launch_local(cfg, nproc: int, resume_from: Optional[Path], students=None):
 
 def worker(cfg, out: str, resume_from: Optional[Path], error_dir: str, visible: Optional[str], students=None):
     """The entrypoint of each process kd's launcher starts (module level, so it pickles)."""
-    from kd.signals import Interrupted, install_early
+    from kd.run.signals import Interrupted, install_early
 
     try:
         install_early(launched=True)  # first: the signals held while this process started arrive now
@@ -284,7 +284,7 @@ def _worker(cfg, out: str, resume_from: Optional[Path], visible: Optional[str], 
             cores = os.cpu_count() or 1
         torch.set_num_threads(max(1, cores // max(place.local_world_size, 1)))
     if students is not None:
-        from kd.together import stopped_students
+        from kd.run.lanes import stopped_students
 
         stopped = stopped_students(Path(out))
         last = [RunFolder(s.out).last for n, s in zip(students.names, students.cfgs) if n not in stopped]
@@ -318,11 +318,11 @@ def run_worker(
 ) -> Dict[str, float]:
     """Everything one process does for a run, from backend set-up to teardown, where ``place`` (as the
     launcher found it) says. ``timing_warmup`` (``kd bench``) adds the step timer and skips validation.
-    ``students``: several students at once (:mod:`kd.multi`), each resuming from its own last.pt
+    ``students``: several students at once (:mod:`kd.run.plan`), each resuming from its own last.pt
     where ``resume_from`` is given."""
     import backends
-    from kd.engine import Trainer
-    from kd.signals import StopFlag, install_early
+    from kd.run.loop import Trainer
+    from kd.run.signals import StopFlag, install_early
 
     launched = bool(place and place.launched)
     # until here a stop signal ends the process at once (kd's own workers installed that at their
@@ -333,14 +333,14 @@ def run_worker(
     stop: Optional[StopFlag] = None
     hooks = []
     if cfg.timing_warmup:
-        from kd.timing import StepTimer
+        from kd.run.timing import StepTimer
 
         hooks.append(StepTimer(cfg.timing_warmup, backend))
     try:
         stop = StopFlag(launched)  # before the process group: a signal inside its C++ set-up only sets the flag
         backend.setup()
         if students is not None:
-            from kd.together import MultiTrainer
+            from kd.run.lanes import MultiTrainer
 
             trainer = MultiTrainer(
                 students, backend, resume_from is not None, hooks=hooks, validate=not hooks, stop=stop

@@ -1,7 +1,7 @@
 """Several students in one run: one input pipeline and one teacher forward per batch, for the
 table a rebuttal asks for (``kd train --kd-loss kd,dkd,dist,lskd`` or ``--recipe A --recipe B``).
 
-Each student is a :class:`kd.engine.Trainer` built with a :class:`Shared` (the data, the
+Each student is a :class:`kd.run.loop.Trainer` built with a :class:`Shared` (the data, the
 teacher's model, the stop flag): its own optimizer, schedule, precision and scaler, connectors,
 meters, logger, checkpoints and run folder ``OUT/<name>/``, a normal run folder that ``kd
 report``, ``kd eval`` and ``kd train --resume --out OUT/<name>`` read as any other. ``OUT/students.yaml``
@@ -27,10 +27,10 @@ import yaml
 
 from kd import config as kd_config
 from kd.errors import KDError
+from kd.run.lanes import STUDENTS_FILE, MultiTrainer, Shared, Students, is_students_folder, own_generators
 from kd.runfolder import RunFolder
-from kd.together import STUDENTS_FILE, MultiTrainer, Shared, Students, is_students_folder, own_generators
 
-# the training loop lives in kd.together (kd.launch runs it there); its names are this module's too
+# the training loop lives in kd.run.lanes (kd.run.launch runs it there); its names are this module's too
 __all__ = [
     "STUDENTS_FILE",
     "MultiTrainer",
@@ -175,7 +175,7 @@ def resumed(out: Path, options: Dict[str, Any], sets: Sequence[str]) -> Students
 
 
 def train(students: Students, resume: Optional[str] = None, overwrite: bool = False) -> Dict[str, float]:
-    """Train ``students`` together (from Python: ``kd.multi.train(kd.multi.plan(...))``)."""
-    from kd.launch import train as launch_train
+    """Train ``students`` together (from Python: ``kd.run.plan.train(kd.run.plan.plan(...))``)."""
+    from kd.run.launch import train as launch_train
 
     return launch_train(students.cfgs[0], resume=resume, overwrite=overwrite, students=students)

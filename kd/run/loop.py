@@ -10,23 +10,23 @@ from typing import Any, Dict, Optional, Sequence
 
 import torch
 
-from kd import checkpoint
-from kd.build import RunBuilder
 from kd.data.loader import Batch
 from kd.errors import KDError, NonFinite
-from kd.logging import SetupClock, command_start, first_step_record
-from kd.meter import Meter, format_record, nonfinite_flags, nonfinite_message
+from kd.run import checkpoint
+from kd.run.accuracy import validate_student
+from kd.run.build import RunBuilder
+from kd.run.log import SetupClock, command_start, first_step_record
+from kd.run.meter import Meter, format_record, nonfinite_flags, nonfinite_message
+from kd.run.sides import LOGITS_SUM
+from kd.run.signals import Interrupted, StopFlag
+from kd.run.step import StepHook, StepOutput, check_batch
 from kd.runfolder import RunFolder
-from kd.sides import LOGITS_SUM
-from kd.signals import Interrupted, StopFlag
-from kd.step import StepHook, StepOutput, check_batch
-from kd.validation import validate_student
 
 
 class Trainer(RunBuilder):
     """One process's part of a run: built from a config, a set-up backend and the run folder.
 
-    One student of several (``kd train --kd-loss kd,dkd``, :mod:`kd.multi`) is a Trainer built
+    One student of several (``kd train --kd-loss kd,dkd``, :mod:`kd.run.plan`) is a Trainer built
     with ``shared``: the data pipeline, the teacher's model and the stop flag come from there, its
     teacher is prepared once for all (:meth:`use_teacher`), and the multi-student loop drives
     :meth:`begin_epoch`, :meth:`step` (with the teacher's outputs), :meth:`after_step` and
@@ -45,8 +45,8 @@ class Trainer(RunBuilder):
         stop: Optional[StopFlag] = None,
     ):
         """``hooks`` see every step and epoch record; ``validate=False`` skips the teacher's and the
-        student's validation passes (timed benchmark runs); ``shared`` is a :class:`kd.together.Shared`;
-        ``stop`` the process's :class:`kd.signals.StopFlag` (one of the Trainer's own where not given)."""
+        student's validation passes (timed benchmark runs); ``shared`` is a :class:`kd.run.lanes.Shared`;
+        ``stop`` the process's :class:`kd.run.signals.StopFlag` (one of the Trainer's own where not given)."""
         self.clock = SetupClock(command_start(default=time.time()))
         self.hooks = list(hooks)
         self.validates = validate
@@ -113,7 +113,7 @@ class Trainer(RunBuilder):
             hook.on_epoch_end(self, record)
         if self.validates and self.epoch == 0 and self.needs_teacher and self.prepared_teacher is not None:
             # the teacher's top-1 after the first epoch, not before it: the first step comes sooner, and
-            # its probe has checked it on a few validation batches already (kd.teaching)
+            # its probe has checked it on a few validation batches already (kd.teacher.frozen)
             top1 = self.prepared_teacher.validate(self.stop)
             if top1 is None:  # stopped: as below
                 self.pending_epoch = (train, seconds)

@@ -13,7 +13,7 @@ from torch import nn
 class StepOutput:
     """What :meth:`Trainer.step` leaves on the device: the loss parts (0-dim float32: ``loss``, the
     method's terms), whether the optimizer step was skipped, the non-finite flags per source, and
-    the number of images. The step of several students (:mod:`kd.multi`) hands its hooks no loss
+    the number of images. The step of several students (:mod:`kd.run.plan`) hands its hooks no loss
     parts and None for ``skipped`` and ``flags``: each student's optimizer step is its own."""
 
     parts: Dict[str, torch.Tensor]
@@ -24,7 +24,7 @@ class StepOutput:
 
 class StepHook:
     """Called by the loop: after every :meth:`Trainer.step`, and at each epoch's end with the epoch's
-    record before it is logged (``kd bench``'s timer is one). ``trainer`` is the :class:`kd.engine.Trainer`."""
+    record before it is logged (``kd bench``'s timer is one). ``trainer`` is the :class:`kd.run.loop.Trainer`."""
 
     def on_teacher(self, trainer: Any, teacher: nn.Module) -> None:
         """The frozen teacher on its device, before it is fused and its precision chosen."""

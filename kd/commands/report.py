@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
-from kd import table
+from kd.commands import table
 from kd.errors import KDError
 from kd.runfolder import RunFolder
 

@@ -14,9 +14,9 @@ import json
 from pathlib import Path
 from typing import Any, Dict
 
-from kd import checkpoint
 from kd.errors import KDError
 from kd.models import DataConfig
+from kd.run import checkpoint
 from kd.runfolder import RunFolder
 
 FORMATS = (".pt", ".pth", ".safetensors")

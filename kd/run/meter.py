@@ -30,8 +30,8 @@ class Meter:
         flags: Optional[torch.Tensor] = None,
     ) -> None:
         """One step: its loss parts (0-dim), images, skipped flag and non-finite flags (a
-        :class:`kd.step.StepOutput`'s, whose ``skipped`` and ``flags`` may be None). Unreadable files
-        are counted by the loop, once each (:meth:`kd.engine.Trainer.after_step`)."""
+        :class:`kd.run.step.StepOutput`'s, whose ``skipped`` and ``flags`` may be None). Unreadable files
+        are counted by the loop, once each (:meth:`kd.run.loop.Trainer.after_step`)."""
         finite = torch.isfinite(parts["loss"].detach())
         for k, v in parts.items():  # the means are over the steps with a finite loss
             self.sums[k] = self.sums.get(k, 0.0) + torch.where(finite, v.detach() * n, 0.0)
@@ -106,7 +106,7 @@ def nonfinite_flags(
     """1 for each source (the teacher's logits, the student's, each loss term of ``terms``, the
     student's buffers) not finite in this step, on the device; takes the student's logits sum
     (``LOGITS_SUM``) out of ``parts``. The engine appends one more: skipped on the gradients alone."""
-    from kd.sides import LOGITS_SUM
+    from kd.run.sides import LOGITS_SUM
 
     student = parts.pop(LOGITS_SUM)
     zero = torch.zeros((), device=student.device)

@@ -1,4 +1,4 @@
-"""Building a run: what :class:`kd.engine.Trainer` holds before its first step (data, precision,
+"""Building a run: what :class:`kd.run.loop.Trainer` holds before its first step (data, precision,
 student side, teacher, optimizer, schedule, counters), in the order that keeps a failed start
 from leaving anything behind."""
 
@@ -10,26 +10,27 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from kd import checkpoint, models
 from kd import config as kd_config
 from kd import data as kd_data
-from kd.cpu import slow_precision_warning
+from kd import models
 from kd.data.loader import val_transform
 from kd.errors import KDError
-from kd.logging import NullLogger, RunLogger, SetupClock
-from kd.meter import Meter
-from kd.optim import build_optimizer, build_scheduler
 from kd.precision import make_precision
+from kd.precision.cpu import slow_precision_warning
+from kd.run import checkpoint
+from kd.run.log import NullLogger, RunLogger, SetupClock
+from kd.run.meter import Meter
+from kd.run.optim import build_optimizer, build_scheduler
+from kd.run.runtime import resolve as resolve_runtime
+from kd.run.sides import StudentSide, build_models
+from kd.run.signals import StopFlag, in_setup
+from kd.run.step import BufferGuard, StepHook
 from kd.runfolder import RunFolder
-from kd.runtime import resolve as resolve_runtime
-from kd.sides import StudentSide, build_models
-from kd.signals import StopFlag, in_setup
-from kd.step import BufferGuard, StepHook
-from kd.teaching import Teacher
+from kd.teacher.frozen import Teacher
 
 
 class RunBuilder:
-    """The set-up half of :class:`kd.engine.Trainer` (which runs the loop)."""
+    """The set-up half of :class:`kd.run.loop.Trainer` (which runs the loop)."""
 
     clock: SetupClock
     hooks: List[StepHook]
@@ -38,7 +39,7 @@ class RunBuilder:
         self, cfg, backend, out: Path, resume_from: Optional[Path], shared=None, stop: Optional[StopFlag] = None
     ) -> None:
         """Set up for ``cfg`` on the set-up ``backend``: one student's run in ``out``, resumed from
-        ``resume_from`` where given; ``shared`` (:class:`kd.together.Shared`) brings the data, the
+        ``resume_from`` where given; ``shared`` (:class:`kd.run.lanes.Shared`) brings the data, the
         teacher and the stop flag of a run of several students. A stop signal during set-up ends it
         at the next of a few points, every process alike, with nothing written."""
         self.clock.mark("launch")  # interpreter, imports, launcher, process group, device
@@ -62,8 +63,8 @@ class RunBuilder:
         if dev.type == "cuda":
             torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
 
-        self.name = self.out.name  # the student's name beside others (kd.multi); its run folder's name
-        self.rng: Dict[str, Any] = {}  # kd.multi: its generators' state between its calls (checkpoint.rng_state)
+        self.name = self.out.name  # the student's name beside others (kd.run.plan); its run folder's name
+        self.rng: Dict[str, Any] = {}  # kd.run.plan: its generators' state between its calls (checkpoint.rng_state)
         self.owns_inputs = shared is None
         self.stop_in_setup()
         if shared is None:
@@ -176,7 +177,7 @@ class RunBuilder:
 
     def stop_in_setup(self) -> None:
         """Before the first step: a stop asked for during set-up ends the run here, with nothing
-        written (a fresh run's folder is removed by :func:`kd.launch.train`). A collective: every
+        written (a fresh run's folder is removed by :func:`kd.run.launch.train`). A collective: every
         process decides alike."""
         if stop_anywhere(self.stop, self.backend, self.device):
             raise in_setup(self.stop.signame)
@@ -190,7 +191,7 @@ class RunBuilder:
         self, model: torch.nn.Module, layers: List[str], hooks: Sequence[StepHook], backend, notes: List[str]
     ) -> Teacher:
         """``model`` on this run's device and memory format, shown to ``hooks``, then prepared
-        (:class:`kd.teaching.Teacher`: fused, its precision chosen on this run's validation data)
+        (:class:`kd.teacher.frozen.Teacher`: fused, its precision chosen on this run's validation data)
         with feature taps on ``layers``; what kd chose goes to ``notes``."""
         model = model.to(self.device, memory_format=self.memory_format)  # type: ignore[call-overload]  # as the student side above
         for hook in hooks:

@@ -9,7 +9,7 @@ from typing import Dict, Optional
 import torch
 from torch import nn
 
-from kd.step import StepHook
+from kd.run.step import StepHook
 
 
 @torch.no_grad()

@@ -1,8 +1,8 @@
 """The frozen teacher of a run, prepared once: on its device, fused, its precision chosen on a few
-validation batches (:mod:`kd.teacher`), wrapped forward-only by the backend, compiled where asked.
+validation batches (:mod:`kd.teacher.probe`), wrapped forward-only by the backend, compiled where asked.
 
 One :class:`Teacher` serves one student (``kd train``) or several (``kd train --kd-loss kd,dkd``,
-:mod:`kd.multi`): its outputs are float32 logits and tapped features, computed without gradients,
+:mod:`kd.run.plan`): its outputs are float32 logits and tapped features, computed without gradients,
 that any number of students may read.
 """
 
@@ -14,16 +14,16 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from kd import teacher as kd_teacher
-from kd.evaluate import teacher_preprocessing_note
-from kd.sides import TeacherSide
-from kd.signals import StopFlag
-from kd.validation import evaluate
+from kd.commands.evaluate import teacher_preprocessing_note
+from kd.run.accuracy import evaluate
+from kd.run.sides import TeacherSide
+from kd.run.signals import StopFlag
+from kd.teacher import probe as kd_teacher
 
 
 class Teacher:
     """``model`` (frozen, on the CPU) ready to run: ``forward(images)`` gives its float32 logits and the
-    features of ``layers``; ``precision`` is the :class:`kd.teacher.TeacherPrecision` it runs in.
+    features of ``layers``; ``precision`` is the :class:`kd.teacher.probe.TeacherPrecision` it runs in.
 
     ``precision`` (the student's) gives the dtype the choice starts from and the context another
     model's forward needs; ``val`` is the loader the choice probes; ``notes`` receives the choice

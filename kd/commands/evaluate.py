@@ -12,14 +12,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from kd import checkpoint, models
+from kd import models
 from kd.config import RunConfig
 from kd.data.folder import default_val_resize, scan_split
 from kd.data.loader import default_workers, make_loader
 from kd.errors import KDError
 from kd.precision import make_precision
-from kd.runtime import resolve as resolve_runtime
-from kd.validation import evaluate
+from kd.run import checkpoint
+from kd.run.accuracy import evaluate
+from kd.run.runtime import resolve as resolve_runtime
 
 DEFAULT_IMAGE_SIZE = 224
 
@@ -135,7 +136,7 @@ def evaluate_model(
     default. The result holds the metrics, the settings used and ``settings``, a line saying so.
     """
     import backends
-    from kd.teacher import TeacherPrecision
+    from kd.teacher.probe import TeacherPrecision
 
     s = resolve(model, weights, image_size, val_resize, num_classes, workers)
     classes, samples = scan_split(Path(data), "val")

@@ -3,7 +3,7 @@
 The teacher only runs forward passes, so its precision need not follow ``--opt``. A teacher
 runs either in float32, or with its convolution and linear weights stored in a reduced dtype
 (float16 or bfloat16) under ``torch.autocast`` of that dtype: the values autocast would cast
-the weights to in every forward, stored once, which is also the dtype kd.fuse's fused
+the weights to in every forward, stored once, which is also the dtype kd.teacher.fuse's fused
 convolutions run in. Norm layers keep float32 parameters, as autocast runs them.
 
 A trained teacher can overflow float16 (largest value 65504) although it is fine in float32
@@ -34,9 +34,9 @@ import torch
 from torch import nn
 
 from kd.errors import KDError
-from kd.fuse import fuse_teacher
 from kd.precision import DTYPES as REDUCED
 from kd.precision import dtype_name
+from kd.teacher.fuse import fuse_teacher
 
 DTYPES = {**REDUCED, "float32": torch.float32}
 PROBE_BATCHES = 2  # validation batches per process
@@ -216,7 +216,7 @@ def prepare(
     choose: Callable[[nn.Module], nn.Module],
     log: Callable[[str], None],
 ) -> nn.Module:
-    """The frozen teacher, fused for inference (:mod:`kd.fuse`) where ``fuse``, then passed to
+    """The frozen teacher, fused for inference (:mod:`kd.teacher.fuse`) where ``fuse``, then passed to
     ``choose`` (which picks its precision on a few validation batches). Where the device refuses
     the fused model there (a cuDNN without runtime fusion, say), the plain teacher is used and
     ``log`` says why. Tapped ``layers`` are kept whole."""

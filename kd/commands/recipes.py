@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Dict, List
 
+from kd.commands.table import markdown
 from kd.config import RECIPE_DIR, find_recipe, load_yaml
-from kd.table import markdown
 
 
 def names() -> List[str]:

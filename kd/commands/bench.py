@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, cast
 
-from kd import table
+from kd.commands import table
 from kd.errors import KDError
 from kd.runfolder import RunFolder
 
@@ -133,7 +133,7 @@ def bench(
         raise KDError("--vs-synthetic compares a run on --data DIR with one on synthetic tensors: give --data DIR")
     if vs_synthetic and methods:
         raise KDError("--vs-synthetic times one method per combination: leave out --methods")
-    from kd.launch import check_data
+    from kd.run.launch import check_data
 
     check_data(str(args.get("data", "synthetic")))  # once here, not as the same note in every row
     out = Path(out or tempfile.mkdtemp(prefix="kd-bench-"))
@@ -236,7 +236,7 @@ def warn_slow_cpu_precision(opts: Sequence[str], args: Dict[str, object]) -> Non
     """The slow-bfloat16 warning of a CPU run, once (each row's own log is not shown)."""
     import torch
 
-    from kd.cpu import slow_precision_warning
+    from kd.precision.cpu import slow_precision_warning
 
     if args.get("device") == "cpu" or (args.get("device") in (None, "auto") and not torch.cuda.is_available()):
         for opt in opts:
@@ -259,7 +259,7 @@ def write_outputs(rows: List[Dict[str, object]], out: Path, baseline: str, note=
         writer.writeheader()
         writer.writerows(rows)
     (out / "bench.md").write_text(markdown(rows) + "\n")
-    from kd.report import pyplot
+    from kd.commands.report import pyplot
 
     try:
         plt = pyplot()
@@ -319,7 +319,7 @@ def build_loaders(options: Dict[str, object]):
     from backends.base import resolve_device
     from kd import config as kd_config
     from kd.data import build
-    from kd.runtime import resolve as resolve_runtime
+    from kd.run.runtime import resolve as resolve_runtime
 
     # the models are not built; names only satisfy the config's validation
     cfg = kd_config.resolve(options={"teacher": "resnet18", "student": "resnet18", **options})

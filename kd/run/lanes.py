@@ -1,6 +1,6 @@
-"""The training loop of several students in one run (:mod:`kd.multi` plans them): one input
-pipeline and one teacher forward per batch, each student a :class:`kd.engine.Trainer` of its own.
-Apart from :mod:`kd.multi` so that :mod:`kd.launch`, which runs it, imports nothing that imports it back."""
+"""The training loop of several students in one run (:mod:`kd.run.plan` plans them): one input
+pipeline and one teacher forward per batch, each student a :class:`kd.run.loop.Trainer` of its own.
+Apart from :mod:`kd.run.plan` so that :mod:`kd.run.launch`, which runs it, imports nothing that imports it back."""
 
 from __future__ import annotations
 
@@ -12,17 +12,18 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
-from kd import checkpoint, models
 from kd import data as kd_data
-from kd.build import stop_anywhere
-from kd.engine import Trainer
+from kd import models
 from kd.errors import KDError, NonFinite
-from kd.logging import SetupClock, command_start
+from kd.run import checkpoint
+from kd.run.build import stop_anywhere
+from kd.run.log import SetupClock, command_start
+from kd.run.loop import Trainer
+from kd.run.runtime import resolve as resolve_runtime
+from kd.run.signals import Interrupted, StopFlag, in_setup
+from kd.run.step import StepHook, StepOutput, check_batch
 from kd.runfolder import RunFolder
-from kd.runtime import resolve as resolve_runtime
-from kd.signals import Interrupted, StopFlag, in_setup
-from kd.step import StepHook, StepOutput, check_batch
-from kd.teaching import Teacher
+from kd.teacher.frozen import Teacher
 
 STUDENTS_FILE = "students.yaml"
 
@@ -95,7 +96,7 @@ class MultiTrainer:
     ):
         """``resume``: every student continues from its own ``last.pt``; ``hooks`` see each shared step
         (with this object as trainer) and each epoch's shared record (``kd bench``'s timer); ``stop``
-        the process's :class:`kd.signals.StopFlag` (one of its own where not given)."""
+        the process's :class:`kd.run.signals.StopFlag` (one of its own where not given)."""
         clock = SetupClock(command_start(default=time.time()))  # every student's first step counts from here
         clock.mark("launch")
         cfg = models.with_data_configs(students.cfgs[0])  # the loaders normalise for the first student

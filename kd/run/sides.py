@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from kd import models
-from kd.features import check_layers, layer_names, tap
 from kd.losses import DistillInputs, DistillLoss, build_loss, split_layers
+from kd.run.features import check_layers, layer_names, tap
 
 LOGITS_SUM = "_student_logits_sum"
 

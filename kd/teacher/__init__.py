@@ -1,0 +1,10 @@
+"""The frozen teacher: prepared once per run and shared by every student of it.
+
+Here: its precision, chosen apart from the student's opt level and checked on a few validation
+batches before training (``probe``), its inference rewrite (``fuse``: BatchNorm folding, fused
+convolutions), and the prepared teacher itself (``frozen``: on its device, fused, its precision
+chosen, its feature taps, its forward and its validation).
+
+May import: ``kd.models``, ``kd.precision``, ``kd.run``'s sides, accuracy and signals, and the
+top-level helpers; never ``kd.commands``.
+"""
