@@ -113,9 +113,9 @@ def train(ctx, recipes, sets, loss_arg, resume, overwrite, local_rank, **options
     Several students at once, from one input pipeline and one teacher forward per batch:
     --kd-loss kd,dkd,dist,lskd or --recipe A --recipe B; each gets OUT/<method or recipe>/.
     """
-    import kd
     from kd import config as kd_config
     from kd.run.launch import accept_legacy_local_rank
+    from kd.run.launch import train as run_training
     from kd.runfolder import RunFolder
 
     accept_legacy_local_rank(local_rank)
@@ -141,7 +141,7 @@ def train(ctx, recipes, sets, loss_arg, resume, overwrite, local_rank, **options
         if out.config.is_file():
             base = kd_config.load(out.config)
     cfg = kd_config.resolve(recipe=recipes[0] if recipes else None, options=given, sets=list(sets), base=base)
-    if resume and not overwrite:  # (both together are refused, as a contradiction, by kd.train)
+    if resume and not overwrite:  # (both together are refused, as a contradiction, by run_training)
         from kd.run.checkpoint import finished_epochs
 
         done = finished_epochs(checkpoint, cfg.epochs)
@@ -149,7 +149,7 @@ def train(ctx, recipes, sets, loss_arg, resume, overwrite, local_rank, **options
             click.echo(f"kd: {cfg.out} already finished ({done} epochs); raise --epochs to continue", err=True)
             return
     started = time.time()
-    kd.train(cfg, resume=resume, overwrite=overwrite)
+    run_training(cfg, resume=resume, overwrite=overwrite)  # cfg resolved and validated above
     _summary([Path(cfg.out)], started)
 
 
@@ -166,7 +166,7 @@ def _summary(runs, started: float, names=()) -> None:
 
 
 def _several_students(recipes, given, resume) -> bool:
-    from kd.run.plan import is_students_folder
+    from kd.run.students import is_students_folder
 
     if len(recipes) > 1 or "," in str(given.get("kd_loss") or ""):
         return True
@@ -176,6 +176,7 @@ def _several_students(recipes, given, resume) -> bool:
 def _train_students(recipes, given, sets, resume, overwrite) -> None:
     """``kd train`` of several students (kd.run.plan): planned from the options, or those of --out resumed."""
     from kd.run import plan as multi
+    from kd.run.students import is_students_folder
 
     started = time.time()
     if not resume:
@@ -185,7 +186,7 @@ def _train_students(recipes, given, sets, resume, overwrite) -> None:
     out = Path(given.get("out") or "runs/kd")
     if recipes or given.get("kd_loss"):  # the same command again with --resume: fine when it names the same students
         asked = [Path(r).stem for r in recipes] if recipes else str(given["kd_loss"]).split(",")
-        held = list(multi.load(out).names) if multi.is_students_folder(out) else []
+        held = list(multi.load(out).names) if is_students_folder(out) else []
         if sorted(asked) != sorted(held):
             raise KDError(
                 f"--resume continues the students --out {out} holds ({', '.join(held) or 'none'}), "

@@ -32,7 +32,7 @@ STEPS = 35
 
 def epoch(trainer, timer):
     """(host done, GPU done) seconds per step over one epoch of the engine's own loop."""
-    trainer.batch_in_epoch = 0
+    trainer.lane.batch_in_epoch = 0
     timer.warmup = 0
     torch.cuda.synchronize()
     start = time.perf_counter()

@@ -22,6 +22,7 @@ step's stream against the loader's decode and prep streams. Needs CUDA.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import collections
 import cProfile
 import io
@@ -71,10 +72,10 @@ def main() -> None:
     cfg = kd_config.resolve(options=options, sets=args.sets)
     backend = backends.get("single")(cfg)
     backend.setup()
-    trainer = Trainer(cfg, backend, Path(tempfile.mkdtemp(prefix="kd-profile-e2e-")), validate=False)
+    trainer = Trainer(dataclasses.replace(cfg, out=tempfile.mkdtemp(prefix="kd-profile-e2e-")), backend, validate=False)
     loader = trainer.data.train
     print(loader.describe())
-    trainer.side.train()
+    trainer.lane.side.train()
     for epoch in range(2):  # the first starts the workers and warms cuDNN; the second is profiled
         loader.set_epoch(epoch)
         it = iter(loader)
@@ -97,7 +98,7 @@ def main() -> None:
             t0 = time.perf_counter()
             batch = next(it)
             t1 = time.perf_counter()
-            trainer.step(batch)
+            trainer.lane.step(batch)
             t2 = time.perf_counter()
             wait += t1 - t0
             step_host += t2 - t1

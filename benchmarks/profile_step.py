@@ -15,6 +15,7 @@ first configuration groups the GPU kernel time by kind. Prints markdown tables.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import collections
 import re
 import sys
@@ -52,7 +53,9 @@ def build(args, overrides):
     backend = backends.get("single")(cfg)
     backend.setup()
     timer = StepTimer(args.warmup, backend)
-    return Trainer(cfg, backend, Path(tempfile.mkdtemp(prefix="kd-profile-")), hooks=[timer], validate=False), timer
+    return Trainer(
+        dataclasses.replace(cfg, out=tempfile.mkdtemp(prefix="kd-profile-")), backend, hooks=[timer], validate=False
+    ), timer
 
 
 def timed(fn, iters: int, warmup: int = 3) -> float:
@@ -69,32 +72,32 @@ def timed(fn, iters: int, warmup: int = 3) -> float:
 
 
 def phases(trainer, timer, iters: int):
-    prec = trainer.precision
+    prec = trainer.lane.precision
     batch = next(iter(trainer.data.train))
     images, labels = prec.input_cast(batch.images), batch.labels
-    t_logits, t_feats = trainer.prepared_teacher.forward(images)
+    t_logits, t_feats = trainer.lane.prepared_teacher.forward(images)
 
     def teacher():
-        trainer.prepared_teacher.forward(images)
+        trainer.lane.prepared_teacher.forward(images)
 
     def student():
         with prec.autocast():
-            parts = trainer.model(images, labels, t_logits, t_feats, 0.0)
+            parts = trainer.lane.model(images, labels, t_logits, t_feats, 0.0)
         loss = parts["loss"].float().mean()
         (prec.scaler.scale(loss) if prec.scaler else loss).backward()
-        for p in trainer.params:
+        for p in trainer.lane.params:
             p.grad = None
 
     def optimizer():
-        trainer.optimizer.step()
+        trainer.lane.optimizer.step()
 
     rows = {"teacher forward": timed(teacher, iters), "student fwd+loss+bwd": timed(student, iters)}
     with prec.autocast():  # gradients to step with
-        parts = trainer.model(images, labels, t_logits, t_feats, 0.0)
+        parts = trainer.lane.model(images, labels, t_logits, t_feats, 0.0)
     parts["loss"].float().mean().backward()
-    prec._gradients_to_optimizer(trainer.params)
+    prec._gradients_to_optimizer(trainer.lane.params)
     rows["optimizer step"] = timed(optimizer, iters)
-    trainer.optimizer.zero_grad(set_to_none=True)
+    trainer.lane.optimizer.zero_grad(set_to_none=True)
     trainer.train_epoch()  # the engine's own loop, timed by the StepTimer hook after the warm-up
     result = timer.result(trainer.backend)
     rows["whole kd step"] = 1000 * result["timed_seconds"] / max(result["timed_steps"], 1)
@@ -115,11 +118,11 @@ KINDS = [
 
 def kernel_kinds(trainer, timer, steps: int):
     trainer.data.train.steps = steps  # the synthetic loader's length
-    trainer.batch_in_epoch = 0  # phases() left the position at the end of its epoch
+    trainer.lane.batch_in_epoch = 0  # phases() left the position at the end of its epoch
     timer.warmup = 0
     activities = [torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
-        trainer.epoch = 0
+        trainer.lane.epoch = 0
         trainer.train_epoch()
         torch.cuda.synchronize()
     totals, kernels = collections.Counter(), collections.Counter()

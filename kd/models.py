@@ -393,3 +393,39 @@ def renormaliser(loader_norm: Optional[MeanStd], data: Optional[Dict[str, Any]])
     if all(abs(a - b) < 1e-9 for a, b in zip([*source[0], *source[1]], [*target[0], *target[1]])):
         return None
     return Renormalise(source, target)
+
+
+def run_settings(weights: str) -> Dict[str, Any]:
+    """``model``, ``num_classes`` and ``config`` (the run's RunConfig as a dict) of a kd checkpoint;
+    an empty dict for any other weights. Reading problems are left to :func:`kd.models.build`."""
+    path = Path(weights)
+    if weights in ("pretrained", "none") or not path.is_file():
+        return {}
+    try:
+        obj = checkpoint.read(path, "cannot read weights file", mmap=True)
+    except KDError:  # not a file kd can read: models.build reads it again and says why
+        return {}
+    if not (isinstance(obj, dict) and "kd_version" in obj and isinstance(obj.get("student"), dict)):
+        return {}
+    stored = obj.get("config")
+    config: Dict[str, Any] = stored if isinstance(stored, dict) else {}
+    return {
+        "model": obj.get("student_name") or config.get("student"),
+        "num_classes": obj.get("num_classes") or config.get("num_classes"),
+        "config": config,
+    }
+
+
+def teacher_preprocessing_note(cfg) -> Optional[str]:
+    """Where a kd-trained teacher was validated at other sizes than this run: why its top-1 differs."""
+    trained = run_settings(cfg.teacher_weights).get("config") or {}
+    if not trained.get("image_size"):
+        return None
+    theirs = (trained["image_size"], trained.get("val_resize") or DataConfig().val_resize(trained["image_size"]))
+    ours = (cfg.image_size, cfg.val_resize or DataConfig().val_resize(cfg.image_size))
+    if theirs == ours:
+        return None
+    return (
+        f"teacher {cfg.teacher}: trained and validated at image size {theirs[0]}, val resize {theirs[1]}; this run "
+        f"validates at {ours[0]}, {ours[1]}, so its top-1 here differs from its own run's"
+    )

@@ -177,6 +177,6 @@ def in_process_trainer(cfg, precision=None):
     backend.setup()
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
     if precision is None:
-        return Trainer(cfg, backend, Path(cfg.out))
+        return Trainer(cfg, backend)
     with unittest.mock.patch.object(kd.run.build, "make_precision", lambda *args, **kwargs: precision):
-        return Trainer(cfg, backend, Path(cfg.out))
+        return Trainer(cfg, backend)

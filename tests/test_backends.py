@@ -191,12 +191,12 @@ def _rng_job(job):
     backend.setup()
     trainer = None
     try:
-        trainer = Trainer(job["cfg"], backend, Path(job["cfg"].out))
+        trainer = Trainer(job["cfg"], backend)
         torch.save(torch.rand(8), Path(job["result"]).with_suffix(f".{backend.rank}"))
     finally:
         if trainer is not None:
             trainer.stop.restore()
-            trainer.logger.close()
+            trainer.lane.logger.close()
         backend.teardown()
 
 

@@ -37,7 +37,7 @@ def trainer(data, out):
     )  # fmt: skip
     backend = backends.get("single")(cfg)
     backend.setup()
-    return Trainer(cfg, backend, Path(out))
+    return Trainer(cfg, backend)
 
 
 def first_conv_inputs(model):
@@ -50,12 +50,12 @@ def first_conv_inputs(model):
 def test_a_teacher_is_fed_the_crop_normalised_its_own_way(data, tmp_path, capfd):
     t = trainer(data, tmp_path / "run")
     try:
-        teacher_in = first_conv_inputs(t.prepared_teacher.module)
-        student_in = first_conv_inputs(t.side.student)
+        teacher_in = first_conv_inputs(t.lane.prepared_teacher.module)
+        student_in = first_conv_inputs(t.lane.side.student)
         t.data.train.set_epoch(0)
         batch = next(iter(t.data.train))
-        t.side.train()
-        t.step(batch)
+        t.lane.side.train()
+        t.lane.step(batch)
         imagenet = (torch.tensor([0.485, 0.456, 0.406]), torch.tensor([0.229, 0.224, 0.225]))
         pixels = batch.images * imagenet[1].view(1, 3, 1, 1) + imagenet[0].view(1, 3, 1, 1)  # 0-1
         torch.testing.assert_close(student_in[-1], batch.images)
@@ -74,8 +74,8 @@ def test_the_teachers_validation_is_timms_eval_transform(data, tmp_path):
     what timm's create_transform makes of each val image, in the val order."""
     t = trainer(data, tmp_path / "val")
     try:
-        seen = first_conv_inputs(t.prepared_teacher.module)
-        t.prepared_teacher.validate()
+        seen = first_conv_inputs(t.lane.prepared_teacher.module)
+        t.lane.prepared_teacher.validate()
         got = torch.cat(seen)
     finally:
         t.close()

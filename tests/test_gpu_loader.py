@@ -34,6 +34,7 @@ from kd.data.bytes_dataset import (
 from kd.data.decoders import BASELINE_ONLY, DECODERS, CpuThread, CpuWorkers, Nvjpeg, make_decoder, pil_rgb
 from kd.data.gpu import GpuLoader, auto_cpu_share, crop_resize, make_gpu_loader
 from kd.data.loader import GPU_LOADER_HINT, MEAN, STD, make_data_loader, make_loader
+from kd.data import pipeline
 from kd.data.pipeline import choose_loader
 from kd.data.sampler import sample_seed
 from kd.errors import KDError
@@ -545,6 +546,7 @@ def test_the_default_loader_is_auto_and_says_what_it_chose_and_why(image_folder)
     """--loader auto (the default) is the gpu loader where CUDA and a GPU JPEG decoder work, else
     pil, and its log line says which and why; on a GPU without a GPU decoder it names what failed."""
     assert kd_config.RunConfig().loader == "auto"
+    assert kd_config.LOADER_NAMES == pipeline.LOADER_NAMES == ("auto", *pipeline.LOADERS)  # one list, kept twice
     data = build(cfg_for(image_folder, loader="auto", image_size=32), 1, 0, 8, CPU, False)
     assert data.train.describe().startswith("loader pil (--loader auto: no CUDA device): PIL decode")
     assert type(getattr(data.val, "loader", data.val)) is type(data.train)  # (inside the val cache)

@@ -236,7 +236,7 @@ def test_o1_teacher_stores_the_weights_autocast_would_use(data, tmp_path):
     import copy
 
     t = trainer(tiny_cfg(data, tmp_path / "o1", opt="O1", fuse_teacher=False))
-    teacher = t.teacher.teacher
+    teacher = t.lane.teacher.teacher
     assert _dtypes(teacher, bn=False) == {torch.bfloat16} and _dtypes(teacher, bn=True) == {torch.float32}
     reference = copy.deepcopy(teacher).float()  # bf16 -> float32 is exact: the weights autocast casts back
     x = torch.randn(2, 3, 32, 32)
@@ -246,17 +246,17 @@ def test_o1_teacher_stores_the_weights_autocast_would_use(data, tmp_path):
 
 def test_o2_weights_bfloat16_batchnorm_float32_masters_float32(data, tmp_path):
     t = trainer(tiny_cfg(data, tmp_path / "o2", opt="O2", fuse_teacher=False))
-    student, teacher = t.side.student, t.teacher.teacher
+    student, teacher = t.lane.side.student, t.lane.teacher.teacher
     assert _dtypes(student, bn=False) == {torch.bfloat16} and _dtypes(student, bn=True) == {torch.float32}
     assert _dtypes(teacher, bn=False) == {torch.bfloat16} and _dtypes(teacher, bn=True) == {torch.float32}
     assert all(b.dtype == torch.float32 for n, b in student.named_buffers() if "running" in n)
-    masters = [p for g in t.optimizer.param_groups for p in g["params"]]
+    masters = [p for g in t.lane.optimizer.param_groups for p in g["params"]]
     assert masters and all(p.dtype == torch.float32 for p in masters)
     assert not {id(p) for p in masters} & {id(p) for p in student.parameters() if p.dtype == torch.bfloat16}
     t.fit()
-    assert all(p.dtype == torch.float32 for g in t.optimizer.param_groups for p in g["params"])
+    assert all(p.dtype == torch.float32 for g in t.lane.optimizer.param_groups for p in g["params"])
     assert _dtypes(student, bn=False) == {torch.bfloat16} and _dtypes(student, bn=True) == {torch.float32}
-    state = t.precision.model_state(t.side)
+    state = t.lane.precision.model_state(t.lane.side)
     for name, p in student.named_parameters():
         assert state[f"student.{name}"].dtype == torch.float32
         assert torch.equal(state[f"student.{name}"].to(p.dtype), p.detach())  # the model is its masters, rounded
@@ -264,11 +264,11 @@ def test_o2_weights_bfloat16_batchnorm_float32_masters_float32(data, tmp_path):
 
 def test_o3_everything_bfloat16_no_masters(data, tmp_path):
     t = trainer(tiny_cfg(data, tmp_path / "o3", opt="O3", fuse_teacher=False))
-    assert {p.dtype for p in t.side.student.parameters()} == {torch.bfloat16}
-    teacher = t.teacher.teacher  # its own precision (kd.teacher.probe): weights in bfloat16 under autocast
+    assert {p.dtype for p in t.lane.side.student.parameters()} == {torch.bfloat16}
+    teacher = t.lane.teacher.teacher  # its own precision (kd.teacher.probe): weights in bfloat16 under autocast
     assert _dtypes(teacher, bn=False) == {torch.bfloat16} and _dtypes(teacher, bn=True) == {torch.float32}
-    opt_params = {id(p) for g in t.optimizer.param_groups for p in g["params"]}
-    assert opt_params == {id(p) for p in t.side.parameters() if p.requires_grad}
+    opt_params = {id(p) for g in t.lane.optimizer.param_groups for p in g["params"]}
+    assert opt_params == {id(p) for p in t.lane.side.parameters() if p.requires_grad}
 
 
 class ConnectorLoss(DistillLoss):
@@ -407,7 +407,7 @@ def test_skipped_steps_are_counted_by_the_engine(data, tmp_path):
         calls.append(1)
         return torch.full_like(grad, float("inf")) if len(calls) == 2 else grad
 
-    t.side.student.classifier[-1].weight.register_hook(poison_once)
+    t.lane.side.student.classifier[-1].weight.register_hook(poison_once)
     record = t.fit()
     assert record["train_skipped_steps"] == 1.0 and math.isfinite(record["train_loss"])
     assert scalars(Path(cfg.out), "train/skipped_steps")[:2] == [0.0, 1.0]
@@ -439,9 +439,9 @@ def test_nonfinite_losses_stop_the_run_and_keep_the_last_good_checkpoint(data, t
         t.fit()
     t.close()
     state = last_checkpoint(Path(cfg.out))
-    assert state["epoch"] == 1 and state["global_step"] == 3 and t.global_step == 5
+    assert state["epoch"] == 1 and state["global_step"] == 3 and t.lane.global_step == 5
     # the two NaN steps after that checkpoint reached neither the weights nor the buffers
-    held = t.precision.model_state(t.side)
+    held = t.lane.precision.model_state(t.lane.side)
     for key, value in state["student"].items():
         assert torch.equal(value, held[f"student.{key}"]), key
     assert len(records(Path(cfg.out))) == 1
@@ -528,13 +528,13 @@ def test_o0_is_plain_float32():
 def test_float16_levels_on_cuda(data, tmp_path, opt):
     cfg = tiny_cfg(data, tmp_path / opt, device="cuda", opt=opt, epochs=3)
     t = trainer(cfg)
-    assert t.precision.dtype == torch.float16 and "float16" in t.precision.describe()
+    assert t.lane.precision.dtype == torch.float16 and "float16" in t.lane.precision.describe()
     if opt in ("O2", "O3"):
-        assert t.side.student.features[0][0].weight.dtype == torch.float16
-        assert t.teacher.teacher.conv1.weight.dtype == torch.float16
+        assert t.lane.side.student.features[0][0].weight.dtype == torch.float16
+        assert t.lane.teacher.teacher.conv1.weight.dtype == torch.float16
     if opt == "O2":
-        assert t.side.student.features[0][1].weight.dtype == torch.float32
-        assert all(p.dtype == torch.float32 for g in t.optimizer.param_groups for p in g["params"])
+        assert t.lane.side.student.features[0][1].weight.dtype == torch.float32
+        assert all(p.dtype == torch.float32 for g in t.lane.optimizer.param_groups for p in g["params"])
     record = t.fit()
     first = records(Path(cfg.out))[0]["train_loss"]
     assert math.isfinite(record["train_loss"]) and record["train_loss"] < first * 1.2
@@ -557,7 +557,7 @@ def test_fused_sgd_on_cuda_matches_foreach(data, tmp_path, opt, monkeypatch):
     deterministic cuDNN, so that both get the same gradients; two whole runs of a real student
     drift apart by cuDNN's nondeterminism alone)."""
     t = trainer(tiny_cfg(data, tmp_path / opt, device="cuda", opt=opt))
-    assert t.optimizer.defaults.get("fused") is True
+    assert t.lane.optimizer.defaults.get("fused") is True
     t.close()
     monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)

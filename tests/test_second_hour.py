@@ -134,7 +134,7 @@ def test_a_recipes_compile_applies_on_cuda_only_and_says_when_it_starts(data, tm
     cfg = kd_config.resolve(options=tiny)
     backend = backends.get("single")(cfg)
     backend.setup()
-    Trainer(cfg, backend, Path(cfg.out)).close()  # torch.compile is lazy: nothing compiles before a step
+    Trainer(cfg, backend).close()  # torch.compile is lazy: nothing compiles before a step
     assert "torch.compile (default): the first step compiles the student (a minute or more)" in capfd.readouterr().err
 
 

@@ -47,7 +47,7 @@ def tiny_trainer(out: Path, steps: int, **kw) -> Trainer:
     cfg = kd_config.resolve(options=options)
     backend = backends.get("single")(cfg)
     backend.setup()
-    return Trainer(cfg, backend, out)
+    return Trainer(cfg, backend)
 
 
 @pytest.fixture
@@ -70,7 +70,7 @@ def test_no_device_reads_per_step(tmp_path, count_reads, opt):
     for steps in (3, 9):
         trainer = tiny_trainer(tmp_path / f"{opt}_{steps}", steps, opt=opt)
         trainer.train_epoch()  # warms up lazily built state first
-        trainer.batch_in_epoch = 0
+        trainer.lane.batch_in_epoch = 0
         before = dict(count_reads)
         trainer.train_epoch()
         reads.append({k: count_reads[k] - before[k] for k in READS})
@@ -81,12 +81,12 @@ def test_no_device_reads_per_step(tmp_path, count_reads, opt):
 def test_step_host_time(benchmark, tmp_path):
     """pytest-benchmark: one engine step of a tiny KD run on the CPU (timed, not asserted)."""
     trainer = tiny_trainer(tmp_path / "bench", 10_000)
-    trainer.side.train()
+    trainer.lane.side.train()
     loader = trainer.data.train
     loader.set_epoch(0)
     batch = next(iter(loader))
-    out = benchmark(trainer.step, batch)  # under pytest-xdist the benchmark is off and this runs once
-    assert trainer.global_step >= 1 and out.images == len(batch)
+    out = benchmark(trainer.lane.step, batch)  # under pytest-xdist the benchmark is off and this runs once
+    assert trainer.lane.global_step >= 1 and out.images == len(batch)
     assert torch.isfinite(out.parts["loss"]) and not bool(out.skipped)
 
 
@@ -94,19 +94,19 @@ def test_step_host_time(benchmark, tmp_path):
 def test_public_step_reads_nothing_from_the_device(tmp_path, count_reads, opt):
     """Trainer.step (what benchmarks and the loop call) trains and leaves its results on the device."""
     trainer = tiny_trainer(tmp_path / opt, 10, opt=opt)
-    trainer.side.train()
+    trainer.lane.side.train()
     trainer.data.train.set_epoch(0)
     batch = next(iter(trainer.data.train))
-    before_weights = [p.detach().clone() for p in trainer.params]
-    trainer.step(batch)  # lazily built state first
+    before_weights = [p.detach().clone() for p in trainer.lane.params]
+    trainer.lane.step(batch)  # lazily built state first
     before = dict(count_reads)
-    out = trainer.step(batch)
+    out = trainer.lane.step(batch)
     assert {k: count_reads[k] - before[k] for k in READS} == {k: 0 for k in READS}
-    assert trainer.global_step == 2 and out.images == len(batch)
+    assert trainer.lane.global_step == 2 and out.images == len(batch)
     assert set(out.parts) >= {"loss", "ce", "kd"} and all(v.dim() == 0 for v in out.parts.values())
     assert out.skipped is not None and out.skipped.dim() == 0
     assert not bool(out.flags[:-1].any())  # no source was non-finite ...
     assert bool(out.flags[-1]) == bool(out.skipped)  # ... so a skipped step was skipped on its gradients alone
     if opt == "O0":  # float32: this step trained (a bfloat16 step of this 8-pixel model may be skipped)
         assert not bool(out.skipped)
-        assert any(not torch.equal(a, b) for a, b in zip(before_weights, trainer.params))
+        assert any(not torch.equal(a, b) for a, b in zip(before_weights, trainer.lane.params))

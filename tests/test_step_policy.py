@@ -78,9 +78,9 @@ class Snapshots(StepHook):
         self.scales: List[float] = []
 
     def on_step(self, trainer, out):
-        self.states.append({k: v.detach().clone() for k, v in trainer.side.state_dict().items()})
+        self.states.append({k: v.detach().clone() for k, v in trainer.lane.side.state_dict().items()})
         self.skipped.append(bool(out.skipped))
-        self.scales.append(float(trainer.precision.loss_scale()))
+        self.scales.append(float(trainer.lane.precision.loss_scale()))
 
 
 def test_a_skipped_step_leaves_batchnorm_statistics_as_they_were(data, tmp_path):
@@ -88,7 +88,7 @@ def test_a_skipped_step_leaves_batchnorm_statistics_as_they_were(data, tmp_path)
     t = trainer(cfg)
     snaps = Snapshots()
     t.hooks.append(snaps)
-    inf_pixel_on_call(t.side.student, 2)
+    inf_pixel_on_call(t.lane.side.student, 2)
     record = t.fit()
     t.close()
     assert snaps.skipped == [False, True, False]
@@ -129,7 +129,7 @@ def test_a_nonfinite_loss_does_not_lower_the_loss_scale(data, tmp_path):
     t = trainer(cfg, MasterWeightPrecision(torch.device("cpu"), torch.float16))
     snaps = Snapshots()
     t.hooks.append(snaps)
-    inf_pixel_on_call(t.side.student, 2)
+    inf_pixel_on_call(t.lane.side.student, 2)
     t.fit()
     t.close()
     assert snaps.skipped == [False, True, False]
@@ -158,7 +158,7 @@ def test_finite_loss_with_nonfinite_gradients_stops_the_run(data, tmp_path, monk
     ):
         t.fit()
     t.close()
-    assert t.global_step == 4  # stopped at the limit (step 4 of 9)
+    assert t.lane.global_step == 4  # stopped at the limit (step 4 of 9)
 
 
 def first_skip_and_stop(out: Path, stderr: str):
@@ -192,14 +192,14 @@ def test_the_streak_limit_does_not_shrink_with_the_number_of_processes(data, tmp
 def test_no_checkpoint_holds_a_nonfinite_buffer(data, tmp_path):
     """The last guard, whatever put it there: a state with a NaN statistic is not written."""
     t = trainer(tiny_cfg(data, tmp_path / "guard"))
-    t.save(best=False)
-    last = Path(t.out) / "checkpoints" / "last.pt"
+    t.lane.save(best=False)
+    last = Path(t.lane.out) / "checkpoints" / "last.pt"
     written = last.read_bytes()
-    t.side.student.bn1.running_var[0] = float("nan")
-    t.global_step = 7
-    t.save(best=True)
+    t.lane.side.student.bn1.running_var[0] = float("nan")
+    t.lane.global_step = 7
+    t.lane.save(best=True)
     t.close()
-    assert last.read_bytes() == written and not (Path(t.out) / "checkpoints" / "best.pt").exists()
+    assert last.read_bytes() == written and not (Path(t.lane.out) / "checkpoints" / "best.pt").exists()
 
 
 @pytest.mark.slow

@@ -104,18 +104,18 @@ def test_teacher_is_frozen_and_unchanged(image_folder, tmp_path):
 
     backend = backends.get("single")(cfg)
     backend.setup()
-    trainer = Trainer(cfg, backend, Path(cfg.out))
-    teacher = trainer.teacher.teacher
+    trainer = Trainer(cfg, backend)
+    teacher = trainer.lane.teacher.teacher
     assert not teacher.training
     assert all(not p.requires_grad for p in teacher.parameters())
-    opt_params = {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
+    opt_params = {id(p) for g in trainer.lane.optimizer.param_groups for p in g["params"]}
     assert not opt_params & {id(p) for p in teacher.parameters()}
-    student_before = {k: v.clone() for k, v in trainer.side.student.state_dict().items()}
+    student_before = {k: v.clone() for k, v in trainer.lane.side.student.state_dict().items()}
     trainer.fit()
     after = teacher.state_dict()
     for key, value in before.items():
         assert torch.equal(after[key], value), key  # BatchNorm running stats included
-    changed = [k for k, v in trainer.side.student.state_dict().items() if not torch.equal(v, student_before[k])]
+    changed = [k for k, v in trainer.lane.side.student.state_dict().items() if not torch.equal(v, student_before[k])]
     assert changed, "the student did not train"
 
 
@@ -134,8 +134,8 @@ def test_fused_teacher_gives_the_same_logits_and_stays_frozen(image_folder, tmp_
 
     backend = backends.get("single")(cfg)
     backend.setup()
-    trainer = Trainer(cfg, backend, Path(cfg.out))
-    teacher = trainer.teacher.teacher
+    trainer = Trainer(cfg, backend)
+    teacher = trainer.lane.teacher.teacher
     assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in teacher.modules())  # all 20 folded
     assert all(not p.requires_grad for p in teacher.parameters())
     x = torch.randn(4, 3, 32, 32)

@@ -14,36 +14,14 @@ from typing import Any, Dict, Optional
 
 from kd import models
 from kd.config import RunConfig
-from kd.data.folder import default_val_resize, scan_split
+from kd.data.folder import scan_split
 from kd.data.loader import default_workers, make_loader
 from kd.errors import KDError
 from kd.precision import make_precision
-from kd.run import checkpoint
 from kd.run.accuracy import evaluate
 from kd.run.runtime import resolve as resolve_runtime
 
 DEFAULT_IMAGE_SIZE = 224
-
-
-def run_settings(weights: str) -> Dict[str, Any]:
-    """``model``, ``num_classes`` and ``config`` (the run's RunConfig as a dict) of a kd checkpoint;
-    an empty dict for any other weights. Reading problems are left to :func:`kd.models.build`."""
-    path = Path(weights)
-    if weights in ("pretrained", "none") or not path.is_file():
-        return {}
-    try:
-        obj = checkpoint.read(path, "cannot read weights file", mmap=True)
-    except KDError:  # not a file kd can read: models.build reads it again and says why
-        return {}
-    if not (isinstance(obj, dict) and "kd_version" in obj and isinstance(obj.get("student"), dict)):
-        return {}
-    stored = obj.get("config")
-    config: Dict[str, Any] = stored if isinstance(stored, dict) else {}
-    return {
-        "model": obj.get("student_name") or config.get("student"),
-        "num_classes": obj.get("num_classes") or config.get("num_classes"),
-        "config": config,
-    }
 
 
 @dataclass
@@ -81,7 +59,7 @@ def resolve(
     workers: Optional[int] = None,
 ) -> EvalSettings:
     """The settings of an evaluation: what is given, else the checkpoint's run, else the defaults."""
-    run = run_settings(weights)
+    run = models.run_settings(weights)
     cfg = run.get("config", {})
     sources: Dict[str, str] = {}
 
@@ -185,18 +163,3 @@ def evaluate_model(
         "workers": s.workers,
         "settings": s.describe(n),
     }
-
-
-def teacher_preprocessing_note(cfg) -> Optional[str]:
-    """Where a kd-trained teacher was validated at other sizes than this run: why its top-1 differs."""
-    trained = run_settings(cfg.teacher_weights).get("config") or {}
-    if not trained.get("image_size"):
-        return None
-    theirs = (trained["image_size"], trained.get("val_resize") or default_val_resize(trained["image_size"]))
-    ours = (cfg.image_size, cfg.val_resize or default_val_resize(cfg.image_size))
-    if theirs == ours:
-        return None
-    return (
-        f"teacher {cfg.teacher}: trained and validated at image size {theirs[0]}, val resize {theirs[1]}; this run "
-        f"validates at {ours[0]}, {ours[1]}, so its top-1 here differs from its own run's"
-    )

@@ -14,7 +14,6 @@ from typing import List, Sequence, Tuple
 
 import torch
 
-from kd.config import LOADER_NAMES
 from kd.data.cache import CachedVal, default_budget_gb
 from kd.data.folder import scan
 from kd.data.gpu import decoder_choice, make_gpu_loader, shared_decoder
@@ -24,7 +23,7 @@ from kd.registry import suggest
 
 #: ``--loader`` names and the function that makes each one's loader (``auto`` chooses one of them).
 LOADERS = {"pil": make_loader, "gpu": make_gpu_loader}
-assert LOADER_NAMES == ("auto", *LOADERS)
+LOADER_NAMES = ("auto", *LOADERS)  # also kd.config's (which validates --loader without importing this)
 SYNTHETIC_CLASSES = 1000
 SYNTHETIC_STEPS = 100
 

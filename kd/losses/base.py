@@ -54,6 +54,14 @@ class DistillInputs:
     progress: float = 0.0
 
 
+def kd_divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """T^2 * KL(softmax(t/T) || softmax(s/T)), averaged over the batch, in float32; no gradient to t."""
+    t = temperature
+    log_p_s = F.log_softmax(student_logits.float() / t, dim=1)
+    log_p_t = F.log_softmax(teacher_logits.detach().float() / t, dim=1)
+    return F.kl_div(log_p_s, log_p_t, reduction="batchmean", log_target=True) * (t * t)
+
+
 class DistillLoss(nn.Module):
     """Base class of the registered KD methods: the label term plus the method's own part.
 
@@ -76,6 +84,10 @@ class DistillLoss(nn.Module):
     built, so connectors created there are trained, checkpointed and all-reduced with the
     student. Their parameters belong to the student side and are dropped on export.
     """
+
+    #: computed in float32 at every opt level: the precisions keep its parameters and inputs float32
+    #: (kd.precision.native.keeps_float32)
+    float32_only = True
 
     defaults: ClassVar[Dict[str, Any]] = dict(LABEL_TERM)
     renamed: ClassVar[Dict[str, str]] = {}

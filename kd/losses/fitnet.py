@@ -9,9 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kd.errors import KDError
-from kd.losses.base import DistillInputs, DistillLoss, register
+from kd.losses.base import DistillInputs, DistillLoss, kd_divergence, register
 from kd.losses.features import check_maps, default_stage_layers, feature_pairs, pool_to_common
-from kd.losses.kd import kd_divergence
 
 
 class Connector(nn.Module):

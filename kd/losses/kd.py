@@ -4,19 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
-import torch
-import torch.nn.functional as F
-
 from kd.errors import KDError
-from kd.losses.base import DistillInputs, DistillLoss, register
-
-
-def kd_divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """T^2 * KL(softmax(t/T) || softmax(s/T)), averaged over the batch, in float32; no gradient to t."""
-    t = temperature
-    log_p_s = F.log_softmax(student_logits.float() / t, dim=1)
-    log_p_t = F.log_softmax(teacher_logits.detach().float() / t, dim=1)
-    return F.kl_div(log_p_s, log_p_t, reduction="batchmean", log_target=True) * (t * t)
+from kd.losses.base import DistillInputs, DistillLoss, kd_divergence, register
 
 
 @register("kd")

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kd.losses.base import DistillInputs, DistillLoss, register
-from kd.losses.kd import kd_divergence
+from kd.losses.base import DistillInputs, DistillLoss, kd_divergence, register
 
 
 def standardize(logits: torch.Tensor, eps: float) -> torch.Tensor:

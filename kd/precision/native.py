@@ -41,9 +41,7 @@ def cast_module(module: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool
     reduced-precision inputs with float32 weights and statistics (cudnn on CUDA, native on the
     CPU) and returns the input's dtype. KD loss modules are skipped: they stay float32.
     """
-    from kd.losses.base import DistillLoss
-
-    if isinstance(module, DistillLoss) or (keep_batchnorm_fp32 and isinstance(module, _BatchNorm)):
+    if keeps_float32(module) or (keep_batchnorm_fp32 and isinstance(module, _BatchNorm)):
         return
     for param in module.parameters(recurse=False):
         if param.is_floating_point():
@@ -53,6 +51,13 @@ def cast_module(module: nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool
             setattr(module, name, buf.to(dtype))
     for child in module.children():
         cast_module(child, dtype, keep_batchnorm_fp32)
+
+
+def keeps_float32(module: nn.Module) -> bool:
+    """Whether ``module`` computes in float32 at every opt level: it says so with a class attribute
+    ``float32_only = True`` (every KD loss, :class:`kd.losses.base.DistillLoss`), so that the
+    precisions need not know the losses."""
+    return bool(getattr(module, "float32_only", False))
 
 
 def to_float32(obj):
@@ -66,9 +71,7 @@ def _float32_inputs(_module, args, kwargs):
 
 def keep_losses_float32(model: nn.Module) -> List[nn.Module]:
     """The KD loss modules inside ``model``, each given a pre-hook that casts its inputs to float32."""
-    from kd.losses.base import DistillLoss
-
-    losses: List[nn.Module] = [m for m in model.modules() if isinstance(m, DistillLoss)]
+    losses: List[nn.Module] = [m for m in model.modules() if keeps_float32(m)]
     for loss in losses:
         loss.register_forward_pre_hook(_float32_inputs, with_kwargs=True)
     return losses

@@ -11,7 +11,6 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 
 from kd import config as kd_config
-from kd import data as kd_data
 from kd import models
 from kd.data.loader import val_transform
 from kd.errors import KDError
@@ -30,23 +29,17 @@ from kd.teacher.frozen import Teacher
 
 
 class RunBuilder:
-    """The set-up half of :class:`kd.run.loop.Trainer` (which runs the loop)."""
+    """The set-up half of :class:`kd.run.lane.Lane` (whose other half runs its steps)."""
 
     clock: SetupClock
-    hooks: List[StepHook]
 
-    def _build(
-        self, cfg, backend, out: Path, resume_from: Optional[Path], shared=None, stop: Optional[StopFlag] = None
-    ) -> None:
-        """Set up for ``cfg`` on the set-up ``backend``: one student's run in ``out``, resumed from
-        ``resume_from`` where given; ``shared`` (:class:`kd.run.lanes.Shared`) brings the data, the
-        teacher and the stop flag of a run of several students. A stop signal during set-up ends it
-        at the next of a few points, every process alike, with nothing written."""
-        self.clock.mark("launch")  # interpreter, imports, launcher, process group, device
-        self.owns_stop = shared is None and stop is None
-        self.stop = (
-            shared.stop if shared is not None else stop if stop is not None else StopFlag(backend.placement.launched)
-        )
+    def _build(self, cfg, backend, out: Path, resume_from: Optional[Path], shared, alone: bool = True) -> None:
+        """Set up for ``cfg`` on the set-up ``backend``: one student in ``out``, resumed from
+        ``resume_from`` where given; ``shared`` (:class:`kd.run.loop.Shared`) brings the data, the
+        teacher's model and the stop flag of the run; ``alone``: the run's only student. A stop
+        signal during set-up ends it at the next of a few points, every process alike, with nothing
+        written."""
+        self.stop = shared.stop
         self.first_step: Optional[Dict[str, float]] = None  # seconds to the first step, once taken
         self.loss_terms: List[str] = []  # the loss parts besides the total, in the order of the non-finite flags
         resumed = checkpoint.load(resume_from) if resume_from is not None else None  # a broken file fails first
@@ -55,34 +48,20 @@ class RunBuilder:
         self.backend = backend
         self.out = out
         self.resume_from = resume_from
-        self.device = dev = backend.device
-        self.runtime = resolve_runtime(cfg, dev)
+        self.device = backend.device
+        self.runtime = resolve_runtime(cfg, self.device)
         self.memory_format = self.runtime.memory_format
-        prefix = f"[{self.out.name}] " if shared is not None else ""
+        prefix = "" if alone else f"[{self.out.name}] "
         self.logger = RunLogger(self.out, cfg.progress_bar, prefix) if backend.is_main else NullLogger()
-        if dev.type == "cuda":
+        if self.device.type == "cuda":
             torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
 
         self.name = self.out.name  # the student's name beside others (kd.run.plan); its run folder's name
-        self.rng: Dict[str, Any] = {}  # kd.run.plan: its generators' state between its calls (checkpoint.rng_state)
-        self.owns_inputs = shared is None
-        self.stop_in_setup()
-        if shared is None:
-            num_replicas, rank = backend.data_shard()
-            self.data = kd_data.build(
-                cfg, num_replicas, rank, backend.local_batch(cfg.batch_size), dev, self.runtime.channels_last
-            )
-            self.clock.mark("data")
-        else:
-            self.data = shared.data
-        try:
-            self._build_rest(cfg, backend, resumed, resume_from, shared)
-        except BaseException:
-            if shared is None:
-                self.data.close()
-            raise
+        self.rng: Dict[str, Any] = {}  # beside other students: its generators' state between its calls
+        self.data = shared.data
+        self._build_rest(cfg, backend, resumed, resume_from, shared, alone)
 
-    def _build_rest(self, cfg, backend, resumed, resume_from, shared) -> None:
+    def _build_rest(self, cfg, backend, resumed, resume_from, shared, alone: bool) -> None:
         dev = self.device
         self.stop_in_setup()
         self.num_classes = num_classes = cfg.num_classes or len(self.data.classes)
@@ -90,16 +69,14 @@ class RunBuilder:
             raise KDError(f"--num-classes {cfg.num_classes} but {cfg.data} has {len(self.data.classes)} class folders")
 
         # apex.amp holds one model per process: beside other students, apex_ddp's wish for it gives way
-        self.precision = make_precision(cfg, dev, prefer_apex=backend.prefers_apex_amp and shared is None)
+        self.precision = make_precision(cfg, dev, prefer_apex=backend.prefers_apex_amp and alone)
         said = [self.precision.describe()]  # logged once set-up has succeeded: a failed start stays one line
         warning = slow_precision_warning(cfg.opt, self.precision.dtype, dev)
         if warning:
             self.logger.info(warning)
         torch.manual_seed(cfg.seed)  # the same initial student on every process, and beside other students
-        student, loss, teacher, s_layers, self.t_layers = build_models(
-            cfg, num_classes, shared.teacher_model if shared is not None else None
-        )
-        if shared is not None and teacher is not None:
+        student, loss, teacher, s_layers, self.t_layers = build_models(cfg, num_classes, shared.teacher_model)
+        if teacher is not None:
             shared.teacher_model = teacher  # built after this student, as its own run builds it
         self.needs_teacher = teacher is not None
         self.clock.mark("models")
@@ -112,10 +89,6 @@ class RunBuilder:
         self.renorm = models.renormaliser(getattr(self.data.train, "norm", None), cfg.student_data)
         self.notes: List[str] = []  # what kd chose for the user, kept as comments in config.yaml
         self.stop_in_setup()
-        if teacher is not None and shared is None:
-            self.use_teacher(self.prepare_teacher(teacher, self.t_layers, self.hooks, backend, self.notes))
-            self.stop_in_setup()
-            self.clock.mark("teacher")  # on the device, fused, its precision probed
         optimizer = build_optimizer(cfg, self.side.named_parameters(), fused_ok=self.precision.fused_optimizer_ok)
         self.side, self.optimizer = self.precision.prepare(self.side, optimizer)
         self.model = backend.wrap(self.side)
@@ -159,14 +132,6 @@ class RunBuilder:
         for line in said:
             self.logger.info(line)
         self.log_data_configs()  # once set-up has succeeded: a failed start stays one line
-        if shared is None:
-            self.logger.info(self.data.train.describe())  # after set-up, so a failed start stays one line
-            cache = getattr(self.data.val, "describe_cache", None)
-            if cache is not None:
-                self.logger.info(f"val: {cache()}")
-            self.stop_in_setup()  # the last point at which a stop writes nothing
-            self.start_folder()
-        self.clock.mark("folder")  # the resumed state, the log lines, the run folder
 
     @property
     def position(self) -> Tuple[int, int]:

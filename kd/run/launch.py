@@ -29,7 +29,7 @@ import shutil
 import tempfile
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Dict, Optional, Type, Union
+from typing import TYPE_CHECKING, Dict, Optional, Type
 
 from kd.errors import KDError
 from kd.run.placement import Placement, slurm_env
@@ -37,7 +37,6 @@ from kd.run.signals import Interrupted, held_for_children
 from kd.runfolder import RunFolder
 
 if TYPE_CHECKING:  # imported where used: a launcher process builds no Trainer
-    from kd.run.lanes import MultiTrainer
     from kd.run.loop import Trainer
 
 
@@ -153,9 +152,9 @@ def _preflight_all(cfg, resume: Optional[str], overwrite: bool, students) -> Opt
 
 
 def prepare_students_out(students, resume: Optional[str], overwrite: bool) -> Optional[Path]:
-    """:func:`prepare_out` for every folder of ``students`` (a :class:`kd.run.lanes.Students`);
+    """:func:`prepare_out` for every folder of ``students`` (a :class:`kd.run.loop.Students`);
     ``students.out`` when resuming."""
-    from kd.run.lanes import STUDENTS_FILE, is_students_folder, stopped_students
+    from kd.run.students import STUDENTS_FILE, is_students_folder, stopped_students
 
     if resume not in (None, "last"):
         raise KDError(
@@ -284,7 +283,7 @@ def _worker(cfg, out: str, resume_from: Optional[Path], visible: Optional[str], 
             cores = os.cpu_count() or 1
         torch.set_num_threads(max(1, cores // max(place.local_world_size, 1)))
     if students is not None:
-        from kd.run.lanes import stopped_students
+        from kd.run.students import stopped_students
 
         stopped = stopped_students(Path(out))
         last = [RunFolder(s.out).last for n, s in zip(students.names, students.cfgs) if n not in stopped]
@@ -329,7 +328,7 @@ def run_worker(
     # start); from the StopFlag on it sets the flag the run checks
     restore_signals = None if signals_ready else install_early(launched)
     backend = backends.get(cfg.backend)(cfg, place)
-    trainer: Optional[Union[Trainer, MultiTrainer]] = None
+    trainer: Optional[Trainer] = None
     stop: Optional[StopFlag] = None
     hooks = []
     if cfg.timing_warmup:
@@ -339,14 +338,9 @@ def run_worker(
     try:
         stop = StopFlag(launched)  # before the process group: a signal inside its C++ set-up only sets the flag
         backend.setup()
-        if students is not None:
-            from kd.run.lanes import MultiTrainer
-
-            trainer = MultiTrainer(
-                students, backend, resume_from is not None, hooks=hooks, validate=not hooks, stop=stop
-            )
-        else:
-            trainer = Trainer(cfg, backend, out, resume_from, hooks=hooks, validate=not hooks, stop=stop)
+        trainer = Trainer(
+            students if students is not None else cfg, backend, resume_from, hooks=hooks, validate=not hooks, stop=stop
+        )
         return trainer.fit()
     finally:
         if trainer is not None:

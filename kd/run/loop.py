@@ -1,320 +1,324 @@
-"""The training loop: :meth:`Trainer.step` (one public step) and the rules around it (non-finite
-losses, unreadable images, stop signals, logging, checkpoints). It asks the backend and the
-precision object; it never branches on which backend or opt level is in use."""
+"""The training loop: one input pipeline and one teacher forward per batch, for every student of
+the run (its *lanes*, :class:`kd.run.lane.Lane`). A run of one student is the one-lane case; a run
+of several (``kd train --kd-loss kd,dkd,dist,lskd``, planned by :mod:`kd.run.plan`) steps each
+student on the same batches and teacher outputs, each with its own generators, and a student
+whose loss stays non-finite stops alone."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
-import torch
-
+from kd import models
 from kd.data.loader import Batch
+from kd.data.pipeline import build as build_data
 from kd.errors import KDError, NonFinite
 from kd.run import checkpoint
-from kd.run.accuracy import validate_student
-from kd.run.build import RunBuilder
-from kd.run.log import SetupClock, command_start, first_step_record
-from kd.run.meter import Meter, format_record, nonfinite_flags, nonfinite_message
-from kd.run.sides import LOGITS_SUM
-from kd.run.signals import Interrupted, StopFlag
+from kd.run.build import stop_anywhere
+from kd.run.lane import Lane
+from kd.run.log import SetupClock, command_start
+from kd.run.runtime import resolve as resolve_runtime
+from kd.run.signals import Interrupted, StopFlag, in_setup
 from kd.run.step import StepHook, StepOutput, check_batch
+from kd.run.students import Students, stopped_students, write_students
 from kd.runfolder import RunFolder
+from kd.teacher.frozen import Teacher
 
 
-class Trainer(RunBuilder):
-    """One process's part of a run: built from a config, a set-up backend and the run folder.
+@dataclass
+class Shared:
+    """What the students of a run share: the data pipeline, the teacher's model (built by the first
+    student that needs it, right after that student, as its own run builds it), the stop flag and
+    the set-up's clock."""
 
-    One student of several (``kd train --kd-loss kd,dkd``, :mod:`kd.run.plan`) is a Trainer built
-    with ``shared``: the data pipeline, the teacher's model and the stop flag come from there, its
-    teacher is prepared once for all (:meth:`use_teacher`), and the multi-student loop drives
-    :meth:`begin_epoch`, :meth:`step` (with the teacher's outputs), :meth:`after_step` and
-    :meth:`end_epoch` as :meth:`fit` does for one student.
-    """
+    data: Any
+    teacher_model: Any
+    stop: StopFlag
+    clock: SetupClock
+
+
+@contextlib.contextmanager
+def own_generators(lane: Lane):
+    """``lane``'s own random generators in place for its calls (its dropout masks, and its checkpoint's
+    generator state), as if it trained alone."""
+    outer = checkpoint.rng_state()
+    checkpoint.set_rng_state(lane.rng)
+    try:
+        yield
+    finally:
+        lane.rng = checkpoint.rng_state()
+        checkpoint.set_rng_state(outer)
+
+
+class Trainer:
+    """One process's part of a run: its students' lanes, fed by one data pipeline and one teacher
+    forward per batch, each with its own step, rules, log and checkpoints."""
 
     def __init__(
         self,
-        cfg,
+        students,
         backend,
-        out: Path,
         resume_from: Optional[Path] = None,
         hooks: Sequence[StepHook] = (),
         validate: bool = True,
-        shared=None,
         stop: Optional[StopFlag] = None,
     ):
-        """``hooks`` see every step and epoch record; ``validate=False`` skips the teacher's and the
-        student's validation passes (timed benchmark runs); ``shared`` is a :class:`kd.run.lanes.Shared`;
-        ``stop`` the process's :class:`kd.run.signals.StopFlag` (one of the Trainer's own where not given)."""
-        self.clock = SetupClock(command_start(default=time.time()))
+        """``students``: a :class:`Students`, or one student's config. ``resume_from``: the checkpoint
+        of one student; for several, any path (each resumes from its own ``last.pt``). ``hooks`` see
+        each step (with the step's output where one student trains) and each epoch's record before
+        it is logged (``kd bench``'s timer); ``validate=False`` skips the validation passes (timed
+        benchmark runs); ``stop`` the process's :class:`kd.run.signals.StopFlag` (its own where
+        not given)."""
+        clock = SetupClock(command_start(default=time.time()))  # every student's first step counts from here
+        clock.mark("launch")  # interpreter, imports, launcher, process group, device
+        students = students if isinstance(students, Students) else Students.alone(students)
+        cfg = models.with_data_configs(students.cfgs[0])  # the loaders normalise for the first student
+        several = len(students.names) > 1
+        if (
+            several
+            and resolve_runtime(cfg, backend.device).compile
+            and cfg.compile_mode in ("reduce-overhead", "max-autotune")
+        ):
+            raise KDError(
+                f"compile_mode {cfg.compile_mode} (CUDA graphs) cannot share the teacher's outputs between "
+                f"students; use compile_mode default or max-autotune-no-cudagraphs"
+            )
+        self.students = students
+        self.backend = backend
         self.hooks = list(hooks)
         self.validates = validate
-        self._build(cfg, backend, Path(out), resume_from, shared, stop)
+        self.global_step = 0
+        # students a non-finite loss stopped (in an earlier part of this run too): not resumed
+        self.failed: Dict[str, str] = stopped_students(students.out) if resume_from and students.grouped else {}
+        if self.failed and all(name in self.failed for name in students.names):
+            raise KDError(f"every student of {students.out} stopped on a non-finite loss; nothing to resume")
+        self.owns_stop = stop is None
+        self.stop = stop if stop is not None else StopFlag(backend.placement.launched)
+        self.lanes: List[Lane] = []
+        self.teacher: Optional[Teacher] = None
+        self.data: Any = None  # the run's data pipeline, once built
+        try:
+            self._stop_in_setup()
+            runtime = resolve_runtime(cfg, backend.device)
+            num_replicas, rank = backend.data_shard()
+            self.data = build_data(
+                cfg, num_replicas, rank, backend.local_batch(cfg.batch_size), backend.device, runtime.channels_last
+            )
+            clock.mark("data")
+            shared = Shared(self.data, None, self.stop, clock)
+            for name, lane_cfg in zip(students.names, students.cfgs):
+                if name in self.failed:
+                    continue
+                out = students.folder(name)
+                grouped = students.grouped
+                resume = (RunFolder(out).last if grouped else resume_from) if resume_from else None
+                lane = Lane(
+                    lane_cfg, backend.fork() if grouped else backend, out, resume, shared, validate, not grouped
+                )
+                lane.name = name
+                if grouped:
+                    lane.rng = checkpoint.rng_state()
+                self.lanes.append(lane)
+            if several and self.lanes[0].precision.one_per_process:
+                raise KDError("apex.amp holds one model per process; several students need --amp-impl native")
+            self._prepare_teacher(shared)
+            positions = {lane.position for lane in self.lanes}
+            if len(positions) > 1:
+                where = ", ".join(
+                    f"{lane.name}: epoch {lane.epoch + 1} step {lane.batch_in_epoch}" for lane in self.lanes
+                )
+                raise KDError(
+                    f"the students' checkpoints are at different places ({where}); resume each alone "
+                    f"with kd train --out {students.out}/NAME --resume"
+                )
+            self.global_step = self.lanes[0].global_step
+            for lane in self.lanes[1:]:
+                lane.logger.bar_enabled = False  # one progress bar for all
+            self.lanes[0].logger.info(self.data.train.describe())  # after set-up: a failed start stays one line
+            cache = getattr(self.data.val, "describe_cache", None)
+            if cache is not None:
+                self.lanes[0].logger.info(f"val: {cache()}")
+            self._stop_in_setup()  # the last point at which a stop writes nothing
+        except BaseException:
+            self.close()
+            raise
+        if backend.is_main and students.grouped:
+            write_students(students.out, students.names, self.failed)
+        for lane in self.lanes:
+            lane.start_folder()
+        clock.mark("folder")
+        self.active = list(self.lanes)
+
+    @property
+    def lane(self) -> Lane:
+        """The run's one student (for a run of one; tests and benchmarks reach its parts here)."""
+        if len(self.lanes) != 1:
+            raise AttributeError(f"a run of {len(self.lanes)} students has no one lane")
+        return self.lanes[0]
+
+    def _stop_in_setup(self) -> None:
+        """A stop asked for during set-up ends the run here, with nothing written (a collective)."""
+        if stop_anywhere(self.stop, self.backend, self.backend.device):
+            raise in_setup(self.stop.signame)
+
+    def _prepare_teacher(self, shared: Shared) -> None:
+        """One teacher for every student that needs one, tapping the layers of them all."""
+        taught = [lane for lane in self.lanes if lane.needs_teacher]
+        if not taught:
+            return
+        model, shared.teacher_model = shared.teacher_model, None
+        layers = list(dict.fromkeys(layer for lane in taught for layer in lane.t_layers))
+        notes: List[str] = []
+        self.teacher = taught[0].prepare_teacher(model, layers, self.hooks, self.backend, notes)
+        for lane in taught:
+            lane.use_teacher(self.teacher)
+            lane.notes.extend(notes)
+        self._stop_in_setup()
+        shared.clock.mark("teacher")  # on the device, fused, its precision probed
 
     def close(self) -> None:
-        """Signal handlers back, logs closed, loader workers and threads stopped: nothing outlives the run."""
+        """Every student's logs, the data pipeline's workers and the signal handlers: nothing outlives the run."""
+        for lane in self.lanes:
+            lane.close()
+        if self.teacher is not None:
+            self.teacher.close()
         if self.owns_stop:
             self.stop.restore()
-        if self.owns_inputs:
-            if self.prepared_teacher is not None:
-                self.prepared_teacher.close()
+        if self.data is not None:
             self.data.close()
-        self.logger.close()
 
-    def save(self, best: bool, step_copy: bool = False) -> None:
-        checkpoint.save_run(self, best, step_copy)
-
-    # ----------------------------------------------------------------- the loop
-    def _graph_step_begin(self) -> None:
-        """Under CUDA graphs (compile_mode), a new call may overwrite the last call's outputs."""
-        if self.graph_step:
-            torch.compiler.cudagraph_mark_step_begin()
+    def _run(self, lane: Lane, call):
+        """``call()`` for ``lane``. Beside other students, with its own generators, and a non-finite
+        loss stops that student only (the decision is a collective, so every process stops it at the
+        same step); a run of one student stops."""
+        if not self.students.grouped:
+            return call()
+        try:
+            with own_generators(lane):
+                return call()
+        except NonFinite as exc:
+            lane.logger.info(f"stopped: {exc}")
+            lane.logger.close()
+            self.failed[lane.name] = str(exc)
+            self.active.remove(lane)
+            if self.backend.is_main:  # a resume continues the others
+                write_students(self.students.out, self.students.names, self.failed)
+            return None
 
     def fit(self) -> Dict[str, float]:
-        """Epochs until ``cfg.epochs``: train, validate, log, checkpoint; returns the last epoch's record."""
-        record: Dict[str, float] = {}
-        self.stop_in_setup()
-        record = self.finish_pending_epoch() or record
-        while self.epoch < self.cfg.epochs:
+        """Every student's epochs; the first student's last record, or a KDError naming the students
+        stopped by a non-finite loss once the others are done."""
+        self._stop_in_setup()
+        records: Dict[str, Dict[str, float]] = {}
+        for lane in list(self.active):  # students whose last validation a stop cut short
+            record = self._run(lane, lane.finish_pending_epoch)
+            if record is not None:
+                records[lane.name] = record
+        while self.active and self.active[0].epoch < self.active[0].cfg.epochs:
             start = time.perf_counter()
-            train = self.train_epoch()
-            record = self.end_epoch(train, start, time.perf_counter() - start)
-        self.finish()
-        return record
+            totals = self.train_epoch()
+            seconds = time.perf_counter() - start
+            extra: Dict[str, object] = {}
+            for hook in self.hooks:
+                hook.on_epoch_end(self, extra)
+            stopped = False
+            for lane in list(self.active):
+                try:
+                    record = self._run(
+                        lane,
+                        lambda lane=lane, totals=totals, start=start, seconds=seconds, extra=extra: lane.end_epoch(
+                            totals[lane.name], start, seconds, extra
+                        ),
+                    )
+                except Interrupted:  # its validation was stopped, its epoch saved: the others' next
+                    if not self.students.grouped:
+                        raise
+                    stopped = True
+                    continue
+                if record is not None:
+                    records[lane.name] = record
+            if stopped:
+                self._raise_interrupted()
+        for lane in list(self.active):
+            self._run(lane, lane.finish)
+        if self.failed:
+            done = ", ".join(lane.name for lane in self.active) or "none"
+            raise KDError(
+                "; ".join(f"student {name} stopped: {why}" for name, why in self.failed.items())
+                + f" (completed: {done})"
+            )
+        return records.get(self.lanes[0].name, {})
 
-    def finish_pending_epoch(self) -> Optional[Dict[str, float]]:
-        """After a resume: the end (validation, log, checkpoint) of an epoch whose training was done
-        when a stop cut its validation short; its record, or None where there is no such epoch."""
-        if self.pending_epoch is None:
-            return None
-        train, seconds = self.pending_epoch
-        self.pending_epoch = None
-        return self.end_epoch(train, time.perf_counter(), seconds)
-
-    def end_epoch(
-        self, train: Dict[str, float], start: float, seconds: float, extra: Optional[Dict[str, object]] = None
-    ) -> Dict[str, float]:
-        """The epoch's record from its training totals: hooks, validation, the log, metrics.jsonl and
-        the checkpoint; the epoch counter moves on. ``extra`` joins the record first."""
-        cfg = self.cfg
-        record: Dict[str, Any] = {
-            "epoch": self.epoch + 1,
-            **{f"train_{k}": v for k, v in train.items()},
-            # the lr the epoch's first step trained at (the optimizer's holds the next step's)
-            "lr": float(self.epoch_lr if self.epoch_lr is not None else self.optimizer.param_groups[0]["lr"]),
-            "seconds": seconds,
-            "img_per_s": train.get("images", 0) / max(seconds, 1e-9),
-            **(extra or {}),
-        }
-        if self.epoch_ended is not None:  # the last epoch's checkpoint and logging, this epoch's loader start
-            record["between_epochs_s"] = start - self.epoch_ended
-        for hook in self.hooks:
-            hook.on_epoch_end(self, record)
-        if self.validates and self.epoch == 0 and self.needs_teacher and self.prepared_teacher is not None:
-            # the teacher's top-1 after the first epoch, not before it: the first step comes sooner, and
-            # its probe has checked it on a few validation batches already (kd.teacher.frozen)
-            top1 = self.prepared_teacher.validate(self.stop)
-            if top1 is None:  # stopped: as below
-                self.pending_epoch = (train, seconds)
-                raise self.interrupt()
-            record["teacher_top1"] = top1
-        if self.validates and ((self.epoch + 1) % cfg.eval_every == 0 or self.epoch == cfg.epochs - 1):
-            stop = lambda: self.stop.requested  # noqa: E731
-            val = validate_student(self.side, self.eval_forward, self.data.val, self.backend, self.precision, stop)
-            if val is None:  # stopped: the epoch's training is kept, a resume validates it
-                self.pending_epoch = (train, seconds)
-                raise self.interrupt()
-            record.update(val)
-        if self.device.type == "cuda":
-            record["gpu_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
-        best = record.get("val_top1", -1.0) > self.best_top1
-        self.best_top1 = max(self.best_top1, record.get("val_top1", -1.0))
-        record["best_top1"] = self.best_top1
-        if self.first_step is not None:
-            record.update(self.first_step)
-            self.first_step = None
-        self.epoch_ended = time.perf_counter()
-        self.logger.epoch(record)
-        self.logger.info(format_record(record, cfg.epochs))
-        self.epoch += 1
-        self.batch_in_epoch = 0
-        self.epoch_lr = None
-        self.save(best)
-        return record
-
-    def finish(self) -> None:
-        """The end of training: a run whose last steps had a non-finite loss fails (steps skipped on
-        their gradients alone, a float16 overflow say, fail only at --max-nonfinite-steps); the logs close."""
-        meter = self.meter
-        ended_nonfinite = ((meter.streak > 0) & (meter.sources.reshape(-1)[:-1] > 0).any()).float()
-        self.backend.all_reduce_sum(ended_nonfinite)
-        if ended_nonfinite.item() > 0:  # a run is not done on weights that the last steps could not train
-            raise NonFinite(self._nonfinite_message(f"in its last {int(self.meter.streak.item())} step(s)", self.epoch))
-        self.logger.close()
-
-    def train_epoch(self) -> Dict[str, float]:
-        """One epoch (or its rest, after a mid-epoch resume) of :meth:`step` under the loop's rules:
-        unreadable images, non-finite losses, stop signals, logging and step checkpoints."""
+    def train_epoch(self) -> Dict[str, Dict[str, float]]:
+        """One epoch of shared batches: the teacher's forward once, then each student's step and rules."""
+        lead = self.active[0]
         loader = self.data.train
-        loader.set_epoch(self.epoch, self.batch_in_epoch)
-        self.begin_epoch(len(loader) + self.batch_in_epoch)
+        loader.set_epoch(lead.epoch, lead.batch_in_epoch)
+        steps = len(loader) + lead.batch_in_epoch
+        for lane in self.active:
+            lane.begin_epoch(steps)
         it = iter(loader)
         try:
             first_wait = None
-            while True:
+            while self.active:
                 t0 = time.perf_counter()
                 batch = next(it, None)
                 waited = time.perf_counter() - t0
-                self.meter.wait += waited
                 first_wait = waited if first_wait is None else first_wait
+                for lane in self.active:
+                    lane.meter.wait += waited
                 if batch is None:
                     break
-                check_batch(batch, self.logger.info)
-                if self.after_step(self.step(batch), batch, t0, waited):
-                    raise self.interrupt()
-            return self.end_train_epoch(first_wait)
+                check_batch(batch, self.active[0].logger.info)
+                teacher_out = None
+                if self.teacher is not None:
+                    teacher_out = self.teacher.forward(batch.images)  # as probed: not the students' cast
+                stop = False
+                outs: List[StepOutput] = []
+                for lane in list(self.active):
+
+                    def one(lane=lane, batch=batch, teacher_out=teacher_out, t0=t0, waited=waited, outs=outs):
+                        out = lane.step(batch, teacher_out if lane.needs_teacher else None)
+                        outs.append(out)
+                        return lane.after_step(out, batch, t0, waited)
+
+                    stop = bool(self._run(lane, one)) or stop
+                self.global_step += 1
+                self._after_step(batch, outs)
+                if stop:
+                    self._interrupt()
+            return {
+                lane.name: self._run(lane, lambda lane=lane: lane.end_train_epoch(first_wait))
+                for lane in list(self.active)
+            }
         finally:
-            close = getattr(it, "close", None)  # a generator stopped early (error, signal): its thread stops now
+            close = getattr(it, "close", None)
             if close is not None:
                 close()
 
-    def step(self, batch: Batch, teacher_out=None) -> StepOutput:
-        """One training step on ``batch``: teacher forward (or its outputs ``teacher_out``, computed
-        once for several students), student forward and loss, and the precision's backward / sync /
-        unscale / clip / optimizer step (skipped on non-finite gradients), then the schedule. Reads
-        nothing back from the device."""
-        precision = self.precision
-        self._graph_step_begin()
-        images = precision.input_cast(batch.images if self.renorm is None else self.renorm(batch.images))
-        progress = self.epoch + self.batch_in_epoch / max(self.steps_in_epoch, 1)
-        t_logits = t_feats = None
-        if teacher_out is None and self.prepared_teacher is not None:
-            teacher_out = self.prepared_teacher.forward(batch.images)  # as probed: not the student's cast
-        if teacher_out is not None:
-            t_logits, t_feats = teacher_out[0], {k: teacher_out[1][k] for k in self.t_layers}
-        self.buffers.save()
-        with precision.autocast():
-            parts = self.model(images, batch.labels, t_logits, t_feats, progress)
-        parts = {k: v.float().mean() for k, v in parts.items()}
-        self.loss_terms = self.loss_terms or sorted(k for k in parts if k not in ("loss", LOGITS_SUM))
-        buffers_finite = self.buffers.check()
-        flags = nonfinite_flags(parts, t_logits, self.loss_terms, buffers_finite)
-        # The step's policy: a step whose loss or buffers are not finite is skipped whatever its
-        # gradients say. Its gradients are made NaN (x1.0 otherwise: bit for bit the same) before
-        # any sync, so every process and every skip rule below (loss scaler, kd's own check, a
-        # fused optimizer's) refuses it alike; the loss scale does not back off for it.
-        good = torch.isfinite(parts["loss"])
-        if buffers_finite is not None:
-            good = good & buffers_finite
-        skipped = precision.step(
-            parts["loss"] * torch.where(good, 1.0, float("nan")),
-            self.optimizer,
-            self.params,
-            lambda: self.backend.sync_gradients(self.model),
-            self.cfg.grad_clip,
-            keep_scale=~good,
-        )
-        self.buffers.restore(skipped)  # a skipped step leaves BatchNorm's statistics as they were
-        flags = torch.cat([flags, (skipped & good).float().reshape(1)])  # skipped on its gradients alone
-        self.step_lr = self.optimizer.param_groups[0]["lr"]  # the lr this step trained at (logged)
-        if self.epoch_lr is None:
-            self.epoch_lr = self.step_lr
-        self.scheduler.step()
-        self.global_step += 1
-        self.batch_in_epoch += 1
-        out = StepOutput(parts, skipped, flags, len(batch))
+    def _after_step(self, batch: Batch, outs: List[StepOutput]) -> None:
+        """The hooks: the step's output where one student trains, its size where several do."""
+        out = outs[0] if len(self.lanes) == 1 and outs else StepOutput({}, None, None, len(batch))
         for hook in self.hooks:
             hook.on_step(self, out)
-        return out
 
-    def begin_epoch(self, steps: int) -> None:
-        """Train mode, fresh interval meter and progress bar for an epoch of ``steps`` steps."""
-        self.steps_in_epoch = steps
-        self.side.train()
-        self.buffers.refresh()  # the buffers as they are now (after casts, a resume)
-        self._interval = Meter(self.device)
-        self._bar = self.logger.progress(steps, f"epoch {self.epoch + 1}/{self.cfg.epochs}")
-        self._bar.update(self.batch_in_epoch)
-        self._t_interval = time.perf_counter()
+    def _interrupt(self) -> None:
+        """A stop signal: every student's checkpoint of this step, then Interrupted."""
+        if not self.students.grouped:
+            raise self.lanes[0].interrupt()
+        for lane in self.active:
+            with own_generators(lane):
+                lane.interrupt()
+        self._raise_interrupted()
 
-    def after_step(self, out: StepOutput, batch: Batch, asked: float, waited: float) -> bool:
-        """The loop's rules after a step: meters, logging, the non-finite and unreadable-image limits
-        (a KDError), step checkpoints. True when a stop signal asks every process to stop here."""
-        cfg, backend, meter = self.cfg, self.backend, self.meter
-        with torch.no_grad():
-            for m in (meter, self._interval):
-                m.add(out.parts, out.images, out.skipped, out.flags)
-        self.new_bad_files.update(p for p in batch.bad if p not in self.bad_files)
-        self._bar.update(1)
-        if self.first_step is None and self.global_step == self._resumed_step + 1:
-            self.first_step = first_step_record(self.clock, asked, waited, self.device, self.logger.info)
-        end_of_epoch = self.batch_in_epoch == self.steps_in_epoch
-        stop_check = self.stop.requested if backend.world_size == 1 else self.global_step % self.stop_every == 0
-        if self.global_step % cfg.log_every == 0 or end_of_epoch or stop_check:
-            # counts are summed over the processes; the streak limit is each process's own (how many
-            # processes reached it, so that the limit does not shrink with their number)
-            too_long = (meter.worst >= cfg.max_nonfinite_steps).float()
-            new_bad = float(len(self.new_bad_files))
-            stats = self._interval.reduce(backend, extra=[float(self.stop.requested), too_long, new_bad])
-            stop_all, too_long_anywhere, new_bad_anywhere = stats.pop("_extra")
-            if new_bad_anywhere > 0:  # rare: the unreadable files met for the first time, from every process
-                for paths in backend.all_gather_object(sorted(self.new_bad_files)):
-                    self.bad_files.update(paths)
-                self.new_bad_files.clear()
-            self._log_interval(stats, time.perf_counter() - self._t_interval, self._bar)
-            self._interval = Meter(self.device)
-            self._t_interval = time.perf_counter()
-            if too_long_anywhere > 0:
-                raise NonFinite(self._nonfinite_message(f"for {cfg.max_nonfinite_steps} consecutive steps"))
-            if len(self.bad_files) > cfg.max_bad_images:  # distinct files: one bad file is met every epoch
-                raise KDError(
-                    f"{len(self.bad_files)} unreadable images, more than "
-                    f"--max-bad-images {cfg.max_bad_images}; see the log for their names"
-                )
-            if stop_all > 0 and not end_of_epoch:
-                return True
-        if cfg.save_every_steps and self.global_step % cfg.save_every_steps == 0 and not end_of_epoch:
-            self.save(best=False, step_copy=True)
-        return False
-
-    def interrupt(self) -> Interrupted:
-        """A stop asked for by a signal: this step's checkpoint, and the exception that says so."""
-        self._bar.close()
-        self.save(best=False)
-        return Interrupted(self.stop.signame or "a signal", self.global_step, self.out)
-
-    def end_train_epoch(self, first_wait: Optional[float]) -> Dict[str, float]:
-        """The epoch's training totals over every process (a collective)."""
-        self._bar.close()
-        meter = self.meter
-        totals = meter.reduce(self.backend)
-        totals.update(data_wait_s=meter.wait, first_batch_s=first_wait or 0.0, bad_images=len(self.bad_files))
-        self.meter = Meter(self.device)
-        self.meter.streak, self.meter.sources = meter.streak, meter.sources  # a non-finite streak spans epochs
-        return totals
-
-    def _nonfinite_message(self, how_long: str, epoch: Optional[int] = None) -> str:
-        """The error for a run whose loss stayed non-finite (a collective); ``epoch`` is 1-based."""
-        sources = self.meter.sources.clone()
-        self.backend.all_reduce_sum(sources)
-        teacher = (self.cfg.teacher, self.prepared_teacher.dtype_name) if self.prepared_teacher else None
-        return nonfinite_message(
-            how_long,
-            sources.tolist(),
-            self.loss_terms,
-            epoch or self.epoch + 1,
-            self.global_step,
-            teacher,
-            RunFolder(self.out).last,
+    def _raise_interrupted(self) -> None:
+        out = self.students.out
+        raise Interrupted(
+            self.stop.signame or "a signal",
+            message=f"stopped by {self.stop.signame} at step {self.global_step}; "
+            f"every student's checkpoint written below {out}; "
+            f"continue with: kd train --out {out} --resume",
         )
-
-    def _log_interval(self, stats: Dict[str, float], elapsed: float, bar) -> None:
-        scale = self.precision.loss_scale()
-        extra = {
-            "lr": self.step_lr,  # the last step's
-            "bad_images": len(self.bad_files | self.new_bad_files),
-            **({"loss_scale": float(scale)} if scale is not None else {}),
-            **({"gpu_mem_gb": torch.cuda.memory_allocated(self.device) / 2**30} if self.device.type == "cuda" else {}),
-        }
-        self.logger.interval(stats, extra, elapsed, self.global_step, bar)

@@ -27,25 +27,8 @@ import yaml
 
 from kd import config as kd_config
 from kd.errors import KDError
-from kd.run.lanes import STUDENTS_FILE, MultiTrainer, Shared, Students, is_students_folder, own_generators
+from kd.run.students import STUDENTS_FILE, Students
 from kd.runfolder import RunFolder
-
-# the training loop lives in kd.run.lanes (kd.run.launch runs it there); its names are this module's too
-__all__ = [
-    "STUDENTS_FILE",
-    "MultiTrainer",
-    "Shared",
-    "Students",
-    "is_students_folder",
-    "own_generators",
-    "plan",
-    "check_shared",
-    "load",
-    "resumed",
-    "train",
-    "PER_STUDENT",
-    "TEACHER_KEYS",
-]
 
 #: The keys each student may set for itself; every other key is shared by the run's students.
 PER_STUDENT = (

@@ -14,7 +14,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from kd.commands.evaluate import teacher_preprocessing_note
+from kd.models import teacher_preprocessing_note
 from kd.run.accuracy import evaluate
 from kd.run.sides import TeacherSide
 from kd.run.signals import StopFlag

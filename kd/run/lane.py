@@ -1,0 +1,261 @@
+"""One student of a run (a *lane*): its side, optimizer, precision, meters, log and checkpoints, and
+the rules around its steps (non-finite losses, unreadable images, stop signals, logging, step
+checkpoints). :class:`kd.run.loop.Trainer` feeds every lane of a run the same batches and the same
+teacher outputs; a lane asks the backend and the precision object and never branches on which
+backend or opt level is in use."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import torch
+
+from kd.data.loader import Batch
+from kd.errors import KDError, NonFinite
+from kd.run import checkpoint
+from kd.run.accuracy import validate_student
+from kd.run.build import RunBuilder
+from kd.run.log import SetupClock, first_step_record
+from kd.run.meter import Meter, format_record, nonfinite_flags, nonfinite_message
+from kd.run.sides import LOGITS_SUM
+from kd.run.signals import Interrupted
+from kd.run.step import StepOutput
+from kd.runfolder import RunFolder
+
+
+class Lane(RunBuilder):
+    """One student's part of a run in this process, built from its config, its fork of the set-up
+    backend, its run folder and what the run's students share (:class:`kd.run.loop.Shared`: the
+    data, the teacher's model, the stop flag). The run's loop drives :meth:`begin_epoch`,
+    :meth:`step` (with the teacher's outputs), :meth:`after_step`, :meth:`end_train_epoch` and
+    :meth:`end_epoch`.
+    """
+
+    def __init__(
+        self, cfg, backend, out: Path, resume_from: Optional[Path], shared, validate: bool = True, alone: bool = True
+    ):
+        """``validate=False`` skips the teacher's and the student's validation passes (timed benchmark
+        runs); ``alone``: the run's only student (its log lines carry no name, and apex.amp may run it)."""
+        self.clock: SetupClock = shared.clock  # the run's: its set-up parts
+        self.validates = validate
+        self._build(cfg, backend, Path(out), resume_from, shared, alone)
+
+    def close(self) -> None:
+        """Its logs closed (the run closes what the lanes share)."""
+        self.logger.close()
+
+    def save(self, best: bool, step_copy: bool = False) -> None:
+        checkpoint.save_run(self, best, step_copy)
+
+    # ----------------------------------------------------------------- the steps
+    def _graph_step_begin(self) -> None:
+        """Under CUDA graphs (compile_mode), a new call may overwrite the last call's outputs."""
+        if self.graph_step:
+            torch.compiler.cudagraph_mark_step_begin()
+
+    def finish_pending_epoch(self) -> Optional[Dict[str, float]]:
+        """After a resume: the end (validation, log, checkpoint) of an epoch whose training was done
+        when a stop cut its validation short; its record, or None where there is no such epoch."""
+        if self.pending_epoch is None:
+            return None
+        train, seconds = self.pending_epoch
+        self.pending_epoch = None
+        return self.end_epoch(train, time.perf_counter(), seconds)
+
+    def end_epoch(
+        self, train: Dict[str, float], start: float, seconds: float, extra: Optional[Dict[str, object]] = None
+    ) -> Dict[str, float]:
+        """The epoch's record from its training totals: hooks, validation, the log, metrics.jsonl and
+        the checkpoint; the epoch counter moves on. ``extra`` joins the record first."""
+        cfg = self.cfg
+        record: Dict[str, Any] = {
+            "epoch": self.epoch + 1,
+            **{f"train_{k}": v for k, v in train.items()},
+            # the lr the epoch's first step trained at (the optimizer's holds the next step's)
+            "lr": float(self.epoch_lr if self.epoch_lr is not None else self.optimizer.param_groups[0]["lr"]),
+            "seconds": seconds,
+            "img_per_s": train.get("images", 0) / max(seconds, 1e-9),
+            **(extra or {}),
+        }
+        if self.epoch_ended is not None:  # the last epoch's checkpoint and logging, this epoch's loader start
+            record["between_epochs_s"] = start - self.epoch_ended
+        if self.validates and self.epoch == 0 and self.needs_teacher and self.prepared_teacher is not None:
+            # the teacher's top-1 after the first epoch, not before it: the first step comes sooner, and
+            # its probe has checked it on a few validation batches already (kd.teacher.frozen)
+            top1 = self.prepared_teacher.validate(self.stop)
+            if top1 is None:  # stopped: as below
+                self.pending_epoch = (train, seconds)
+                raise self.interrupt()
+            record["teacher_top1"] = top1
+        if self.validates and ((self.epoch + 1) % cfg.eval_every == 0 or self.epoch == cfg.epochs - 1):
+            stop = lambda: self.stop.requested  # noqa: E731
+            val = validate_student(self.side, self.eval_forward, self.data.val, self.backend, self.precision, stop)
+            if val is None:  # stopped: the epoch's training is kept, a resume validates it
+                self.pending_epoch = (train, seconds)
+                raise self.interrupt()
+            record.update(val)
+        if self.device.type == "cuda":
+            record["gpu_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        best = record.get("val_top1", -1.0) > self.best_top1
+        self.best_top1 = max(self.best_top1, record.get("val_top1", -1.0))
+        record["best_top1"] = self.best_top1
+        if self.first_step is not None:
+            record.update(self.first_step)
+            self.first_step = None
+        self.epoch_ended = time.perf_counter()
+        self.logger.epoch(record)
+        self.logger.info(format_record(record, cfg.epochs))
+        self.epoch += 1
+        self.batch_in_epoch = 0
+        self.epoch_lr = None
+        self.save(best)
+        return record
+
+    def finish(self) -> None:
+        """The end of training: a run whose last steps had a non-finite loss fails (steps skipped on
+        their gradients alone, a float16 overflow say, fail only at --max-nonfinite-steps); the logs close."""
+        meter = self.meter
+        ended_nonfinite = ((meter.streak > 0) & (meter.sources.reshape(-1)[:-1] > 0).any()).float()
+        self.backend.all_reduce_sum(ended_nonfinite)
+        if ended_nonfinite.item() > 0:  # a run is not done on weights that the last steps could not train
+            raise NonFinite(self._nonfinite_message(f"in its last {int(self.meter.streak.item())} step(s)", self.epoch))
+        self.logger.close()
+
+    def step(self, batch: Batch, teacher_out=None) -> StepOutput:
+        """One training step on ``batch``: teacher forward (or its outputs ``teacher_out``, computed
+        once for several students), student forward and loss, and the precision's backward / sync /
+        unscale / clip / optimizer step (skipped on non-finite gradients), then the schedule. Reads
+        nothing back from the device."""
+        precision = self.precision
+        self._graph_step_begin()
+        images = precision.input_cast(batch.images if self.renorm is None else self.renorm(batch.images))
+        progress = self.epoch + self.batch_in_epoch / max(self.steps_in_epoch, 1)
+        t_logits = t_feats = None
+        if teacher_out is None and self.prepared_teacher is not None:
+            teacher_out = self.prepared_teacher.forward(batch.images)  # as probed: not the student's cast
+        if teacher_out is not None:
+            t_logits, t_feats = teacher_out[0], {k: teacher_out[1][k] for k in self.t_layers}
+        self.buffers.save()
+        with precision.autocast():
+            parts = self.model(images, batch.labels, t_logits, t_feats, progress)
+        parts = {k: v.float().mean() for k, v in parts.items()}
+        self.loss_terms = self.loss_terms or sorted(k for k in parts if k not in ("loss", LOGITS_SUM))
+        buffers_finite = self.buffers.check()
+        flags = nonfinite_flags(parts, t_logits, self.loss_terms, buffers_finite)
+        # The step's policy: a step whose loss or buffers are not finite is skipped whatever its
+        # gradients say. Its gradients are made NaN (x1.0 otherwise: bit for bit the same) before
+        # any sync, so every process and every skip rule below (loss scaler, kd's own check, a
+        # fused optimizer's) refuses it alike; the loss scale does not back off for it.
+        good = torch.isfinite(parts["loss"])
+        if buffers_finite is not None:
+            good = good & buffers_finite
+        skipped = precision.step(
+            parts["loss"] * torch.where(good, 1.0, float("nan")),
+            self.optimizer,
+            self.params,
+            lambda: self.backend.sync_gradients(self.model),
+            self.cfg.grad_clip,
+            keep_scale=~good,
+        )
+        self.buffers.restore(skipped)  # a skipped step leaves BatchNorm's statistics as they were
+        flags = torch.cat([flags, (skipped & good).float().reshape(1)])  # skipped on its gradients alone
+        self.step_lr = self.optimizer.param_groups[0]["lr"]  # the lr this step trained at (logged)
+        if self.epoch_lr is None:
+            self.epoch_lr = self.step_lr
+        self.scheduler.step()
+        self.global_step += 1
+        self.batch_in_epoch += 1
+        return StepOutput(parts, skipped, flags, len(batch))
+
+    def begin_epoch(self, steps: int) -> None:
+        """Train mode, fresh interval meter and progress bar for an epoch of ``steps`` steps."""
+        self.steps_in_epoch = steps
+        self.side.train()
+        self.buffers.refresh()  # the buffers as they are now (after casts, a resume)
+        self._interval = Meter(self.device)
+        self._bar = self.logger.progress(steps, f"epoch {self.epoch + 1}/{self.cfg.epochs}")
+        self._bar.update(self.batch_in_epoch)
+        self._t_interval = time.perf_counter()
+
+    def after_step(self, out: StepOutput, batch: Batch, asked: float, waited: float) -> bool:
+        """The loop's rules after a step: meters, logging, the non-finite and unreadable-image limits
+        (a KDError), step checkpoints. True when a stop signal asks every process to stop here."""
+        cfg, backend, meter = self.cfg, self.backend, self.meter
+        with torch.no_grad():
+            for m in (meter, self._interval):
+                m.add(out.parts, out.images, out.skipped, out.flags)
+        self.new_bad_files.update(p for p in batch.bad if p not in self.bad_files)
+        self._bar.update(1)
+        if self.first_step is None and self.global_step == self._resumed_step + 1:
+            self.first_step = first_step_record(self.clock, asked, waited, self.device, self.logger.info)
+        end_of_epoch = self.batch_in_epoch == self.steps_in_epoch
+        stop_check = self.stop.requested if backend.world_size == 1 else self.global_step % self.stop_every == 0
+        if self.global_step % cfg.log_every == 0 or end_of_epoch or stop_check:
+            # counts are summed over the processes; the streak limit is each process's own (how many
+            # processes reached it, so that the limit does not shrink with their number)
+            too_long = (meter.worst >= cfg.max_nonfinite_steps).float()
+            new_bad = float(len(self.new_bad_files))
+            stats = self._interval.reduce(backend, extra=[float(self.stop.requested), too_long, new_bad])
+            stop_all, too_long_anywhere, new_bad_anywhere = stats.pop("_extra")
+            if new_bad_anywhere > 0:  # rare: the unreadable files met for the first time, from every process
+                for paths in backend.all_gather_object(sorted(self.new_bad_files)):
+                    self.bad_files.update(paths)
+                self.new_bad_files.clear()
+            self._log_interval(stats, time.perf_counter() - self._t_interval, self._bar)
+            self._interval = Meter(self.device)
+            self._t_interval = time.perf_counter()
+            if too_long_anywhere > 0:
+                raise NonFinite(self._nonfinite_message(f"for {cfg.max_nonfinite_steps} consecutive steps"))
+            if len(self.bad_files) > cfg.max_bad_images:  # distinct files: one bad file is met every epoch
+                raise KDError(
+                    f"{len(self.bad_files)} unreadable images, more than "
+                    f"--max-bad-images {cfg.max_bad_images}; see the log for their names"
+                )
+            if stop_all > 0 and not end_of_epoch:
+                return True
+        if cfg.save_every_steps and self.global_step % cfg.save_every_steps == 0 and not end_of_epoch:
+            self.save(best=False, step_copy=True)
+        return False
+
+    def interrupt(self) -> Interrupted:
+        """A stop asked for by a signal: this step's checkpoint, and the exception that says so."""
+        self._bar.close()
+        self.save(best=False)
+        return Interrupted(self.stop.signame or "a signal", self.global_step, self.out)
+
+    def end_train_epoch(self, first_wait: Optional[float]) -> Dict[str, float]:
+        """The epoch's training totals over every process (a collective)."""
+        self._bar.close()
+        meter = self.meter
+        totals = meter.reduce(self.backend)
+        totals.update(data_wait_s=meter.wait, first_batch_s=first_wait or 0.0, bad_images=len(self.bad_files))
+        self.meter = Meter(self.device)
+        self.meter.streak, self.meter.sources = meter.streak, meter.sources  # a non-finite streak spans epochs
+        return totals
+
+    def _nonfinite_message(self, how_long: str, epoch: Optional[int] = None) -> str:
+        """The error for a run whose loss stayed non-finite (a collective); ``epoch`` is 1-based."""
+        sources = self.meter.sources.clone()
+        self.backend.all_reduce_sum(sources)
+        teacher = (self.cfg.teacher, self.prepared_teacher.dtype_name) if self.prepared_teacher else None
+        return nonfinite_message(
+            how_long,
+            sources.tolist(),
+            self.loss_terms,
+            epoch or self.epoch + 1,
+            self.global_step,
+            teacher,
+            RunFolder(self.out).last,
+        )
+
+    def _log_interval(self, stats: Dict[str, float], elapsed: float, bar) -> None:
+        scale = self.precision.loss_scale()
+        extra = {
+            "lr": self.step_lr,  # the last step's
+            "bad_images": len(self.bad_files | self.new_bad_files),
+            **({"loss_scale": float(scale)} if scale is not None else {}),
+            **({"gpu_mem_gb": torch.cuda.memory_allocated(self.device) / 2**30} if self.device.type == "cuda" else {}),
+        }
+        self.logger.interval(stats, extra, elapsed, self.global_step, bar)
