@@ -1,7 +1,8 @@
-"""No import circles among kd's own modules (kd/, backends/, cli.py).
+"""No import circles among kd's own modules (kd/, backends/, cli.py), and few layers.
 
-Every import statement counts, at the top of a module or inside a function: an import moved into
-a function to dodge a circle is still one. A package and its submodules count as modules of
+Every import statement that runs counts, at the top of a module or inside a function: an import
+moved into a function to dodge a circle is still one. Imports under ``if TYPE_CHECKING:`` (for
+annotations only; they never run) do not. A package and its submodules count as modules of
 their own (``kd.losses`` is ``kd/losses/__init__.py``).
 """
 
@@ -24,6 +25,17 @@ def modules() -> Dict[str, Path]:
     return found
 
 
+def runtime_nodes(tree: ast.AST):
+    """Every node of ``tree`` but those under ``if TYPE_CHECKING:``."""
+    for node in ast.iter_child_nodes(tree):
+        test = node.test if isinstance(node, ast.If) else None
+        if test is not None and getattr(test, "id", getattr(test, "attr", None)) == "TYPE_CHECKING":
+            yield from (n for orelse in node.orelse for n in [orelse, *runtime_nodes(orelse)])
+            continue
+        yield node
+        yield from runtime_nodes(node)
+
+
 def import_graph() -> Dict[str, Set[str]]:
     mods = modules()
 
@@ -36,7 +48,7 @@ def import_graph() -> Dict[str, Set[str]]:
     for mod, path in mods.items():
         package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
         deps = set()
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in runtime_nodes(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Import):
                 deps.update(owner(alias.name) for alias in node.names)
             elif isinstance(node, ast.ImportFrom):
@@ -86,6 +98,9 @@ def cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
 
 def test_the_analysis_sees_a_circle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    code = "import a\nif TYPE_CHECKING:\n    import b\nelse:\n    import c\ndef f():\n    import d\n"
+    seen = [n.names[0].name for n in runtime_nodes(ast.parse(code)) if isinstance(n, ast.Import)]
+    assert seen == ["a", "c", "d"]
     graph = import_graph()
     assert "kd.losses.base" in graph["kd.losses.kd"]  # from-imports of submodules are seen
     assert "kd.run.loop" in graph["kd.run.launch"]  # so are imports inside functions
@@ -136,3 +151,28 @@ def test_a_training_run_imports_only_what_it_uses(tmp_path):
     imported = set(json.loads(r.stdout.strip().splitlines()[-1]))
     assert {"kd", "tensorboard", "yaml"} <= imported  # the check sees what the run imports
     assert imported <= TRAIN_IMPORTS, f"imported beyond what a run uses: {sorted(imported - TRAIN_IMPORTS)}"
+
+
+def longest_chain(graph: Dict[str, Set[str]], start: str) -> List[str]:
+    """The longest import chain from ``start`` down to a leaf (the graph has no circles)."""
+    memo: Dict[str, List[str]] = {}
+
+    def down(m: str) -> List[str]:
+        if m not in memo:
+            memo[m] = [m] + max((down(d) for d in sorted(graph.get(m, ()))), key=len, default=[])
+        return memo[m]
+
+    return down(start)
+
+
+def test_the_longest_import_chain_is_at_most_ten_modules():
+    """A reader follows cli.py down to the leaves in at most ten steps: the layers are few."""
+    assert longest_chain({"a": {"b", "c"}, "b": {"c"}, "c": set()}, "a") == ["a", "b", "c"]
+    graph = import_graph()
+    chain = max((longest_chain(graph, m) for m in graph), key=len)
+    assert len(chain) <= 10, f"{len(chain)} modules: {' -> '.join(chain)}"
+
+
+def test_at_most_a_dozen_modules_directly_under_kd():
+    top = sorted(p.name for p in (ROOT / "kd").glob("*.py"))
+    assert len(top) <= 12, top

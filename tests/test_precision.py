@@ -430,9 +430,9 @@ class NanAfterEpoch1(DistillLoss):
 
 @pytest.mark.parametrize("opt", ["O1", "O2"])
 def test_nonfinite_losses_stop_the_run_and_keep_the_last_good_checkpoint(data, tmp_path, opt, monkeypatch):
-    import kd.run.sides
+    import kd.run.build
 
-    monkeypatch.setattr(kd.run.sides, "build_loss", lambda name, num_classes, args: NanAfterEpoch1(num_classes))
+    monkeypatch.setattr(kd.run.build, "build_loss", lambda name, num_classes, args: NanAfterEpoch1(num_classes))
     cfg = tiny_cfg(data, tmp_path / "nan", opt=opt, epochs=3, max_nonfinite_steps=2)
     t = trainer(cfg)
     with pytest.raises(KDError, match="not finite for 2 consecutive steps"):

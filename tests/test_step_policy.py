@@ -17,7 +17,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch import nn
 
 import kd.run.build
-import kd.run.sides
+import kd.run.build
 from kd import config as kd_config
 from kd.errors import NonFinite
 from kd.losses import DistillInputs, DistillLoss
@@ -150,7 +150,7 @@ class NanGradients(DistillLoss):
 
 
 def test_finite_loss_with_nonfinite_gradients_stops_the_run(data, tmp_path, monkeypatch):
-    monkeypatch.setattr(kd.run.sides, "build_loss", lambda name, num_classes, args: NanGradients(num_classes))
+    monkeypatch.setattr(kd.run.build, "build_loss", lambda name, num_classes, args: NanGradients(num_classes))
     cfg = tiny_cfg(data, tmp_path / "grads", epochs=3, max_nonfinite_steps=4)
     t = trainer(cfg)
     with pytest.raises(

@@ -190,9 +190,9 @@ class KdTermNanFrom(DistillLoss):
 @pytest.mark.parametrize("opt", ["O0", "O3"])
 def test_nonfinite_loss_never_reaches_the_weights_and_names_its_source(data, tmp_path, opt, monkeypatch):
     """Levels without a loss scaler skip a non-finite step too; the stop names the loss term."""
-    import kd.run.sides
+    import kd.run.build
 
-    monkeypatch.setattr(kd.run.sides, "build_loss", lambda name, n, args: KdTermNanFrom(n, bad_from=4))
+    monkeypatch.setattr(kd.run.build, "build_loss", lambda name, n, args: KdTermNanFrom(n, bad_from=4))
     cfg = cfg_for(data, tmp_path / "nan", no_teacher=True, teacher=None, opt=opt, epochs=3, max_nonfinite_steps=3)
     backend = backends.get("single")(cfg)
     backend.setup()
@@ -209,9 +209,9 @@ def test_nonfinite_loss_never_reaches_the_weights_and_names_its_source(data, tmp
 
 
 def test_a_run_ending_on_nonfinite_steps_does_not_succeed(data, tmp_path, monkeypatch):
-    import kd.run.sides
+    import kd.run.build
 
-    monkeypatch.setattr(kd.run.sides, "build_loss", lambda name, n, args: KdTermNanFrom(n, bad_from=5))
+    monkeypatch.setattr(kd.run.build, "build_loss", lambda name, n, args: KdTermNanFrom(n, bad_from=5))
     cfg = cfg_for(data, tmp_path / "end", no_teacher=True, teacher=None, epochs=2, max_nonfinite_steps=100)
     with pytest.raises(KDError, match=r"in its last 2 step\(s\) \(epoch 2, step 6\)"):
         kd.train(cfg)

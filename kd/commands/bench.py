@@ -133,7 +133,7 @@ def bench(
         raise KDError("--vs-synthetic compares a run on --data DIR with one on synthetic tensors: give --data DIR")
     if vs_synthetic and methods:
         raise KDError("--vs-synthetic times one method per combination: leave out --methods")
-    from kd.run.launch import check_data
+    from kd.data.folder import check_data
 
     check_data(str(args.get("data", "synthetic")))  # once here, not as the same note in every row
     out = Path(out or tempfile.mkdtemp(prefix="kd-bench-"))

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from kd.data.prepared import Prepared, is_prepared, open_copy, open_image
+from kd.data.prepared import Prepared, is_prepared, open_copy, open_image, read_manifest
 from kd.errors import KDError
 
 # Pillow defines these in a loop over its enums, which mypy cannot see (Image.Resampling needs Pillow >= 9.1)
@@ -69,6 +69,19 @@ def scan_split(root: Path, split: str) -> Tuple[List[str], Sequence[Tuple[str, i
     classes, samples, empty = _scan_split(root, split)
     _refuse_empty(root, empty)
     return classes, samples
+
+
+def check_data(data: str) -> None:
+    """``--data``: 'synthetic', a folder with train/ and val/ subfolders, or a prepared copy."""
+    if data == "synthetic":
+        return
+    if is_prepared(Path(data)):
+        read_manifest(Path(data))  # one that kd cannot read fails here, before anything starts
+        return
+    for split in ("train", "val"):
+        if not (Path(data) / split).is_dir():
+            what = "does not exist" if not Path(data).is_dir() else f"has no {split}/ subfolder"
+            raise KDError(f"data folder {data} {what} (expected DIR/train/<class>/*.jpg and DIR/val/<class>/*.jpg)")
 
 
 def scan(root: str) -> Tuple[List[str], Sequence[Tuple[str, int]], Sequence[Tuple[str, int]]]:

@@ -6,26 +6,31 @@ backend or opt level is in use."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
+from torch import nn
 
+from kd import models
 from kd.data.loader import Batch
 from kd.errors import KDError, NonFinite
 from kd.run import checkpoint
 from kd.run.accuracy import validate_student
-from kd.run.build import RunBuilder
-from kd.run.log import SetupClock, first_step_record
+from kd.run.log import NullLogger, RunLogger, SetupClock, first_step_record
 from kd.run.meter import Meter, format_record, nonfinite_flags, nonfinite_message
-from kd.run.sides import LOGITS_SUM
-from kd.run.signals import Interrupted
-from kd.run.step import StepOutput
+from kd.run.runtime import resolve as resolve_runtime
+from kd.run.signals import Interrupted, StopFlag, in_setup
+from kd.run.step import LOGITS_SUM, BufferGuard, StepOutput
 from kd.runfolder import RunFolder
 
+if TYPE_CHECKING:  # the run's loop prepares the teacher; a lane only holds it
+    from kd.teacher.frozen import Teacher
 
-class Lane(RunBuilder):
+
+class Lane:
     """One student's part of a run in this process, built from its config, its fork of the set-up
     backend, its run folder and what the run's students share (:class:`kd.run.loop.Shared`: the
     data, the teacher's model, the stop flag). The run's loop drives :meth:`begin_epoch`,
@@ -33,14 +38,62 @@ class Lane(RunBuilder):
     :meth:`end_epoch`.
     """
 
-    def __init__(
-        self, cfg, backend, out: Path, resume_from: Optional[Path], shared, validate: bool = True, alone: bool = True
-    ):
-        """``validate=False`` skips the teacher's and the student's validation passes (timed benchmark
-        runs); ``alone``: the run's only student (its log lines carry no name, and apex.amp may run it)."""
-        self.clock: SetupClock = shared.clock  # the run's: its set-up parts
+    # the parts kd.run.build.build_lane gives it
+    num_classes: int
+    precision: Any  # a kd.precision Precision
+    side: nn.Module  # the student side (kd.run.sides.StudentSide), as the precision prepared it
+    model: Any  # the side as the backend wrapped it (and torch.compile, where on)
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    params: List[torch.Tensor]  # the trainable parameters
+    buffers: BufferGuard  # the side's buffers, put back on a skipped step
+    renorm: Optional[Callable[[torch.Tensor], torch.Tensor]]  # from the loaders' normalisation to its own
+    eval_forward: Callable[[torch.Tensor], Any]
+    graph_step: bool  # CUDA graphs: each step starts a new graph generation
+    needs_teacher: bool
+    t_layers: List[str]  # the teacher layers its loss taps
+    step_lr: float  # the lr of the last step taken (logged)
+    resumed_step: int  # the global step it started (or resumed) at
+
+    def __init__(self, cfg, backend, out: Path, resume_from: Optional[Path], shared, validate: bool, alone: bool):
+        """Who the student is and where it runs; :func:`kd.run.build.build_lane` gives it its parts.
+        ``validate=False`` skips the teacher's and the student's validation passes (timed benchmark
+        runs); ``alone``: the run's only student (its log lines carry no name)."""
+        self.cfg = cfg
+        self.backend = backend
+        self.out = out
+        self.resume_from = resume_from
         self.validates = validate
-        self._build(cfg, backend, Path(out), resume_from, shared, alone)
+        self.stop = shared.stop
+        self.clock: SetupClock = shared.clock  # the run's: its set-up parts
+        self.data = shared.data
+        self.device = backend.device
+        self.runtime = resolve_runtime(cfg, self.device)
+        self.memory_format = self.runtime.memory_format
+        prefix = "" if alone else f"[{out.name}] "
+        self.logger = RunLogger(out, cfg.progress_bar, prefix) if backend.is_main else NullLogger()
+        if self.device.type == "cuda":
+            torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
+        self.name = out.name  # the student's name beside others; its run folder's name
+        self.rng: Dict[str, Any] = {}  # beside other students: its generators' state between its calls
+        self.first_step: Optional[Dict[str, float]] = None  # seconds to the first step, once taken
+        self.loss_terms: List[str] = []  # the loss parts besides the total, in the order of the non-finite flags
+        self.prepared_teacher: Optional[Teacher] = None
+        self.notes: List[str] = []  # what kd chose for the user, kept as comments in config.yaml
+        # where training stands, and what the loop's rules count
+        self.epoch = 0
+        self.batch_in_epoch = 0
+        self.global_step = 0
+        self.best_top1 = -1.0
+        self.epoch_lr: Optional[float] = None  # the lr of this epoch's first step
+        self.bad_files: Set[str] = set()  # the unreadable files met so far, on every process
+        self.new_bad_files: Set[str] = set()  # those this process met since the last check
+        self.meter = Meter(self.device)
+        # an epoch trained whose validation a stop cut short: its training totals and seconds
+        self.pending_epoch: Optional[Tuple[Dict[str, float], float]] = None
+        self.steps_in_epoch = len(self.data.train)
+        self.stop_every = min(cfg.log_every, 10)  # steps between stop checks across processes
+        self.epoch_ended: Optional[float] = None
 
     def close(self) -> None:
         """Its logs closed (the run closes what the lanes share)."""
@@ -188,7 +241,7 @@ class Lane(RunBuilder):
                 m.add(out.parts, out.images, out.skipped, out.flags)
         self.new_bad_files.update(p for p in batch.bad if p not in self.bad_files)
         self._bar.update(1)
-        if self.first_step is None and self.global_step == self._resumed_step + 1:
+        if self.first_step is None and self.global_step == self.resumed_step + 1:
             self.first_step = first_step_record(self.clock, asked, waited, self.device, self.logger.info)
         end_of_epoch = self.batch_in_epoch == self.steps_in_epoch
         stop_check = self.stop.requested if backend.world_size == 1 else self.global_step % self.stop_every == 0
@@ -259,3 +312,44 @@ class Lane(RunBuilder):
             **({"gpu_mem_gb": torch.cuda.memory_allocated(self.device) / 2**30} if self.device.type == "cuda" else {}),
         }
         self.logger.interval(stats, extra, elapsed, self.global_step, bar)
+
+    @property
+    def position(self) -> Tuple[int, int]:
+        """(epoch, batch in epoch) where training goes on: an epoch whose validation is pending counts as ended."""
+        if self.pending_epoch is not None:
+            return self.epoch + 1, 0
+        return self.epoch, self.batch_in_epoch
+
+    def stop_in_setup(self) -> None:
+        """Before the first step: a stop asked for during set-up ends the run here, with nothing
+        written (a fresh run's folder is removed by :func:`kd.run.launch.train`). A collective: every
+        process decides alike."""
+        if stop_anywhere(self.stop, self.backend, self.device):
+            raise in_setup(self.stop.signame)
+
+    @property
+    def teacher(self):
+        """The frozen teacher's module (wrapped forward-only), or None."""
+        return self.prepared_teacher.module if self.prepared_teacher is not None else None
+
+    def log_data_configs(self) -> None:
+        """Each model's normalisation and evaluation transform, and where it came from."""
+        cfg = self.cfg
+        for role, name, data in (
+            ("student", cfg.student, cfg.student_data),
+            ("teacher", cfg.teacher, cfg.teacher_data),
+        ):
+            if data:
+                self.logger.info(f"{role} {name}: {models.DataConfig.from_dict(data).describe(cfg.image_size)}")
+
+    def use_teacher(self, teacher: Teacher) -> None:
+        """The prepared teacher this student learns from (its own, or one shared with other students)."""
+        self.prepared_teacher = teacher
+        self.cfg = dataclasses.replace(self.cfg, teacher_precision=teacher.dtype_name)
+
+
+def stop_anywhere(stop: StopFlag, backend, device: torch.device) -> bool:
+    """Whether a stop signal reached any process (a collective)."""
+    flag = torch.tensor(float(stop.requested), device=device)
+    backend.all_reduce_sum(flag)
+    return flag.item() > 0

@@ -86,22 +86,9 @@ def preflight(cfg) -> None:
     if not cfg.no_teacher:
         models.check_name(cfg.teacher)
     LOSSES.get("ce" if cfg.no_teacher else cfg.kd_loss)
+    from kd.data.folder import check_data
+
     check_data(cfg.data)
-
-
-def check_data(data: str) -> None:
-    """``--data``: 'synthetic', a folder with train/ and val/ subfolders, or a prepared copy."""
-    from kd.data.prepared import is_prepared, read_manifest
-
-    if data == "synthetic":
-        return
-    if is_prepared(Path(data)):
-        read_manifest(Path(data))  # one that kd cannot read fails here, before anything starts
-        return
-    for split in ("train", "val"):
-        if not (Path(data) / split).is_dir():
-            what = "does not exist" if not Path(data).is_dir() else f"has no {split}/ subfolder"
-            raise KDError(f"data folder {data} {what} (expected DIR/train/<class>/*.jpg and DIR/val/<class>/*.jpg)")
 
 
 def train(cfg, resume: Optional[str] = None, overwrite: bool = False, students=None):

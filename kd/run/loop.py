@@ -7,18 +7,22 @@ whose loss stays non-finite stops alone."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+import torch
+
+from kd import config as kd_config
 from kd import models
-from kd.data.loader import Batch
+from kd.data.loader import Batch, val_transform
 from kd.data.pipeline import build as build_data
 from kd.errors import KDError, NonFinite
 from kd.run import checkpoint
-from kd.run.build import stop_anywhere
-from kd.run.lane import Lane
+from kd.run.build import build_lane
+from kd.run.lane import Lane, stop_anywhere
 from kd.run.log import SetupClock, command_start
 from kd.run.runtime import resolve as resolve_runtime
 from kd.run.signals import Interrupted, StopFlag, in_setup
@@ -51,6 +55,47 @@ def own_generators(lane: Lane):
     finally:
         lane.rng = checkpoint.rng_state()
         checkpoint.set_rng_state(outer)
+
+
+def prepare_teacher(
+    lane: Lane, model: torch.nn.Module, layers: List[str], hooks: Sequence[StepHook], backend, notes: List[str]
+) -> Teacher:
+    """``model`` on this run's device and memory format, shown to ``hooks``, then prepared
+    (:class:`kd.teacher.frozen.Teacher`: fused, its precision chosen on this run's validation data)
+    with feature taps on ``layers``; what kd chose goes to ``notes``."""
+    model = model.to(lane.device, memory_format=lane.memory_format)  # type: ignore[call-overload]  # as the student side above
+    for hook in hooks:
+        hook.on_teacher(lane, model)
+    from kd.data.pipeline import build_val
+
+    cfg = lane.cfg
+    teacher_data = models.DataConfig.from_dict(cfg.teacher_data or {})
+    evaluation = (teacher_data.val_resize(cfg.image_size), teacher_data.interpolation)
+    val, owns_val = lane.data.val, False
+    if lane.data.val_samples and evaluation != val_transform(cfg):  # its own crops for its own top-1
+        own = dataclasses.replace(cfg, val_resize=evaluation[0], val_interpolation=evaluation[1])
+        num_replicas, rank = backend.data_shard()
+        val = build_val(
+            own, lane.data.val_samples, num_replicas, rank, backend.local_batch(cfg.batch_size), lane.device,
+            lane.runtime.channels_last,
+        )  # fmt: skip
+        owns_val = True
+        lane.logger.info(f"teacher {cfg.teacher}: validated on its own crops ({evaluation[1]}, resize {evaluation[0]})")
+    renorm = models.renormaliser(getattr(lane.data.train, "norm", None), cfg.teacher_data)
+    return Teacher(
+        model, layers, cfg, backend, lane.runtime, lane.precision, val, lane.logger.info, notes, renorm, owns_val
+    )
+
+
+def start_folder(lane: Lane) -> None:
+    """Once set-up has succeeded, the main process starts ``lane``'s run folder (a failed start leaves no
+    run behind) and writes config.yaml."""
+    if lane.backend.is_main:
+        if lane.resume_from is None:
+            RunFolder(lane.out).start()
+        else:
+            lane.out.mkdir(parents=True, exist_ok=True)
+        kd_config.save(lane.cfg, RunFolder(lane.out).config, notes=lane.notes)
 
 
 class Trainer:
@@ -115,7 +160,7 @@ class Trainer:
                 out = students.folder(name)
                 grouped = students.grouped
                 resume = (RunFolder(out).last if grouped else resume_from) if resume_from else None
-                lane = Lane(
+                lane = build_lane(
                     lane_cfg, backend.fork() if grouped else backend, out, resume, shared, validate, not grouped
                 )
                 lane.name = name
@@ -148,7 +193,7 @@ class Trainer:
         if backend.is_main and students.grouped:
             write_students(students.out, students.names, self.failed)
         for lane in self.lanes:
-            lane.start_folder()
+            start_folder(lane)
         clock.mark("folder")
         self.active = list(self.lanes)
 
@@ -172,7 +217,7 @@ class Trainer:
         model, shared.teacher_model = shared.teacher_model, None
         layers = list(dict.fromkeys(layer for lane in taught for layer in lane.t_layers))
         notes: List[str] = []
-        self.teacher = taught[0].prepare_teacher(model, layers, self.hooks, self.backend, notes)
+        self.teacher = prepare_teacher(taught[0], model, layers, self.hooks, self.backend, notes)
         for lane in taught:
             lane.use_teacher(self.teacher)
             lane.notes.extend(notes)

@@ -106,7 +106,7 @@ def nonfinite_flags(
     """1 for each source (the teacher's logits, the student's, each loss term of ``terms``, the
     student's buffers) not finite in this step, on the device; takes the student's logits sum
     (``LOGITS_SUM``) out of ``parts``. The engine appends one more: skipped on the gradients alone."""
-    from kd.run.sides import LOGITS_SUM
+    from kd.run.step import LOGITS_SUM
 
     student = parts.pop(LOGITS_SUM)
     zero = torch.zeros((), device=student.device)

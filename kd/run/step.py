@@ -8,13 +8,17 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import nn
 
+#: The key of the student's summed logits among a step's loss parts (finite iff every logit is):
+#: it names the source of a non-finite loss.
+LOGITS_SUM = "_student_logits_sum"
+
 
 @dataclass
 class StepOutput:
-    """What :meth:`Trainer.step` leaves on the device: the loss parts (0-dim float32: ``loss``, the
+    """What :meth:`kd.run.lane.Lane.step` leaves on the device: the loss parts (0-dim float32: ``loss``, the
     method's terms), whether the optimizer step was skipped, the non-finite flags per source, and
-    the number of images. The step of several students (:mod:`kd.run.plan`) hands its hooks no loss
-    parts and None for ``skipped`` and ``flags``: each student's optimizer step is its own."""
+    the number of images. The loop hands its hooks the step's output where one student trains; where
+    several do, no loss parts and None for ``skipped`` and ``flags`` (each student's step is its own)."""
 
     parts: Dict[str, torch.Tensor]
     skipped: Optional[torch.Tensor]
@@ -23,11 +27,12 @@ class StepOutput:
 
 
 class StepHook:
-    """Called by the loop: after every :meth:`Trainer.step`, and at each epoch's end with the epoch's
-    record before it is logged (``kd bench``'s timer is one). ``trainer`` is the :class:`kd.run.loop.Trainer`."""
+    """Called by the loop: after every step, and at each epoch's end with the epoch's record before
+    it is logged (``kd bench``'s timer is one). ``trainer`` is the :class:`kd.run.loop.Trainer`."""
 
     def on_teacher(self, trainer: Any, teacher: nn.Module) -> None:
-        """The frozen teacher on its device, before it is fused and its precision chosen."""
+        """The frozen teacher on its device, before it is fused and its precision chosen; ``trainer``
+        is the :class:`kd.run.lane.Lane` of the first student that learns from it."""
 
     def on_step(self, trainer: Any, out: StepOutput) -> None:
         pass
