@@ -20,9 +20,10 @@ from torch import nn
 from kd import config as kd_config
 from kd.errors import KDError
 from kd.losses import DistillInputs, DistillLoss
-from kd.precision import AutocastPrecision, MasterWeightPrecision, Precision, make_precision
+from kd.precision import AutocastPrecision, CastPrecision, MasterWeightPrecision, Precision, make_precision
 from kd.run.loop import Trainer
 from kd.run.sides import StudentSide
+from kd.run.step import apply_gradients
 
 LEVELS = ["O0", "O1", "O2", "O3"]
 EPOCHS = 5
@@ -299,7 +300,7 @@ def test_loss_module_stays_float32_and_sees_float32():
     parts = side(images, torch.tensor([0, 1, 2, 0]))
     assert side.loss.seen == [torch.float32, torch.float32]
     before = side.loss.proj.weight.detach().clone()
-    precision.step(parts["loss"], optimizer, side.parameters(), lambda: None, None)
+    apply_gradients(precision, parts["loss"], optimizer, side.parameters(), lambda: None, None)
     assert not torch.equal(before, side.loss.proj.weight)  # connectors train, in float32
 
 
@@ -323,13 +324,46 @@ def one_step(precision, model, optimizer, seed=0, clip=1.0):
     with precision.autocast():
         out = model(precision.input_cast(x))
     loss = nn.functional.cross_entropy(out.float(), y)
-    return precision.step(loss, optimizer, [p for p in model.parameters() if p.requires_grad], lambda: None, clip)
+    return apply_gradients(
+        precision, loss, optimizer, [p for p in model.parameters() if p.requires_grad], lambda: None, clip
+    )
 
 
 def snapshot(model, optimizer):
     masters = [p.detach().clone() for g in optimizer.param_groups for p in g["params"]]
     state = [{k: v.clone() for k, v in s.items()} for s in optimizer.state.values()]
     return [p.detach().clone() for p in model.parameters()], masters, state
+
+
+@pytest.mark.parametrize(
+    "cls,dtype",
+    [
+        (Precision, torch.float32),
+        (AutocastPrecision, torch.bfloat16),
+        (MasterWeightPrecision, torch.float16),
+        (MasterWeightPrecision, torch.bfloat16),
+        (CastPrecision, torch.bfloat16),
+    ],
+)
+def test_every_level_skips_a_nan_loss_under_the_one_policy(cls, dtype):
+    """The update's policy is kd.run.step.apply_gradients', not a level's: no level bundles its own
+    step, and at each a NaN loss leaves weights, masters and optimizer state as they were, then the
+    next step trains."""
+    assert not any("step" in vars(c) for c in cls.__mro__)
+    precision, model, optimizer = setup_small(cls, dtype)
+    one_step(precision, model, optimizer, seed=1)  # optimizer state (momentum) to keep
+    before = snapshot(model, optimizer)
+    x, y = torch.randn(8, 3, 8, 8), torch.randint(0, 3, (8,))
+    with precision.autocast():
+        loss = nn.functional.cross_entropy(model(precision.input_cast(x)).float(), y) * float("nan")
+    params = [p for p in model.parameters() if p.requires_grad]
+    assert bool(apply_gradients(precision, loss, optimizer, params, lambda: None, 1.0))
+    after = snapshot(model, optimizer)
+    for a, b in zip(before[0] + before[1], after[0] + after[1]):
+        assert torch.equal(a, b)
+    assert all(torch.equal(v, after[2][i][k]) for i, s in enumerate(before[2]) for k, v in s.items())
+    assert not bool(one_step(precision, model, optimizer, seed=2))
+    assert not all(torch.equal(a, b) for a, b in zip(after[0], snapshot(model, optimizer)[0]))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -579,7 +613,7 @@ def test_fused_sgd_on_cuda_matches_foreach(data, tmp_path, opt, monkeypatch):
                 out = model(precision.input_cast(x))
             loss = nn.functional.cross_entropy(out.float(), y) * (float("inf") if seed == 3 else 1.0)
             params = [p for p in model.parameters() if p.requires_grad]
-            skipped.append(bool(precision.step(loss, optimizer, params, lambda: None, 1.0)))
+            skipped.append(bool(apply_gradients(precision, loss, optimizer, params, lambda: None, 1.0)))
         assert skipped == [seed == 3] * 2
         (pa, ma, sa), (pb, mb, sb) = (snapshot(model, optimizer) for _, model, optimizer in runs)
         for x, y in zip(pa + ma, pb + mb):
@@ -598,10 +632,10 @@ def test_skipped_step_on_cuda_float16():
     model, optimizer = precision.prepare(model, optimizer)
     x, y = torch.randn(8, 3, 8, 8, device="cuda"), torch.randint(0, 3, (8,), device="cuda")
     loss = nn.functional.cross_entropy(model(precision.input_cast(x)).float(), y)
-    assert not bool(precision.step(loss, optimizer, model.parameters(), lambda: None, 1.0))
+    assert not bool(apply_gradients(precision, loss, optimizer, model.parameters(), lambda: None, 1.0))
     before = [p.detach().clone() for p in model.parameters()]
     loss = nn.functional.cross_entropy(model(precision.input_cast(x)).float(), y) * float("inf")
-    assert bool(precision.step(loss, optimizer, model.parameters(), lambda: None, 1.0))
+    assert bool(apply_gradients(precision, loss, optimizer, model.parameters(), lambda: None, 1.0))
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert float(precision.loss_scale()) == 2.0**15
 
@@ -632,6 +666,7 @@ import sys, torch
 from types import SimpleNamespace
 from torch import nn
 from kd.precision.apex import ApexAmpPrecision
+from kd.run.step import apply_gradients
 
 opt = sys.argv[1]
 torch.manual_seed(0)
@@ -643,10 +678,10 @@ x, y = torch.randn(8, 3, 8, 8, device="cuda"), torch.randint(0, 3, (8,), device=
 params = [p for p in model.parameters() if p.requires_grad]
 before = [p.detach().clone() for p in params]
 loss = nn.functional.cross_entropy(model(precision.input_cast(x)).float(), y) * float("nan")
-skipped = bool(precision.step(loss, optimizer, params, lambda: None, None))
+skipped = bool(apply_gradients(precision, loss, optimizer, params, lambda: None, None))
 kept = all(torch.equal(a, b) for a, b in zip(before, params))
 loss = nn.functional.cross_entropy(model(precision.input_cast(x)).float(), y)
-stepped = not bool(precision.step(loss, optimizer, params, lambda: None, None))
+stepped = not bool(apply_gradients(precision, loss, optimizer, params, lambda: None, None))
 print(skipped, kept, stepped, all(bool(torch.isfinite(p).all()) for p in params))
 """
 

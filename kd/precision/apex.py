@@ -105,6 +105,7 @@ class ApexAmpPrecision(MasterStateMixin, Precision):
         self.amp = amp
         self.opt = cfg.opt
         self.optimizer: Optional[torch.optim.Optimizer] = None
+        self._before: Optional[tuple] = None  # the dynamic scaler's state before this step's backward
 
     @property
     def master_weights(self) -> bool:
@@ -145,30 +146,36 @@ class ApexAmpPrecision(MasterStateMixin, Precision):
         """O1/O2 scale the loss dynamically, and only then does apex check the gradients and skip."""
         return self.opt in ("O1", "O2")
 
-    def step(self, loss, optimizer, params, sync, clip, keep_scale=None):
+    def backward(self, loss, sync):
         scaler = self._scaler()
-        before = (scaler._loss_scale, scaler._unskipped) if scaler is not None else None
-        with self.amp.scale_loss(loss, optimizer) as scaled:
+        self._before = (scaler._loss_scale, scaler._unskipped) if scaler is not None else None
+        with self.amp.scale_loss(loss, self.optimizer) as scaled:
             scaled.backward()
             sync()  # inside: apex unscales and (O1/O2) checks for overflow on leaving the block
+
+    def unscale(self, optimizer, params):
         masters = list(self.amp.master_params(optimizer))
+        if self.dynamic:  # apex checked on leaving scale_loss, and patched step() to skip once
+            skipped = bool(getattr(optimizer._amp_stash, "already_patched", False))
+            return masters, torch.tensor(float(skipped), device=self.device)
+        # O0/O3: a static scale of 1, with which apex checks nothing and steps on anything (its
+        # LossScaler skips only when dynamic): kd's own check, as the native levels do
+        return masters, nonfinite_gradients(masters, self._found, self._one)
+
+    def optimizer_step(self, optimizer, found):
         if self.dynamic:
-            skipped = bool(getattr(optimizer._amp_stash, "already_patched", False))  # step() will skip
-            if skipped and keep_scale is not None and before is not None and bool(keep_scale):
-                scaler._loss_scale, scaler._unskipped = before  # apex has synced already: a host read is free
-            if clip:
-                torch.nn.utils.clip_grad_norm_(masters, clip)
-            optimizer.step()
-            found = torch.tensor(float(skipped), device=self.device)
+            optimizer.step()  # apex's patched step skips where it found an overflow, and unpatches itself
         else:
-            # O0/O3: a static scale of 1, with which apex checks nothing and steps on anything
-            # (its LossScaler skips only when dynamic); kd's own check, as the native levels do
-            found = nonfinite_gradients(masters, self._found, self._one)
-            if clip:
-                torch.nn.utils.clip_grad_norm_(masters, clip)
             step_unless(optimizer, found)
+
+    def update(self, found, keep_scale=None):
+        scaler, before = self._scaler(), self._before
+        if self.dynamic and scaler is not None and before is not None and keep_scale is not None:
+            if bool(found) and bool(keep_scale):  # apex has synced already: host reads are free
+                scaler._loss_scale, scaler._unskipped = before
+
+    def finish(self, optimizer):
         optimizer.zero_grad()  # apex's O2 zero_grad takes no arguments
-        return found > 0
 
     def _scaler(self):
         scalers = getattr(self.amp._amp_state, "loss_scalers", None)

@@ -154,55 +154,51 @@ class Precision:
     def input_cast(self, images: torch.Tensor) -> torch.Tensor:
         return images
 
-    def step(
-        self,
-        loss: torch.Tensor,
-        optimizer: torch.optim.Optimizer,
-        params: Iterable[torch.Tensor],
-        sync: Callable[[], None],
-        clip: Optional[float],
-        keep_scale: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
-        """The whole update for one batch; returns a 0-dim bool tensor on the device: was it skipped.
-
-        A step whose gradients hold inf or NaN is skipped at every level: by the loss scaler
-        where there is one (float16), else by the same check here, so a non-finite loss never
-        reaches the weights. The check reads the gradients after their sync, so every process
-        decides alike. Whether to skip is the engine's decision (it makes the gradients of a step
-        it refuses NaN); this object only carries it out.
-
-        ``params`` are the model's trainable parameters (clipped unless the level keeps master
-        weights, which are clipped instead); ``sync`` reduces gradients across processes.
-        ``keep_scale`` (0-dim bool on the device): the step is skipped for a cause the loss scale
-        did not make (a non-finite loss), so the scale and its growth counter stay as they were
-        instead of backing off.
-        """
-        scaler = self.scaler
-        (scaler.scale(loss) if scaler else loss).backward()
+    # The pieces of an update. kd.run.step.apply_gradients calls them in this order and owns the
+    # policy: whether a step is skipped (the non-finite flag unscale returns) and whether the loss
+    # scale may back off (keep_scale). A precision only carries them out.
+    def backward(self, loss: torch.Tensor, sync: Callable[[], None]) -> None:
+        """Back-propagate ``loss`` (scaled where the level scales it), then ``sync`` reduces the
+        gradients across processes."""
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
         sync()
+
+    def unscale(self, optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor]):
+        """The gradients made the optimizer's (float32 masters where the level keeps them) and
+        unscaled; returns the tensors to clip and a 0-dim float on the device, non-zero where any
+        of those gradients holds inf or NaN (no host sync). ``params``: the model's trainable ones."""
         params = self._gradients_to_optimizer(params)
-        if scaler is None:  # no scaler to skip a step with inf/NaN gradients: the same skip here
-            found = nonfinite_gradients(params, self._found, self._one)
-            if clip:
-                torch.nn.utils.clip_grad_norm_(params, clip)
-            step_unless(optimizer, found)
-            skipped = found > 0
-        else:
-            if clip:
-                scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(params, clip)
-            # _scale and _growth_tracker (Optional in the stubs) are set by scaler.scale(loss), before any step
-            scale, tracker = cast(torch.Tensor, scaler._scale), cast(torch.Tensor, scaler._growth_tracker)
-            scale_before, tracker_before = scale.clone(), tracker.clone()
-            scaler.step(optimizer)  # skips optimizer.step() on inf/NaN gradients (one host sync)
-            scaler.update()
-            skipped = scale < scale_before  # the scale only ever drops on a skipped step
-            if keep_scale is not None:
-                scale.copy_(torch.where(keep_scale, scale_before, scale))
-                tracker.copy_(torch.where(keep_scale, tracker_before, tracker))
+        scaler = self.scaler
+        if scaler is None:  # no scaler to check the gradients: the same check here, at scale 1
+            return params, nonfinite_gradients(params, self._found, self._one)
+        scaler.unscale_(optimizer)
+        # what unscale_ found, per device (GradScaler keeps it for its step() and update())
+        found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values()
+        return params, torch.stack([f.to(self._found.device) for f in found]).sum()
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, found: torch.Tensor) -> None:
+        """``optimizer.step()`` unless ``found``."""
+        step_unless(optimizer, found)
+
+    def update(self, found: torch.Tensor, keep_scale: Optional[torch.Tensor] = None) -> None:
+        """The loss scale's back-off (after ``found``) or growth; ``keep_scale`` (0-dim bool on the
+        device): the step was refused for a cause the scale did not make (a non-finite loss), so
+        the scale and its growth counter stay as they were."""
+        scaler = self.scaler
+        if scaler is None:
+            return
+        # _scale and _growth_tracker (Optional in the stubs) are set by scaler.scale(loss), before any update
+        scale, tracker = cast(torch.Tensor, scaler._scale), cast(torch.Tensor, scaler._growth_tracker)
+        scale_before, tracker_before = scale.clone(), tracker.clone()
+        scaler.update()
+        if keep_scale is not None:
+            scale.copy_(torch.where(keep_scale, scale_before, scale))
+            tracker.copy_(torch.where(keep_scale, tracker_before, tracker))
+
+    def finish(self, optimizer: torch.optim.Optimizer) -> None:
+        """After the update: the model's weights from the masters (where kept), gradients cleared."""
         self._after_step()
         optimizer.zero_grad(set_to_none=True)
-        return skipped
 
     def _gradients_to_optimizer(self, params: Iterable[torch.Tensor]) -> List[torch.Tensor]:
         """Make the gradients visible to the optimizer; returns the tensors to clip."""

@@ -23,7 +23,7 @@ from kd.run.log import NullLogger, RunLogger, SetupClock, first_step_record
 from kd.run.meter import Meter, format_record, nonfinite_flags, nonfinite_message
 from kd.run.runtime import resolve as resolve_runtime
 from kd.run.signals import Interrupted, StopFlag, in_setup
-from kd.run.step import LOGITS_SUM, BufferGuard, StepOutput
+from kd.run.step import LOGITS_SUM, BufferGuard, StepOutput, apply_gradients
 from kd.runfolder import RunFolder
 
 if TYPE_CHECKING:  # the run's loop prepares the teacher; a lane only holds it
@@ -204,7 +204,8 @@ class Lane:
         good = torch.isfinite(parts["loss"])
         if buffers_finite is not None:
             good = good & buffers_finite
-        skipped = precision.step(
+        skipped = apply_gradients(
+            precision,
             parts["loss"] * torch.where(good, 1.0, float("nan")),
             self.optimizer,
             self.params,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -39,6 +39,37 @@ class StepHook:
 
     def on_epoch_end(self, trainer: Any, record: Dict[str, object]) -> None:
         pass
+
+
+def apply_gradients(
+    precision,
+    loss: torch.Tensor,
+    optimizer: torch.optim.Optimizer,
+    params,
+    sync: Callable[[], None],
+    clip: Optional[float],
+    keep_scale: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """One update from ``loss`` under the step's policy, the same for every precision; returns a
+    0-dim bool tensor on the device: was it skipped.
+
+    The precision carries out the pieces (scale and backward, unscale, the optimizer's step, the
+    loss scale's update); the decisions are taken here. A step is skipped where any gradient, read
+    after the sync so that every process decides alike, holds inf or NaN: a non-finite loss (the
+    lane makes a refused step's gradients NaN) never reaches the weights, at any level, also where
+    the precision's own scaler checks nothing (apex at a static scale). ``keep_scale`` (0-dim bool):
+    the step was refused for a cause the loss scale did not make, so the scale does not back off.
+    ``params``: the model's trainable parameters (their gradients, or the float32 masters', are
+    clipped to ``clip``); ``sync`` reduces the gradients across processes.
+    """
+    precision.backward(loss, sync)
+    grads, found = precision.unscale(optimizer, params)
+    if clip:
+        torch.nn.utils.clip_grad_norm_(grads, clip)
+    precision.optimizer_step(optimizer, found)
+    precision.update(found, keep_scale)
+    precision.finish(optimizer)
+    return found > 0
 
 
 def check_batch(batch, log) -> None:
