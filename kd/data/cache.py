@@ -15,7 +15,7 @@ from typing import Iterator, List, Optional, Tuple
 
 import torch
 
-from kd.data.loader import MEAN, STD, Batch, Loader, upload
+from kd.data.loader import MEAN, STD, Batch, Loader, Normalisation, upload
 
 #: Where a container's memory limit is (cgroup v2, then v1).
 CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
@@ -57,9 +57,8 @@ class CachedVal:
         per_batch = getattr(loader, "batch_size", 1) * 3 * image_size * image_size
         self.fits = len(loader) * per_batch <= budget_bytes
         self.batches: Optional[List[Tuple[torch.Tensor, torch.Tensor, List[str]]]] = None
-        mean, std = getattr(loader, "norm", (MEAN, STD))  # the loader's own normalisation, undone and redone
-        self.mean = torch.tensor(mean, device=device).view(1, 3, 1, 1)
-        self.std = torch.tensor(std, device=device).view(1, 3, 1, 1)
+        # the loader's own normalisation, undone and redone
+        self.normalise = Normalisation(getattr(loader, "norm", (MEAN, STD)), device)
 
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
         self.loader.set_epoch(epoch, skip_batches)
@@ -79,8 +78,7 @@ class CachedVal:
         self.loader.close()
 
     def _normalised(self, pixels: torch.Tensor) -> torch.Tensor:
-        x = pixels.float().sub_(self.mean).div_(self.std)
-        return x.contiguous(memory_format=self.memory_format)
+        return self.normalise(pixels, self.memory_format)
 
     def __iter__(self) -> Iterator[Batch]:
         if self.batches is not None:
@@ -93,7 +91,7 @@ class CachedVal:
             for batch in inner:
                 # back to the uint8 the PIL path makes (exact for it; the GPU path's crops round),
                 # kept or not, so that every pass sees the same pixels
-                pixels = (batch.images.float() * self.std + self.mean).round_().clamp_(0, 255).to(torch.uint8)
+                pixels = self.normalise.pixels(batch.images)
                 if self.fits:
                     kept.append((pixels.cpu(), batch.labels.cpu(), list(batch.bad)))
                 yield Batch(self._normalised(pixels), batch.labels, batch.bad)

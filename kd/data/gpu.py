@@ -302,9 +302,6 @@ class GpuLoader(DeviceLoader):
         self._stage_obj = None
         #: seconds per stage over every epoch so far (STAGE_TIMES): where a slow loader waits
         self.stage_times: Dict[str, float] = dict.fromkeys(STAGE_TIMES, 0.0)
-        std = torch.tensor(self.norm[1]).view(1, 3, 1, 1)
-        self.scale = (1.0 / std).to(device)
-        self.bias = (-torch.tensor(self.norm[0]).view(1, 3, 1, 1) / std).to(device)
 
     def describe(self) -> str:
         where = (
@@ -429,8 +426,8 @@ class GpuLoader(DeviceLoader):
             torch.cat([flips, torch.zeros(n_done, dtype=torch.bool)]),
             places,
             out,
-            self.scale,
-            self.bias,
+            self.normalise.scale,
+            self.normalise.bias,
         )
 
     def _separate(self, crops, done, boxes, flips, where) -> torch.Tensor:
@@ -448,8 +445,7 @@ class GpuLoader(DeviceLoader):
             x = torch.empty(0, 3, self.size, self.size, device=dev)
         if bool((where[1:] < where[:-1]).any()):  # device crops, then the workers' and the fallbacks'
             x = x.index_select(0, upload(where.argsort(), dev))
-        images = torch.empty(x.shape, device=dev, memory_format=self.memory_format)
-        return torch.addcmul(self.bias, x, self.scale, out=images)
+        return self.normalise.fused(x, self.memory_format)
 
 
 def auto_cpu_share(decoder: Decoder, workers: int, train: bool = True) -> float:

@@ -148,6 +148,34 @@ class Batch:
         return int(self.labels.shape[0])
 
 
+class Normalisation:
+    """One normalisation (mean and std on the 0-255 scale) on a device, in each form a loader uses it:
+    ``(x - mean) / std`` (:meth:`__call__`), its fused form ``x * scale + bias`` (:attr:`scale`,
+    :attr:`bias`, the one-kernel crop's and :meth:`fused`), and the way back to uint8 pixels
+    (:meth:`pixels`). Each loader keeps the form it used, so their results are as before."""
+
+    def __init__(self, norm: Tuple[Tuple[float, ...], Tuple[float, ...]], device: torch.device):
+        self.norm = norm
+        self.mean = torch.tensor(norm[0], device=device).view(1, 3, 1, 1)
+        self.std = torch.tensor(norm[1], device=device).view(1, 3, 1, 1)
+        std = torch.tensor(norm[1]).view(1, 3, 1, 1)
+        self.scale = (1.0 / std).to(device)
+        self.bias = (-torch.tensor(norm[0]).view(1, 3, 1, 1) / std).to(device)
+
+    def __call__(self, pixels: torch.Tensor, memory_format: torch.memory_format) -> torch.Tensor:
+        """Pixels (any dtype, 0-255) normalised as float32 in ``memory_format``."""
+        return pixels.float().sub_(self.mean).div_(self.std).contiguous(memory_format=memory_format)
+
+    def fused(self, x: torch.Tensor, memory_format: torch.memory_format) -> torch.Tensor:
+        """``x`` (float, 0-255) normalised in one kernel: ``x * scale + bias``."""
+        out = torch.empty(x.shape, device=x.device, memory_format=memory_format)
+        return torch.addcmul(self.bias, x, self.scale, out=out)
+
+    def pixels(self, images: torch.Tensor) -> torch.Tensor:
+        """Normalised images back to the uint8 pixels the PIL path makes (exact for them)."""
+        return (images.float() * self.std + self.mean).round_().clamp_(0, 255).to(torch.uint8)
+
+
 class Loader(Protocol):
     """What every loader is (:class:`DeviceLoader`, :class:`kd.data.gpu.GpuLoader`, :class:`SyntheticLoader`):
     an epoch of :class:`Batch` objects on the device, ``len`` of them, after ``set_epoch``."""
@@ -199,8 +227,7 @@ class DeviceLoader:
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         self.limit = limit
         self.norm = norm
-        self.mean = torch.tensor(norm[0], device=device).view(1, 3, 1, 1)
-        self.std = torch.tensor(norm[1], device=device).view(1, 3, 1, 1)
+        self.normalise = Normalisation(norm, device)
         self.skipped_batches = 0
 
     @property
@@ -248,8 +275,7 @@ class DeviceLoader:
         if remaining == 0:
             return
         for images, labels, bad in self.loader:
-            images = images.to(self.device, non_blocking=True).float()
-            images = images.sub_(self.mean).div_(self.std).contiguous(memory_format=self.memory_format)
+            images = self.normalise(images.to(self.device, non_blocking=True), self.memory_format)
             yield Batch(images, labels.to(self.device, non_blocking=True), bad)
             remaining -= 1
             if remaining == 0:

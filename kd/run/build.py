@@ -67,7 +67,7 @@ def build_lane(
     renorm = lane.renorm
     lane.eval_forward = forward if renorm is None else (lambda images: forward(renorm(images)))
     # CUDA-graph modes: each step starts a new graph generation (the last step's outputs are dead)
-    lane.graph_step = lane.runtime.compile and cfg.compile_mode in ("reduce-overhead", "max-autotune")
+    lane.graph_step = lane.runtime.cuda_graphs
     if lane.runtime.compile:
         said.append(
             f"torch.compile ({cfg.compile_mode}): the first step compiles the student "

@@ -122,11 +122,7 @@ class Trainer:
         students = students if isinstance(students, Students) else Students.alone(students)
         cfg = models.with_data_configs(students.cfgs[0])  # the loaders normalise for the first student
         several = len(students.names) > 1
-        if (
-            several
-            and resolve_runtime(cfg, backend.device).compile
-            and cfg.compile_mode in ("reduce-overhead", "max-autotune")
-        ):
+        if several and resolve_runtime(cfg, backend.device).cuda_graphs:
             raise KDError(
                 f"compile_mode {cfg.compile_mode} (CUDA graphs) cannot share the teacher's outputs between "
                 f"students; use compile_mode default or max-autotune-no-cudagraphs"

@@ -13,6 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+#: torch.compile's modes that capture CUDA graphs
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
 
 @dataclass(frozen=True)
 class Runtime:
@@ -24,6 +27,9 @@ class Runtime:
     #: torch.compile the student and the teacher (``--compile``; auto, as recipes have it: on CUDA,
     #: where it pays; on the CPU it compiles for about a minute for little gain)
     compile: bool = False
+    #: torch.compile captures CUDA graphs (compile_mode reduce-overhead or max-autotune): each step
+    #: starts a new graph generation, and the teacher's outputs cannot be shared between students
+    cuda_graphs: bool = False
 
     @property
     def memory_format(self) -> torch.memory_format:
@@ -33,9 +39,11 @@ class Runtime:
 def resolve(cfg, device: torch.device) -> Runtime:
     """The :class:`Runtime` of ``cfg`` on ``device``."""
     cuda = device.type == "cuda"
+    compile = cfg.compile if cfg.compile is not None else cuda
     return Runtime(
         device=device,
         channels_last=cfg.channels_last if cfg.channels_last is not None else cuda,
         fuse_teacher=cfg.fuse_teacher if cfg.fuse_teacher is not None else cuda,
-        compile=cfg.compile if cfg.compile is not None else cuda,
+        compile=compile,
+        cuda_graphs=compile and cfg.compile_mode in CUDA_GRAPH_MODES,
     )

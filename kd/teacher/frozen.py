@@ -54,7 +54,7 @@ class Teacher:
         self.top1: Optional[float] = None  # its val top-1 once measured (validate)
         self.renorm = renorm if renorm is not None else (lambda images: images)
         self.log = log
-        self.graph_step = runtime.compile and cfg.compile_mode in ("reduce-overhead", "max-autotune")
+        self.graph_step = runtime.cuda_graphs
         self.precision: kd_teacher.TeacherPrecision  # set by choose() below, which kd_teacher.prepare always calls
 
         def choose(candidate: nn.Module) -> nn.Module:
