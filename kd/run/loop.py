@@ -19,6 +19,7 @@ from kd import config as kd_config
 from kd import models
 from kd.data.loader import Batch, val_transform
 from kd.data.pipeline import build as build_data
+from kd.data.pipeline import build_val
 from kd.errors import KDError, NonFinite
 from kd.run import checkpoint
 from kd.run.build import build_lane
@@ -63,11 +64,9 @@ def prepare_teacher(
     """``model`` on this run's device and memory format, shown to ``hooks``, then prepared
     (:class:`kd.teacher.frozen.Teacher`: fused, its precision chosen on this run's validation data)
     with feature taps on ``layers``; what kd chose goes to ``notes``."""
-    model = model.to(lane.device, memory_format=lane.memory_format)  # type: ignore[call-overload]  # as the student side above
+    model = model.to(lane.device, memory_format=lane.memory_format)  # type: ignore[call-overload]  # valid at run time; torch's overloads list the two apart
     for hook in hooks:
         hook.on_teacher(lane, model)
-    from kd.data.pipeline import build_val
-
     cfg = lane.cfg
     teacher_data = models.DataConfig.from_dict(cfg.teacher_data or {})
     evaluation = (teacher_data.val_resize(cfg.image_size), teacher_data.interpolation)
