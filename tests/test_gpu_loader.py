@@ -549,7 +549,10 @@ def test_the_default_loader_is_auto_and_says_what_it_chose_and_why(image_folder)
     assert kd_config.LOADER_NAMES == pipeline.LOADER_NAMES == ("auto", *pipeline.LOADERS)  # one list, kept twice
     data = build(cfg_for(image_folder, loader="auto", image_size=32), 1, 0, 8, CPU, False)
     assert data.train.describe().startswith("loader pil (--loader auto: no CUDA device): PIL decode")
-    assert type(getattr(data.val, "loader", data.val)) is type(data.train)  # (inside the val cache)
+    # validation under auto is the PIL path's (torchvision's crops bit for bit), under gpu the device's
+    for loader, kind in (("auto", "DeviceLoader"), ("gpu", "GpuLoader")):
+        val = build(cfg_for(image_folder, loader=loader, image_size=32), 1, 0, 8, CPU, False).val
+        assert type(getattr(val, "loader", val)).__name__ == kind, loader  # (inside the val cache)
     if not torch.cuda.is_available():  # on a CPU machine a CUDA device has no GPU decoder: each one's reason
         name, why = choose_loader("auto", torch.device("cuda", 0))
         assert name == "pil" and why.startswith("--loader auto: no GPU JPEG decoder works here (nvjpeg "), why

@@ -217,3 +217,23 @@ def test_an_unreadable_source_image_is_left_out_and_named(tmp_path):
     assert "; 1 unreadable train image(s) left out; train with" in lines[-1]
     _, train, _ = scan(str(tmp_path / "copy"))
     assert str(broken) not in (tmp_path / "copy" / "train.paths.txt").read_text() and len(train) == 5
+
+
+def test_a_copy_of_many_shards_keeps_few_files_open(copies, monkeypatch):
+    """ImageNet's copy has over a thousand shards, more than a process may open: the reader keeps
+    a few open and closes the least recently read (a failed open was counted as an unreadable image)."""
+    import kd.data.prepared
+
+    src, raw, _ = copies
+    monkeypatch.setattr(kd.data.prepared, "MAX_OPEN_SHARDS", 2)
+    _, train, _ = scan(str(raw))
+    expected = [train.data(i) for i in range(len(train))]
+    order = [16, 0, 4, 8, 12, 1, 5, 9, 13, 2, 16]  # every shard, again and again
+    for i in order:
+        assert train.data(i) == expected[i]
+        assert len(train._files) <= 2
+    open_now = set(train._files.values())
+    train.close()
+    for fd in open_now:
+        with pytest.raises(OSError):
+            os.fstat(fd)

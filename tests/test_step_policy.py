@@ -272,3 +272,32 @@ def test_apex_casts_come_back_on_after_a_teacher_forward_that_raises():
             assert handle._is_active is False
             raise RuntimeError("CUDA out of memory (in the teacher's forward)")
     assert handle._is_active is True
+
+
+def test_a_failed_folder_start_closes_what_the_set_up_opened(data, tmp_path, monkeypatch):
+    """Writing the run folder is the set-up's last part: where it fails (a full disk, a read-only
+    --out) the data's workers and the teacher's val loader are closed, as for any failed start."""
+    import kd.run.loop
+    from kd.data.pipeline import Data
+
+    closed = []
+    real_close = Data.close
+    monkeypatch.setattr(Data, "close", lambda self: (closed.append(self), real_close(self)))
+
+    def full_disk(lane):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(kd.run.loop, "start_folder", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        trainer(tiny_cfg(data, tmp_path / "full"))
+    assert len(closed) == 1
+
+
+def test_a_stop_before_the_first_epoch_begins_still_saves(data, tmp_path):
+    """A resumed run whose pending validation is stopped again interrupts before any epoch began."""
+    t = trainer(tiny_cfg(data, tmp_path / "early"))
+    try:
+        stopped = t.lane.interrupt()
+        assert "stopped by" in str(stopped) and (Path(t.lane.out) / "checkpoints" / "last.pt").is_file()
+    finally:
+        t.close()

@@ -242,6 +242,8 @@ def test_default_workers_are_this_hosts_cores_per_process_less_one(monkeypatch, 
     from kd.data.loader import worker_count
 
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    monkeypatch.setattr("kd.data.loader.cgroup_cpu_limit", lambda: None)
+    monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
     if local is None:
         monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     else:
@@ -249,3 +251,29 @@ def test_default_workers_are_this_hosts_cores_per_process_less_one(monkeypatch, 
     cfg = kd_config.RunConfig()
     assert worker_count(cfg, processes) == expected
     assert worker_count(kd_config.RunConfig(workers=3), processes) == 3
+
+
+def test_default_workers_see_a_containers_cpu_quota_and_slurms_cores_per_task(monkeypatch, tmp_path):
+    """A pod limited to 8 CPUs on a 96-core node sees all 96 in its affinity; a Slurm task with
+    --cpus-per-task has its cores to itself (dividing them by the tasks on the node again left one)."""
+    from kd import config as kd_config
+    from kd.data.loader import cgroup_cpu_limit, worker_count
+
+    (tmp_path / "cpu.max").write_text("800000 100000\n")
+    assert cgroup_cpu_limit(str(tmp_path)) == 8
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert cgroup_cpu_limit(str(tmp_path)) is None
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("250000")
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000")
+    assert cgroup_cpu_limit(str(v1)) == 3
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(96)), raising=False)
+    monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr("kd.data.loader.cgroup_cpu_limit", lambda: 8)
+    assert worker_count(kd_config.RunConfig(), 1) == 7
+    monkeypatch.setattr("kd.data.loader.cgroup_cpu_limit", lambda: None)
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "12")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert worker_count(kd_config.RunConfig(), 16) == 11

@@ -9,11 +9,13 @@ ranks and epochs. The teacher never runs in a worker.
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import os
 import random
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Protocol, Tuple
 
 import numpy as np
@@ -85,23 +87,55 @@ MAX_DEFAULT_WORKERS = 32
 
 
 def local_processes(num_replicas: int) -> int:
-    """The processes of this run on this host: a launcher's ``LOCAL_WORLD_SIZE``, else ``num_replicas``."""
+    """The processes of this run that share this host's cores: a launcher's ``LOCAL_WORLD_SIZE``,
+    else ``num_replicas``; 1 under Slurm with ``--cpus-per-task``, whose tasks have cores of their own."""
+    if os.environ.get("SLURM_CPUS_PER_TASK"):
+        return 1
     try:
         return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", num_replicas)))
     except ValueError:
         return max(1, num_replicas)
 
 
-def default_workers(processes: int) -> int:
-    """The CPU cores each of this host's ``processes`` processes has, less the one its training
-    thread needs (at least 1, at most MAX_DEFAULT_WORKERS). One process per GPU, so on the GPU
-    machines kd is measured on (16 cores, one H200) this is the fastest measured setting, 15;
-    ``dp``'s one process feeds all its GPUs and gets all the cores."""
+def cgroup_cpu_limit(root: str = "/sys/fs/cgroup") -> Optional[int]:
+    """A container's CPU quota in cores (cgroup v2 ``cpu.max``, or v1's CFS quota), rounded up;
+    None where there is none. A quota does not show in the process's CPU affinity."""
+    try:
+        quota, period = Path(root, "cpu.max").read_text().split()[:2]
+        if quota != "max":
+            return max(1, math.ceil(int(quota) / int(period)))
+        return None
+    except (OSError, ValueError):
+        pass
+    try:
+        quota_us = int(Path(root, "cpu", "cpu.cfs_quota_us").read_text())
+        period_us = int(Path(root, "cpu", "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return max(1, math.ceil(quota_us / period_us)) if quota_us > 0 and period_us > 0 else None
+
+
+def available_cores() -> int:
+    """The CPU cores this process may use: its affinity, bounded by a container's CPU quota and by
+    Slurm's ``SLURM_CPUS_PER_TASK``."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         cores = os.cpu_count() or 1
-    return max(1, min(MAX_DEFAULT_WORKERS, cores // max(processes, 1) - 1))
+    for limit in (cgroup_cpu_limit(), os.environ.get("SLURM_CPUS_PER_TASK")):
+        try:
+            cores = min(cores, int(limit)) if limit else cores
+        except ValueError:
+            pass
+    return max(1, cores)
+
+
+def default_workers(processes: int) -> int:
+    """The CPU cores each of this host's ``processes`` processes has (:func:`available_cores`), less
+    the one its training thread needs (at least 1, at most MAX_DEFAULT_WORKERS). One process per
+    GPU, so on the GPU machines kd is measured on (16 cores, one H200) this is the fastest measured
+    setting, 15; ``dp``'s one process feeds all its GPUs and gets all the cores."""
+    return max(1, min(MAX_DEFAULT_WORKERS, available_cores() // max(processes, 1) - 1))
 
 
 #: How much nicer than the training process its loader workers run (``KD_WORKER_NICE`` overrides):

@@ -58,7 +58,7 @@ def build(cfg, num_replicas: int, rank: int, local_batch: int, device: torch.dev
     train.why = why
     describe = getattr(train_samples, "describe", None)  # a prepared copy says what it holds
     train.source = describe() if describe is not None else ""
-    val = build_val(cfg, val_samples, num_replicas, rank, local_batch, device, channels_last, name)
+    val = build_val(cfg, val_samples, num_replicas, rank, local_batch, device, channels_last)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", num_replicas))  # this host's processes under a launcher
     budget = default_budget_gb(min(local, num_replicas)) if cfg.val_cache_gb is None else cfg.val_cache_gb
     if budget > 0:
@@ -87,12 +87,12 @@ def choose_loader(choice: str, device: torch.device) -> Tuple[str, str]:
     return "gpu", f"--loader auto: CUDA and the {decoder.name} decoder work here"
 
 
-def build_val(
-    cfg, samples, num_replicas: int, rank: int, local_batch: int, device, channels_last: bool, name: str = ""
-) -> Loader:
-    """The val loader for ``cfg``'s validation transform, from loader ``name`` (default: the one
-    ``cfg.loader`` chooses); the device path resizes bilinearly only, so a bicubic evaluation
-    (most timm models) is decoded and resized by the PIL path's workers."""
-    name = name or choose_loader(cfg.loader, device)[0]
-    make = LOADERS[name] if val_transform(cfg)[1] == "bilinear" else make_loader
+def build_val(cfg, samples, num_replicas: int, rank: int, local_batch: int, device, channels_last: bool) -> Loader:
+    """The val loader for ``cfg``'s validation transform. ``--loader auto`` validates on the PIL path:
+    its crops are torchvision's ``Resize`` + ``CenterCrop`` bit for bit, whatever the machine, and the
+    val cache keeps them after the first pass. ``--loader gpu`` validates on the device where the
+    transform is bilinear (its crops within rounding of those); a bicubic evaluation (most timm
+    models) always goes through the PIL path, as the device resizes bilinearly only."""
+    on_device = cfg.loader == "gpu" and val_transform(cfg)[1] == "bilinear"
+    make = LOADERS["gpu"] if on_device else make_loader
     return make(cfg, samples, False, num_replicas, rank, local_batch, device, channels_last)

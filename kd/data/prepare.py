@@ -148,6 +148,8 @@ def write_shard(job: Job) -> Dict[str, Any]:
             rows.append((job.shard, offset, len(data), label, height, width, code))
             paths.append(path)
             offset += len(data)
+        fh.flush()
+        os.fsync(fh.fileno())  # on disk before the commit below says it is
     index = np.array(rows, dtype=INDEX_DTYPE)
     np.save(dst / f"{name}.idx.npy", index)
     os.replace(tmp, dst / name)
@@ -292,10 +294,12 @@ def check_destination(out: Path, wanted: Dict[str, Any], overwrite: bool) -> Opt
 
 
 def clear(out: Path) -> None:
-    """Remove a prepared copy's files (and nothing else) from ``out``."""
+    """Remove a prepared copy's files (and nothing else) from ``out``; the manifest last, so that a
+    stopped removal still leaves a folder kd recognises as its own."""
     for path in out.iterdir():
-        if path.name == MANIFEST or (path.name.startswith(SPLITS) and path.is_file()):
+        if path.name.startswith(SPLITS) and path.is_file():
             path.unlink()
+    (out / MANIFEST).unlink(missing_ok=True)
 
 
 def finished(job: Job) -> Optional[Dict[str, Any]]:

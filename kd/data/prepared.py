@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import json
 import os
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -26,6 +27,8 @@ from PIL import Image
 from kd.errors import KDError
 
 MANIFEST = "kd-prepared.json"
+#: shard files a process keeps open at once (a sampler's order visits them all, every batch)
+MAX_OPEN_SHARDS = 64
 FORMAT_VERSION = 1
 #: the index's record: where an image's bytes are, what they are, and where they came from
 INDEX_DTYPE = np.dtype(
@@ -95,7 +98,7 @@ class Prepared(Sequence[Tuple[str, int]]):
         self.root = Path(root)
         self.split = split
         self._index: Optional[np.ndarray] = None
-        self._files: Dict[int, int] = {}  # shard -> file descriptor, this process's own
+        self._files: OrderedDict[int, int] = OrderedDict()  # shard -> descriptor, this process's, last used last
         self._pid = os.getpid()
 
     def __getstate__(self) -> Dict[str, Any]:  # a worker opens the index and the shards itself
@@ -144,12 +147,31 @@ class Prepared(Sequence[Tuple[str, int]]):
         return Image.open(io.BytesIO(data))
 
     def _fd(self, shard: int) -> int:
+        """An open descriptor of ``shard``; at most MAX_OPEN_SHARDS per process (ImageNet's copy has
+        over a thousand shards, more than a process may usually open), the least recently read closed."""
         if self._pid != os.getpid():  # a forked worker: its parent's descriptors are not its own to share
-            self._files, self._pid = {}, os.getpid()
+            self._files, self._pid = OrderedDict(), os.getpid()
         fd = self._files.get(shard)
-        if fd is None:
-            fd = self._files[shard] = os.open(self.root / shard_name(self.split, shard), os.O_RDONLY)
+        if fd is not None:
+            self._files.move_to_end(shard)
+            return fd
+        while len(self._files) >= MAX_OPEN_SHARDS:
+            os.close(self._files.popitem(last=False)[1])
+        fd = self._files[shard] = os.open(self.root / shard_name(self.split, shard), os.O_RDONLY)
         return fd
+
+    def close(self) -> None:
+        """Close this process's descriptors (reading again opens them again)."""
+        if self._pid == os.getpid():
+            for fd in self._files.values():
+                os.close(fd)
+        self._files = OrderedDict()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # at interpreter exit os may be gone already
+            pass
 
 
 def shard_name(split: str, shard: int) -> str:

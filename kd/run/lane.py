@@ -19,7 +19,7 @@ from kd.data.loader import Batch
 from kd.errors import KDError, NonFinite
 from kd.run import checkpoint
 from kd.run.accuracy import validate_student
-from kd.run.log import NullLogger, RunLogger, SetupClock, first_step_record
+from kd.run.log import NullBar, NullLogger, RunLogger, SetupClock, first_step_record
 from kd.run.meter import Meter, format_record, nonfinite_flags, nonfinite_message
 from kd.run.runtime import resolve as resolve_runtime
 from kd.run.signals import Interrupted, StopFlag, in_setup
@@ -94,6 +94,7 @@ class Lane:
         self.steps_in_epoch = len(self.data.train)
         self.stop_every = min(cfg.log_every, 10)  # steps between stop checks across processes
         self.epoch_ended: Optional[float] = None
+        self._bar: Any = NullBar()  # the epoch's progress bar (begin_epoch); none before the first epoch
 
     def close(self) -> None:
         """Its logs closed (the run closes what the lanes share)."""

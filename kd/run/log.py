@@ -120,13 +120,15 @@ class NullLogger:
         pass
 
     def progress(self, total: int, desc: str):
-        return _NullBar()
+        return NullBar()
 
     def close(self) -> None:
         pass
 
 
-class _NullBar:
+class NullBar:
+    """A progress bar that shows nothing (other processes, --no-progress, before the first epoch)."""
+
     def update(self, n: int = 1) -> None:
         pass
 
@@ -190,7 +192,7 @@ class RunLogger(NullLogger):
 
     def progress(self, total: int, desc: str):
         if tqdm is None or not self.bar_enabled:
-            return _NullBar()
+            return NullBar()
         return tqdm(total=total, desc=desc, file=sys.stderr, dynamic_ncols=True, leave=False)
 
     def close(self) -> None:

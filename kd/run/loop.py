@@ -65,8 +65,9 @@ def prepare_teacher(
     (:class:`kd.teacher.frozen.Teacher`: fused, its precision chosen on this run's validation data)
     with feature taps on ``layers``; what kd chose goes to ``notes``."""
     model = model.to(lane.device, memory_format=lane.memory_format)  # type: ignore[call-overload]  # valid at run time; torch's overloads list the two apart
-    for hook in hooks:
-        hook.on_teacher(lane, model)
+    with lane.precision.other_model_context():  # (apex O1: its casts off, as for the teacher's forward)
+        for hook in hooks:
+            hook.on_teacher(lane, model)
     cfg = lane.cfg
     teacher_data = models.DataConfig.from_dict(cfg.teacher_data or {})
     evaluation = (teacher_data.val_resize(cfg.image_size), teacher_data.interpolation)
@@ -182,13 +183,13 @@ class Trainer:
             if cache is not None:
                 self.lanes[0].logger.info(f"val: {cache()}")
             self._stop_in_setup()  # the last point at which a stop writes nothing
+            if backend.is_main and students.grouped:
+                write_students(students.out, students.names, self.failed)
+            for lane in self.lanes:
+                start_folder(lane)
         except BaseException:
             self.close()
             raise
-        if backend.is_main and students.grouped:
-            write_students(students.out, students.names, self.failed)
-        for lane in self.lanes:
-            start_folder(lane)
         clock.mark("folder")
         self.active = list(self.lanes)
 
@@ -314,8 +315,10 @@ class Trainer:
                     break
                 check_batch(batch, self.active[0].logger.info)
                 teacher_out = None
-                if self.teacher is not None:
+                if self.teacher is not None and len(self.active) > 1:  # once for all the students
                     teacher_out = self.teacher.forward(batch.images)  # as probed: not the students' cast
+                # (one student runs the teacher in its own step: under CUDA graphs the step's new graph
+                # generation must begin before the teacher's forward, or it overwrites its outputs)
                 stop = False
                 outs: List[StepOutput] = []
                 for lane in list(self.active):
