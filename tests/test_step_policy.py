@@ -301,3 +301,21 @@ def test_a_stop_before_the_first_epoch_begins_still_saves(data, tmp_path):
         assert "stopped by" in str(stopped) and (Path(t.lane.out) / "checkpoints" / "last.pt").is_file()
     finally:
         t.close()
+
+
+def test_a_checkpoint_that_cannot_be_resumed_fails_before_the_data_is_read(data, tmp_path, monkeypatch):
+    import backends
+    import kd.run.loop
+    from kd.errors import KDError
+    from kd.run.loop import Trainer
+
+    built = []
+    monkeypatch.setattr(kd.run.loop, "build_data", lambda *args: built.append(args))
+    broken = tmp_path / "last.pt"
+    broken.write_bytes(b"PK\x03\x04 not a whole archive")
+    cfg = tiny_cfg(data, tmp_path / "resume")
+    backend = backends.get("single")(cfg)
+    backend.setup()
+    with pytest.raises(KDError, match="cannot load checkpoint"):
+        Trainer(cfg, backend, resume_from=broken)
+    assert built == []

@@ -31,7 +31,7 @@ def build_lane(
     where given; ``shared`` (:class:`kd.run.loop.Shared`) brings the data, the teacher's model, the
     stop flag and the set-up's clock; ``alone``: the run's only student. A stop signal during
     set-up ends it at the next of a few points, every process alike, with nothing written."""
-    resumed = checkpoint.load(resume_from) if resume_from is not None else None  # a broken file fails first
+    resumed = checkpoint.load(resume_from) if resume_from is not None else None  # (the loop checked it)
     lane = Lane(models.with_data_configs(cfg), backend, Path(out), resume_from, shared, validate, alone)
     cfg, dev = lane.cfg, lane.device
     lane.stop_in_setup()

@@ -128,12 +128,13 @@ def why_unreadable(path: Union[str, Path], exc: Exception) -> str:
     return "it is not a PyTorch file (torch.save writes a zip archive or a pickle, and this file is neither)"
 
 
-def load(path: Path) -> Dict[str, Any]:
-    """A kd checkpoint, refusing anything that needs arbitrary code to unpickle."""
+def load(path: Path, mmap: bool = False) -> Dict[str, Any]:
+    """A kd checkpoint, refusing anything that needs arbitrary code to unpickle; ``mmap``: its
+    tensors memory-mapped, read only where used (a check that it can be resumed costs little)."""
     path = Path(path)
     if not path.is_file():
         raise KDError(f"nothing to resume: {path} does not exist")
-    obj = read(path, "cannot load checkpoint")
+    obj = read(path, "cannot load checkpoint", mmap=mmap)
     if not isinstance(obj, dict) or obj.get("format") != FORMAT_VERSION or "student" not in obj:
         raise KDError(f"{path} is not a kd checkpoint")
     return obj

@@ -141,6 +141,14 @@ class Trainer:
         self.lanes: List[Lane] = []
         self.teacher: Optional[Teacher] = None
         self.data: Any = None  # the run's data pipeline, once built
+        resumes = {  # each student's checkpoint: one that cannot be resumed fails before the data is read
+            name: (RunFolder(students.folder(name)).last if students.grouped else resume_from) if resume_from else None
+            for name in students.names
+            if name not in self.failed
+        }
+        for path in resumes.values():
+            if path is not None:
+                checkpoint.load(path, mmap=True)
         try:
             self._stop_in_setup()
             runtime = resolve_runtime(cfg, backend.device)
@@ -153,11 +161,15 @@ class Trainer:
             for name, lane_cfg in zip(students.names, students.cfgs):
                 if name in self.failed:
                     continue
-                out = students.folder(name)
                 grouped = students.grouped
-                resume = (RunFolder(out).last if grouped else resume_from) if resume_from else None
                 lane = build_lane(
-                    lane_cfg, backend.fork() if grouped else backend, out, resume, shared, validate, not grouped
+                    lane_cfg,
+                    backend.fork() if grouped else backend,
+                    students.folder(name),
+                    resumes[name],
+                    shared,
+                    validate,
+                    not grouped,
                 )
                 lane.name = name
                 if grouped:
