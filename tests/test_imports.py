@@ -176,3 +176,11 @@ def test_the_longest_import_chain_is_at_most_ten_modules():
 def test_at_most_a_dozen_modules_directly_under_kd():
     top = sorted(p.name for p in (ROOT / "kd").glob("*.py"))
     assert len(top) <= 12, top
+
+
+def test_nothing_but_the_cli_and_the_commands_import_the_commands():
+    """kd.commands is what the command line calls (kd/commands/__init__.py): the run, the teacher
+    and the data never depend on it."""
+    graph = import_graph()
+    users = sorted(m for m, deps in graph.items() for d in deps if d.startswith("kd.commands"))
+    assert all(m == "cli" or m.startswith("kd.commands") for m in users), users
