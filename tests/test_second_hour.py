@@ -113,7 +113,6 @@ def test_report_calls_a_run_without_teacher_by_its_method_ce(teacher_run):
 def test_a_recipes_compile_applies_on_cuda_only_and_says_when_it_starts(data, tmp_path, capfd):
     """Recipes ask for torch.compile on CUDA (``compile: auto``): on the CPU it cost a silent minute
     for little gain. Asked for (--compile), it is used anywhere, and the log says the first step compiles."""
-    from pathlib import Path
 
     import torch
 

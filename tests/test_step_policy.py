@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import signal
 from pathlib import Path
 from typing import Dict, List
 
@@ -16,7 +17,6 @@ from conftest import in_process_trainer, make_image_folder, run_kd
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 
-import kd.run.build
 import kd.run.build
 from kd import config as kd_config
 from kd.errors import NonFinite
@@ -316,6 +316,8 @@ def test_a_checkpoint_that_cannot_be_resumed_fails_before_the_data_is_read(data,
     cfg = tiny_cfg(data, tmp_path / "resume")
     backend = backends.get("single")(cfg)
     backend.setup()
+    handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     with pytest.raises(KDError, match="cannot load checkpoint"):
         Trainer(cfg, backend, resume_from=broken)
     assert built == []
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == handlers  # none left installed

@@ -136,11 +136,6 @@ class Trainer:
         self.failed: Dict[str, str] = stopped_students(students.out) if resume_from and students.grouped else {}
         if self.failed and all(name in self.failed for name in students.names):
             raise KDError(f"every student of {students.out} stopped on a non-finite loss; nothing to resume")
-        self.owns_stop = stop is None
-        self.stop = stop if stop is not None else StopFlag(backend.placement.launched)
-        self.lanes: List[Lane] = []
-        self.teacher: Optional[Teacher] = None
-        self.data: Any = None  # the run's data pipeline, once built
         resumes = {  # each student's checkpoint: one that cannot be resumed fails before the data is read
             name: (RunFolder(students.folder(name)).last if students.grouped else resume_from) if resume_from else None
             for name in students.names
@@ -149,6 +144,11 @@ class Trainer:
         for path in resumes.values():
             if path is not None:
                 checkpoint.load(path, mmap=True)
+        self.owns_stop = stop is None
+        self.stop = stop if stop is not None else StopFlag(backend.placement.launched)
+        self.lanes: List[Lane] = []
+        self.teacher: Optional[Teacher] = None
+        self.data: Any = None  # the run's data pipeline, once built
         try:
             self._stop_in_setup()
             runtime = resolve_runtime(cfg, backend.device)
