@@ -398,14 +398,8 @@ def renormaliser(loader_norm: Optional[MeanStd], data: Optional[Dict[str, Any]])
 def run_settings(weights: str) -> Dict[str, Any]:
     """``model``, ``num_classes`` and ``config`` (the run's RunConfig as a dict) of a kd checkpoint;
     an empty dict for any other weights. Reading problems are left to :func:`kd.models.build`."""
-    path = Path(weights)
-    if weights in ("pretrained", "none") or not path.is_file():
-        return {}
-    try:
-        obj = checkpoint.read(path, "cannot read weights file", mmap=True)
-    except KDError:  # not a file kd can read: models.build reads it again and says why
-        return {}
-    if not (isinstance(obj, dict) and "kd_version" in obj and isinstance(obj.get("student"), dict)):
+    obj = _kd_checkpoint(weights)
+    if obj is None or not isinstance(obj.get("student"), dict):
         return {}
     stored = obj.get("config")
     config: Dict[str, Any] = stored if isinstance(stored, dict) else {}
