@@ -318,7 +318,7 @@ def run_jobs(jobs: List[Job], workers: Optional[int], progress: bool) -> Dict[Tu
     """Every shard's summary: those committed before, and the rest written in a process pool."""
     from tqdm import tqdm
 
-    from kd.data.loader import default_mp_context, mp_context
+    from kd.data.loader import available_cores, default_mp_context, mp_context
 
     summaries = {}
     todo = []
@@ -337,7 +337,7 @@ def run_jobs(jobs: List[Job], workers: Optional[int], progress: bool) -> Dict[Tu
         disable=not progress,
         file=sys.stderr,
     )
-    workers = workers or max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+    workers = workers or available_cores()
     with (
         bar,
         concurrent.futures.ProcessPoolExecutor(

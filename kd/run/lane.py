@@ -323,11 +323,8 @@ class Lane:
         return self.epoch, self.batch_in_epoch
 
     def stop_in_setup(self) -> None:
-        """Before the first step: a stop asked for during set-up ends the run here, with nothing
-        written (a fresh run's folder is removed by :func:`kd.run.launch.train`). A collective: every
-        process decides alike."""
-        if stop_anywhere(self.stop, self.backend, self.device):
-            raise in_setup(self.stop.signame)
+        """:func:`stop_in_setup` with this student's stop flag and backend."""
+        stop_in_setup(self.stop, self.backend)
 
     @property
     def teacher(self):
@@ -350,8 +347,11 @@ class Lane:
         self.cfg = dataclasses.replace(self.cfg, teacher_precision=teacher.dtype_name)
 
 
-def stop_anywhere(stop: StopFlag, backend, device: torch.device) -> bool:
-    """Whether a stop signal reached any process (a collective)."""
-    flag = torch.tensor(float(stop.requested), device=device)
+def stop_in_setup(stop: StopFlag, backend) -> None:
+    """Before the first step: a stop asked for during set-up, in any process, ends the run here with
+    nothing written (a fresh run's folder is removed by :func:`kd.run.launch.train`). A collective:
+    every process decides alike."""
+    flag = torch.tensor(float(stop.requested), device=backend.device)
     backend.all_reduce_sum(flag)
-    return flag.item() > 0
+    if flag.item() > 0:
+        raise in_setup(stop.signame)

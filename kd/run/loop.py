@@ -23,10 +23,10 @@ from kd.data.pipeline import build_val
 from kd.errors import KDError, NonFinite
 from kd.run import checkpoint
 from kd.run.build import build_lane
-from kd.run.lane import Lane, stop_anywhere
+from kd.run.lane import Lane, stop_in_setup
 from kd.run.log import SetupClock, command_start
 from kd.run.runtime import resolve as resolve_runtime
-from kd.run.signals import Interrupted, StopFlag, in_setup
+from kd.run.signals import Interrupted, StopFlag
 from kd.run.step import StepHook, StepOutput, check_batch
 from kd.run.students import Students, stopped_students, write_students
 from kd.runfolder import RunFolder
@@ -150,7 +150,7 @@ class Trainer:
         self.teacher: Optional[Teacher] = None
         self.data: Any = None  # the run's data pipeline, once built
         try:
-            self._stop_in_setup()
+            stop_in_setup(self.stop, self.backend)
             runtime = resolve_runtime(cfg, backend.device)
             num_replicas, rank = backend.data_shard()
             self.data = build_data(
@@ -194,7 +194,7 @@ class Trainer:
             cache = getattr(self.data.val, "describe_cache", None)
             if cache is not None:
                 self.lanes[0].logger.info(f"val: {cache()}")
-            self._stop_in_setup()  # the last point at which a stop writes nothing
+            stop_in_setup(self.stop, self.backend)  # the last point at which a stop writes nothing
             if backend.is_main and students.grouped:
                 write_students(students.out, students.names, self.failed)
             for lane in self.lanes:
@@ -212,11 +212,6 @@ class Trainer:
             raise AttributeError(f"a run of {len(self.lanes)} students has no one lane")
         return self.lanes[0]
 
-    def _stop_in_setup(self) -> None:
-        """A stop asked for during set-up ends the run here, with nothing written (a collective)."""
-        if stop_anywhere(self.stop, self.backend, self.backend.device):
-            raise in_setup(self.stop.signame)
-
     def _prepare_teacher(self, shared: Shared) -> None:
         """One teacher for every student that needs one, tapping the layers of them all."""
         taught = [lane for lane in self.lanes if lane.needs_teacher]
@@ -229,7 +224,7 @@ class Trainer:
         for lane in taught:
             lane.use_teacher(self.teacher)
             lane.notes.extend(notes)
-        self._stop_in_setup()
+        stop_in_setup(self.stop, self.backend)
         shared.clock.mark("teacher")  # on the device, fused, its precision probed
 
     def close(self) -> None:
@@ -264,7 +259,7 @@ class Trainer:
     def fit(self) -> Dict[str, float]:
         """Every student's epochs; the first student's last record, or a KDError naming the students
         stopped by a non-finite loss once the others are done."""
-        self._stop_in_setup()
+        stop_in_setup(self.stop, self.backend)
         records: Dict[str, Dict[str, float]] = {}
         for lane in list(self.active):  # students whose last validation a stop cut short
             record = self._run(lane, lane.finish_pending_epoch)
