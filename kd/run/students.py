@@ -4,6 +4,7 @@ the others)."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Sequence, Tuple
@@ -22,7 +23,7 @@ class Students:
     names: Tuple[str, ...]
     cfgs: Tuple[Any, ...]
 
-    @property
+    @functools.cached_property  # asked at every step of the loop
     def grouped(self) -> bool:
         """Whether they live in ``out/<name>/`` beside ``out/students.yaml`` (not a plain run's folder)."""
         return Path(self.cfgs[0].out) != self.out
