@@ -16,7 +16,7 @@ OUT=${OUT:-/tmp/kd-mission}; mkdir -p "$OUT"
 PY=python3
 DATA=${DATA:-/tmp/jpegs100}
 RUNS=/tmp/mission
-TEACHER=$RUNS/teacher/checkpoints/best.pt
+TEACHER=${TEACHER:-$RUNS/teacher/checkpoints/best.pt}  # TEACHER=none: a random teacher where none was trained
 T="timeout -s ABRT"  # with -X faulthandler a hang prints every thread's stack before the kill
 KD="$PY -X faulthandler -m cli"
 COMMON="--data $DATA --loader gpu -j 15 -b 256 --no-progress --overwrite"
