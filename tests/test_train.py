@@ -295,3 +295,27 @@ def test_the_logged_lr_is_the_one_the_epoch_trained_at(image_folder, tmp_path):
     assert [e.value for e in events.Scalars("epoch/lr")] == pytest.approx([0.05, 0.005])
     steps = events.Scalars("train/lr")  # each interval's last step
     assert steps[0].value == pytest.approx(0.05) and steps[-1].value == pytest.approx(0.005)
+
+
+def test_a_missing_bytecode_cache_is_named_with_its_fix(tmp_path):
+    """Without bytecode for torch every process compiles its sources again (7.5 s of an H200
+    machine's start): the first-step line's companion says so and how to make the cache."""
+    import importlib.util
+    import py_compile
+    import sys
+    import types
+
+    from kd.run.log import bytecode_note
+
+    source = tmp_path / "fakepkg" / "__init__.py"
+    source.parent.mkdir()
+    source.write_text("X = 1\n")
+    module = types.ModuleType("fakepkg")
+    module.__file__ = str(source)
+    note = bytecode_note(module)
+    assert note is not None and "no bytecode for fakepkg" in note
+    assert f"python -m compileall -q -j 0 {source.parent}" in note
+    py_compile.compile(str(source), cfile=importlib.util.cache_from_source(str(source)))
+    assert bytecode_note(module) is None
+    assert bytecode_note(types.ModuleType("builtin_like")) is None  # no source file: nothing to say
+    assert sys.modules.get("fakepkg") is None

@@ -88,10 +88,38 @@ def first_step_record(clock: SetupClock, asked: float, waited: float, device, lo
         f"first step done {total:.1f} s after the command (set-up {clock.seconds:.1f} s: {parts}; then "
         f"the epoch's start {before:.1f} s, the first batch {waited:.1f} s and the step {step:.1f} s)"
     )
+    note = bytecode_note()
+    if note:
+        log(note)
     record = {"startup_s": total, "startup_setup_s": clock.seconds}
     record.update({f"startup_{name.replace(' ', '_')}_s": seconds for name, seconds in clock.parts.items()})
     record.update(startup_epoch_start_s=before, startup_first_batch_s=waited, startup_step_s=step)
     return record
+
+
+def bytecode_note(module=None) -> Optional[str]:
+    """A line where Python keeps no bytecode for ``module`` (torch): every kd process then compiles
+    its sources again, 7.5 s of each start on one H200 machine (docs/benchmarks.md); None where the
+    cache is there."""
+    import importlib.util
+
+    if module is None:
+        import torch as module
+    source = getattr(module, "__file__", None) or ""
+    if not source.endswith(".py"):
+        return None
+    try:
+        cached = importlib.util.cache_from_source(source)
+    except NotImplementedError:  # an interpreter without bytecode caching
+        return None
+    if os.path.exists(cached):
+        return None
+    package = os.path.dirname(source)
+    why = "PYTHONDONTWRITEBYTECODE is set" if sys.dont_write_bytecode else "it cannot write beside the sources"
+    return (
+        f"start-up: Python keeps no bytecode for {module.__name__} here ({why}), so every process compiles its "
+        f"sources again, seconds at each start; once: python -m compileall -q -j 0 {package}"
+    )
 
 
 class NullLogger:
