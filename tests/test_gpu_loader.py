@@ -516,6 +516,42 @@ def test_decoder_failures_go_through_pil(nat_folder):
         assert dist.min(dim=0).values.max() < 2.0
 
 
+def test_batches_name_their_samples_in_order(nat_folder, tmp_path, monkeypatch):
+    """Each batch carries its samples' dataset indices in its own order, on both loaders, with a
+    share decoded by the workers, the decoder's failures finished by PIL, and unreadable files
+    left out: what a store of the teacher's outputs per sample is looked up by."""
+    from kd.data.folder import scan
+
+    monkeypatch.setenv(gpu_mod.DECODER_ENV, "cpu-thread")
+    _, train, _ = scan(str(nat_folder))
+    cfg = cfg_for(nat_folder, cpu_decode_share=0.5, seed=3)
+    dataset = JpegBytes(train, 64, True, cpu_share=0.5)
+    dl, sampler = make_data_loader(cfg, dataset, collate_packed, True, 1, 0, 8, CPU)
+    loaders = {
+        "gpu": GpuLoader(dl, sampler, CPU, False, None, dataset, FlakyDecoder(CPU)),
+        "pil": make_loader(cfg, train, True, 1, 0, 8, CPU, False),
+    }
+    for epoch in (0, 1):
+        sampler.set_epoch(epoch)
+        order = [index for index, _ in sampler]
+        assert order != sorted(order)  # shuffled: the test would see a wrong order
+        got = {name: batches(loader, epoch) for name, loader in loaders.items()}
+        for name, bs in got.items():
+            assert torch.cat([b.indices for b in bs]).tolist() == order, name
+            for b in bs:
+                assert b.labels.tolist() == [train[i][1] for i in b.indices.tolist()], name
+        for g, p in zip(got["gpu"], got["pil"], strict=True):
+            assert (unnormalise(g.images) - unnormalise(p.images)).abs().mean() < 2.0
+
+    root, bad = odd_folder(tmp_path)
+    _, _, val = scan(str(root))
+    for loader in (make_gpu_loader(cfg_for(root), val, False, 1, 0, 4, CPU, False),
+                   make_loader(cfg_for(root), val, False, 1, 0, 4, CPU, False)):  # fmt: skip
+        got = batches(loader)
+        good = [i for i, (path, _) in enumerate(val) if path not in bad]
+        assert torch.cat([b.indices for b in got]).tolist() == good
+
+
 # ----------------------------------------------------------------------------- loader behaviour
 def test_same_batches_as_pil_loader_and_mid_epoch_skip(image_folder):
     cfg = cfg_for(image_folder, workers=2, image_size=32)

@@ -38,7 +38,7 @@ def test_pil_val_crops_equal_torchvision(images, size, resize):
     for i, path in enumerate(images):
         with Image.open(path) as im:
             expected = reference(im.convert("RGB"))
-        got, _, _ = dataset[(i, 0)]
+        got, _, _, _ = dataset[(i, 0)]
         assert torch.equal(got, expected), (SIZES[i], size, resize)
 
 

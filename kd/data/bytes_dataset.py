@@ -244,6 +244,7 @@ def collate_packed(batch: Sequence[Sample]) -> dict:
         "regions": sum(s.kind == REGION for s in dev),
         "pil_shape": (len(pil), *_payload(pil[0]).shape) if pil else (0, 1, 1, 3),
         "pil_labels": np.array([s.label for s in pil], dtype=np.int64),
+        "pil_index": np.array([s.sample_index for s in pil], dtype=np.int64),
         "pil_positions": np.array([positions[id(s)] for s in pil], dtype=np.int64),
         "bad": [s.path for s in batch if s.kind == BAD],
     }
@@ -257,7 +258,7 @@ def unpacked(host: dict) -> dict:
     device sample), ``shapes`` (height, width), ``boxes`` (x1, y1, x2, y2 in source pixels),
     ``flips``, ``labels``, ``index``, ``seeds``, ``positions`` (where each device sample stands
     in the batch), ``paths``; ``pil_images``, ``pil_labels`` and
-    ``pil_positions``: the PIL path's finished crops, ``(N, 3, H, W)`` views of HWC pixels; ``bad``:
+    ``pil_positions`` (and ``pil_index``): the PIL path's finished crops, ``(N, 3, H, W)`` views of HWC pixels; ``bad``:
     paths nothing could read.
     ``data`` and ``pil_images`` are views of the one tensor that crossed (pinned where it was).
     """

@@ -227,8 +227,10 @@ class ImageFolderPIL:
         return len(self.samples)
 
     def __getitem__(self, item):
+        """``(index, seed)`` (or an index) -> ``(CHW uint8 crop or None, label, path, index)``."""
         img, label, path = self.crop(item)
-        return (None if img is None else to_uint8_chw(img)), label, path
+        index = item[0] if isinstance(item, tuple) else item
+        return (None if img is None else to_uint8_chw(img)), label, path, index
 
     def crop(self, item) -> Tuple[Optional[Image.Image], int, str]:
         """The finished ``size`` x ``size`` RGB crop of ``(index, seed)`` as a PIL image, its label
@@ -296,13 +298,14 @@ class ImageFolderPIL:
 
 
 def collate(batch):
-    """Stack the good images; report the bad ones. Module-level so any start method can pickle it."""
-    good = [(img, label) for img, label, _ in batch if img is not None]
-    bad = [path for img, _, path in batch if img is None]
+    """Stack the good images; report the bad ones. Module-level so any start method can pickle it.
+    ``(images, labels, bad paths, the good samples' dataset indices)``."""
+    good = [(img, label, index) for img, label, _, index in batch if img is not None]
+    bad = [path for img, _, path, _ in batch if img is None]
     if good:
         images = torch.stack([g[0] for g in good])
-        labels = torch.tensor([g[1] for g in good], dtype=torch.long)
     else:
         images = torch.empty(0, 3, 1, 1, dtype=torch.uint8)
-        labels = torch.empty(0, dtype=torch.long)
-    return images, labels, bad
+    labels = torch.tensor([g[1] for g in good], dtype=torch.long)
+    indices = torch.tensor([g[2] for g in good], dtype=torch.long)
+    return images, labels, bad, indices

@@ -201,6 +201,7 @@ class _Decoded:
     fallback: List[torch.Tensor]  # PIL crops (HWC) of the failures PIL could read
     fallback_labels: List[int]
     fallback_positions: List[int]  # where they stand in the batch
+    fallback_index: List[int]  # their indices in the dataset
     bad: List[str]
     event: object  # decode finished (on the decode stream)
 
@@ -351,11 +352,11 @@ class GpuLoader(DeviceLoader):
                         t0 = time.perf_counter()
                         staged = self._prepare(item, stages)
                         self.stage_times["prep"] += time.perf_counter() - t0
-                        retire.append((staged[3], item))
+                        retire.append((staged[4], item))
                 if pending is not None:
-                    images, labels, bad, event = pending
+                    images, labels, bad, indices, event = pending
                     stages.hand_over((images, labels), event)
-                    yield Batch(images, labels, bad)
+                    yield Batch(images, labels, bad, indices)
                     remaining -= 1
                 while retire and stages.done(retire[0][0]):
                     retire.popleft()
@@ -373,7 +374,7 @@ class GpuLoader(DeviceLoader):
         """Decode-thread work for one batch: device images (the decoder's, then the regions the
         workers decoded, in one upload), plus PIL for what the decoder refused."""
         images = self.decoder.images(host) + regions(host, self.device)
-        fallback, labels, positions, bad = [], [], [], list(host["bad"])
+        fallback, labels, positions, indices, bad = [], [], [], [], list(host["bad"])
         for i, img in enumerate(images):
             if img is None:
                 sample = self.dataset.pil_sample(int(host["index"][i]), int(host["seeds"][i]))
@@ -383,7 +384,8 @@ class GpuLoader(DeviceLoader):
                     fallback.append(torch.from_numpy(np.array(sample.data)))  # HWC, as the workers' crops
                     labels.append(sample.label)
                     positions.append(int(host["positions"][i]))
-        return _Decoded(host, images, fallback, labels, positions, bad, stages.decoded())
+                    indices.append(int(host["index"][i]))
+        return _Decoded(host, images, fallback, labels, positions, indices, bad, stages.decoded())
 
     def _prepare(self, item: _Decoded, stages):
         """Main-thread work for one batch, enqueued on the prep stream: crop, flip, normalise, and
@@ -391,9 +393,10 @@ class GpuLoader(DeviceLoader):
         host, dev = item.host, self.device
         keep = [i for i, img in enumerate(item.images) if img is not None]
         boxes, flips, labels, positions = host["boxes"], host["flips"], host["labels"], host["positions"]
+        samples = host["index"]
         if len(keep) < len(item.images):
             index = torch.tensor(keep, dtype=torch.long)
-            boxes, flips, labels, positions = (t[index] for t in (boxes, flips, labels, positions))
+            boxes, flips, labels, positions, samples = (t[index] for t in (boxes, flips, labels, positions, samples))
         crops = [item.images[i] for i in keep]
         finished = [host["pil_images"]] if host["pil_labels"].numel() else []
         if item.fallback:
@@ -406,9 +409,11 @@ class GpuLoader(DeviceLoader):
             done = upload(finished[0] if len(finished) == 1 else torch.cat(finished), dev) if finished else None
             crop = self._fused if self.kernel_missing is None else self._separate
             images = crop(crops, done, boxes, flips, where)
-            label_dev = upload(torch.cat([labels, *done_labels])[where.argsort()], dev)
+            order = where.argsort()
+            label_dev = upload(torch.cat([labels, *done_labels])[order], dev)
             event = stages.prepared()
-        return images, label_dev, item.bad, event
+        indices = torch.cat([samples, host["pil_index"], torch.tensor(item.fallback_index, dtype=torch.long)])[order]
+        return images, label_dev, item.bad, indices, event
 
     def _fused(self, crops, done, boxes, flips, where) -> torch.Tensor:
         """One Triton kernel: every sample cropped (the finished ones copied), flipped, normalised

@@ -177,6 +177,9 @@ class Batch:
     images: torch.Tensor
     labels: torch.Tensor
     bad: List[str] = field(default_factory=list)
+    #: the samples' indices in the dataset (int64, on the CPU), in the batch's order; None where the
+    #: batch has no dataset behind it (synthetic tensors)
+    indices: Optional[torch.Tensor] = None
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -308,9 +311,9 @@ class DeviceLoader:
         remaining = len(self)
         if remaining == 0:
             return
-        for images, labels, bad in self.loader:
+        for images, labels, bad, indices in self.loader:
             images = self.normalise(images.to(self.device, non_blocking=True), self.memory_format)
-            yield Batch(images, labels.to(self.device, non_blocking=True), bad)
+            yield Batch(images, labels.to(self.device, non_blocking=True), bad, indices)
             remaining -= 1
             if remaining == 0:
                 break
