@@ -198,6 +198,50 @@ def _train_students(recipes, given, sets, resume, overwrite) -> None:
     _summary([Path(c.out) for c in students.cfgs], started, students.names)
 
 
+@cli.command("teach")
+@click.option("--recipe", "-r", "recipe", default=None, metavar="NAME|PATH", help="YAML recipe; options override it.")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override any config key (repeatable).")
+@train_options
+@click.option(
+    "--top-k",
+    "top_k",
+    default="10",
+    show_default=True,
+    metavar="K|all",
+    help="Logits kept per sample: the K largest (FKD's marginal smoothing spreads the rest) or all.",
+)
+@click.option(
+    "--logits-dtype", type=click.Choice(["float16", "float32"]), default="float16", show_default=True,
+    help="How the logits are stored (float32 with --top-k all: replay equals the live teacher bit for bit).",
+)  # fmt: skip
+@click.pass_context
+def teach(ctx, recipe, sets, top_k, logits_dtype, **options):
+    """Run the teacher once on kd train's crops and store its logits (--out STORE), for any number
+    of students to train from with kd train --soft-labels STORE, without the teacher.
+
+    Give the options the students will train with (the data, --image-size, --seed, --epochs, or
+    their --recipe): the crops depend on them. Run it again to continue a stopped store or to
+    extend it to more --epochs.
+    """
+    from kd import config as kd_config
+    from kd.run.launch import train as run_training
+
+    given = {
+        k: v
+        for k, v in options.items()
+        if v is not None and ctx.get_parameter_source(k) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
+    }
+    if "out" not in given:
+        raise KDError("kd teach needs --out STORE: the folder the teacher's outputs go to")
+    if top_k != "all" and not (top_k.isdigit() and int(top_k) >= 1):
+        raise KDError(f"--top-k must be a positive number or all, got {top_k!r}")
+    given.update(teach=True, soft_label_k=None if top_k == "all" else int(top_k), soft_label_dtype=logits_dtype)
+    cfg = kd_config.resolve(recipe=recipe, options=given, sets=list(sets))
+    if cfg.data == "synthetic":
+        raise KDError("kd teach stores the teacher's outputs on a data folder's images; --data synthetic has none")
+    run_training(cfg)
+
+
 @cli.command("eval")
 @click.option(
     "--model",

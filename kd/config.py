@@ -62,6 +62,10 @@ class RunConfig:
     student_weights: str = "none"
     num_classes: Optional[int] = None
     no_teacher: bool = False
+    soft_labels: Optional[str] = None  # a kd teach store read in place of the teacher's forward (kd.teacher.store)
+    soft_label_k: Optional[int] = 10  # kd teach: logits kept per sample (None: every class)
+    soft_label_dtype: str = "float16"  # kd teach: float16 | float32
+    teach: bool = False  # kd teach's runs: write the store at --out instead of training
     # method
     kd_loss: str = "kd"
     ce_weight: Optional[float] = None  # None: the method's default (LOSS_OPTIONS: also loss_args keys)
@@ -357,9 +361,9 @@ def validate(cfg: RunConfig) -> RunConfig:
         if not cond:
             raise KDError(msg)
 
-    need(cfg.student is not None, "--student is required (a torchvision model name or timm:NAME)")
+    need(cfg.teach or cfg.student is not None, "--student is required (a torchvision model name or timm:NAME)")
     need(
-        cfg.no_teacher or cfg.teacher is not None,
+        cfg.no_teacher or cfg.teacher is not None or cfg.soft_labels is not None,
         "--teacher is required (or a kd checkpoint as --teacher-weights, which names its model; "
         "or --no-teacher to train the student alone)",
     )
@@ -411,6 +415,25 @@ def validate(cfg: RunConfig) -> RunConfig:
     need(cfg.keep_last >= 1, "--keep-last must be at least 1")
     if cfg.no_teacher and cfg.kd_loss not in ("kd", "ce"):
         raise KDError(f"--no-teacher trains with cross-entropy only; it conflicts with --kd-loss {cfg.kd_loss}")
+    need(
+        not (cfg.soft_labels and cfg.no_teacher),
+        "--soft-labels holds a teacher's outputs; it conflicts with --no-teacher",
+    )
+    need(not (cfg.soft_labels and cfg.teach), "kd teach writes a store (--out); it reads none (--soft-labels)")
+    need(cfg.soft_label_k is None or cfg.soft_label_k >= 1, "--top-k must be at least 1 (or all)")
+    need(
+        cfg.soft_label_dtype in ("float16", "float32"),
+        f"--logits-dtype must be float16 or float32, got {cfg.soft_label_dtype!r}",
+    )
+    if cfg.soft_labels:
+        from kd.losses import LOSSES
+
+        for name in cfg.kd_loss.split(","):
+            if name in LOSSES.names() and LOSSES.get(name).uses_features:
+                raise KDError(
+                    f"--soft-labels holds the teacher's logits only; --kd-loss {name} needs the teacher's "
+                    f"features: train it with the live teacher"
+                )
     validate_loss_options(cfg)
     return cfg
 
@@ -514,6 +537,12 @@ TRAIN_OPTIONS = (
     Option("student_weights", ("--student-weights",), "Student initial weights.", "pretrained|none|PATH"),
     Option("num_classes", ("--num-classes",), "Classes.", note="the number of class folders"),
     Option("no_teacher", ("--no-teacher",), "Train the student alone on the labels."),
+    Option(
+        "soft_labels",
+        ("--soft-labels",),
+        "A store written by kd teach: the teacher's logits on these crops are read, the teacher is not run.",
+        "STORE",
+    ),
     Option(
         "kd_loss",
         ("--kd-loss",),

@@ -350,7 +350,7 @@ def with_data_configs(cfg):
     """``cfg`` with its student's and its teacher's data configs (``student_data``, ``teacher_data``)
     resolved from their names and weights where not given (a saved config keeps its own)."""
     changes: Dict[str, Any] = {}
-    if cfg.student_data is None:
+    if cfg.student_data is None and cfg.student is not None:
         changes["student_data"] = data_config(cfg.student, cfg.student_weights).to_dict()
     if cfg.teacher_data is None and not cfg.no_teacher and cfg.teacher:
         changes["teacher_data"] = data_config(cfg.teacher, cfg.teacher_weights).to_dict()

@@ -65,10 +65,11 @@ def collect(run: Path) -> Dict[str, object]:
     wall = sum(r.get("seconds", 0.0) for r in records)
     last = evals[-1]
     ref, why = paper_reference(cfg, records)
+    stored = " (stored)" if cfg.get("soft_labels") else ""  # its outputs from a kd teach store
     return {
         "run": str(run),
         "method": "ce" if cfg.get("no_teacher") else cfg.get("kd_loss", "?"),  # the student alone: --kd-loss ce
-        "teacher": "-" if cfg.get("no_teacher") else cfg.get("teacher", "?"),
+        "teacher": "-" if cfg.get("no_teacher") else f"{cfg.get('teacher', '?')}{stored}",
         "student": cfg.get("student", "?"),
         "epochs": f"{records[-1]['epoch']}/{cfg.get('epochs', '?')}",
         "best_top1": round(best["val_top1"], 2),

@@ -36,6 +36,7 @@ class Data:
     num_train: int
     num_val: int
     val_samples: Sequence[Tuple[str, int]] = field(default_factory=list)  # for a teacher's own val loader
+    train_samples: Sequence[Tuple[str, int]] = field(default_factory=list)  # what a soft-label store is checked against
 
     def close(self) -> None:
         for loader in (self.train, self.val):
@@ -63,7 +64,7 @@ def build(cfg, num_replicas: int, rank: int, local_batch: int, device: torch.dev
     budget = default_budget_gb(min(local, num_replicas)) if cfg.val_cache_gb is None else cfg.val_cache_gb
     if budget > 0:
         val = CachedVal(val, cfg.image_size, device, channels_last, budget * 2**30)
-    return Data(train, val, classes, len(train_samples), len(val_samples), val_samples)
+    return Data(train, val, classes, len(train_samples), len(val_samples), val_samples, train_samples)
 
 
 def choose_loader(choice: str, device: torch.device) -> Tuple[str, str]:

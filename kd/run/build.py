@@ -49,7 +49,7 @@ def build_lane(
     student, loss, teacher, s_layers, lane.t_layers = build_models(cfg, num_classes, shared.teacher_model)
     if teacher is not None:
         shared.teacher_model = teacher  # built after this student, as its own run builds it
-    lane.needs_teacher = teacher is not None
+    lane.needs_teacher = teacher is not None or (bool(cfg.soft_labels) and loss.needs_teacher)
     lane.clock.mark("models")
 
     # Module.to(device, memory_format=...) is valid at run time; torch's overloads list the two apart
@@ -127,7 +127,7 @@ def build_models(cfg, num_classes: int, teacher: Optional[nn.Module] = None):
     loss = build_loss("ce" if cfg.no_teacher else cfg.kd_loss, num_classes, loss_args)
     with seeded(cfg.seed):
         student = models.build(cfg.student, num_classes, cfg.student_weights)
-    if not loss.needs_teacher:
+    if not loss.needs_teacher or cfg.soft_labels:  # a store stands in for the teacher's forward
         teacher = None
     elif teacher is None:
         with seeded(cfg.seed + 1):  # a teacher without weights: the same whichever student builds it

@@ -82,10 +82,15 @@ def preflight(cfg) -> None:
     if reason:
         raise KDError(reason)
 
-    models.check_name(cfg.student)
-    if not cfg.no_teacher:
+    if not cfg.teach:
+        models.check_name(cfg.student)
+        LOSSES.get("ce" if cfg.no_teacher else cfg.kd_loss)
+    if not cfg.no_teacher and not cfg.soft_labels:
         models.check_name(cfg.teacher)
-    LOSSES.get("ce" if cfg.no_teacher else cfg.kd_loss)
+    if cfg.soft_labels:
+        from kd.teacher.store import read_manifest
+
+        read_manifest(Path(cfg.soft_labels))  # a missing or unreadable store fails before any work
     from kd.data.folder import check_data
 
     check_data(cfg.data)
@@ -112,6 +117,8 @@ def train(cfg, resume: Optional[str] = None, overwrite: bool = False, students=N
     _check_available(cfg, backend_cls)
     resume_from = _preflight_all(cfg, resume, overwrite, students)
     folders = [Path(c.out) for c in students.cfgs] + [Path(students.out)] if students is not None else [Path(cfg.out)]
+    if cfg.teach:
+        folders = []  # a store keeps the epochs it completed (kd teach continues them)
     existed = {folder for folder in folders if folder.exists()}
     try:
         if nproc == 1:
@@ -129,7 +136,14 @@ def _out(cfg, students) -> Path:
 
 
 def _preflight_all(cfg, resume: Optional[str], overwrite: bool, students) -> Optional[Path]:
-    """:func:`preflight` and :func:`prepare_out` for the run, or for each of its students."""
+    """:func:`preflight` and :func:`prepare_out` for the run, or for each of its students; for
+    ``kd teach``, the checks of its store (:func:`kd.teacher.store.check_out`)."""
+    if cfg.teach:
+        from kd.teacher.store import check_out
+
+        preflight(cfg)
+        check_out(Path(cfg.out))
+        return None
     if students is None:
         preflight(cfg)
         return prepare_out(cfg, resume, overwrite)
@@ -325,6 +339,14 @@ def run_worker(
     try:
         stop = StopFlag(launched)  # before the process group: a signal inside its C++ set-up only sets the flag
         backend.setup()
+        if cfg.teach:
+            from kd.run.teach import Teaching
+
+            teaching = Teaching(cfg, backend, stop)
+            try:
+                return teaching.run()
+            finally:
+                teaching.close()
         trainer = Trainer(
             students if students is not None else cfg, backend, resume_from, hooks=hooks, validate=not hooks, stop=stop
         )

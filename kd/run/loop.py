@@ -11,7 +11,7 @@ import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -31,6 +31,7 @@ from kd.run.step import StepHook, StepOutput, check_batch
 from kd.run.students import Students, stopped_students, write_students
 from kd.runfolder import RunFolder
 from kd.teacher.frozen import Teacher
+from kd.teacher.store import SoftLabels, wanted_manifest
 
 
 @dataclass
@@ -148,6 +149,7 @@ class Trainer:
         self.stop = stop if stop is not None else StopFlag(backend.placement.launched)
         self.lanes: List[Lane] = []
         self.teacher: Optional[Teacher] = None
+        self.soft: Optional[SoftLabels] = None  # a soft-label store in the teacher's place (--soft-labels)
         self.data: Any = None  # the run's data pipeline, once built
         try:
             stop_in_setup(self.stop, self.backend)
@@ -156,6 +158,10 @@ class Trainer:
             self.data = build_data(
                 cfg, num_replicas, rank, backend.local_batch(cfg.batch_size), backend.device, runtime.channels_last
             )
+            if cfg.soft_labels:  # checked before any student is built: a store for another run stays one line
+                classes = cfg.num_classes or len(self.data.classes)
+                wanted = wanted_manifest(cfg, self.data.train_samples, classes)
+                self.soft = SoftLabels(Path(cfg.soft_labels), wanted, cfg.epochs, cfg.teacher)
             clock.mark("data")
             shared = Shared(self.data, None, self.stop, clock)
             for name, lane_cfg in zip(students.names, students.cfgs):
@@ -213,9 +219,20 @@ class Trainer:
         return self.lanes[0]
 
     def _prepare_teacher(self, shared: Shared) -> None:
-        """One teacher for every student that needs one, tapping the layers of them all."""
+        """One teacher for every student that needs one, tapping the layers of them all; or the
+        soft-label store that stands in for its forward."""
         taught = [lane for lane in self.lanes if lane.needs_teacher]
         if not taught:
+            return
+        if self.soft is not None:
+            teacher = self.soft.manifest["teacher"]
+            for lane in taught:  # config.yaml names the teacher whose outputs it trained on
+                lane.cfg = dataclasses.replace(
+                    lane.cfg, teacher=teacher, teacher_weights=self.soft.manifest["teacher_weights"]
+                )
+                lane.logger.info(self.soft.describe())
+                lane.notes.append(self.soft.describe())
+            shared.clock.mark("teacher")
             return
         model, shared.teacher_model = shared.teacher_model, None
         layers = list(dict.fromkeys(layer for lane in taught for layer in lane.t_layers))
@@ -233,6 +250,8 @@ class Trainer:
             lane.close()
         if self.teacher is not None:
             self.teacher.close()
+        if self.soft is not None:
+            self.soft.close()
         if self.owns_stop:
             self.stop.restore()
         if self.data is not None:
@@ -321,8 +340,10 @@ class Trainer:
                 if batch is None:
                     break
                 check_batch(batch, self.active[0].logger.info)
-                teacher_out = None
-                if self.teacher is not None and len(self.active) > 1:  # once for all the students
+                teacher_out: Optional[Tuple[torch.Tensor, Dict[str, torch.Tensor]]] = None
+                if self.soft is not None:  # the stored logits of this epoch's crops
+                    teacher_out = (self.soft.logits(lead.epoch, batch.indices, self.backend.device), {})
+                elif self.teacher is not None and len(self.active) > 1:  # once for all the students
                     teacher_out = self.teacher.forward(batch.images)  # as probed: not the students' cast
                 # (one student runs the teacher in its own step: under CUDA graphs the step's new graph
                 # generation must begin before the teacher's forward, or it overwrites its outputs)

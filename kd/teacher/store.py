@@ -1,0 +1,280 @@
+"""A store of the teacher's outputs on kd's own training crops: written once by ``kd teach``, read
+by ``kd train --soft-labels STORE`` in place of the teacher's forward (the idea of FKD: Shen and
+Xing, "A Fast Knowledge Distillation Framework for Visual Recognition", ECCV 2022).
+
+kd draws every training crop and flip from a per-sample seed, a pure function of (seed, epoch,
+sample index) (:mod:`kd.data.sampler`), whatever the loader, the ranks or the batch size. So a
+store needs no crop boxes: the manifest pins what the crops depend on (the data's listing, the
+image size, the crop scale, the seed), and the store keeps, per epoch and per sample, the
+teacher's logits on that sample's crop:
+
+* all of them (``k`` = the number of classes), in float16 or float32: the student trained from a
+  float32 store of every logit is the student trained with the live teacher, bit for bit;
+* or the ``k`` largest with their classes and the log-sum-exp of every logit. The other classes
+  then get one shared logit such that the softmax at temperature 1 keeps the k largest
+  probabilities and spreads the rest of the mass evenly over the other classes: FKD's "marginal
+  smoothing" (its ``marginal_smoothing_k5`` / ``_k10`` soft labels, which keep the top-k
+  probabilities and their classes), written as logits so that every logit loss, at any
+  temperature, reads a full row.
+
+Layout: ``kd-soft-labels.json`` (the manifest: format, teacher, its weights' checksum, data
+listing checksum, image size, crop scale, seed, k, dtype, epochs, the epochs complete) and per
+epoch ``epoch-NNN.values.npy`` (samples x k), plus ``epoch-NNN.classes.npy`` (int16 or int32)
+and ``epoch-NNN.lse.npy`` (float32) where k is less than the number of classes. An epoch is
+written under ``.partial`` names and renamed once every rank has written its samples, so a
+stopped ``kd teach`` starts again at its first incomplete epoch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from kd.errors import KDError
+
+FORMAT = 1
+MANIFEST = "kd-soft-labels.json"
+DTYPES = {"float16": np.float16, "float32": np.float32}
+#: the manifest's keys a run must match (what the crops and the labels depend on)
+PINNED = ("listing_sha256", "samples", "classes", "image_size", "min_crop_scale", "seed")
+
+
+def is_store(path: Path) -> bool:
+    return (path / MANIFEST).is_file()
+
+
+def file_sha256(path: str) -> Optional[str]:
+    """SHA-256 of a weights file (None for a named or no weight, which the manifest records by name)."""
+    if not os.path.isfile(path):
+        return None
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def listing_sha256(samples: Sequence[Tuple[str, int]]) -> str:
+    """A checksum of the training split: each sample's place, file name and label, in order."""
+    digest = hashlib.sha256()
+    for path, label in samples:
+        digest.update(f"{os.path.basename(os.path.dirname(path))}/{os.path.basename(path)}\t{label}\n".encode())
+    return digest.hexdigest()
+
+
+def wanted_manifest(cfg, samples, classes: int) -> Dict[str, Any]:
+    """What a store for ``cfg`` pins (:data:`kd.teacher.store.PINNED`), from its training split."""
+    return {
+        "listing_sha256": listing_sha256(samples),
+        "samples": len(samples),
+        "classes": classes,
+        "image_size": cfg.image_size,
+        "min_crop_scale": cfg.min_crop_scale,
+        "seed": cfg.seed,
+    }
+
+
+def epoch_bytes(samples: int, classes: int, k: int, dtype: str) -> int:
+    """Bytes one epoch takes on disk (the .npy headers aside)."""
+    width = np.dtype(DTYPES[dtype]).itemsize
+    if k >= classes:
+        return samples * classes * width
+    return samples * (k * (width + np.dtype(class_dtype(classes)).itemsize) + 4)
+
+
+def class_dtype(classes: int):
+    return np.int16 if classes <= np.iinfo(np.int16).max else np.int32
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n} B"  # pragma: no cover
+
+
+# ----------------------------------------------------------------------------- compress / expand
+def compress(logits: torch.Tensor, k: int) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """float32 ``logits`` (B x C) -> (values B x k, classes B x k or None, log-sum-exp B or None)."""
+    if k >= logits.shape[1]:
+        return logits, None, None
+    values, classes = logits.topk(k, dim=1)
+    return values, classes, torch.logsumexp(logits, dim=1)
+
+
+def expand(values: torch.Tensor, classes: Optional[torch.Tensor], lse: Optional[torch.Tensor], num_classes: int):
+    """Full float32 logits (B x C) from a store's row: as stored where it holds every logit; else
+    the k stored logits in their classes and one shared logit ``c`` in every other class, with
+    ``(C - k) * exp(c)`` the mass the k leave (FKD's marginal smoothing at temperature 1). Where
+    the k hold all the mass to float precision, ``c`` is 30 below the smallest of them."""
+    values = values.float()
+    if classes is None:
+        return values
+    assert lse is not None
+    rest = num_classes - values.shape[1]
+    kept = torch.logsumexp(values, dim=1)
+    left = (-torch.expm1(kept - lse.float())).clamp(min=0.0)  # 1 - exp(kept - lse): the others' share
+    floor = values.min(dim=1).values - 30.0
+    shared = torch.where(left > 0, lse.float() + torch.log(left.clamp(min=1e-30)) - math.log(rest), floor)
+    shared = torch.minimum(torch.maximum(shared, floor), values.min(dim=1).values)  # never above the k
+    out = shared[:, None].expand(-1, num_classes).clone()
+    return out.scatter_(1, classes.long(), values)
+
+
+# ----------------------------------------------------------------------------- manifest
+def read_manifest(root: Path, flag: str = "--soft-labels") -> Dict[str, Any]:
+    try:
+        manifest = json.loads((root / MANIFEST).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise KDError(f"{flag} {root}: not a soft-label store (no {MANIFEST}); write one with kd teach") from None
+    except (OSError, ValueError) as exc:
+        raise KDError(f"{flag} {root}: {MANIFEST} cannot be read ({exc})") from None
+    if manifest.get("format") != FORMAT:
+        raise KDError(
+            f"{flag} {root}: store format {manifest.get('format')}, this kd reads format {FORMAT}; "
+            f"write it again with this kd's kd teach"
+        )
+    return manifest
+
+
+def write_manifest(root: Path, manifest: Dict[str, Any]) -> None:
+    tmp = root / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1), encoding="utf-8")
+    os.replace(tmp, root / MANIFEST)
+
+
+def mismatch(store: Dict[str, Any], wanted: Dict[str, Any]) -> Optional[str]:
+    """Why a store made with ``store``'s settings cannot serve a run with ``wanted``'s, or None."""
+    names = {
+        "listing_sha256": "the training images (their listing)",
+        "samples": "the number of training images",
+        "classes": "the number of classes",
+        "image_size": "--image-size",
+        "min_crop_scale": "the crop scale (min_crop_scale)",
+        "seed": "--seed",
+    }
+    for key in PINNED:
+        if store.get(key) != wanted.get(key):
+            shown = "" if key == "listing_sha256" else f": the store has {store.get(key)}, the run {wanted.get(key)}"
+            return f"{names[key]} differ{shown}"
+    return None
+
+
+def check_out(root: Path) -> None:
+    """``kd teach --out``: a new folder, an empty one or a store (continued where the settings
+    match, :class:`kd.run.teach.Teaching` checks them); anything else is refused, untouched."""
+    if root.exists() and not root.is_dir():
+        raise KDError(f"--out {root} exists and is not a folder")
+    if root.is_dir() and any(root.iterdir()) and not is_store(root):
+        raise KDError(f"--out {root} holds files that are not a soft-label store; give a new or empty folder")
+    if is_store(root):
+        read_manifest(root, "--out")  # one this kd cannot read fails here
+    folder = next(p for p in (root, *root.absolute().parents) if p.exists())
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise KDError(f"--out {root} is not writable")
+
+
+def _name(root: Path, epoch: int, part: str, partial: bool = False) -> Path:
+    return root / f"epoch-{epoch + 1:03d}.{part}{'.partial' if partial else ''}.npy"
+
+
+def parts(manifest: Dict[str, Any]) -> List[str]:
+    return ["values"] if manifest["k"] >= manifest["classes"] else ["values", "classes", "lse"]
+
+
+# ----------------------------------------------------------------------------- reading
+class SoftLabels:
+    """A store opened for a run: the teacher's logits of a batch's samples in an epoch."""
+
+    def __init__(self, root: Path, wanted: Dict[str, Any], epochs: int, teacher: Optional[str] = None):
+        """``wanted``: the run's :func:`wanted_manifest`; ``teacher``: the run's --teacher, if given."""
+        self.root = root
+        self.manifest = read_manifest(root)
+        why = mismatch(self.manifest, wanted)
+        if why is None and teacher is not None and teacher != self.manifest.get("teacher"):
+            why = f"its teacher is {self.manifest.get('teacher')}, the run's --teacher {teacher}"
+        if why:
+            raise KDError(f"--soft-labels {root} was written for another run: {why}")
+        done = self.manifest.get("epochs_done", 0)
+        if epochs > done:
+            raise KDError(
+                f"--soft-labels {root} holds {done} epoch(s) of the teacher's outputs and the run wants {epochs}; "
+                f"extend it with kd teach --epochs {epochs} --out {root}"
+            )
+        self.classes = int(self.manifest["classes"])
+        self._open: Dict[int, Dict[str, np.ndarray]] = {}
+
+    def describe(self) -> str:
+        m = self.manifest
+        kept = "every logit" if m["k"] >= m["classes"] else f"the top {m['k']} logits (marginal smoothing for the rest)"
+        return (
+            f"teacher {m['teacher']} from the soft-label store {self.root}: {kept} in {m['dtype']}, "
+            f"{m['epochs_done']} epoch(s), taught through the {m.get('loader', '?')} loader; no teacher forward"
+        )
+
+    def _epoch(self, epoch: int) -> Dict[str, np.ndarray]:
+        if epoch not in self._open:
+            self._open = {
+                epoch: {p: np.load(_name(self.root, epoch, p), mmap_mode="r") for p in parts(self.manifest)}
+            }  # one epoch open at a time
+        return self._open[epoch]
+
+    def logits(self, epoch: int, indices: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """float32 logits (B x classes) on ``device`` for the samples ``indices`` of ``epoch``."""
+        files = self._epoch(epoch)
+        rows = indices.numpy()
+        got = {p: torch.from_numpy(np.ascontiguousarray(a[rows])) for p, a in files.items()}
+        on = {p: (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True) for p, t in got.items()}
+        return expand(on["values"], on.get("classes"), on.get("lse"), self.classes)
+
+    def close(self) -> None:
+        self._open = {}
+
+
+# ----------------------------------------------------------------------------- writing
+class EpochWriter:
+    """One epoch's files, opened by every rank (rank 0 made them); rows written at sample indices."""
+
+    def __init__(self, root: Path, epoch: int, manifest: Dict[str, Any], create: bool):
+        self.root, self.epoch, self.k = root, epoch, int(manifest["k"])
+        n, k, classes = int(manifest["samples"]), int(manifest["k"]), int(manifest["classes"])
+        shapes: Dict[str, Tuple[Tuple[int, ...], Any]] = {"values": ((n, min(k, classes)), DTYPES[manifest["dtype"]])}
+        if k < classes:
+            shapes.update(classes=((n, k), class_dtype(classes)), lse=((n,), np.float32))
+        self.files = {}
+        for part, (shape, dtype) in shapes.items():
+            path = _name(root, epoch, part, partial=True)
+            if create:
+                self.files[part] = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
+            else:
+                self.files[part] = np.load(path, mmap_mode="r+")
+
+    def write(self, indices: torch.Tensor, logits: torch.Tensor) -> None:
+        values, classes, lse = compress(logits.float(), self.k)
+        rows = indices.numpy()
+        self.files["values"][rows] = values.cpu().numpy()
+        if classes is not None and lse is not None:
+            self.files["classes"][rows] = classes.cpu().numpy()
+            self.files["lse"][rows] = lse.cpu().numpy()
+
+    def flush(self) -> None:
+        for array in self.files.values():
+            array.flush()
+        self.files = {}
+
+    def commit(self) -> None:
+        """Rank 0, once every rank has flushed: the epoch's files under their final names."""
+        for part in ("values", "classes", "lse"):
+            partial = _name(self.root, self.epoch, part, partial=True)
+            if partial.exists():
+                with open(partial, "rb+") as f:
+                    os.fsync(f.fileno())
+                os.replace(partial, _name(self.root, self.epoch, part))

@@ -1,0 +1,202 @@
+"""kd teach and kd train --soft-labels: the teacher's logits stored once on kd's own crops, and
+replayed without the teacher (kd.teacher.store)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import kd_main, make_image_folder, run_kd
+
+from kd.teacher import store as kd_store
+
+pytestmark = pytest.mark.slow
+
+
+def common(data, *extra):
+    return ["--data", data, "--image-size", 32, "-b", 8, "--epochs", 2, "--device", "cpu", "--no-progress", *extra]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("soft")
+    data = make_image_folder(root / "data", classes=4, train_per_class=6, val_per_class=2)
+    torch.manual_seed(3)
+    import torchvision
+
+    weights = root / "teacher.pt"
+    torch.save(torchvision.models.resnet18(num_classes=4).state_dict(), weights)
+    return root, data, weights
+
+
+def students(path: Path):
+    return torch.load(path / "checkpoints" / "last.pt", weights_only=False)["student"]
+
+
+def snapshot(root: Path):
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def one_line(r):
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2, r.stderr
+    assert len(lines) == 1 and lines[0].startswith("kd: error: ") and "Traceback" not in r.stderr, r.stderr
+    return lines[0]
+
+
+# ----------------------------------------------------------------------------- the row format
+def test_every_logit_stored_is_the_row():
+    logits = torch.randn(5, 7) * 4
+    values, classes, lse = kd_store.compress(logits, 7)
+    assert classes is None and lse is None
+    assert torch.equal(kd_store.expand(values, None, None, 7), logits)
+
+
+def test_top_k_is_fkds_marginal_smoothing():
+    """The k largest probabilities kept exactly and the rest of the mass spread evenly over the
+    other classes (FKD's marginal_smoothing_k soft labels), as a row of logits."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 10) * 3
+    k = 3
+    values, classes, lse = kd_store.compress(logits, k)
+    row = kd_store.expand(values.half(), classes.short(), lse, 10)  # as stored: float16, int16
+    probs = F.softmax(logits, dim=1)
+    top, where = probs.topk(k, dim=1)
+    reference = ((1 - top.sum(1, keepdim=True)) / (10 - k)).expand(-1, 10).clone().scatter_(1, where, top)
+    assert torch.allclose(F.softmax(row, dim=1), reference, atol=2e-3)  # float16 values: 3 digits
+    exact = kd_store.expand(values, classes, lse, 10)
+    assert torch.allclose(F.softmax(exact, dim=1), reference, atol=1e-6)
+    # one-hot-like rows: the k hold all the mass; the others stay far below, no NaN
+    sharp = torch.tensor([[40.0, 0.0, -5.0, -9.0]])
+    v, c, s = kd_store.compress(sharp, 2)
+    full = kd_store.expand(v, c, s, 4)
+    assert torch.isfinite(full).all() and full[0, 2:].max() <= full[0, :2].min()
+
+
+# ----------------------------------------------------------------------------- end to end
+def test_a_store_of_every_logit_trains_the_live_runs_student_bit_for_bit(world, tmp_path):
+    """With every logit in float32, a student from the store is the student of the live teacher,
+    bit for bit, on either loader (the store taught through the loader the students use: the two
+    loaders' crops agree to rounding, not bit for bit)."""
+    root, data, weights = world
+    teacher = ["--teacher", "resnet18", "--teacher-weights", weights]
+    for loader, workers in (("pil", 2), ("gpu", 0)):
+        store = tmp_path / f"store_{loader}"
+        crops = ["--loader", loader, "-j", workers]
+        r = kd_main("teach", *common(data, *teacher, *crops, "--top-k", "all", "--logits-dtype", "float32",
+                                     "--out", store))  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        assert "kd teach: 2 epoch(s) of 24 samples" in r.stderr
+        manifest = kd_store.read_manifest(store)
+        assert manifest["epochs_done"] == 2 and manifest["k"] == 4 and manifest["dtype"] == "float32"
+        assert manifest["teacher_weights_sha256"] == hashlib.sha256(weights.read_bytes()).hexdigest()
+        live, replay = tmp_path / f"live_{loader}", tmp_path / f"replay_{loader}"
+        args = common(data, "--student", "resnet18", *crops)
+        r = kd_main("train", *args, *teacher, "--out", live)
+        assert r.returncode == 0, r.stderr
+        r = kd_main("train", *args, "--soft-labels", store, "--out", replay)
+        assert r.returncode == 0, r.stderr
+        assert "from the soft-label store" in r.stderr and "no teacher forward" in r.stderr
+        a, b = students(live), students(replay)
+        assert all(torch.equal(a[k], b[k]) for k in a), loader
+    cfg = (tmp_path / "replay_pil" / "config.yaml").read_text()
+    assert "teacher: resnet18" in cfg and f"soft_labels: {tmp_path / 'store_pil'}" in cfg
+    r = kd_main("report", tmp_path / "replay_pil", tmp_path / "live_pil")
+    assert r.returncode == 0 and "resnet18 (stored)" in r.stdout
+
+
+def test_top_k_store_size_and_replay(world, tmp_path):
+    root, data, weights = world
+    store = tmp_path / "store"
+    teacher = ["--teacher", "resnet18", "--teacher-weights", weights]
+    r = kd_main("teach", *common(data, *teacher, "-j", 0, "--top-k", 2, "--out", store))
+    assert r.returncode == 0, r.stderr
+    values = np.load(store / "epoch-001.values.npy")
+    classes = np.load(store / "epoch-001.classes.npy")
+    lse = np.load(store / "epoch-002.lse.npy")
+    assert values.shape == (24, 2) and values.dtype == np.float16
+    assert classes.shape == (24, 2) and classes.dtype == np.int16 and lse.shape == (24,)
+    assert (values[:, 0] >= values[:, 1]).all() and not (values == 0).all(axis=1).any()  # every sample written
+    assert "18 B an epoch" in r.stderr or "an epoch" in r.stderr
+    r = kd_main("train", *common(data, "--student", "resnet18", "-j", 0, "--soft-labels", store,
+                                 "--kd-loss", "dkd", "--out", tmp_path / "run"))  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "the top 2 logits" in r.stderr
+
+
+def test_a_stopped_or_shorter_store_is_continued_not_redone(world, tmp_path):
+    root, data, weights = world
+    teacher = ["--teacher", "resnet18", "--teacher-weights", weights, "-j", 0, "--top-k", "all",
+               "--logits-dtype", "float32"]  # fmt: skip
+    grown, fresh = tmp_path / "grown", tmp_path / "fresh"
+    args = [a if a != 2 else 1 for a in common(data, *teacher)]  # --epochs 1 (and -b 8 stays)
+    r = kd_main("teach", *args, "--out", grown)
+    assert r.returncode == 0, r.stderr
+    first = (grown / "epoch-001.values.npy").stat()
+    r = kd_main("teach", *common(data, *teacher), "--out", grown)
+    assert r.returncode == 0, r.stderr
+    assert "holds 1 epoch(s); continuing at epoch 2" in r.stderr
+    again = (grown / "epoch-001.values.npy").stat()
+    assert (again.st_ino, again.st_mtime_ns) == (first.st_ino, first.st_mtime_ns)
+    r = kd_main("teach", *common(data, *teacher), "--out", fresh)
+    assert r.returncode == 0, r.stderr
+    for e in (1, 2):
+        assert np.array_equal(np.load(grown / f"epoch-00{e}.values.npy"), np.load(fresh / f"epoch-00{e}.values.npy"))
+    assert not list(grown.glob("*.partial.npy"))
+    r = kd_main("teach", *common(data, *teacher), "--out", grown)
+    assert r.returncode == 0 and "already holds 2 epoch(s); nothing to do" in r.stderr
+
+
+def test_two_processes_write_the_same_store(world, tmp_path):
+    root, data, weights = world
+    teacher = ["--teacher", "resnet18", "--teacher-weights", weights, "-j", 0, "--top-k", "all",
+               "--logits-dtype", "float32"]  # fmt: skip
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert kd_main("teach", *common(data, *teacher), "--out", one).returncode == 0
+    r = run_kd("teach", *common(data, *teacher), "--backend", "torch_ddp", "--nproc", 2, "--out", two)
+    assert r.returncode == 0, r.stderr
+    for e in (1, 2):
+        a, b = np.load(one / f"epoch-00{e}.values.npy"), np.load(two / f"epoch-00{e}.values.npy")
+        assert np.allclose(a, b, atol=1e-4) and not (b == 0).all(axis=1).any()
+
+
+def test_a_store_for_another_run_is_refused_in_one_line(world, tmp_path):
+    root, data, weights = world
+    store = tmp_path / "store"
+    teacher = ["--teacher", "resnet18", "--teacher-weights", weights]
+    assert kd_main("teach", *common(data, *teacher, "-j", 0, "--out", store)).returncode == 0
+    before = snapshot(tmp_path)
+    train = ["train", "--student", "resnet18", "-j", 0, "--soft-labels", store, "--out", tmp_path / "run"]
+    cases = {
+        "--image-size": (common(data)[:2] + ["--image-size", 48] + common(data)[4:], "--image-size differ"),
+        "--seed": (common(data, "--seed", 5), "--seed differ"),
+        "--epochs": ([a if a != 2 else 3 for a in common(data)], "holds 2 epoch(s)"),
+        "fitnet": (common(data, "--kd-loss", "fitnet"), "needs the teacher's features"),
+        "teacher": (common(data, "--teacher", "resnet34"), "its teacher is resnet18"),
+    }
+    for name, (args, why) in cases.items():
+        line = one_line(kd_main(*train[:1], *args, *train[1:]))
+        assert why in line, (name, line)
+    other = make_image_folder(tmp_path / "other", classes=4, train_per_class=6, val_per_class=2, seed=1)
+    (other / "train" / "class_00" / "000.jpg").rename(other / "train" / "class_00" / "zzz.jpg")
+    assert "the training images (their listing) differ" in one_line(kd_main(*train[:1], *common(other), *train[1:]))
+    not_store = tmp_path / "data_copy"
+    not_store.mkdir()
+    assert "not a soft-label store" in one_line(
+        kd_main("train", *common(data, "--student", "resnet18", "--soft-labels", not_store, "--out", tmp_path / "r2"))
+    )
+    assert "holds a store for another teaching" in one_line(
+        kd_main("teach", *common(data, *teacher, "-j", 0, "--top-k", 3, "--out", store))
+    )
+    assert "not a soft-label store" in one_line(kd_main("teach", *common(data, *teacher, "--out", data)))
+    assert "needs --out" in one_line(kd_main("teach", *common(data, *teacher)))
+    assert "synthetic has none" in one_line(kd_main("teach", *common("synthetic", *teacher, "--out", tmp_path / "s")))
+    (not_store / "x").write_text("x")
+    assert snapshot(tmp_path) == {**before, **snapshot(not_store), **snapshot(other)}
+    assert not (tmp_path / "run").exists() and not (tmp_path / "r2").exists()
+    assert os.listdir(not_store) == ["x"]
