@@ -200,3 +200,20 @@ def test_a_store_for_another_run_is_refused_in_one_line(world, tmp_path):
     assert snapshot(tmp_path) == {**before, **snapshot(not_store), **snapshot(other)}
     assert not (tmp_path / "run").exists() and not (tmp_path / "r2").exists()
     assert os.listdir(not_store) == ["x"]
+
+
+def test_a_run_from_a_store_resumes_as_it_would_have_run(world, tmp_path):
+    """Stopped after epoch 1 and resumed, a student from a store ends as the run that went on."""
+    root, data, weights = world
+    store = tmp_path / "store"
+    teacher = ["--teacher", "resnet18", "--teacher-weights", weights]
+    assert kd_main("teach", *common(data, *teacher, "-j", 0, "--out", store)).returncode == 0
+    student = ["--student", "resnet18", "-j", 0, "--soft-labels", store, "--lr-schedule", "constant"]
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    assert kd_main("train", *common(data, *student, "--out", whole)).returncode == 0
+    one = [a if a != 2 else 1 for a in common(data, *student, "--out", parts)]  # --epochs 1
+    assert kd_main("train", *one).returncode == 0
+    r = kd_main("train", "--out", parts, "--resume", "--epochs", 2, "--no-progress")
+    assert r.returncode == 0, r.stderr
+    a, b = students(whole), students(parts)
+    assert all(torch.equal(a[k], b[k]) for k in a)

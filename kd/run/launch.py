@@ -340,7 +340,7 @@ def run_worker(
         stop = StopFlag(launched)  # before the process group: a signal inside its C++ set-up only sets the flag
         backend.setup()
         if cfg.teach:
-            from kd.run.teach import Teaching
+            from kd.run.loop import Teaching
 
             teaching = Teaching(cfg, backend, stop)
             try:

@@ -170,7 +170,7 @@ def mismatch(store: Dict[str, Any], wanted: Dict[str, Any]) -> Optional[str]:
 
 def check_out(root: Path) -> None:
     """``kd teach --out``: a new folder, an empty one or a store (continued where the settings
-    match, :class:`kd.run.teach.Teaching` checks them); anything else is refused, untouched."""
+    match, :class:`kd.run.loop.Teaching` checks them); anything else is refused, untouched."""
     if root.exists() and not root.is_dir():
         raise KDError(f"--out {root} exists and is not a folder")
     if root.is_dir() and any(root.iterdir()) and not is_store(root):
