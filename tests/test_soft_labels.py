@@ -58,23 +58,28 @@ def test_every_logit_stored_is_the_row():
 
 
 def test_top_k_is_fkds_marginal_smoothing():
-    """The k largest probabilities kept exactly and the rest of the mass spread evenly over the
-    other classes (FKD's marginal_smoothing_k soft labels), as a row of logits."""
+    """The k largest probabilities kept and the rest of the mass spread evenly over the other
+    classes (FKD's marginal_smoothing_k soft labels), as a row of logits, also for confident
+    1000-class rows stored in float16 (the default), at the temperatures the methods use."""
     torch.manual_seed(0)
-    logits = torch.randn(6, 10) * 3
-    k = 3
-    values, classes, lse = kd_store.compress(logits, k)
-    row = kd_store.expand(values.half(), classes.short(), lse, 10)  # as stored: float16, int16
-    probs = F.softmax(logits, dim=1)
-    top, where = probs.topk(k, dim=1)
-    reference = ((1 - top.sum(1, keepdim=True)) / (10 - k)).expand(-1, 10).clone().scatter_(1, where, top)
-    assert torch.allclose(F.softmax(row, dim=1), reference, atol=2e-3)  # float16 values: 3 digits
-    exact = kd_store.expand(values, classes, lse, 10)
-    assert torch.allclose(F.softmax(exact, dim=1), reference, atol=1e-6)
-    # one-hot-like rows: the k hold all the mass; the others stay far below, no NaN
+    for classes, k, scale in ((10, 3, 3.0), (1000, 10, 8.0)):
+        logits = torch.randn(64, classes) * scale
+        logits[:, 0] += 3 * scale  # confident rows: almost all the mass in the top k
+        values, kept, rest = kd_store.compress(logits, k)
+        probs = F.softmax(logits, dim=1)
+        top, where = probs.topk(k, dim=1)
+        reference = ((1 - top.sum(1, keepdim=True)) / (classes - k)).expand(-1, classes).clone().scatter_(1, where, top)
+        exact = kd_store.expand(values, kept, rest, classes)
+        assert torch.allclose(F.softmax(exact, dim=1), reference, atol=1e-6, rtol=1e-4)
+        stored = kd_store.expand(values.half(), kept.short(), rest, classes)  # as stored: float16, int16
+        for t in (1.0, 4.0):
+            target = F.log_softmax(kd_store.expand(values, kept, rest, classes) / t, dim=1)
+            kl = F.kl_div(F.log_softmax(stored / t, dim=1), target, log_target=True, reduction="none").sum(1)
+            assert kl.max() < 1e-3, (classes, t, kl.max())
+    # one-hot-like rows: the k hold all the mass; the others stay below them, no NaN
     sharp = torch.tensor([[40.0, 0.0, -5.0, -9.0]])
-    v, c, s = kd_store.compress(sharp, 2)
-    full = kd_store.expand(v, c, s, 4)
+    v, c, r = kd_store.compress(sharp, 2)
+    full = kd_store.expand(v, c, r, 4)
     assert torch.isfinite(full).all() and full[0, 2:].max() <= full[0, :2].min()
 
 
@@ -111,22 +116,36 @@ def test_a_store_of_every_logit_trains_the_live_runs_student_bit_for_bit(world, 
 
 
 def test_top_k_store_size_and_replay(world, tmp_path):
+    """Every sample has its row, the last short batch's too (training drops it for some batch
+    sizes, not others); a row never written is refused when a run asks for it."""
     root, data, weights = world
     store = tmp_path / "store"
     teacher = ["--teacher", "resnet18", "--teacher-weights", weights]
-    r = kd_main("teach", *common(data, *teacher, "-j", 0, "--top-k", 2, "--out", store))
+    args = common(data, *teacher, "-j", 0, "--top-k", 2, "--out", store)
+    args[args.index("-b") + 1] = 16  # 24 images: a last batch of 8
+    r = kd_main("teach", *args)
     assert r.returncode == 0, r.stderr
     values = np.load(store / "epoch-001.values.npy")
     classes = np.load(store / "epoch-001.classes.npy")
-    lse = np.load(store / "epoch-002.lse.npy")
+    rest = np.load(store / "epoch-001.rest.npy")
     assert values.shape == (24, 2) and values.dtype == np.float16
-    assert classes.shape == (24, 2) and classes.dtype == np.int16 and lse.shape == (24,)
-    assert (values[:, 0] >= values[:, 1]).all() and not (values == 0).all(axis=1).any()  # every sample written
-    assert "18 B an epoch" in r.stderr or "an epoch" in r.stderr
-    r = kd_main("train", *common(data, "--student", "resnet18", "-j", 0, "--soft-labels", store,
-                                 "--kd-loss", "dkd", "--out", tmp_path / "run"))  # fmt: skip
+    assert classes.shape == (24, 2) and classes.dtype == np.int16 and rest.shape == (24,)
+    # the others' mean mass is below the smallest kept one's
+    assert (values[:, 0] >= values[:, 1]).all() and (rest - np.log(2) <= values[:, 1].astype(np.float32) + 1e-3).all()
+    for e in (1, 2):
+        assert np.load(store / f"epoch-00{e}.written.npy").all()
+    assert "kd teach: 2 epoch(s) of 24 samples, 312 B an epoch" in r.stderr  # 24 x (2 x (2 + 2) + 4 + 1)
+    run = common(data, "--student", "resnet18", "-j", 0, "--soft-labels", store, "--kd-loss", "dkd")
+    r = kd_main("train", *run, "--out", tmp_path / "run")
     assert r.returncode == 0, r.stderr
     assert "the top 2 logits" in r.stderr
+    written = np.load(store / "epoch-002.written.npy", mmap_mode="r+")
+    written[5] = 0  # as an image unreadable when the store was taught
+    written.flush()
+    del written
+    r = kd_main("train", *run, "--out", tmp_path / "run2")  # said at the start, stopped where it is read
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "1 row(s) missing" in r.stderr
+    assert "kd: error: " in r.stderr.splitlines()[-1] and "no logits for training image 5 in epoch 2" in r.stderr
 
 
 def test_a_stopped_or_shorter_store_is_continued_not_redone(world, tmp_path):
@@ -195,9 +214,21 @@ def test_a_store_for_another_run_is_refused_in_one_line(world, tmp_path):
     )
     assert "not a soft-label store" in one_line(kd_main("teach", *common(data, *teacher, "--out", data)))
     assert "needs --out" in one_line(kd_main("teach", *common(data, *teacher)))
+    assert "conflicts with --no-teacher" in one_line(
+        kd_main("teach", *common(data, "--no-teacher", "--out", tmp_path / "n"))
+    )
+    limited = common(data, *teacher, "--limit-train-batches", 1, "--out", tmp_path / "n")
+    assert "no --limit-train-batches" in one_line(kd_main("teach", *limited))
+    named = tmp_path / "named"  # named weights have no file to checksum: compared by name
+    assert kd_main("teach", *common(data, "--teacher", "resnet18", "--teacher-weights", "none", "-j", 0,
+                                    "--out", named)).returncode == 0  # fmt: skip
+    other_weights = common(
+        data, "--teacher", "resnet18", "--teacher-weights", "torchvision:IMAGENET1K_V1", "--out", named
+    )
+    assert "its teacher_weights is none" in one_line(kd_main("teach", *other_weights))
     assert "synthetic has none" in one_line(kd_main("teach", *common("synthetic", *teacher, "--out", tmp_path / "s")))
     (not_store / "x").write_text("x")
-    assert snapshot(tmp_path) == {**before, **snapshot(not_store), **snapshot(other)}
+    assert snapshot(tmp_path) == {**before, **snapshot(not_store), **snapshot(other), **snapshot(named)}
     assert not (tmp_path / "run").exists() and not (tmp_path / "r2").exists()
     assert os.listdir(not_store) == ["x"]
 

@@ -383,7 +383,9 @@ def make_data_loader(
             prefetch_factor=2,
             worker_init_fn=seed_worker,
         )
-    drop_last = train and len(sampler) >= local_batch
+    # training drops a last short batch; kd teach keeps it (its store needs every sample, whatever
+    # batch size and processes the students train with)
+    drop_last = train and not getattr(cfg, "teach", False) and len(sampler) >= local_batch
     loader = DataLoader(
         dataset,
         batch_size=local_batch,

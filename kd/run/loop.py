@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -426,6 +427,11 @@ class Teaching:
                 cfg, num_replicas, rank, backend.local_batch(cfg.batch_size), backend.device, channels_last
             )
             classes = cfg.num_classes or len(self.data.classes)
+            if backend.placement.world_size > backend.placement.local_world_size:
+                raise KDError(
+                    "kd teach writes its store through memory maps, which hosts do not share coherently; "
+                    "run it on one host (its processes may use every GPU there)"
+                )
             shared = Shared(self.data, None, self.stop, clock)
             self.lane = lane = Lane(cfg, backend, self.root, None, shared, validate=True, alone=True)
             lane.precision = make_precision(cfg, backend.device, prefer_apex=False)
@@ -492,13 +498,25 @@ class Teaching:
         if kd_store.is_store(self.root):
             have = kd_store.read_manifest(self.root, "--out")
             why = kd_store.mismatch(have, wanted)
-            for key in ("teacher", "teacher_weights_sha256", "k", "dtype"):
+            keys = ["teacher", "teacher_weights_sha256", "k", "dtype"]
+            if settings["teacher_weights_sha256"] is None:  # named weights (pretrained, torchvision:...): by name
+                keys.append("teacher_weights")
+            for key in keys:
                 if why is None and have.get(key) != settings[key]:
                     why = f"its {key} is {have.get(key)}, this run's {settings[key]}"
             if why:
                 raise KDError(f"--out {self.root} holds a store for another teaching: {why}; give another --out")
             settings["epochs_done"] = have.get("epochs_done", 0)
             settings["teacher_val_top1"] = have.get("teacher_val_top1")
+        needed = kd_store.epoch_bytes(len(self.data.train_samples), classes, k, cfg.soft_label_dtype) * max(
+            cfg.epochs - settings["epochs_done"], 0
+        )
+        free = shutil.disk_usage(next(p for p in (self.root, *self.root.absolute().parents) if p.exists())).free
+        if needed > free:
+            raise KDError(
+                f"--out {self.root}: the store needs {kd_store.human(needed)} more and the disk has "
+                f"{kd_store.human(free)} free; free space, give fewer --epochs or a smaller --top-k"
+            )
         return settings
 
     def _write_manifest(self, settings: Dict[str, Any]) -> Dict[str, Any]:
@@ -522,7 +540,7 @@ class Teaching:
         lane = self.lane
         assert lane is not None
         bar = lane.logger.progress(len(loader), f"teach {epoch + 1}/{self.cfg.epochs}")
-        images = 0
+        images = bad = 0
         with torch.no_grad():
             for i, batch in enumerate(loader):
                 if self._stop_asked(i):
@@ -533,6 +551,10 @@ class Teaching:
                         message=f"stopped by {self.stop.signame} in epoch {epoch + 1}; "
                         f"{self.root} keeps {epoch} complete epoch(s); run the same kd teach again to continue",
                     )
+                check_batch(batch, lane.logger.info)  # an unreadable image: named, its row left unwritten
+                bad += len(batch.bad)
+                if bad > self.cfg.max_bad_images:
+                    raise KDError(f"more than --max-bad-images {self.cfg.max_bad_images} unreadable images")
                 logits = self.teacher.forward(batch.images)[0]
                 writer.write(batch.indices, logits.float())
                 images += len(batch)

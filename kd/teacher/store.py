@@ -10,8 +10,8 @@ teacher's logits on that sample's crop:
 
 * all of them (``k`` = the number of classes), in float16 or float32: the student trained from a
   float32 store of every logit is the student trained with the live teacher, bit for bit;
-* or the ``k`` largest with their classes and the log-sum-exp of every logit. The other classes
-  then get one shared logit such that the softmax at temperature 1 keeps the k largest
+* or the ``k`` largest with their classes and the log-sum-exp of the other logits. The other
+  classes then get one shared logit such that the softmax at temperature 1 keeps the k largest
   probabilities and spreads the rest of the mass evenly over the other classes: FKD's "marginal
   smoothing" (its ``marginal_smoothing_k5`` / ``_k10`` soft labels, which keep the top-k
   probabilities and their classes), written as logits so that every logit loss, at any
@@ -20,13 +20,16 @@ teacher's logits on that sample's crop:
 Layout: ``kd-soft-labels.json`` (the manifest: format, teacher, its weights' checksum, data
 listing checksum, image size, crop scale, seed, k, dtype, epochs, the epochs complete) and per
 epoch ``epoch-NNN.values.npy`` (samples x k), plus ``epoch-NNN.classes.npy`` (int16 or int32)
-and ``epoch-NNN.lse.npy`` (float32) where k is less than the number of classes. An epoch is
+and ``epoch-NNN.rest.npy`` (float32) where k is less than the number of classes, and
+``epoch-NNN.written.npy`` (one byte a sample: its row was written; a row the teacher never saw,
+an image unreadable when it was taught, is refused when a run asks for it). An epoch is
 written under ``.partial`` names and renamed once every rank has written its samples, so a
 stopped ``kd teach`` starts again at its first incomplete epoch.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
@@ -85,8 +88,8 @@ def epoch_bytes(samples: int, classes: int, k: int, dtype: str) -> int:
     """Bytes one epoch takes on disk (the .npy headers aside)."""
     width = np.dtype(DTYPES[dtype]).itemsize
     if k >= classes:
-        return samples * classes * width
-    return samples * (k * (width + np.dtype(class_dtype(classes)).itemsize) + 4)
+        return samples * (classes * width + 1)
+    return samples * (k * (width + np.dtype(class_dtype(classes)).itemsize) + 4 + 1)
 
 
 def class_dtype(classes: int):
@@ -103,28 +106,26 @@ def human(n: float) -> str:
 
 # ----------------------------------------------------------------------------- compress / expand
 def compress(logits: torch.Tensor, k: int) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """float32 ``logits`` (B x C) -> (values B x k, classes B x k or None, log-sum-exp B or None)."""
+    """float32 ``logits`` (B x C) -> (values B x k, classes B x k or None, the log-sum-exp of the
+    classes not kept B or None)."""
     if k >= logits.shape[1]:
         return logits, None, None
     values, classes = logits.topk(k, dim=1)
-    return values, classes, torch.logsumexp(logits, dim=1)
+    rest = torch.logsumexp(logits.scatter(1, classes, float("-inf")), dim=1)
+    return values, classes, rest
 
 
-def expand(values: torch.Tensor, classes: Optional[torch.Tensor], lse: Optional[torch.Tensor], num_classes: int):
+def expand(values: torch.Tensor, classes: Optional[torch.Tensor], rest: Optional[torch.Tensor], num_classes: int):
     """Full float32 logits (B x C) from a store's row: as stored where it holds every logit; else
     the k stored logits in their classes and one shared logit ``c`` in every other class, with
-    ``(C - k) * exp(c)`` the mass the k leave (FKD's marginal smoothing at temperature 1). Where
-    the k hold all the mass to float precision, ``c`` is 30 below the smallest of them."""
+    ``(C - k) * exp(c)`` the mass of the classes not kept (``rest``, their log-sum-exp): FKD's
+    marginal smoothing at temperature 1. ``c`` comes from ``rest`` alone, never from a difference
+    of the rounded values, and stays at most the smallest kept logit."""
     values = values.float()
     if classes is None:
         return values
-    assert lse is not None
-    rest = num_classes - values.shape[1]
-    kept = torch.logsumexp(values, dim=1)
-    left = (-torch.expm1(kept - lse.float())).clamp(min=0.0)  # 1 - exp(kept - lse): the others' share
-    floor = values.min(dim=1).values - 30.0
-    shared = torch.where(left > 0, lse.float() + torch.log(left.clamp(min=1e-30)) - math.log(rest), floor)
-    shared = torch.minimum(torch.maximum(shared, floor), values.min(dim=1).values)  # never above the k
+    assert rest is not None
+    shared = torch.minimum(rest.float() - math.log(num_classes - values.shape[1]), values.min(dim=1).values)
     out = shared[:, None].expand(-1, num_classes).clone()
     return out.scatter_(1, classes.long(), values)
 
@@ -187,7 +188,7 @@ def _name(root: Path, epoch: int, part: str, partial: bool = False) -> Path:
 
 
 def parts(manifest: Dict[str, Any]) -> List[str]:
-    return ["values"] if manifest["k"] >= manifest["classes"] else ["values", "classes", "lse"]
+    return (["values"] if manifest["k"] >= manifest["classes"] else ["values", "classes", "rest"]) + ["written"]
 
 
 # ----------------------------------------------------------------------------- reading
@@ -211,6 +212,8 @@ class SoftLabels:
             )
         self.classes = int(self.manifest["classes"])
         self._open: Dict[int, Dict[str, np.ndarray]] = {}
+        #: rows the teacher never wrote (images unreadable when it was taught), over the run's epochs
+        self.unwritten = sum(int((np.load(_name(root, e, "written"), mmap_mode="r") == 0).sum()) for e in range(epochs))
 
     def describe(self) -> str:
         m = self.manifest
@@ -218,6 +221,11 @@ class SoftLabels:
         return (
             f"teacher {m['teacher']} from the soft-label store {self.root}: {kept} in {m['dtype']}, "
             f"{m['epochs_done']} epoch(s), taught through the {m.get('loader', '?')} loader; no teacher forward"
+            + (
+                f"; {self.unwritten} row(s) missing (images unreadable when it was taught: a run that reads them stops)"
+                if self.unwritten
+                else ""
+            )
         )
 
     def _epoch(self, epoch: int) -> Dict[str, np.ndarray]:
@@ -231,15 +239,36 @@ class SoftLabels:
         """float32 logits (B x classes) on ``device`` for the samples ``indices`` of ``epoch``."""
         files = self._epoch(epoch)
         rows = indices.numpy()
-        got = {p: torch.from_numpy(np.ascontiguousarray(a[rows])) for p, a in files.items()}
+        written = files["written"][rows]
+        if not written.all():
+            missing = int(rows[np.argmin(written)])
+            raise KDError(
+                f"--soft-labels {self.root} has no logits for training image {missing} in epoch {epoch + 1} "
+                f"(it was unreadable when the store was taught); teach the store again, or fix the image"
+            )
+        got = {p: torch.from_numpy(np.ascontiguousarray(a[rows])) for p, a in files.items() if p != "written"}
         on = {p: (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True) for p, t in got.items()}
-        return expand(on["values"], on.get("classes"), on.get("lse"), self.classes)
+        return expand(on["values"], on.get("classes"), on.get("rest"), self.classes)
 
     def close(self) -> None:
         self._open = {}
 
 
 # ----------------------------------------------------------------------------- writing
+def reserve(path: Path) -> None:
+    """The file's blocks taken now (a memory map writes a sparse file: a full disk would end the
+    process with SIGBUS at some later row); an OSError (a full disk) fails here, in one line."""
+    if not hasattr(os, "posix_fallocate"):
+        return
+    with open(path, "rb+") as f:
+        try:
+            os.posix_fallocate(f.fileno(), 0, os.fstat(f.fileno()).st_size)
+        except OSError as exc:
+            if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # a filesystem without it: sparse as before
+                return
+            raise KDError(f"cannot write the soft-label store at {path.parent}: {exc.strerror}") from None
+
+
 class EpochWriter:
     """One epoch's files, opened by every rank (rank 0 made them); rows written at sample indices."""
 
@@ -248,22 +277,25 @@ class EpochWriter:
         n, k, classes = int(manifest["samples"]), int(manifest["k"]), int(manifest["classes"])
         shapes: Dict[str, Tuple[Tuple[int, ...], Any]] = {"values": ((n, min(k, classes)), DTYPES[manifest["dtype"]])}
         if k < classes:
-            shapes.update(classes=((n, k), class_dtype(classes)), lse=((n,), np.float32))
+            shapes.update(classes=((n, k), class_dtype(classes)), rest=((n,), np.float32))
+        shapes["written"] = ((n,), np.uint8)
         self.files = {}
         for part, (shape, dtype) in shapes.items():
             path = _name(root, epoch, part, partial=True)
             if create:
                 self.files[part] = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
+                reserve(path)
             else:
                 self.files[part] = np.load(path, mmap_mode="r+")
 
     def write(self, indices: torch.Tensor, logits: torch.Tensor) -> None:
-        values, classes, lse = compress(logits.float(), self.k)
+        values, classes, rest = compress(logits.float(), self.k)
         rows = indices.numpy()
         self.files["values"][rows] = values.cpu().numpy()
-        if classes is not None and lse is not None:
+        if classes is not None and rest is not None:
             self.files["classes"][rows] = classes.cpu().numpy()
-            self.files["lse"][rows] = lse.cpu().numpy()
+            self.files["rest"][rows] = rest.cpu().numpy()
+        self.files["written"][rows] = 1
 
     def flush(self) -> None:
         for array in self.files.values():
@@ -272,7 +304,7 @@ class EpochWriter:
 
     def commit(self) -> None:
         """Rank 0, once every rank has flushed: the epoch's files under their final names."""
-        for part in ("values", "classes", "lse"):
+        for part in ("values", "classes", "rest", "written"):
             partial = _name(self.root, self.epoch, part, partial=True)
             if partial.exists():
                 with open(partial, "rb+") as f:
