@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -204,6 +205,12 @@ def test_a_store_for_another_run_is_refused_in_one_line(world, tmp_path):
     other = make_image_folder(tmp_path / "other", classes=4, train_per_class=6, val_per_class=2, seed=1)
     (other / "train" / "class_00" / "000.jpg").rename(other / "train" / "class_00" / "zzz.jpg")
     assert "the training images (their listing) differ" in one_line(kd_main(*train[:1], *common(other), *train[1:]))
+    damaged = tmp_path / "damaged"
+    shutil.copytree(store, damaged)
+    (damaged / "epoch-002.written.npy").unlink()
+    args = common(data, "--student", "resnet18", "-j", 0, "--soft-labels", damaged, "--out", tmp_path / "d")
+    line = one_line(kd_main("train", *args))
+    assert "is damaged: epoch-002.written.npy cannot be read" in line
     not_store = tmp_path / "data_copy"
     not_store.mkdir()
     assert "not a soft-label store" in one_line(
@@ -228,7 +235,13 @@ def test_a_store_for_another_run_is_refused_in_one_line(world, tmp_path):
     assert "its teacher_weights is none" in one_line(kd_main("teach", *other_weights))
     assert "synthetic has none" in one_line(kd_main("teach", *common("synthetic", *teacher, "--out", tmp_path / "s")))
     (not_store / "x").write_text("x")
-    assert snapshot(tmp_path) == {**before, **snapshot(not_store), **snapshot(other), **snapshot(named)}
+    assert snapshot(tmp_path) == {
+        **before,
+        **snapshot(not_store),
+        **snapshot(other),
+        **snapshot(named),
+        **snapshot(damaged),
+    }
     assert not (tmp_path / "run").exists() and not (tmp_path / "r2").exists()
     assert os.listdir(not_store) == ["x"]
 

@@ -543,7 +543,10 @@ class Teaching:
         images = bad = 0
         with torch.no_grad():
             for i, batch in enumerate(loader):
-                if self._stop_asked(i):
+                stop, bad_anywhere = self._stop_asked(i, bad)
+                if bad_anywhere > self.cfg.max_bad_images:  # every process decides alike
+                    raise KDError(f"more than --max-bad-images {self.cfg.max_bad_images} unreadable images")
+                if stop:
                     writer.flush()
                     bar.close()
                     raise Interrupted(
@@ -553,8 +556,6 @@ class Teaching:
                     )
                 check_batch(batch, lane.logger.info)  # an unreadable image: named, its row left unwritten
                 bad += len(batch.bad)
-                if bad > self.cfg.max_bad_images:
-                    raise KDError(f"more than --max-bad-images {self.cfg.max_bad_images} unreadable images")
                 logits = self.teacher.forward(batch.images)[0]
                 writer.write(batch.indices, logits.float())
                 images += len(batch)
@@ -566,16 +567,17 @@ class Teaching:
             writer.commit()
         return images
 
-    def _stop_asked(self, i: int) -> bool:
-        """A stop signal in any process: every batch alone, every tenth batch as a collective (every
-        process has the same number of batches, so all ask at the same ones)."""
+    def _stop_asked(self, i: int, bad: int) -> Tuple[bool, float]:
+        """(a stop signal in any process, the unreadable images of every process so far): every
+        batch alone; every tenth batch as a collective with several processes (each has the same
+        number of batches, so all ask at the same ones and decide alike)."""
         if self.backend.world_size == 1:
-            return self.stop.requested
+            return self.stop.requested, float(bad)
         if i % 10:
-            return False
-        flag = torch.tensor(float(self.stop.requested), device=self.backend.device)
-        self.backend.all_reduce_sum(flag)
-        return flag.item() > 0
+            return False, 0.0
+        flags = torch.tensor([float(self.stop.requested), float(bad)], device=self.backend.device)
+        self.backend.all_reduce_sum(flags)
+        return bool(flags[0].item() > 0), float(flags[1].item())
 
     def close(self) -> None:
         if self.lane is not None:

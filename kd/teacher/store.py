@@ -213,7 +213,7 @@ class SoftLabels:
         self.classes = int(self.manifest["classes"])
         self._open: Dict[int, Dict[str, np.ndarray]] = {}
         #: rows the teacher never wrote (images unreadable when it was taught), over the run's epochs
-        self.unwritten = sum(int((np.load(_name(root, e, "written"), mmap_mode="r") == 0).sum()) for e in range(epochs))
+        self.unwritten = sum(int((self._load(e, "written") == 0).sum()) for e in range(epochs))
 
     def describe(self) -> str:
         m = self.manifest
@@ -228,11 +228,19 @@ class SoftLabels:
             )
         )
 
+    def _load(self, epoch: int, part: str) -> np.ndarray:
+        path = _name(self.root, epoch, part)
+        try:
+            array = np.load(path, mmap_mode="r")
+        except (OSError, ValueError) as exc:
+            raise KDError(f"--soft-labels {self.root} is damaged: {path.name} cannot be read ({exc})") from None
+        if len(array) != self.manifest["samples"]:
+            raise KDError(f"--soft-labels {self.root} is damaged: {path.name} holds {len(array)} rows")
+        return array
+
     def _epoch(self, epoch: int) -> Dict[str, np.ndarray]:
         if epoch not in self._open:
-            self._open = {
-                epoch: {p: np.load(_name(self.root, epoch, p), mmap_mode="r") for p in parts(self.manifest)}
-            }  # one epoch open at a time
+            self._open = {epoch: {p: self._load(epoch, p) for p in parts(self.manifest)}}  # one epoch open at a time
         return self._open[epoch]
 
     def logits(self, epoch: int, indices: torch.Tensor, device: torch.device) -> torch.Tensor:
