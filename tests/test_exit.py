@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, make_image_folder
+from conftest import ROOT, make_image_folder, run_kd
 
 TINY = [
     "--teacher",
@@ -63,14 +63,14 @@ def marked_processes(marker: str):
     return found
 
 
-def start(marker: str, *args, group: bool = False):
-    """``kd train ARGS``; with ``group``, in a process group of its own, as a terminal's foreground
-    job (on one thread, so that two of them share the cores)."""
+def start(marker: str, *args, group: bool = False, command: str = "train"):
+    """``kd COMMAND ARGS`` (train); with ``group``, in a process group of its own, as a terminal's
+    foreground job (on one thread, so that two of them share the cores)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "KD_TEST_MARKER": marker}
     if group:
         env["OMP_NUM_THREADS"] = "1"
     return subprocess.Popen(
-        [sys.executable, "-m", "cli", "train", *map(str, args)],
+        [sys.executable, "-m", "cli", command, *map(str, args)],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -135,6 +135,29 @@ def test_a_stop_exits_promptly_and_leaves_nothing_running(data, tmp_path, how):
         assert proc.returncode == SIGNALS[how][1] and "continue with: kd train" in out, out
     else:
         assert proc.returncode == 2 and "not finite for 2 consecutive steps" in out, out
+
+
+@pytest.mark.slow
+def test_kd_teach_stops_promptly_and_continues(data, tmp_path):
+    """SIGTERM while kd teach writes an epoch: exit 143 at once, no process left, the store keeps
+    its complete epochs (the partial one is redone), and the same command continues it."""
+    import json as _json
+
+    marker = uuid.uuid4().hex
+    store = tmp_path / "store"
+    args = ["--data", data, "--device", "cpu", *TINY, "--epochs", 50, "--out", store]
+    proc = start(marker, *args, command="teach")
+    wait_line(proc, "kd teach: epoch 1/50 written")
+    proc.send_signal(signal.SIGTERM)
+    out = assert_gone(proc, marker)
+    assert proc.returncode == 143 and "run the same kd teach again to continue" in out, out
+    done = _json.loads((store / "kd-soft-labels.json").read_text())["epochs_done"]
+    assert 1 <= done < 50
+    assert not (store / f"epoch-{done + 1:03d}.values.npy").exists()
+    more = [a if a != 50 else done + 1 for a in args]
+    r = run_kd("teach", *more, timeout=300)
+    assert r.returncode == 0 and f"continuing at epoch {done + 1}" in r.stderr, r.stderr
+    assert (store / f"epoch-{done + 1:03d}.values.npy").exists() and not list(store.glob("*.partial.npy"))
 
 
 def _has_apex_amp() -> bool:
