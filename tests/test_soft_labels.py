@@ -261,3 +261,18 @@ def test_a_run_from_a_store_resumes_as_it_would_have_run(world, tmp_path):
     assert r.returncode == 0, r.stderr
     a, b = students(whole), students(parts)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_several_students_from_one_store_each_equal_their_own_run(world, tmp_path):
+    root, data, weights = world
+    store = tmp_path / "store"
+    teacher = ["--teacher", "resnet18", "--teacher-weights", weights]
+    assert kd_main("teach", *common(data, *teacher, "-j", 0, "--out", store)).returncode == 0
+    student = ["--student", "resnet18", "-j", 0, "--soft-labels", store]
+    r = kd_main("train", *common(data, *student, "--kd-loss", "kd,dkd", "--out", tmp_path / "both"))
+    assert r.returncode == 0, r.stderr
+    for method in ("kd", "dkd"):
+        alone = tmp_path / f"alone_{method}"
+        assert kd_main("train", *common(data, *student, "--kd-loss", method, "--out", alone)).returncode == 0
+        a, b = students(alone), students(tmp_path / "both" / method)
+        assert all(torch.equal(a[k], b[k]) for k in a), method
