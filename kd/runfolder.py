@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,3 +89,13 @@ class RunFolder:
                 self.root.rmdir()  # only if nothing else is in it
             except OSError:
                 pass
+
+
+def nearest_folder(path: Path) -> Path:
+    """``path`` or its nearest existing parent: where a folder made at ``path`` is written."""
+    return next(p for p in (path, *path.absolute().parents) if p.exists())
+
+
+def writable(out: Path) -> bool:
+    """Whether a folder can be made (or written) at ``out``."""
+    return os.access(nearest_folder(out), os.W_OK | os.X_OK)

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Dict, Optional, Type
 from kd.errors import KDError
 from kd.run.placement import Placement, slurm_env
 from kd.run.signals import Interrupted, held_for_children
-from kd.runfolder import RunFolder
+from kd.runfolder import RunFolder, writable
 
 if TYPE_CHECKING:  # imported where used: a launcher process builds no Trainer
     from kd.run.loop import Trainer
@@ -64,8 +64,7 @@ def prepare_out(cfg, resume: Optional[str], overwrite: bool) -> Optional[Path]:
             f"--out {out} already holds a run ({', '.join(held)}); "
             f"continue it with --resume or replace it with --overwrite"
         )
-    folder = next(p for p in (out, *out.absolute().parents) if p.exists())
-    if not os.access(folder, os.W_OK | os.X_OK):
+    if not writable(out):
         raise KDError(f"--out {out} is not writable: {os.strerror(errno.EACCES)}")
     return None
 

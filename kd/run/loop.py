@@ -33,7 +33,7 @@ from kd.run.runtime import resolve as resolve_runtime
 from kd.run.signals import Interrupted, StopFlag
 from kd.run.step import StepHook, StepOutput, check_batch
 from kd.run.students import Students, stopped_students, write_students
-from kd.runfolder import RunFolder
+from kd.runfolder import RunFolder, nearest_folder
 from kd.teacher import store as kd_store
 from kd.teacher.frozen import Teacher
 from kd.teacher.store import SoftLabels, wanted_manifest
@@ -422,9 +422,13 @@ class Teaching:
             if cfg.student_data is None:  # no student: the loaders normalise as the teacher wants
                 cfg = dataclasses.replace(cfg, student_data=cfg.teacher_data)
             self.cfg = cfg
-            channels_last = cfg.channels_last if cfg.channels_last is not None else backend.device.type == "cuda"
             self.data = build_data(
-                cfg, num_replicas, rank, backend.local_batch(cfg.batch_size), backend.device, channels_last
+                cfg,
+                num_replicas,
+                rank,
+                backend.local_batch(cfg.batch_size),
+                backend.device,
+                resolve_runtime(cfg, backend.device).channels_last,
             )
             classes = cfg.num_classes or len(self.data.classes)
             if backend.placement.world_size > backend.placement.local_world_size:
@@ -511,7 +515,7 @@ class Teaching:
         needed = kd_store.epoch_bytes(len(self.data.train_samples), classes, k, cfg.soft_label_dtype) * max(
             cfg.epochs - settings["epochs_done"], 0
         )
-        free = shutil.disk_usage(next(p for p in (self.root, *self.root.absolute().parents) if p.exists())).free
+        free = shutil.disk_usage(nearest_folder(self.root)).free
         if needed > free:
             raise KDError(
                 f"--out {self.root}: the store needs {kd_store.human(needed)} more and the disk has "

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from kd.errors import KDError
+from kd.runfolder import writable
 
 FORMAT = 1
 MANIFEST = "kd-soft-labels.json"
@@ -178,8 +179,7 @@ def check_out(root: Path) -> None:
         raise KDError(f"--out {root} holds files that are not a soft-label store; give a new or empty folder")
     if is_store(root):
         read_manifest(root, "--out")  # one this kd cannot read fails here
-    folder = next(p for p in (root, *root.absolute().parents) if p.exists())
-    if not os.access(folder, os.W_OK | os.X_OK):
+    if not writable(root):
         raise KDError(f"--out {root} is not writable")
 
 
