@@ -49,7 +49,7 @@ def build_lane(
     student, loss, teacher, s_layers, lane.t_layers = build_models(cfg, num_classes, shared.teacher_model)
     if teacher is not None:
         shared.teacher_model = teacher  # built after this student, as its own run builds it
-    lane.needs_teacher = teacher is not None or (bool(cfg.soft_labels) and loss.needs_teacher)
+    lane.needs_teacher = loss.needs_teacher  # its outputs live, or from a store (--soft-labels)
     lane.clock.mark("models")
 
     # Module.to(device, memory_format=...) is valid at run time; torch's overloads list the two apart

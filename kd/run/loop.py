@@ -230,13 +230,13 @@ class Trainer:
         if not taught:
             return
         if self.soft is not None:
-            teacher = self.soft.manifest["teacher"]
+            teacher, line = self.soft.manifest["teacher"], self.soft.describe()
             for lane in taught:  # config.yaml names the teacher whose outputs it trained on
                 lane.cfg = dataclasses.replace(
                     lane.cfg, teacher=teacher, teacher_weights=self.soft.manifest["teacher_weights"]
                 )
-                lane.logger.info(self.soft.describe())
-                lane.notes.append(self.soft.describe())
+                lane.logger.info(line)
+                lane.notes.append(line)
             shared.clock.mark("teacher")
             return
         model, shared.teacher_model = shared.teacher_model, None
