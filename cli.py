@@ -237,8 +237,6 @@ def teach(ctx, recipe, sets, top_k, logits_dtype, **options):
         raise KDError(f"--top-k must be a positive number or all, got {top_k!r}")
     given.update(teach=True, soft_label_k=None if top_k == "all" else int(top_k), soft_label_dtype=logits_dtype)
     cfg = kd_config.resolve(recipe=recipe, options=given, sets=list(sets))
-    if cfg.data == "synthetic":
-        raise KDError("kd teach stores the teacher's outputs on a data folder's images; --data synthetic has none")
     run_training(cfg)
 
 
@@ -415,6 +413,13 @@ def report(runs, csv_path, plot_path):
     metavar="kd,dkd,..",
     help="Time these KD methods trained together (one teacher forward) against each alone.",
 )
+@click.option(
+    "--vs-store",
+    is_flag=True,
+    help="Per combination, time the student with the live teacher, kd teach's store of the teacher's outputs, "
+    "the student from that store and the student alone (--no-teacher), on the same input.",
+)
+@click.option("--top-k", "top_k", default="10", show_default=True, metavar="K|all", help="With --vs-store: kd teach's.")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Passed to every combination's kd train.")
 @click.option("--out", "-o", type=click.Path(path_type=Path), default=Path("runs/bench"), show_default=True)
 @click.option("--keep-runs", is_flag=True, help="Keep each combination's run folder (OUT/runs/) after the table.")
@@ -446,6 +451,8 @@ def bench(
     loader,
     vs_synthetic,
     methods,
+    vs_store,
+    top_k,
     sets,
     out,
     keep_runs,
@@ -479,6 +486,8 @@ def bench(
         sets=list(sets),
         methods=[m.strip() for m in (methods or "").split(",") if m.strip()],
         keep_runs=keep_runs,
+        vs_store=vs_store,
+        top_k=top_k,
     )
     from kd import config as kd_config
 

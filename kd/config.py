@@ -422,7 +422,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     need(not (cfg.soft_labels and cfg.teach), "kd teach writes a store (--out); it reads none (--soft-labels)")
     need(not (cfg.teach and cfg.no_teacher), "kd teach runs a teacher; it conflicts with --no-teacher")
     need(
-        not (cfg.teach and cfg.limit_train_batches),
+        not (cfg.teach and cfg.limit_train_batches and cfg.data != "synthetic"),
         "kd teach writes whole epochs (every sample a student may meet); it takes no --limit-train-batches",
     )
     need(cfg.soft_label_k is None or cfg.soft_label_k >= 1, "--top-k must be at least 1 (or all)")

@@ -180,3 +180,36 @@ def test_bench_keeps_only_its_table_unless_asked(tmp_path, capsys):
         drop_runs(tmp_path, {"keep_runs": keep})
         assert (tmp_path / "runs").exists() == keep and (tmp_path / "bench.json").exists()
     assert f"removed the combinations' runs in {tmp_path / 'runs'} (--keep-runs keeps them)" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bench_vs_store_times_live_teach_store_and_alone(tmp_path):
+    """--vs-store: the student with the live teacher, kd teach on the same synthetic tensors (timed
+    after the warm-up), the student from that store and the student alone, in one table with each
+    row against the live teacher and the student alone, and the store's break-even."""
+    out = tmp_path / "bench"
+    common = ["--teacher", "resnet18", "--student", "resnet18", "--device", "cpu", "--backends", "single"]
+    common += ["--opt", "O0", "-b", "4", "--image-size", "32", "--iters", "3", "--warmup", "1"]
+    r = kd_main("bench", *common, "--vs-store", "--top-k", "5", "--out", out, "--keep-runs")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads((out / "bench.json").read_text())["rows"]
+    assert [x["teacher"] for x in rows] == ["resnet18 (live)", "kd teach", "store (top-k 5)", "none (--no-teacher)"]
+    live, teach, store, alone = rows
+    assert all(x["img_per_s"] > 0 for x in rows), rows
+    assert store["speedup"] == round(store["img_per_s"] / live["img_per_s"], 2)
+    assert store["of_alone_pct"] == round(100 * store["img_per_s"] / alone["img_per_s"], 1)
+    assert teach["of_alone_pct"] == "-" and teach["impl"] == "teacher in float32; top-k 5"
+    gain = 1 / live["img_per_s"] - 1 / store["img_per_s"]
+    said = f"teaching repaid after {(1 / teach['img_per_s']) / gain:.1f}" if gain > 0 else "no faster"
+    assert store["note"].startswith(said), store
+    runs = out / "runs" / "single_O0"
+    (log,) = [json.loads(x) for x in (runs / "store" / "kd-teach-log.jsonl").read_text().splitlines()]
+    assert log["batches"] == 4 and log["timed_steps"] == 3 and round(log["timed_img_per_s"], 1) == teach["img_per_s"]
+    assert f"soft_labels: {runs / 'store'}" in (runs / "from_store" / "config.yaml").read_text()
+    assert "no_teacher: true" in (runs / "alone" / "config.yaml").read_text()
+    header = r.stdout.splitlines()[0]
+    assert header.startswith("| backend | opt | teacher | methods |") and "| img_per_s | of_alone_pct |" in header
+    for wrong in (["--methods", "kd,dkd"], ["--top-k", "0"]):
+        r = kd_main("bench", *common, "--vs-store", *wrong, "--out", tmp_path / "wrong")
+        assert r.returncode == 2 and r.stderr.startswith("kd: error:") and "Traceback" not in r.stderr, r.stderr
+        assert not (tmp_path / "wrong").exists()

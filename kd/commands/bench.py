@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, cast
+from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 
 from kd.commands import table
 from kd.errors import KDError
@@ -24,47 +24,27 @@ from kd.runfolder import RunFolder
 COLUMNS = ["backend", "opt", "methods", "s_per_20_iters", "img_per_s", "peak_mem_gb", "speedup", "impl", "note"]
 #: with --vs-synthetic, after img_per_s: the same combination on synthetic tensors, and the folder's share of it
 SYNTHETIC_COLUMNS = ["synthetic_img_per_s", "of_synthetic_pct"]
+#: with --vs-store: where the row's teacher outputs came from (after opt), and its img/s as a % of
+#: the student alone (after img_per_s)
+STORE_COLUMNS = ["teacher", "of_alone_pct"]
 
 
-def combo_command(backend: str, opt: str, args: Dict[str, Any], out: Path) -> List[str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "cli",
-        "train",
-        "--backend",
-        backend,
-        "--opt",
-        opt,
-        "--epochs",
-        "1",
-        "--out",
-        str(out),
-        "--overwrite",
-        "--no-progress",
-        "--limit-train-batches",
-        str(args["warmup"] + args["iters"]),
-        "--set",
-        f"timing_warmup={args['warmup']}",
-    ]
+def combo_command(backend: str, opt: str, args: Dict[str, Any], out: Path, verb: str = "train") -> List[str]:
+    """The ``kd train`` (or ``kd teach``, ``verb``) command of one combination: its timed steps
+    after ``warmup`` untimed ones, models without weights."""
+    synthetic = args.get("data", "synthetic") == "synthetic"
+    cmd = [sys.executable, "-m", "cli", verb, "--backend", backend, "--opt", opt, "--epochs", "1"]
+    cmd += ["--out", str(out), "--no-progress", "--set", f"timing_warmup={args['warmup']}"]
+    if verb == "train" or synthetic:  # kd teach labels a folder's whole epoch; synthetic tensors have none
+        cmd += ["--limit-train-batches", str(args["warmup"] + args["iters"])]
+    if verb == "train":
+        cmd += ["--overwrite", "--student-weights", "none"]
     import backends
 
     multiprocess = backend in backends.BACKENDS and backends.get(backend).multiprocess
-    for key in (
-        "teacher",
-        "student",
-        "data",
-        "batch_size",
-        "image_size",
-        "device",
-        "gpus",
-        "nproc",
-        "amp_dtype",
-        "workers",
-        "loader",
-        "compile",
-        "kd_loss",
-    ):
+    keys = ["data", "batch_size", "image_size", "device", "gpus", "nproc", "amp_dtype", "workers", "loader", "compile"]
+    keys += ["student", "kd_loss", "soft_labels", "no_teacher"] if verb == "train" else ["top_k"]
+    for key in ["teacher", *keys]:
         value = args.get(key)
         if key == "nproc" and not multiprocess:
             continue
@@ -76,12 +56,11 @@ def combo_command(backend: str, opt: str, args: Dict[str, Any], out: Path) -> Li
         cmd += ["--set", item]
     if args.get("teacher"):
         cmd += ["--teacher-weights", "none"]
-    cmd += ["--student-weights", "none"]
     return cmd
 
 
 def run_combo(
-    backend: str, opt: str, args: Dict[str, object], out: Path, timeout: Optional[float]
+    backend: str, opt: str, args: Dict[str, object], out: Path, timeout: Optional[float], verb: str = "train"
 ) -> Dict[str, object]:
     row: Dict[str, object] = {"backend": backend, "opt": opt}
     env = {
@@ -91,7 +70,7 @@ def run_combo(
     }
     try:
         proc = subprocess.run(
-            combo_command(backend, opt, args, out), capture_output=True, text=True, env=env, timeout=timeout
+            combo_command(backend, opt, args, out, verb), capture_output=True, text=True, env=env, timeout=timeout
         )
     except subprocess.TimeoutExpired:
         return {**row, "note": f"timed out after {timeout:.0f}s"}
@@ -99,10 +78,17 @@ def run_combo(
         lines = [line for line in proc.stderr.splitlines() if line.startswith("kd: error:")]
         why = lines[-1][len("kd: error: ") :] if lines else (proc.stderr.strip().splitlines() or ["failed"])[-1]
         return {**row, "note": why[:200]}
-    metrics = RunFolder(out).metrics
-    if not metrics.is_file():  # several students: each its own folder, each timed on the same steps
-        metrics = RunFolder(out / str(args["kd_loss"]).split(",")[0]).metrics
-    record = json.loads(metrics.read_text().splitlines()[-1])
+    if verb == "teach":  # the store's log of its teaching: the timed batches where there were enough
+        from kd.teacher.store import teaching_log
+
+        record = teaching_log(out)[-1]
+        record.setdefault("timed_img_per_s", record["img_per_s"])
+        record.setdefault("s_per_20_iters", 20 * record["seconds"] / max(record["batches"], 1))
+    else:
+        metrics = RunFolder(out).metrics
+        if not metrics.is_file():  # several students: each its own folder, each timed on the same steps
+            metrics = RunFolder(out / str(args["kd_loss"]).split(",")[0]).metrics
+        record = json.loads(metrics.read_text().splitlines()[-1])
     lines = [
         line.split("] ", 1)[1] if line.startswith("[") and "] " in line else line for line in proc.stderr.splitlines()
     ]
@@ -133,6 +119,14 @@ def bench(
         raise KDError("--vs-synthetic compares a run on --data DIR with one on synthetic tensors: give --data DIR")
     if vs_synthetic and methods:
         raise KDError("--vs-synthetic times one method per combination: leave out --methods")
+    vs_store = bool(args.get("vs_store"))
+    if vs_store and (methods or vs_synthetic):
+        raise KDError(
+            "--vs-store times one method per combination on one input: leave out --methods and --vs-synthetic"
+        )
+    top_k = str(args.get("top_k") or "10")
+    if vs_store and top_k != "all" and not (top_k.isdigit() and int(top_k) >= 1):
+        raise KDError(f"--top-k must be a positive number or all, got {top_k!r}")
     from kd.data.folder import check_data
 
     check_data(str(args.get("data", "synthetic")))  # once here, not as the same note in every row
@@ -141,6 +135,8 @@ def bench(
     warn_slow_cpu_precision(opts, args)
     if methods:
         return bench_methods(backends, opts, methods, args, out, timeout)
+    if vs_store:
+        return bench_store(backends, opts, args, out, timeout)
     rows: List[Dict[str, Any]] = []
     for backend in backends:
         for opt in opts:
@@ -186,11 +182,16 @@ def add_synthetic(row: Dict[str, Any], synthetic: Dict[str, object]) -> None:
 
 
 def columns(rows: Sequence[Dict[str, object]]) -> List[str]:
-    """COLUMNS, with SYNTHETIC_COLUMNS after img_per_s where the rows have them."""
-    if not any(SYNTHETIC_COLUMNS[0] in r for r in rows):
-        return list(COLUMNS)
-    at = COLUMNS.index("img_per_s") + 1
-    return COLUMNS[:at] + SYNTHETIC_COLUMNS + COLUMNS[at:]
+    """COLUMNS, with SYNTHETIC_COLUMNS after img_per_s where the rows have them, or the teacher
+    after opt and of_alone_pct after img_per_s (STORE_COLUMNS)."""
+    out = list(COLUMNS)
+    at = out.index("img_per_s") + 1
+    if any(SYNTHETIC_COLUMNS[0] in r for r in rows):
+        out[at:at] = SYNTHETIC_COLUMNS
+    if any(STORE_COLUMNS[0] in r for r in rows):
+        out[at:at] = STORE_COLUMNS[1:]
+        out.insert(out.index("opt") + 1, STORE_COLUMNS[0])
+    return out
 
 
 def bench_methods(
@@ -229,6 +230,63 @@ def bench_methods(
             r.setdefault(c, "-")
     write_outputs(rows, out, "each method alone")
     drop_runs(out, cast(Dict[str, Any], args))
+    return rows
+
+
+def bench_store(
+    backends: Sequence[str], opts: Sequence[str], args: Dict[str, Any], out: Path, timeout: Optional[float]
+) -> List[Dict[str, object]]:
+    """``kd bench --vs-store``: per backend and opt level, the student with the live teacher, the
+    teaching of a soft-label store on the same input (``kd teach``), the student from that store,
+    and the student alone (``--no-teacher``). Speed-ups are against the live teacher; each row's
+    img/s is also given as a % of the student alone. The store row's note says after how many
+    student runs the teaching is repaid: ``n`` with ``n / live = 1 / teach + n / store``."""
+    rows: List[Dict[str, Any]] = []
+    k = args.get("top_k") or "10"
+    for backend in backends:
+        for opt in opts:
+            runs = out / "runs" / f"{backend}_{opt}"
+            store = runs / "store"
+            shutil.rmtree(store, ignore_errors=True)  # a store of an earlier bench would be continued, not timed
+            ways: List[Tuple[str, str, str, Dict[str, Any]]] = [  # the row's teacher, command, folder, options
+                (f"{args.get('teacher')} (live)", "train", "live", {}),
+                ("kd teach", "teach", "store", {"top_k": k}),
+                (f"store (top-k {k})", "train", "from_store", {"teacher": None, "soft_labels": str(store)}),
+                ("none (--no-teacher)", "train", "alone", {"teacher": None, "no_teacher": True}),
+            ]
+            group = []
+            for label, verb, folder, change in ways:
+                print(f"kd bench: {backend} {opt} {label} ...", file=sys.stderr, flush=True)
+                row = run_combo(backend, opt, {**args, **change}, runs / folder, timeout, verb)
+                row.update(
+                    teacher=label,
+                    methods="-" if "no_teacher" in change or verb == "teach" else args.get("kd_loss") or "kd",
+                )
+                if verb == "teach" and "img_per_s" in row:
+                    from kd.teacher.store import read_manifest
+
+                    row["impl"] = f"teacher in {read_manifest(store).get('teacher_precision')}; top-k {k}"
+                group.append(row)
+            live, teach, stored, alone = (r.get("img_per_s") for r in group)
+            for r in group:
+                rate = r.get("img_per_s")
+                if isinstance(rate, float) and isinstance(live, float):
+                    r["speedup"] = round(rate / live, 2)
+                if isinstance(rate, float) and isinstance(alone, float) and r is not group[1]:
+                    r["of_alone_pct"] = round(100 * rate / alone, 1)
+            if all(isinstance(x, float) for x in (live, teach, stored)):
+                gain = 1 / cast(float, live) - 1 / cast(float, stored)
+                group[2]["note"] = (
+                    f"teaching repaid after {(1 / cast(float, teach)) / gain:.1f} student run(s) of its epochs"
+                    if gain > 0
+                    else "no faster than the live teacher"
+                )
+            rows += group
+    for r in rows:
+        for c in COLUMNS + STORE_COLUMNS:
+            r.setdefault(c, "-")
+    write_outputs(rows, out, f"{args.get('teacher')} (live)")
+    drop_runs(out, args)
     return rows
 
 
@@ -272,7 +330,7 @@ def write_outputs(rows: List[Dict[str, object]], out: Path, baseline: str, note=
     # one label per bar, slanted so that long ones (backend, level, methods) do not overlap
     ax.set_xticks(
         range(len(ok)),
-        [f"{r['backend']} {r['opt']} {r.get('methods', '')}".strip() for r in ok],
+        [f"{r['backend']} {r['opt']} {r.get('teacher', r.get('methods', ''))}".strip() for r in ok],
         rotation=30,
         ha="right",
         fontsize=8,

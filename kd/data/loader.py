@@ -177,8 +177,8 @@ class Batch:
     images: torch.Tensor
     labels: torch.Tensor
     bad: List[str] = field(default_factory=list)
-    #: the samples' indices in the dataset (int64, on the CPU), in the batch's order; None where the
-    #: batch has no dataset behind it (synthetic tensors)
+    #: the samples' indices in the dataset (int64, on the CPU), in the batch's order (synthetic
+    #: tensors too: :class:`SyntheticLoader`); None for batches made otherwise (tests, benchmarks)
     indices: Optional[torch.Tensor] = None
 
     def __len__(self) -> int:
@@ -331,12 +331,18 @@ class SyntheticLoader:
         device: torch.device,
         channels_last: bool,
         seed: int,
+        rank: int = 0,
+        replicas: int = 1,
     ):
+        """Sample ``i`` of the epoch is image ``i % batch_size`` of the one batch of process
+        ``(i // batch_size) % replicas``: each step's batch names its samples (``Batch.indices``), as
+        a folder's do, so a soft-label store can be written and read on synthetic tensors too."""
         g = torch.Generator(device="cpu").manual_seed(seed)
         fmt = torch.channels_last if channels_last else torch.contiguous_format
         self.images = torch.randn(batch_size, 3, size, size, generator=g).to(device).contiguous(memory_format=fmt)
         self.labels = torch.randint(0, num_classes, (batch_size,), generator=g).to(device)
         self.steps = steps
+        self.rank, self.replicas = rank, replicas
         self.skipped_batches = 0
 
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
@@ -352,8 +358,10 @@ class SyntheticLoader:
         pass
 
     def __iter__(self) -> Iterator[Batch]:
-        for _ in range(len(self)):
-            yield Batch(self.images, self.labels)
+        size = len(self.labels)
+        for step in range(self.skipped_batches, self.steps):
+            first = (step * self.replicas + self.rank) * size
+            yield Batch(self.images, self.labels, indices=torch.arange(first, first + size))
 
 
 def make_loader(

@@ -48,11 +48,14 @@ def build(cfg, num_replicas: int, rank: int, local_batch: int, device: torch.dev
     if cfg.data == "synthetic":
         n = cfg.num_classes or SYNTHETIC_CLASSES
         steps = cfg.limit_train_batches or SYNTHETIC_STEPS
-        train: Loader = SyntheticLoader(local_batch, cfg.image_size, n, steps, device, channels_last, cfg.seed + rank)
+        train: Loader = SyntheticLoader(
+            local_batch, cfg.image_size, n, steps, device, channels_last, cfg.seed + rank, rank, num_replicas
+        )
         val: Loader = SyntheticLoader(
             local_batch, cfg.image_size, n, cfg.limit_val_batches or 2, device, channels_last, cfg.seed + 999
         )
-        return Data(train, val, [str(i) for i in range(n)], steps * local_batch * num_replicas, 0)
+        listing = synthetic_listing(steps, local_batch, num_replicas, cfg.seed)
+        return Data(train, val, [str(i) for i in range(n)], len(listing), 0, train_samples=listing)
     name, why = choose_loader(cfg.loader, device)
     classes, train_samples, val_samples = scan(cfg.data)
     train = LOADERS[name](cfg, train_samples, True, num_replicas, rank, local_batch, device, channels_last)
@@ -65,6 +68,13 @@ def build(cfg, num_replicas: int, rank: int, local_batch: int, device: torch.dev
     if budget > 0:
         val = CachedVal(val, cfg.image_size, device, channels_last, budget * 2**30)
     return Data(train, val, classes, len(train_samples), len(val_samples), val_samples, train_samples)
+
+
+def synthetic_listing(steps: int, local_batch: int, replicas: int, seed: int) -> List[Tuple[str, int]]:
+    """The training "listing" of synthetic tensors, which a soft-label store pins as a folder's: its
+    samples depend on the seed, the batch per process and the processes (:class:`SyntheticLoader`)."""
+    where = f"synthetic-seed{seed}-{replicas}x{local_batch}"
+    return [(f"{where}/{i}", 0) for i in range(steps * local_batch * replicas)]
 
 
 def choose_loader(choice: str, device: torch.device) -> Tuple[str, str]:

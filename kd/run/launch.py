@@ -341,7 +341,7 @@ def run_worker(
         if cfg.teach:
             from kd.run.loop import Teaching
 
-            teaching = Teaching(cfg, backend, stop)
+            teaching = Teaching(cfg, backend, stop, hooks)
             try:
                 return teaching.run()
             finally:

@@ -403,10 +403,13 @@ class Trainer:
 class Teaching:
     """Writes ``cfg.out``'s store: ``cfg.epochs`` epochs of the teacher's logits on the run's crops."""
 
-    def __init__(self, cfg, backend, stop: StopFlag):
+    def __init__(self, cfg, backend, stop: StopFlag, hooks: Sequence[StepHook] = ()):
+        """``hooks``: kd bench's step timer (``timing_warmup``), shown the teacher and each batch."""
         self.cfg = cfg
         self.backend = backend
         self.stop = stop
+        self.hooks = list(hooks)
+        self.global_step = 0  # batches taught by this process in this run (the hooks' step count)
         self.root = Path(cfg.out)
         self.data: Any = None
         self.teacher: Any = None
@@ -442,7 +445,7 @@ class Teaching:
             settings = self._settings(classes)  # a store for another teaching fails before the teacher is built
             with seeded(cfg.seed + 1):  # as kd train builds it: a teacher without weights is the same one
                 model = models.freeze(models.build(cfg.teacher, classes, cfg.teacher_weights))
-            self.teacher = prepare_teacher(lane, model, [], (), backend, [])
+            self.teacher = prepare_teacher(lane, model, [], self.hooks, backend, [])
             stop_in_setup(self.stop, backend)
             manifest = self._write_manifest(settings)
         except BaseException:
@@ -476,8 +479,22 @@ class Teaching:
                 manifest["teacher_val_top1"] = top1
                 kd_store.write_manifest(self.root, manifest)
         rate = images * backend.world_size / max(seconds, 1e-9)
+        record: Dict[str, Any] = {
+            "epochs": cfg.epochs,
+            "img_per_s": rate,
+            "seconds": seconds,
+            "batches": self.global_step,
+        }
+        for hook in self.hooks:
+            hook.on_epoch_end(self, record)
+        if backend.is_main:  # the store keeps what each teaching cost, for its break-even against live runs
+            device = backend.device
+            name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+            kd_store.log_teaching(
+                self.root, {"epochs_from": first, **record, "processes": backend.world_size, "device": name}
+            )
         log(f"kd teach: done, {self.root}: {cfg.epochs} epoch(s), {rate:,.0f} img/s")
-        return {"epochs": float(cfg.epochs), "img_per_s": rate, "seconds": seconds}
+        return record
 
     def _settings(self, classes: int) -> Dict[str, Any]:
         """The store's manifest for this run; where the store exists, checked against it (a store
@@ -492,8 +509,9 @@ class Teaching:
             "teacher_weights": cfg.teacher_weights,
             "teacher_weights_sha256": kd_store.file_sha256(cfg.teacher_weights),
             "teacher_data": cfg.teacher_data,
-            "data": str(Path(cfg.data).absolute()),
-            "loader": choose_loader(cfg.loader, self.backend.device)[0],  # its crops agree with the other's to rounding
+            "data": cfg.data if cfg.data == "synthetic" else str(Path(cfg.data).absolute()),
+            # its crops agree with the other loader's to rounding
+            "loader": "synthetic" if cfg.data == "synthetic" else choose_loader(cfg.loader, self.backend.device)[0],
             "k": k,
             "dtype": cfg.soft_label_dtype,
             "epochs": cfg.epochs,
@@ -564,6 +582,9 @@ class Teaching:
                 writer.write(batch.indices, logits.float())
                 images += len(batch)
                 bar.update(1)
+                self.global_step += 1
+                for hook in self.hooks:
+                    hook.on_step(self, StepOutput({}, None, None, len(batch)))
         bar.close()
         writer.flush()
         backend.barrier()

@@ -22,7 +22,8 @@ listing checksum, image size, crop scale, seed, k, dtype, epochs, the epochs com
 epoch ``epoch-NNN.values.npy`` (samples x k), plus ``epoch-NNN.classes.npy`` (int16 or int32)
 and ``epoch-NNN.rest.npy`` (float32) where k is less than the number of classes, and
 ``epoch-NNN.written.npy`` (one byte a sample: its row was written; a row the teacher never saw,
-an image unreadable when it was taught, is refused when a run asks for it). An epoch is
+an image unreadable when it was taught, is refused when a run asks for it), and
+``kd-teach-log.jsonl`` (a line per kd teach run: its epochs, seconds and img/s). An epoch is
 written under ``.partial`` names and renamed once every rank has written its samples, so a
 stopped ``kd teach`` starts again at its first incomplete epoch.
 """
@@ -45,6 +46,7 @@ from kd.runfolder import writable
 
 FORMAT = 1
 MANIFEST = "kd-soft-labels.json"
+TEACHING_LOG = "kd-teach-log.jsonl"  # a line per kd teach run: its epochs, seconds, img/s, processes, device
 DTYPES = {"float16": np.float16, "float32": np.float32}
 #: the manifest's keys a run must match (what the crops and the labels depend on)
 PINNED = ("listing_sha256", "samples", "classes", "image_size", "min_crop_scale", "seed")
@@ -151,6 +153,17 @@ def write_manifest(root: Path, manifest: Dict[str, Any]) -> None:
     tmp = root / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=1), encoding="utf-8")
     os.replace(tmp, root / MANIFEST)
+
+
+def log_teaching(root: Path, record: Dict[str, Any]) -> None:
+    """One more line in the store's teaching log (what teaching cost, for its break-even)."""
+    with open(root / TEACHING_LOG, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def teaching_log(root: Path) -> List[Dict[str, Any]]:
+    path = root / TEACHING_LOG
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 
 
 def mismatch(store: Dict[str, Any], wanted: Dict[str, Any]) -> Optional[str]:
