@@ -6,10 +6,12 @@
 # with apex where it is installed. Every run reports its exit code, wall time, first-step time,
 # teacher precision, losses and skipped steps.
 # Usage: bash benchmarks/mission.sh PART...  (PART: data | teacher | backends | together | overflow | stops | ctrlc | field |
-#        apex | fast | resolution)
+#        apex | fast | resolution | store)
 # fast: the command as typed (kd's defaults) beside the best flags known and prepared copies, each as a share of
 #       the synthetic step, and the first step's breakdown; resolution: a short run on the folder and on a copy.
 # together: four students (kd, dkd, dist, lskd) from one teacher forward, under each of TOGETHER_BACKENDS.
+# store: kd bench --vs-store (synthetic, then the folder), then three students three ways: separate runs, together,
+#        from a store taught once (WAYS_EPOCHS epochs each, 4 by default).
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/kd-mission}; mkdir -p "$OUT"
@@ -166,6 +168,26 @@ EOF
           run "$name" 400 --data "$data" --no-teacher --student resnet18 --opt O1 --amp-dtype bfloat16 -b 256 \
             --epochs ${RES_EPOCHS:-16} --lr 0.4 --lr-schedule cosine --warmup-epochs 1 --no-progress --overwrite
         done ;;
+  store) # a soft-label store (kd teach) against the live teacher and the student alone: the kd bench table on
+         # synthetic tensors and on the folder; then the three ways for three students (kd, dkd, lskd) on the
+         # learnable folder with kd's own teacher: separate runs, one run together, a store taught once
+         B="$PY -m cli bench --teacher resnet101 --student resnet18 --backends single --opt O1 --amp-dtype float16 -b 256"
+         B="$B --iters ${FAST_ITERS:-60} --warmup 15 --vs-store"
+         $T 400 $B --out /tmp/kdb/store_synthetic 2>&1 | tail -7 | tee -a "$OUT/summary.txt"
+         $T 400 $B --data "$DATA" --out /tmp/kdb/store_folder 2>&1 | tail -7 | tee -a "$OUT/summary.txt"
+         W="$COMMON --student resnet18 --opt O1 --amp-dtype float16 --epochs ${WAYS_EPOCHS:-4} --lr 0.2"
+         for m in kd dkd lskd; do run "separate_$m" 300 $W --teacher resnet101 --teacher-weights "$TEACHER" --kd-loss $m; done
+         start=$(date +%s%N)
+         $T 400 $KD train $W --teacher resnet101 --teacher-weights "$TEACHER" --kd-loss kd,dkd,lskd \
+           --out "$RUNS/together" > "$OUT/together.log" 2>&1
+         rc=$? secs="$(( ($(date +%s%N) - start) / 1000000 ))e-3"
+         for m in kd dkd lskd; do report "together/$m" $rc "$secs"; done
+         start=$(date +%s%N)
+         $T 300 $KD teach --data "$DATA" --loader gpu -j 15 -b 256 --no-progress --teacher resnet101 --teacher-weights "$TEACHER" \
+           --opt O1 --amp-dtype float16 --epochs ${WAYS_EPOCHS:-4} --out "$RUNS/store" > "$OUT/teach.log" 2>&1
+         echo "teach: exit $?, $(( ($(date +%s%N) - start) / 1000000 )) ms, $(du -sh "$RUNS/store" | cut -f1)" | tee -a "$OUT/summary.txt"
+         grep -h "kd teach:\|teacher" "$OUT/teach.log" | sed "s/^/    /" | tee -a "$OUT/summary.txt"
+         for m in kd dkd lskd; do run "from_store_$m" 300 $W --soft-labels "$RUNS/store" --kd-loss $m; done ;;
   apex) for opt in O1; do
           run "apexamp_single" 240 $COMMON --teacher resnet101 --teacher-weights "$TEACHER" --student resnet18 \
             --amp-impl apex --opt $opt --gpus 0 --epochs 2 --lr 0.2
