@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -101,6 +102,8 @@ def test_overflowing_teacher_falls_back_to_float32_and_trains(data, trained, tmp
     )
     assert r.returncode == 0, r.stderr
     assert "runs in float32 (auto:" in r.stderr and "bfloat16 was refused: non-finite logits" in r.stderr, r.stderr
+    # where the start went: the refused probe and the chosen one, each with its seconds
+    assert re.search(rf"teacher {NET}: probes bfloat16 \d+\.\d s, float32 \d+\.\d s\n", r.stderr), r.stderr
     saved = (out / "config.yaml").read_text()
     assert yaml.safe_load(saved)["teacher_precision"] == "float32"
     assert "# teacher timm:resnet10t: runs in float32" in saved

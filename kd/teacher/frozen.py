@@ -64,6 +64,7 @@ class Teacher:
                     lambda images: side(self.renorm(images))[0], val, backend, p, limit=kd_teacher.PROBE_BATCHES
                 )
 
+            seconds: Dict[str, float] = {}
             self.precision, chosen, line = kd_teacher.choose(
                 candidate,
                 probe,
@@ -72,8 +73,11 @@ class Teacher:
                 backend.device,
                 cfg.teacher,
                 outer=precision.other_model_context,
+                seconds=seconds,
             )
             log(line)
+            # where a slow start goes: each probe's validation batches (and cuDNN's autotuning of them)
+            log(f"teacher {cfg.teacher}: probes " + ", ".join(f"{name} {t:.1f} s" for name, t in seconds.items()))
             if cfg.teacher_precision == "auto":
                 notes.append(line)
             return chosen

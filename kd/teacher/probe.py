@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import time
 from dataclasses import dataclass
 from typing import Callable, ContextManager, Dict, List, Optional, Tuple
 
@@ -132,13 +133,16 @@ def choose(
     device: torch.device,
     name: str,
     outer: Callable[[], ContextManager] = contextlib.nullcontext,
+    seconds: Optional[Dict[str, float]] = None,
 ) -> Tuple[TeacherPrecision, nn.Module, str]:
     """The teacher's precision, its prepared model, and a log line saying what was chosen and why.
 
     ``teacher`` is the float32 model (left as it is); ``run(model, precision)`` evaluates it on
     the probe batches of every process and returns summed ``top1``, ``nonfinite`` and ``count``.
     ``setting`` is ``--teacher-precision``; ``start`` the dtype it would follow the run with.
+    ``seconds`` (if given) receives each probe's wall time by precision, in the order they ran.
     """
+    seconds = {} if seconds is None else seconds
     explicit = setting != "auto"
     if explicit:
         start = DTYPES[setting]
@@ -148,8 +152,10 @@ def choose(
 
     def probe_in(dtype: torch.dtype, model: nn.Module, autotune: bool = True) -> Probe:
         if dtype not in probes:
+            start = time.perf_counter()
             with contextlib.nullcontext() if autotune else no_cudnn_autotune():
                 probes[dtype] = _probe(model, TeacherPrecision(device, dtype, outer), run)
+            seconds[dtype_name(dtype)] = time.perf_counter() - start  # run's counts reach the host: synced
         return probes[dtype]
 
     tried: List[str] = []
@@ -221,7 +227,9 @@ def prepare(
     the fused model there (a cuDNN without runtime fusion, say), the plain teacher is used and
     ``log`` says why. Tapped ``layers`` are kept whole."""
     if fuse:
+        start = time.perf_counter()
         fused, note = fuse_teacher(copy.deepcopy(teacher), keep=layers)
+        note += f" ({time.perf_counter() - start:.1f} s)"
         try:
             chosen = choose(fused.to(memory_format=memory_format))
         except RuntimeError as exc:
