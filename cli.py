@@ -419,7 +419,10 @@ def report(runs, csv_path, plot_path):
     help="Per combination, time the student with the live teacher, kd teach's store of the teacher's outputs, "
     "the student from that store and the student alone (--no-teacher), on the same input.",
 )
-@click.option("--top-k", "top_k", default="10", show_default=True, metavar="K|all", help="With --vs-store: kd teach's.")
+@click.option(
+    "--top-k", "top_k", default="10", show_default=True, metavar="K|all",
+    help="With --vs-store: the logits its store keeps per sample (as kd teach --top-k).",
+)  # fmt: skip
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Passed to every combination's kd train.")
 @click.option("--out", "-o", type=click.Path(path_type=Path), default=Path("runs/bench"), show_default=True)
 @click.option("--keep-runs", is_flag=True, help="Keep each combination's run folder (OUT/runs/) after the table.")
@@ -466,6 +469,9 @@ def bench(
         return
     from kd.commands.bench import bench as run_bench
     from kd.commands.bench import markdown
+
+    if not vs_store and ctx.get_parameter_source("top_k") == ParameterSource.COMMANDLINE:
+        raise KDError("--top-k sets the store of --vs-store; give --vs-store too, or leave --top-k out")
 
     args = dict(
         teacher=teacher,

@@ -209,7 +209,7 @@ def test_bench_vs_store_times_live_teach_store_and_alone(tmp_path):
     assert "no_teacher: true" in (runs / "alone" / "config.yaml").read_text()
     header = r.stdout.splitlines()[0]
     assert header.startswith("| backend | opt | teacher | methods |") and "| img_per_s | of_alone_pct |" in header
-    for wrong in (["--methods", "kd,dkd"], ["--top-k", "0"]):
-        r = kd_main("bench", *common, "--vs-store", *wrong, "--out", tmp_path / "wrong")
+    for wrong in (["--vs-store", "--methods", "kd,dkd"], ["--vs-store", "--top-k", "0"], ["--top-k", "3"]):
+        r = kd_main("bench", *common, *wrong, "--out", tmp_path / "wrong")
         assert r.returncode == 2 and r.stderr.startswith("kd: error:") and "Traceback" not in r.stderr, r.stderr
         assert not (tmp_path / "wrong").exists()
