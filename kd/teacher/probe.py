@@ -152,10 +152,10 @@ def choose(
 
     def probe_in(dtype: torch.dtype, model: nn.Module, autotune: bool = True) -> Probe:
         if dtype not in probes:
-            start = time.perf_counter()
+            began = time.perf_counter()
             with contextlib.nullcontext() if autotune else no_cudnn_autotune():
                 probes[dtype] = _probe(model, TeacherPrecision(device, dtype, outer), run)
-            seconds[dtype_name(dtype)] = time.perf_counter() - start  # run's counts reach the host: synced
+            seconds[dtype_name(dtype)] = time.perf_counter() - began  # run's counts reach the host: synced
         return probes[dtype]
 
     tried: List[str] = []
