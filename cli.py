@@ -423,7 +423,10 @@ def report(runs, csv_path, plot_path):
     "--top-k", "top_k", default="10", show_default=True, metavar="K|all",
     help="With --vs-store: the logits its store keeps per sample (as kd teach --top-k).",
 )  # fmt: skip
-@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Passed to every combination's kd train.")
+@click.option(
+    "--set", "sets", multiple=True, metavar="KEY=VALUE",
+    help="Passed to every combination's kd train (and kd teach, with --vs-store).",
+)  # fmt: skip
 @click.option("--out", "-o", type=click.Path(path_type=Path), default=Path("runs/bench"), show_default=True)
 @click.option("--keep-runs", is_flag=True, help="Keep each combination's run folder (OUT/runs/) after the table.")
 @click.option(

@@ -182,6 +182,7 @@ EOF
            --out "$RUNS/together" > "$OUT/together.log" 2>&1
          rc=$? secs="$(( ($(date +%s%N) - start) / 1000000 ))e-3"
          for m in kd dkd lskd; do report "together/$m" $rc "$secs"; done
+         rm -rf "$RUNS/store"  # a store left by an earlier call would be continued (not timed) or be another teacher's
          start=$(date +%s%N)
          $T 300 $KD teach --data "$DATA" --loader gpu -j 15 -b 256 --no-progress --teacher resnet101 --teacher-weights "$TEACHER" \
            --opt O1 --amp-dtype float16 --epochs ${WAYS_EPOCHS:-4} --out "$RUNS/store" > "$OUT/teach.log" 2>&1

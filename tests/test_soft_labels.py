@@ -136,6 +136,7 @@ def test_a_store_on_synthetic_tensors_is_the_live_teacher_and_pins_the_batch(tmp
     assert r.returncode == 0, r.stderr
     (log,) = kd_store.teaching_log(timed)
     assert log["timed_steps"] == 2 and 0 < log["timed_seconds"] < log["seconds"], log
+    assert kd_store.read_manifest(timed).get("teacher_val_top1") is None  # as a timed training, no validation
     student = [*synthetic, "--student", "resnet18"]
     assert kd_main("train", *student, *teacher, "--out", tmp_path / "live").returncode == 0
     r = kd_main("train", *student, "--soft-labels", store, "--out", tmp_path / "replay")
@@ -143,7 +144,7 @@ def test_a_store_on_synthetic_tensors_is_the_live_teacher_and_pins_the_batch(tmp
     a, b = students(tmp_path / "live"), students(tmp_path / "replay")
     assert all(torch.equal(a[k], b[k]) for k in a)
     other = [*student, "-b", 2, "--soft-labels", store, "--out", tmp_path / "other"]
-    assert "training images (their listing) differ" in one_line(kd_main("train", *other))
+    assert "must be the store's" in one_line(kd_main("train", *other))
     assert not (tmp_path / "other").exists()
 
 

@@ -415,7 +415,7 @@ class Teaching:
         self.teacher: Any = None
         self.lane: Optional[Lane] = None
 
-    def run(self) -> Dict[str, float]:
+    def run(self) -> Dict[str, Any]:
         cfg, backend = self.cfg, self.backend
         clock = SetupClock(command_start(default=time.time()))
         try:
@@ -440,7 +440,8 @@ class Teaching:
                     "run it on one host (its processes may use every GPU there)"
                 )
             shared = Shared(self.data, None, self.stop, clock)
-            self.lane = lane = Lane(cfg, backend, self.root, None, shared, validate=True, alone=True)
+            # under kd bench's timer (hooks) no validation, as in training: the teacher's top-1 is not timed
+            self.lane = lane = Lane(cfg, backend, self.root, None, shared, validate=not self.hooks, alone=True)
             lane.precision = make_precision(cfg, backend.device, prefer_apex=False)
             settings = self._settings(classes)  # a store for another teaching fails before the teacher is built
             with seeded(cfg.seed + 1):  # as kd train builds it: a teacher without weights is the same one

@@ -179,6 +179,8 @@ def mismatch(store: Dict[str, Any], wanted: Dict[str, Any]) -> Optional[str]:
     for key in PINNED:
         if store.get(key) != wanted.get(key):
             shown = "" if key == "listing_sha256" else f": the store has {store.get(key)}, the run {wanted.get(key)}"
+            if key == "listing_sha256" and store.get("data") == "synthetic":
+                shown = " (synthetic tensors: the run's -b, processes and --limit-train-batches must be the store's)"
             return f"{names[key]} differ{shown}"
     return None
 
