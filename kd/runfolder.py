@@ -11,11 +11,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar, Tuple, Union
+from typing import Any, ClassVar, Tuple, Union
 
 
 @dataclass(frozen=True)
@@ -99,3 +100,11 @@ def nearest_folder(path: Path) -> Path:
 def writable(out: Path) -> bool:
     """Whether a folder can be made (or written) at ``out``."""
     return os.access(nearest_folder(out), os.W_OK | os.X_OK)
+
+
+def write_json(path: Path, data: Any) -> None:
+    """``data`` as JSON at ``path``, whole or not at all (written beside it, then renamed): a stop
+    mid-write leaves the file as it was (kd prepare's and kd teach's manifests)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
+    os.replace(tmp, path)

@@ -37,6 +37,7 @@ from kd.data.prepared import (
     shard_name,
 )
 from kd.errors import KDError
+from kd.runfolder import write_json
 
 SPLITS = ("train", "val")
 #: images sampled (evenly over the train split) for the size estimate printed before the work
@@ -157,12 +158,6 @@ def write_shard(job: Job) -> Dict[str, Any]:
     summary.update(paths=paths, bad=bad)
     write_json(sidecar(dst, job.split, job.shard), summary)
     return summary
-
-
-def write_json(path: Path, data: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def listing_digest(root: Path, samples: Sequence[Tuple[str, int]]) -> str:

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from kd.errors import KDError
-from kd.runfolder import writable
+from kd.runfolder import writable, write_json
 
 FORMAT = 1
 MANIFEST = "kd-soft-labels.json"
@@ -150,9 +150,7 @@ def read_manifest(root: Path, flag: str = "--soft-labels") -> Dict[str, Any]:
 
 
 def write_manifest(root: Path, manifest: Dict[str, Any]) -> None:
-    tmp = root / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1), encoding="utf-8")
-    os.replace(tmp, root / MANIFEST)
+    write_json(root / MANIFEST, manifest)
 
 
 def log_teaching(root: Path, record: Dict[str, Any]) -> None:
