@@ -126,6 +126,7 @@ def train(ctx, recipes, sets, loss_arg, resume, overwrite, local_rank, **options
     }
     if loss_arg:
         given["loss_args"] = kd_config.parse_set([f"loss_args.{item}" for item in loss_arg])["loss_args"]
+    kd_config.refuse_unused(given)
     if _several_students(recipes, given, resume):
         return _train_students(recipes, given, sets, resume, overwrite)
     base = None

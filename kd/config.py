@@ -169,7 +169,10 @@ def coerce(name: str, value: Any) -> Any:
                 value = [v for v in value.replace(" ", "").split(",") if v]
             elif isinstance(value, (int, float)):
                 value = [value]
-            return [int(v) for v in value] if name in _LIST_INT else [str(v) for v in value]
+            try:
+                return [int(v) for v in value] if name in _LIST_INT else [str(v) for v in value]
+            except (TypeError, ValueError):
+                raise ValueError("a list of integers" if name in _LIST_INT else "a list") from None
         if name == "loss_args":
             if not isinstance(value, dict):
                 raise ValueError("a mapping")
@@ -192,14 +195,22 @@ def coerce(name: str, value: Any) -> Any:
                 return None
             raise ValueError("true or false" + (" or auto" if "Optional" in ftype else ""))
         if "int" in ftype and "float" not in ftype and not isinstance(default, float):
-            if isinstance(value, float) and not value.is_integer():
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
                 raise ValueError("an integer")
-            return int(value)
+            try:
+                return int(value)
+            except (TypeError, ValueError):
+                raise ValueError("an integer") from None
         if "float" in ftype:
-            return float(value)
+            if isinstance(value, bool):
+                raise ValueError("a number")
+            try:
+                return float(value)
+            except (TypeError, ValueError):
+                raise ValueError("a number") from None
         return str(value)
     except (TypeError, ValueError) as exc:
-        raise KDError(f"option {name!r}: cannot use {value!r} ({exc})") from None
+        raise KDError(f"option {name!r} must be {exc}, got {value!r}") from None
 
 
 def parse_set(items: List[str]) -> Dict[str, Any]:
@@ -254,7 +265,10 @@ def apply(cfg: RunConfig, values: Dict[str, Any], source: str) -> RunConfig:
     for key, value in values.items():
         if key not in FIELDS:
             raise KDError(f"unknown option {key!r} in {source}{suggest(key, FIELDS)}")
-        changes[key] = coerce(key, value)
+        try:
+            changes[key] = coerce(key, value)
+        except KDError as exc:
+            raise KDError(f"{exc} in {source}") from None
     if alpha is not None or "loss_args" in changes or any(changes.get(k) is not None for k in LOSS_OPTIONS):
         changes.update(_loss_changes(cfg, changes, alpha, source))
     return dataclasses.replace(cfg, **changes)
@@ -327,6 +341,20 @@ def resolve(
 
         cfg = dataclasses.replace(cfg, teacher=kd_run_model(cfg.teacher_weights))  # a kd checkpoint names its model
     return validate(cfg)
+
+
+#: options that --no-teacher would leave unused, were they typed beside it
+TEACHER_OPTIONS = ("teacher", "teacher_weights", "teacher_precision")
+
+
+def refuse_unused(given: Dict[str, Any]) -> None:
+    """Options typed together where one would make the other do nothing: refused rather than
+    ignored (a recipe's teacher under --no-teacher is fine: that is its baseline)."""
+    if given.get("no_teacher"):
+        unused = [name for name in TEACHER_OPTIONS if given.get(name) is not None]
+        if unused:
+            shown = " ".join(f"--{n.replace('_', '-')} {given[n]}" for n in unused)
+            raise KDError(f"--no-teacher trains the student alone: it conflicts with {shown} (unused); give one")
 
 
 def scale_schedule(cfg: RunConfig, planned_epochs: int, overrides: Dict[str, Any]) -> RunConfig:
@@ -413,6 +441,11 @@ def validate(cfg: RunConfig) -> RunConfig:
     need(cfg.gpus is None or all(g >= 0 for g in cfg.gpus), f"--gpus must be GPU indices 0, 1, ...: {cfg.gpus}")
     need(not (cfg.gpus and cfg.device == "cpu"), "--gpus needs --device cuda (or auto), not --device cpu")
     need(cfg.keep_last >= 1, "--keep-last must be at least 1")
+    need(
+        cfg.save_every_steps is None or cfg.save_every_steps >= 1,
+        f"--save-every-steps must be at least 1, got {cfg.save_every_steps} "
+        f"(leave it out to checkpoint at each epoch's end only)",
+    )
     if cfg.no_teacher and cfg.kd_loss not in ("kd", "ce"):
         raise KDError(f"--no-teacher trains with cross-entropy only; it conflicts with --kd-loss {cfg.kd_loss}")
     need(

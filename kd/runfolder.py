@@ -11,12 +11,14 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Tuple, Union
+from typing import Any, ClassVar, Optional, Tuple, Union
 
 
 @dataclass(frozen=True)
@@ -97,9 +99,25 @@ def nearest_folder(path: Path) -> Path:
     return next(p for p in (path, *path.absolute().parents) if p.exists())
 
 
+def why_unwritable(out: Path) -> Optional[str]:
+    """Why no folder can be made (or written) at ``out``, or None where one can: tried with a
+    temporary folder in its nearest existing folder, removed at once (permission bits do not tell
+    for root, /proc or a read-only mount)."""
+    base = nearest_folder(out)
+    if not base.is_dir():
+        return f"{base} is a file, not a folder"
+    if not os.access(base, os.W_OK | os.X_OK):
+        return f"{base} is not writable ({os.strerror(errno.EACCES)})"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".kd-probe-", dir=base))
+    except OSError as exc:
+        return f"{base} takes no new folders ({exc.strerror})"
+    return None
+
+
 def writable(out: Path) -> bool:
-    """Whether a folder can be made (or written) at ``out``."""
-    return os.access(nearest_folder(out), os.W_OK | os.X_OK)
+    """Whether a folder can be made (or written) at ``out`` (:func:`why_unwritable`)."""
+    return why_unwritable(out) is None
 
 
 def write_json(path: Path, data: Any) -> None:

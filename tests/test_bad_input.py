@@ -38,6 +38,7 @@ def world(tmp_path_factory):
     (root / "bad.yaml").write_text("epochs: [1, 2\n")
     (root / "unknown.yaml").write_text("epochz: 3\n")
     (root / "list.yaml").write_text("- 1\n- 2\n")
+    (root / "wrongtype.yaml").write_text("epochs: one\n")
     torch.save({"conv1.weight": torch.zeros(3)}, root / "wrong.pt")
     (root / "garbage.pt").write_bytes(b"this is not a checkpoint")
     with open(root / "evil.pt", "wb") as fh:
@@ -111,6 +112,14 @@ CASES = {
     "broken recipe yaml": (T("--recipe", "{root}/bad.yaml"), "not valid YAML"),
     "unknown recipe key": (T("--recipe", "{root}/unknown.yaml"), "unknown option 'epochz'"),
     "recipe not a mapping": (T("--recipe", "{root}/list.yaml"), "must be a mapping"),
+    "recipe value of the wrong type": (
+        T("--recipe", "{root}/wrongtype.yaml"),
+        "option 'epochs' must be an integer, got 'one' in recipe",
+    ),
+    "no-teacher with a teacher": (T("--no-teacher", "--teacher", "resnet50"), "conflicts with --teacher resnet50"),
+    "save every 0 steps": (T("--save-every-steps", "0"), "--save-every-steps must be at least 1"),
+    "out where no folder can be made": (T("--out", "/proc/kd-test/run"), "/proc takes no new folders"),
+    "out under a file": (T("--out", "{root}/bad.yaml/run"), "is a file, not a folder"),
     "unknown --set key": (T("--set", "lrr=0.1"), "unknown option 'lrr'"),
     "--set without =": (T("--set", "lr"), "key=value"),
     "unknown kd loss": (T("--kd-loss", "kdd"), "unknown KD loss"),

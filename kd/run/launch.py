@@ -22,7 +22,6 @@ worker reaches the user as one line and exit code 2 from the parent.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import shutil
@@ -34,7 +33,7 @@ from typing import TYPE_CHECKING, Dict, Optional, Type
 from kd.errors import KDError
 from kd.run.placement import Placement, slurm_env
 from kd.run.signals import Interrupted, held_for_children
-from kd.runfolder import RunFolder, writable
+from kd.runfolder import RunFolder, why_unwritable
 
 if TYPE_CHECKING:  # imported where used: a launcher process builds no Trainer
     from kd.run.loop import Trainer
@@ -64,8 +63,9 @@ def prepare_out(cfg, resume: Optional[str], overwrite: bool) -> Optional[Path]:
             f"--out {out} already holds a run ({', '.join(held)}); "
             f"continue it with --resume or replace it with --overwrite"
         )
-    if not writable(out):
-        raise KDError(f"--out {out} is not writable: {os.strerror(errno.EACCES)}")
+    why = why_unwritable(out)
+    if why:
+        raise KDError(f"--out {out} cannot be written: {why}")
     return None
 
 

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from kd.errors import KDError
-from kd.runfolder import writable, write_json
+from kd.runfolder import why_unwritable, write_json
 
 FORMAT = 1
 MANIFEST = "kd-soft-labels.json"
@@ -192,8 +192,9 @@ def check_out(root: Path) -> None:
         raise KDError(f"--out {root} holds files that are not a soft-label store; give a new or empty folder")
     if is_store(root):
         read_manifest(root, "--out")  # one this kd cannot read fails here
-    if not writable(root):
-        raise KDError(f"--out {root} is not writable")
+    why = why_unwritable(root)
+    if why:
+        raise KDError(f"--out {root} cannot be written: {why}")
 
 
 def _name(root: Path, epoch: int, part: str, partial: bool = False) -> Path:
