@@ -5,6 +5,7 @@ Every user error ends with one line on stderr and exit code 2.
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import threading
@@ -617,6 +618,12 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         click.echo("kd: interrupted", err=True)
         return 130
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        where = f" writing {exc.filename}" if exc.filename else ""
+        click.echo(f"kd: error: no space left on the device{where}; free space, then run again", err=True)
+        return 2
     finally:
         os.environ.pop(START_ENV, None)
     return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import random
@@ -72,10 +73,21 @@ def save_atomic(obj: Dict[str, Any], path: Path) -> None:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
-    except BaseException:
+    except BaseException as exc:
+        full = isinstance(exc, RuntimeError) and disk_full(path.parent)  # seen before the partial file goes
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if full:  # torch.save's writer reports a short write as a RuntimeError
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) from exc
         raise
+
+
+def disk_full(folder: Path) -> bool:
+    """Less than a MiB left where ``folder`` is."""
+    try:
+        return shutil.disk_usage(folder).free < 1 << 20
+    except OSError:
+        return False
 
 
 def copy_atomic(src: Path, dst: Path) -> None:
@@ -207,6 +219,16 @@ def run_state(t, rng: Optional[Dict[str, Any]] = None, meter: Optional[dict] = N
     }
 
 
+def write_failure(exc: BaseException, folder: Path) -> str:
+    """What stopped a write to ``folder``, in words (a full disk with the space it has)."""
+    if getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+        try:
+            return f"no space left on the device ({shutil.disk_usage(folder).free / 2**20:.1f} MiB free)"
+        except OSError:
+            return "no space left on the device"
+    return getattr(exc, "strerror", None) or str(exc).splitlines()[0]
+
+
 def nonfinite_keys(state: Dict[str, torch.Tensor]) -> list:
     """The names of the floating tensors of ``state`` that hold inf or NaN (one host read)."""
     names = [k for k, v in state.items() if v.is_floating_point()]
@@ -253,8 +275,10 @@ def save_run(t, best: bool, step_copy: bool = False) -> None:
                     for old in kept[: max(0, len(kept) - (t.cfg.keep_last - 1))]:
                         old.unlink()
                     copy_atomic(path, folder / f"step_{t.global_step:08d}.pt")
-        except OSError as exc:
-            raise KDError(
-                f"could not write a checkpoint to {folder}: {exc.strerror or exc}; the previous checkpoint is intact"
-            ) from None
+        except (OSError, RuntimeError) as exc:  # torch.save's writer reports a short write as a RuntimeError
+            raise KDError(f"could not write a checkpoint to {folder}: {write_failure(exc, folder)}; " + (
+                "the previous checkpoint is intact: free space, then continue with --resume"
+                if path.is_file()
+                else "no checkpoint was written yet: free space, then start again"
+            )) from None  # fmt: skip
     t.backend.barrier()
