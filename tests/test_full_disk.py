@@ -71,3 +71,15 @@ def test_no_room_for_a_later_checkpoint_keeps_the_last_one(data, small_disk):
     state = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
     assert state["epoch"] == 1
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["best.pt", "last.pt"]
+
+
+def test_prepare_refuses_a_disk_without_room_before_writing(data, small_disk):
+    disk = small_disk("64K")  # the copy of 24 raw 40 x 32 train images needs about 100 KB
+    line = one_error_line(kd_main("prepare", data, disk / "copy", "--no-progress"))
+    assert "needs about" in line and "free" in line, line
+    assert list(disk.iterdir()) == [], "a refused copy wrote something"
+
+
+def test_prepare_where_no_folder_can_be_made(data):
+    line = one_error_line(kd_main("prepare", data, "/proc/kd-test/copy", "--no-progress"))
+    assert "/proc takes no new folders" in line, line

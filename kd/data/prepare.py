@@ -17,6 +17,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -37,7 +38,7 @@ from kd.data.prepared import (
     shard_name,
 )
 from kd.errors import KDError
-from kd.runfolder import write_json
+from kd.runfolder import nearest_folder, why_unwritable, write_json
 
 SPLITS = ("train", "val")
 #: images sampled (evenly over the train split) for the size estimate printed before the work
@@ -212,6 +213,7 @@ def prepare(
         f"kd prepare: {len(train):,} train images -> {settings.describe()}: about {size_text(per_image)} an "
         f"image, {size_text(per_image * len(train))}; {len(val):,} val images as they are: {size_text(val_bytes)}"
     )
+    check_room(out, per_image * len(train) + val_bytes)
     out.mkdir(parents=True, exist_ok=True)
     manifest = {
         "kind": "kd-prepared",
@@ -250,6 +252,21 @@ def prepare(
         + f"; train with: kd train --data {dst} ..."
     )
     return manifest
+
+
+def check_room(out: Path, total: float) -> None:
+    """Refuse, before anything is written, a destination that cannot be made or that has less free
+    space than the copy's estimate needs (less what an unfinished copy there holds already)."""
+    why = why_unwritable(out)
+    if why:
+        raise KDError(f"the copy {out} cannot be written: {why}")
+    written = sum(p.stat().st_size for p in out.glob("*-*.bin")) if out.is_dir() else 0
+    needed, free = 1.05 * total - written, shutil.disk_usage(nearest_folder(out)).free
+    if needed > free:
+        raise KDError(
+            f"the copy {out} needs about {size_text(needed)} more and the disk has {size_text(free)} free; "
+            f"free space, or choose a smaller --max-side or --format jpeg"
+        )
 
 
 def check_destination(out: Path, wanted: Dict[str, Any], overwrite: bool) -> Optional[Dict[str, Any]]:
