@@ -223,3 +223,21 @@ def test_teach_onto_a_full_disk_says_so_and_keeps_its_complete_epochs(world, tmp
         r = kd_main("teach", *common(data, *args, "--epochs", 3, "--out", store))
         assert r.returncode == 0, r.stderr
         assert "sound" in kd_store.verify(store) and not list(store.glob("*.partial*"))
+
+
+def test_two_processes_stop_alike_on_a_batch_that_overflows(tmp_path):
+    """With --nproc 2 the check is a collective: both processes stop at the same batch, one line,
+    nothing of the epoch left behind."""
+    from conftest import run_kd
+
+    data = make_image_folder(tmp_path / "data", classes=4, train_per_class=4, val_per_class=2)
+    grey(data / "val")
+    weights = teacher_file(tmp_path / "t.pt", 3e5)
+    store = tmp_path / "store"
+    args = ["--teacher", "resnet18", "--teacher-weights", weights, "--logits-dtype", "float16", "--epochs", 1]
+    r = run_kd("teach", *common(data, *args, "--backend", "torch_ddp", "--nproc", 2, "--out", store))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("kd: error:")]
+    assert len(errors) == 1 and "epoch 1" in errors[0] and "--logits-dtype float32" in errors[0], r.stderr
+    assert kd_store.read_manifest(store, "--out")["epochs_done"] == 0
+    assert sorted(p.name for p in store.iterdir()) == [kd_store.MANIFEST]
