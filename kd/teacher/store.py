@@ -205,9 +205,10 @@ def write_manifest(root: Path, manifest: Dict[str, Any]) -> None:
 
 def disk_error(root: Path, exc: OSError) -> KDError:
     """What kd teach says where the store cannot be written (a full disk, most often)."""
+    fix = "free space" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "fix that"
     return KDError(
         f"cannot write the soft-label store at {root}: {exc.strerror or exc}; it keeps its complete epochs: "
-        f"free space and run the same kd teach again to continue"
+        f"{fix} and run the same kd teach again to continue"
     )
 
 
