@@ -213,8 +213,10 @@ def _train_students(recipes, given, sets, resume, overwrite) -> None:
     help="Logits kept per sample: the K largest (FKD's marginal smoothing spreads the rest) or all.",
 )
 @click.option(
-    "--logits-dtype", type=click.Choice(["float16", "float32"]), default="float16", show_default=True,
-    help="How the logits are stored (float32 with --top-k all: replay equals the live teacher bit for bit).",
+    "--logits-dtype", type=click.Choice(["auto", "float16", "float32"]), default="auto", show_default=True,
+    help="How the logits are stored: auto is float16 where the teacher's logits are small enough (largest "
+    "|logit| at most 256 on its probe batches), else float32 (float32 with --top-k all: replay equals the live "
+    "teacher bit for bit).",
 )  # fmt: skip
 @click.pass_context
 def teach(ctx, recipe, sets, top_k, logits_dtype, **options):
@@ -237,7 +239,9 @@ def teach(ctx, recipe, sets, top_k, logits_dtype, **options):
         raise KDError("kd teach needs --out STORE: the folder the teacher's outputs go to")
     if top_k != "all" and not (top_k.isdigit() and int(top_k) >= 1):
         raise KDError(f"--top-k must be a positive number or all, got {top_k!r}")
-    given.update(teach=True, soft_label_k=None if top_k == "all" else int(top_k), soft_label_dtype=logits_dtype)
+    given.update(teach=True, soft_label_k=None if top_k == "all" else int(top_k))
+    if ctx.get_parameter_source("logits_dtype") == ParameterSource.COMMANDLINE:  # else the recipe's, or auto
+        given["soft_label_dtype"] = logits_dtype
     cfg = kd_config.resolve(recipe=recipe, options=given, sets=list(sets))
     run_training(cfg)
 

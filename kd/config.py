@@ -64,7 +64,7 @@ class RunConfig:
     no_teacher: bool = False
     soft_labels: Optional[str] = None  # a kd teach store read in place of the teacher's forward (kd.teacher.store)
     soft_label_k: Optional[int] = 10  # kd teach: logits kept per sample (None: every class)
-    soft_label_dtype: str = "float16"  # kd teach: float16 | float32
+    soft_label_dtype: str = "auto"  # kd teach: auto (from the teacher's logits) | float16 | float32
     teach: bool = False  # kd teach's runs: write the store at --out instead of training
     # method
     kd_loss: str = "kd"
@@ -460,8 +460,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     )
     need(cfg.soft_label_k is None or cfg.soft_label_k >= 1, "--top-k must be at least 1 (or all)")
     need(
-        cfg.soft_label_dtype in ("float16", "float32"),
-        f"--logits-dtype must be float16 or float32, got {cfg.soft_label_dtype!r}",
+        cfg.soft_label_dtype in ("auto", "float16", "float32"),
+        f"--logits-dtype must be auto, float16 or float32, got {cfg.soft_label_dtype!r}",
     )
     if cfg.soft_labels:
         from kd.losses import LOSSES

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
+import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -36,6 +38,7 @@ from kd.run.students import Students, stopped_students, write_students
 from kd.runfolder import RunFolder, nearest_folder
 from kd.teacher import store as kd_store
 from kd.teacher.frozen import Teacher
+from kd.teacher.probe import PROBE_BATCHES
 from kd.teacher.store import SoftLabels, wanted_manifest
 
 
@@ -447,6 +450,8 @@ class Teaching:
             with seeded(cfg.seed + 1):  # as kd train builds it: a teacher without weights is the same one
                 model = models.freeze(models.build(cfg.teacher, classes, cfg.teacher_weights))
             self.teacher = prepare_teacher(lane, model, [], self.hooks, backend, [])
+            self._choose_dtype(settings)  # an explicit float16 that cannot hold the logits fails before any write
+            self._check_space(settings)
             stop_in_setup(self.stop, backend)
             manifest = self._write_manifest(settings)
         except BaseException:
@@ -468,8 +473,11 @@ class Teaching:
         start = time.perf_counter()
         images = 0
         for epoch in range(first, cfg.epochs):
-            images += self._epoch(epoch, manifest)
-            if backend.is_main:
+            taught, files, largest = self._epoch(epoch, manifest)
+            images += taught
+            if backend.is_main:  # the epoch's files, their checksums and its check, with the epoch
+                manifest["epoch_files"].append(files)
+                manifest["epoch_largest_logit"].append(largest)
                 manifest["epochs_done"] = epoch + 1
                 kd_store.write_manifest(self.root, manifest)
             log(f"kd teach: epoch {epoch + 1}/{cfg.epochs} written")
@@ -491,9 +499,12 @@ class Teaching:
         if backend.is_main:  # the store keeps what each teaching cost, for its break-even against live runs
             device = backend.device
             name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-            kd_store.log_teaching(
-                self.root, {"epochs_from": first, **record, "processes": backend.world_size, "device": name}
-            )
+            try:
+                kd_store.log_teaching(
+                    self.root, {"epochs_from": first, **record, "processes": backend.world_size, "device": name}
+                )
+            except OSError as exc:
+                raise kd_store.disk_error(self.root, exc) from None
         log(f"kd teach: done, {self.root}: {cfg.epochs} epoch(s), {rate:,.0f} img/s")
         return record
 
@@ -514,14 +525,16 @@ class Teaching:
             # its crops agree with the other loader's to rounding
             "loader": "synthetic" if cfg.data == "synthetic" else choose_loader(cfg.loader, self.backend.device)[0],
             "k": k,
-            "dtype": cfg.soft_label_dtype,
+            "dtype": cfg.soft_label_dtype,  # auto: chosen once the teacher is built (_choose_dtype)
             "epochs": cfg.epochs,
             "epochs_done": 0,
+            "epoch_files": [],  # per complete epoch: its files' sizes and sha256
+            "epoch_largest_logit": [],  # per complete epoch: its largest |logit| (every row checked finite)
         }
         if kd_store.is_store(self.root):
             have = kd_store.read_manifest(self.root, "--out")
             why = kd_store.mismatch(have, wanted)
-            keys = ["teacher", "teacher_weights_sha256", "k", "dtype"]
+            keys = ["teacher", "teacher_weights_sha256", "k"] + (["dtype"] if cfg.soft_label_dtype != "auto" else [])
             if settings["teacher_weights_sha256"] is None:  # named weights (pretrained, torchvision:...): by name
                 keys.append("teacher_weights")
             for key in keys:
@@ -529,36 +542,73 @@ class Teaching:
                     why = f"its {key} is {have.get(key)}, this run's {settings[key]}"
             if why:
                 raise KDError(f"--out {self.root} holds a store for another teaching: {why}; give another --out")
-            settings["epochs_done"] = have.get("epochs_done", 0)
-            settings["teacher_val_top1"] = have.get("teacher_val_top1")
-        needed = kd_store.epoch_bytes(len(self.data.train_samples), classes, k, cfg.soft_label_dtype) * max(
-            cfg.epochs - settings["epochs_done"], 0
+            for key in ("dtype", "epochs_done", "epoch_files", "epoch_largest_logit", "teacher_val_top1"):
+                settings[key] = have.get(key)
+            settings["continued"] = True
+        return settings
+
+    def _choose_dtype(self, settings: Dict[str, Any]) -> None:
+        """``settings``' dtype from the teacher's largest |logit| on its probe batches (the first
+        validation batches of every process, as its precision probe): float16 where auto finds it
+        small enough, refused where float16 cannot hold it (:func:`kd.teacher.store.choose_dtype`)."""
+        backend, teacher = self.backend, self.teacher
+        num_replicas, rank = backend.data_shard()
+        largest = torch.zeros(max(num_replicas, 1), device=backend.device)  # a slot per process: a max by a sum
+        images = torch.zeros((), device=backend.device)
+        with torch.no_grad():
+            for index, batch in enumerate(teacher.val):
+                if index >= PROBE_BATCHES:
+                    break
+                if len(batch):
+                    logits = teacher.forward(batch.images)[0]
+                    largest[rank] = torch.maximum(largest[rank], logits.abs().max().float())
+                    images += len(batch)
+        backend.all_reduce_sum(largest)
+        backend.all_reduce_sum(images)
+        top = float(largest.max().item()) if not torch.isnan(largest).any() else math.nan
+        asked, how = self.cfg.soft_label_dtype, "as given"
+        if settings.pop("continued", False):
+            asked, how = settings["dtype"], "the store's"
+        settings["dtype"], line = kd_store.choose_dtype(asked, top, int(images.item()), self.cfg.teacher, how)
+        self.lane.logger.info(line)  # type: ignore[union-attr]  # built before the teacher
+
+    def _check_space(self, settings: Dict[str, Any]) -> None:
+        """The store's epochs still to write fit the disk, or are refused before any is written."""
+        folder = nearest_folder(self.root)
+        epochs = max(self.cfg.epochs - settings["epochs_done"], 0)
+        block = os.statvfs(folder).f_frsize if hasattr(os, "statvfs") else 4096
+        needed = kd_store.disk_bytes(
+            settings["samples"], settings["classes"], settings["k"], settings["dtype"], epochs, block
         )
-        free = shutil.disk_usage(nearest_folder(self.root)).free
+        free = shutil.disk_usage(folder).free
         if needed > free:
             raise KDError(
                 f"--out {self.root}: the store needs {kd_store.human(needed)} more and the disk has "
                 f"{kd_store.human(free)} free; free space, give fewer --epochs or a smaller --top-k"
             )
-        return settings
 
     def _write_manifest(self, settings: Dict[str, Any]) -> Dict[str, Any]:
         """The manifest written by the main process, then read by every process."""
         settings["teacher_precision"] = self.teacher.dtype_name
         if self.backend.is_main:
-            self.root.mkdir(parents=True, exist_ok=True)
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise kd_store.disk_error(self.root, exc) from None
             kd_store.write_manifest(self.root, settings)
         self.backend.barrier()
         return kd_store.read_manifest(self.root, "--out")
 
-    def _epoch(self, epoch: int, manifest: Dict[str, Any]) -> int:
-        """One epoch's rows of this process; the images it fed the teacher."""
+    def _epoch(self, epoch: int, manifest: Dict[str, Any]) -> Tuple[int, Dict[str, Any], float]:
+        """One epoch's rows of this process: (the images it fed the teacher, the epoch's files with
+        their checksums (rank 0's; empty elsewhere), the epoch's largest |logit|). A batch that is
+        not finite as stored stops kd teach in every process, the epoch not committed."""
         backend, loader = self.backend, self.data.train
         if backend.is_main:
-            writer = kd_store.EpochWriter(self.root, epoch, manifest, create=True)
+            writer = kd_store.EpochWriter(self.root, epoch, manifest, create=True, device=backend.device)
         backend.barrier()
         if not backend.is_main:
-            writer = kd_store.EpochWriter(self.root, epoch, manifest, create=False)
+            writer = kd_store.EpochWriter(self.root, epoch, manifest, create=False, device=backend.device)
         loader.set_epoch(epoch)
         lane = self.lane
         assert lane is not None
@@ -566,7 +616,10 @@ class Teaching:
         images = bad = 0
         with torch.no_grad():
             for i, batch in enumerate(loader):
-                stop, bad_anywhere = self._stop_asked(i, bad)
+                stop, bad_anywhere, nonfinite = self._stop_asked(i, bad, writer)
+                if nonfinite:
+                    bar.close()
+                    self._refuse_nonfinite(epoch, writer, manifest["dtype"])
                 if bad_anywhere > self.cfg.max_bad_images:  # every process decides alike
                     raise KDError(f"more than --max-bad-images {self.cfg.max_bad_images} unreadable images")
                 if stop:
@@ -587,23 +640,53 @@ class Teaching:
                 for hook in self.hooks:
                     hook.on_step(self, StepOutput({}, None, None, len(batch)))
         bar.close()
+        unchecked = writer.nonfinite.clone()
+        backend.all_reduce_sum(unchecked)  # the batches since the last check, in every process
+        if unchecked.item():
+            self._refuse_nonfinite(epoch, writer, manifest["dtype"])
+        largest = self._largest(writer)
         writer.flush()
         backend.barrier()
-        if backend.is_main:
-            writer.commit()
-        return images
+        return images, writer.commit() if backend.is_main else {}, largest
 
-    def _stop_asked(self, i: int, bad: int) -> Tuple[bool, float]:
-        """(a stop signal in any process, the unreadable images of every process so far): every
-        batch alone; every tenth batch as a collective with several processes (each has the same
-        number of batches, so all ask at the same ones and decide alike)."""
+    def _largest(self, writer: kd_store.EpochWriter) -> float:
+        """The epoch's largest |logit| so far over every process (a collective: all call it alike)."""
+        num_replicas, rank = self.backend.data_shard()
+        slots = torch.zeros(max(num_replicas, 1), device=self.backend.device)
+        slots[rank] = writer.largest
+        self.backend.all_reduce_sum(slots)
+        return math.nan if torch.isnan(slots).any() else float(slots.max().item())
+
+    def _refuse_nonfinite(self, epoch: int, writer: kd_store.EpochWriter, dtype: str) -> None:
+        """Every process: the epoch's partial files removed (rank 0), one line saying why."""
+        largest = self._largest(writer)
+        if self.backend.is_main:
+            writer.discard()
+        keeps = f"the epoch is not written and {self.root} keeps its {epoch} complete epoch(s)"
+        if dtype == "float16" and math.isfinite(largest):
+            raise KDError(
+                f"kd teach: epoch {epoch + 1}: the teacher's logits pass float16's range (its largest |logit| "
+                f"{largest:.4g}, float16's largest {kd_store.FLOAT16_MAX:.0f}); {keeps}; teach again into a new "
+                f"--out with --logits-dtype float32"
+            )
+        raise KDError(
+            f"kd teach: epoch {epoch + 1}: the teacher gave non-finite logits (its largest |logit| {largest:.4g}); "
+            f"{keeps}; check --teacher-weights, or give --teacher-precision float32"
+        )
+
+    def _stop_asked(self, i: int, bad: int, writer: kd_store.EpochWriter) -> Tuple[bool, float, bool]:
+        """(a stop signal in any process, the unreadable images of every process so far, a row not
+        finite as stored in any process): every batch alone (the rows' copy to the store has
+        synchronised already); every tenth batch as a collective with several processes (each has
+        the same number of batches, so all ask at the same ones and decide alike)."""
         if self.backend.world_size == 1:
-            return self.stop.requested, float(bad)
+            return self.stop.requested, float(bad), bool(writer.nonfinite.item())
         if i % 10:
-            return False, 0.0
+            return False, 0.0, False
         flags = torch.tensor([float(self.stop.requested), float(bad)], device=self.backend.device)
+        flags = torch.cat([flags, writer.nonfinite.float().reshape(1)])
         self.backend.all_reduce_sum(flags)
-        return bool(flags[0].item() > 0), float(flags[1].item())
+        return bool(flags[0].item() > 0), float(flags[1].item()), bool(flags[2].item() > 0)
 
     def close(self) -> None:
         if self.lane is not None:

@@ -18,7 +18,9 @@ teacher's logits on that sample's crop:
   temperature, reads a full row.
 
 Layout: ``kd-soft-labels.json`` (the manifest: format, teacher, its weights' checksum, data
-listing checksum, image size, crop scale, seed, k, dtype, epochs, the epochs complete) and per
+listing checksum, image size, crop scale, seed, k, dtype, epochs, the epochs complete, each
+complete epoch's files with their sizes and sha256 and its largest |logit|, and a sha256 of the
+manifest's own content, checked at every read) and per
 epoch ``epoch-NNN.values.npy`` (samples x k), plus ``epoch-NNN.classes.npy`` (int16 or int32)
 and ``epoch-NNN.rest.npy`` (float32) where k is less than the number of classes, and
 ``epoch-NNN.written.npy`` (one byte a sample: its row was written; a row the teacher never saw,
@@ -26,6 +28,11 @@ an image unreadable when it was taught, is refused when a run asks for it), and
 ``kd-teach-log.jsonl`` (a line per kd teach run: its epochs, seconds and img/s). An epoch is
 written under ``.partial`` names and renamed once every rank has written its samples, so a
 stopped ``kd teach`` starts again at its first incomplete epoch.
+
+A store never holds a non-finite value: the stored dtype follows the teacher's largest |logit| on
+its probe batches (:func:`choose_dtype`), every batch is checked as stored (on the device) before
+its epoch is committed, and a run from the store checks the manifest's record of those checks and
+its files' sizes at its start; :func:`verify` reads every byte again (``kd verify``).
 """
 
 from __future__ import annotations
@@ -44,10 +51,15 @@ import torch
 from kd.errors import KDError
 from kd.runfolder import why_unwritable, write_json
 
-FORMAT = 1
+FORMAT = 2  # 2: checksums of each epoch's files and of the manifest, each epoch's largest |logit|
 MANIFEST = "kd-soft-labels.json"
 TEACHING_LOG = "kd-teach-log.jsonl"  # a line per kd teach run: its epochs, seconds, img/s, processes, device
 DTYPES = {"float16": np.float16, "float32": np.float32}
+FLOAT16_MAX = 65504.0
+#: ``--logits-dtype auto`` stores float16 where the teacher's largest |logit| on its probe batches is
+#: at most this: float16 rounds such a logit by at most 1/16, with 256 times float16's range above
+#: it for crops the probe did not see (each written batch is checked all the same)
+FLOAT16_AUTO_LARGEST = 256.0
 #: the manifest's keys a run must match (what the crops and the labels depend on)
 PINNED = ("listing_sha256", "samples", "classes", "image_size", "min_crop_scale", "seed")
 
@@ -95,6 +107,18 @@ def epoch_bytes(samples: int, classes: int, k: int, dtype: str) -> int:
     return samples * (k * (width + np.dtype(class_dtype(classes)).itemsize) + 4 + 1)
 
 
+def disk_bytes(samples: int, classes: int, k: int, dtype: str, epochs: int, block: int) -> int:
+    """Bytes ``epochs`` epochs and the manifest take on a disk of ``block``-byte blocks: each file
+    with its .npy header, rounded up to whole blocks (a small store on a tmpfs takes a page a file)."""
+    width = np.dtype(DTYPES[dtype]).itemsize
+    sizes = [samples * min(k, classes) * width, samples]  # values, written
+    if k < classes:
+        sizes += [samples * k * np.dtype(class_dtype(classes)).itemsize, samples * 4]  # classes, rest
+    whole = sum(-(-(128 + size) // block) * block for size in sizes)
+    manifest = -(-(4096 + 1200 * epochs) // block) * block  # its listing grows an epoch at a time
+    return epochs * whole + 2 * manifest + block  # the manifest and its replacement, the teaching log
+
+
 def class_dtype(classes: int):
     return np.int16 if classes <= np.iinfo(np.int16).max else np.int32
 
@@ -134,23 +158,79 @@ def expand(values: torch.Tensor, classes: Optional[torch.Tensor], rest: Optional
 
 
 # ----------------------------------------------------------------------------- manifest
+def _where(root: Path, flag: str) -> str:
+    return f"{flag} {root}" if flag else f"soft-label store {root}"
+
+
+def manifest_sha256(manifest: Dict[str, Any]) -> str:
+    """The manifest's own checksum: of its content (``manifest_sha256`` aside), keys sorted."""
+    content = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
+
+
 def read_manifest(root: Path, flag: str = "--soft-labels") -> Dict[str, Any]:
+    """The store's manifest, refused in one line where it is missing, unreadable, of another
+    format, or edited by hand or damaged (its checksum does not match its content)."""
+    where = _where(root, flag)
     try:
         manifest = json.loads((root / MANIFEST).read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise KDError(f"{flag} {root}: not a soft-label store (no {MANIFEST}); write one with kd teach") from None
+        raise KDError(f"{where}: not a soft-label store (no {MANIFEST}); write one with kd teach") from None
     except (OSError, ValueError) as exc:
-        raise KDError(f"{flag} {root}: {MANIFEST} cannot be read ({exc})") from None
-    if manifest.get("format") != FORMAT:
+        raise KDError(f"{where}: {MANIFEST} cannot be read ({exc})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        got = manifest.get("format") if isinstance(manifest, dict) else None
         raise KDError(
-            f"{flag} {root}: store format {manifest.get('format')}, this kd reads format {FORMAT}; "
-            f"write it again with this kd's kd teach"
+            f"{where}: store format {got}, this kd reads format {FORMAT} (with checksums, every row checked "
+            f"finite); write it again with this kd's kd teach into a new --out"
+        )
+    if manifest.get("manifest_sha256") != manifest_sha256(manifest):
+        raise KDError(
+            f"{where}: {MANIFEST} was edited or damaged (its checksum does not match its content); "
+            f"write the store again with kd teach"
         )
     return manifest
 
 
 def write_manifest(root: Path, manifest: Dict[str, Any]) -> None:
-    write_json(root / MANIFEST, manifest)
+    """``manifest`` with its own checksum, whole or not at all; a full disk in one line."""
+    manifest["manifest_sha256"] = manifest_sha256(manifest)
+    try:
+        write_json(root / MANIFEST, manifest)
+    except OSError as exc:
+        tmp = root / (MANIFEST + ".tmp")
+        tmp.unlink(missing_ok=True)
+        raise disk_error(root, exc) from None
+
+
+def disk_error(root: Path, exc: OSError) -> KDError:
+    """What kd teach says where the store cannot be written (a full disk, most often)."""
+    fix = "free space" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "fix that"
+    return KDError(
+        f"cannot write the soft-label store at {root}: {exc.strerror or exc}; it keeps its complete epochs: "
+        f"{fix} and run the same kd teach again to continue"
+    )
+
+
+def choose_dtype(asked: str, largest: float, images: int, teacher: str, how: str = "as given") -> Tuple[str, str]:
+    """(the dtype the logits are stored in, a log line saying why) for ``--logits-dtype asked``
+    (auto, float16, float32) and the teacher's largest |logit| on ``images`` probe images; float16
+    asked for where it cannot hold them is refused, before anything is written."""
+    seen = f"the teacher's largest |logit| is {largest:.4g} on {images} probe image(s)"
+    if not math.isfinite(largest):
+        raise KDError(
+            f"teacher {teacher} gives non-finite logits ({seen}); check --teacher-weights and --teacher-precision"
+        )
+    if asked == "auto":
+        dtype = "float16" if largest <= FLOAT16_AUTO_LARGEST else "float32"
+        how = "at most" if dtype == "float16" else "above"
+        return dtype, f"kd teach: logits stored in {dtype} (auto: {seen}, {how} {FLOAT16_AUTO_LARGEST:.0f})"
+    if asked == "float16" and largest > FLOAT16_MAX:
+        raise KDError(
+            f"--logits-dtype float16 cannot hold teacher {teacher}'s logits ({seen}, float16's largest is "
+            f"{FLOAT16_MAX:.0f}); use --logits-dtype float32 (or auto)"
+        )
+    return asked, f"kd teach: logits stored in {asked} ({how}; {seen})"
 
 
 def log_teaching(root: Path, record: Dict[str, Any]) -> None:
@@ -205,6 +285,60 @@ def parts(manifest: Dict[str, Any]) -> List[str]:
     return (["values"] if manifest["k"] >= manifest["classes"] else ["values", "classes", "rest"]) + ["written"]
 
 
+def check_listing(root: Path, manifest: Dict[str, Any], flag: str = "--soft-labels") -> None:
+    """The cheap check at a run's start: each complete epoch listed with its files and its check
+    (every row finite as stored, its largest |logit|), and each file there with the listed size."""
+    where = _where(root, flag)
+    done, listed = int(manifest.get("epochs_done", 0)), manifest.get("epoch_files", [])
+    largest = manifest.get("epoch_largest_logit", [])
+    if len(listed) != done or len(largest) != done:
+        raise KDError(f"{where} is damaged: its manifest lists {len(listed)} epoch(s) and says {done} are complete")
+    for epoch, files in enumerate(listed):
+        if sorted(files) != sorted(parts(manifest)) or not math.isfinite(largest[epoch]):
+            raise KDError(f"{where} is damaged: its manifest's listing of epoch {epoch + 1} is not a checked epoch's")
+        for part, record in files.items():
+            path = _name(root, epoch, part)
+            try:
+                size = path.stat().st_size
+            except OSError as exc:
+                raise KDError(f"{where} is damaged: {path.name} cannot be read ({exc.strerror})") from None
+            if size != record["bytes"]:
+                raise KDError(
+                    f"{where} is damaged: {path.name} holds {size} bytes, its manifest says {record['bytes']}; "
+                    f"teach the store again"
+                )
+
+
+def verify(root: Path) -> str:
+    """Every byte of the store at ``root`` read again: each file against its sha256 in the manifest
+    (itself checked against its own), and every stored logit (the top-k rows' log-sum-exp too)
+    finite. Raises :class:`KDError` naming the first damaged file; returns a one-line summary."""
+    root = Path(root)
+    manifest = read_manifest(root, flag="")
+    check_listing(root, manifest, flag="")
+    where, total = _where(root, ""), 0
+    for epoch, files in enumerate(manifest["epoch_files"]):
+        for part, record in files.items():
+            path = _name(root, epoch, part)
+            if file_sha256(str(path)) != record["sha256"]:
+                raise KDError(f"{where} is damaged: {path.name} does not match its checksum; teach the store again")
+            total += record["bytes"]
+            if part in ("values", "rest"):
+                array = np.load(path, mmap_mode="r")
+                for start in range(0, len(array), 1 << 16):  # a block of rows at a time: bounded memory
+                    finite = np.isfinite(array[start : start + (1 << 16)])
+                    if not finite.all():
+                        row = start + int(np.argmin(finite.reshape(len(finite), -1).all(axis=1)))
+                        raise KDError(f"{where} is damaged: {path.name} holds non-finite logits (row {row})")
+                del array
+    m = manifest
+    kept = "every logit" if m["k"] >= m["classes"] else f"the top {m['k']} logits"
+    return (
+        f"{root}: a sound soft-label store: {m['epochs_done']} epoch(s) of {m['samples']:,} samples, {kept} in "
+        f"{m['dtype']}; {human(total)} read, every file matches its sha256 and every logit is finite"
+    )
+
+
 # ----------------------------------------------------------------------------- reading
 class SoftLabels:
     """A store opened for a run: the teacher's logits of a batch's samples in an epoch."""
@@ -224,6 +358,7 @@ class SoftLabels:
                 f"--soft-labels {root} holds {done} epoch(s) of the teacher's outputs and the run wants {epochs}; "
                 f"extend it with kd teach --epochs {epochs} --out {root}"
             )
+        check_listing(root, self.manifest)
         self.classes = int(self.manifest["classes"])
         self._open: Dict[int, Dict[str, np.ndarray]] = {}
         #: rows the teacher never wrote (images unreadable when it was taught), over the run's epochs
@@ -292,28 +427,43 @@ def reserve(path: Path) -> None:
 
 
 class EpochWriter:
-    """One epoch's files, opened by every rank (rank 0 made them); rows written at sample indices."""
+    """One epoch's files, opened by every rank (rank 0 made them); rows written at sample indices,
+    each batch checked as stored (on the device): :attr:`nonfinite` counts the rows that are not
+    finite, :attr:`largest` is the largest |logit| written."""
 
-    def __init__(self, root: Path, epoch: int, manifest: Dict[str, Any], create: bool):
+    def __init__(self, root: Path, epoch: int, manifest: Dict[str, Any], create: bool, device=None):
         self.root, self.epoch, self.k = root, epoch, int(manifest["k"])
+        self.dtype = {"float16": torch.float16, "float32": torch.float32}[manifest["dtype"]]
         n, k, classes = int(manifest["samples"]), int(manifest["k"]), int(manifest["classes"])
         shapes: Dict[str, Tuple[Tuple[int, ...], Any]] = {"values": ((n, min(k, classes)), DTYPES[manifest["dtype"]])}
         if k < classes:
             shapes.update(classes=((n, k), class_dtype(classes)), rest=((n,), np.float32))
         shapes["written"] = ((n,), np.uint8)
+        self.nonfinite = torch.zeros((), dtype=torch.int64, device=device)
+        self.largest = torch.zeros((), device=device)
         self.files = {}
         for part, (shape, dtype) in shapes.items():
             path = _name(root, epoch, part, partial=True)
             if create:
-                self.files[part] = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
-                reserve(path)
+                try:
+                    self.files[part] = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
+                    reserve(path)
+                except (OSError, KDError) as exc:  # a full disk: this epoch's files go, the complete ones stay
+                    self.discard()
+                    raise exc if isinstance(exc, KDError) else disk_error(root, exc) from None
             else:
                 self.files[part] = np.load(path, mmap_mode="r+")
 
     def write(self, indices: torch.Tensor, logits: torch.Tensor) -> None:
         values, classes, rest = compress(logits.float(), self.k)
+        stored = values.to(self.dtype)  # rounded on the device, as the file holds it, and checked there
+        bad = ~torch.isfinite(stored).all(dim=1)
+        if rest is not None:
+            bad |= ~torch.isfinite(rest)
+        self.nonfinite += bad.sum()
+        self.largest = torch.maximum(self.largest, logits.detach().abs().max().float())
         rows = indices.numpy()
-        self.files["values"][rows] = values.cpu().numpy()
+        self.files["values"][rows] = stored.cpu().numpy()
         if classes is not None and rest is not None:
             self.files["classes"][rows] = classes.cpu().numpy()
             self.files["rest"][rows] = rest.cpu().numpy()
@@ -324,11 +474,21 @@ class EpochWriter:
             array.flush()
         self.files = {}
 
-    def commit(self) -> None:
-        """Rank 0, once every rank has flushed: the epoch's files under their final names."""
+    def discard(self) -> None:
+        """Rank 0: the epoch's partial files removed (a stop for a non-finite batch or a full disk)."""
+        self.files = {}
+        for part in ("values", "classes", "rest", "written"):
+            _name(self.root, self.epoch, part, partial=True).unlink(missing_ok=True)
+
+    def commit(self) -> Dict[str, Dict[str, Any]]:
+        """Rank 0, once every rank has flushed: the epoch's files under their final names; their
+        sizes and sha256, for the manifest."""
+        records: Dict[str, Dict[str, Any]] = {}
         for part in ("values", "classes", "rest", "written"):
             partial = _name(self.root, self.epoch, part, partial=True)
             if partial.exists():
                 with open(partial, "rb+") as f:
                     os.fsync(f.fileno())
+                records[part] = {"bytes": partial.stat().st_size, "sha256": file_sha256(str(partial))}
                 os.replace(partial, _name(self.root, self.epoch, part))
+        return records
