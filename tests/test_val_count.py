@@ -1,0 +1,108 @@
+"""An accuracy over the whole validation set: unreadable val images count as errors, are named,
+count under --max-bad-images, and every accuracy says how many images it is over (issue 44)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import kd_main, make_image_folder, run_kd
+
+#: a fast student-alone run on the CPU
+ARGS = ["--no-teacher", "--student", "resnet18", "--image-size", 32, "-b", 8, "--device", "cpu", "--log-every", 1]
+
+
+def damaged_val(root: Path) -> Path:
+    """20 val images (2 classes of 10), one truncated and one of zero bytes."""
+    data = make_image_folder(root, classes=2, train_per_class=4, val_per_class=10, size=(16, 16))
+    truncated = data / "val" / "class_00" / "003.jpg"
+    truncated.write_bytes(truncated.read_bytes()[:40])
+    (data / "val" / "class_01" / "007.jpg").write_bytes(b"")
+    return data
+
+
+def records(out: Path):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def damaged(tmp_path_factory) -> Path:
+    return damaged_val(tmp_path_factory.mktemp("damaged"))
+
+
+@pytest.fixture(scope="module")
+def one_process(damaged, tmp_path_factory):
+    """One process, two epochs on the damaged folder: its result and run folder."""
+    out = tmp_path_factory.mktemp("runs") / "one"
+    r = kd_main("train", "--data", damaged, *ARGS, "-j", 0, "--epochs", 2, "--out", out)
+    return r, out
+
+
+def test_unreadable_val_images_count_as_errors(one_process, damaged):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    r, out = one_process
+    assert r.returncode == 0, r.stderr
+    recs = records(out)
+    for rec in recs:
+        assert rec["val_images"] == 20 and rec["val_unreadable"] == 2, rec
+        assert rec["val_top1"] * 20 / 100 == pytest.approx(round(rec["val_top1"] * 20 / 100), abs=1e-6)
+        assert rec["val_top1"] <= 90.0  # at most 18 of 20
+    # named once, not at every validation
+    for name in ("val/class_00/003.jpg", "val/class_01/007.jpg"):
+        assert r.stderr.count(name) == 1, r.stderr
+    assert "2 of 20 val images unreadable" in r.stderr
+    assert "val top-1" in r.stderr and "(20 images, 2 unreadable)" in r.stderr
+    assert "20 val images, 2 unreadable" in r.stdout.splitlines()[-1], r.stdout
+    events = EventAccumulator(str(out / "tb"))
+    events.Reload()
+    assert events.Scalars("epoch/val_images")[-1].value == 20
+    assert events.Scalars("epoch/val_unreadable")[-1].value == 2
+
+
+def test_kd_eval_and_report_count_every_image(one_process, damaged):
+    r, out = one_process
+    assert r.returncode == 0, r.stderr
+    e = kd_main("eval", "--weights", out / "checkpoints" / "last.pt", "--data", damaged, "-j", 0)
+    assert e.returncode == 0, e.stderr
+    line = e.stdout.splitlines()[-1]
+    assert "(20 images, 2 unreadable, counted as errors)" in line, line
+    assert "val/class_00/003.jpg" in e.stderr + e.stdout
+    last = records(out)[-1]
+    assert f"top-1 {last['val_top1']:.2f}" in line
+    rep = kd_main("report", out)
+    assert rep.returncode == 0, rep.stderr
+    assert "val_images" in rep.stdout and "20 (2 unreadable)" in rep.stdout, rep.stdout
+
+
+def test_unreadable_val_images_count_under_max_bad_images(damaged, tmp_path):
+    out = tmp_path / "strict"
+    r = kd_main("train", "--data", damaged, *ARGS, "-j", 0, "--epochs", 1, "--max-bad-images", 1, "--out", out)
+    assert r.returncode == 2, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("kd: error: 2 unreadable images") and "--max-bad-images 1" in last, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_two_processes_count_as_one(damaged, tmp_path):
+    """The val sampler shards without padding and the counts are summed: a 2-process run logs the
+    val_images and val_top1 that one process (kd eval) gives for its checkpoint, and names each
+    unreadable file once."""
+    out = tmp_path / "two"
+    r = run_kd(
+        *["train", "--data", damaged, *ARGS, "-j", 0, "--epochs", 1, "--out", out],
+        *["--backend", "torch_ddp", "--nproc", 2],
+        env={"OMP_NUM_THREADS": "1"},
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    (rec,) = records(out)
+    assert rec["val_images"] == 20 and rec["val_unreadable"] == 2, rec
+    for name in ("val/class_00/003.jpg", "val/class_01/007.jpg"):
+        assert r.stderr.count(name) == 1, r.stderr
+    e = kd_main("eval", "--weights", out / "checkpoints" / "last.pt", "--data", damaged, "-j", 0)
+    assert e.returncode == 0, e.stderr
+    assert f"top-1 {rec['val_top1']:.2f}  top-5 {rec['val_top5']:.2f}" in e.stdout, (rec, e.stdout)
