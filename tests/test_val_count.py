@@ -106,3 +106,15 @@ def test_two_processes_count_as_one(damaged, tmp_path):
     e = kd_main("eval", "--weights", out / "checkpoints" / "last.pt", "--data", damaged, "-j", 0)
     assert e.returncode == 0, e.stderr
     assert f"top-1 {rec['val_top1']:.2f}  top-5 {rec['val_top5']:.2f}" in e.stdout, (rec, e.stdout)
+
+
+def test_the_log_names_the_val_resize_used(tmp_path):
+    """--val-resize 10 with --image-size 32 was logged as the data config's resize 37. A resize
+    smaller than the crop is what torchvision does too (its CenterCrop pads with black; kd's crop
+    equals it bit for bit), so it is used and said, not refused."""
+    data = make_image_folder(tmp_path / "data", classes=2, train_per_class=4, val_per_class=1, size=(16, 16))
+    r = kd_main("train", "--data", data, *ARGS, "-j", 0, "--epochs", 1, "--val-resize", 10, "--out", tmp_path / "r")
+    assert r.returncode == 0, r.stderr
+    (line,) = [line for line in r.stderr.splitlines() if line.startswith("student resnet18:")]
+    assert "eval: bilinear resize 10 (--val-resize), centre crop 32" in line, line
+    assert "resize 37" not in line and "padded with black" in line, line

@@ -359,7 +359,10 @@ class Lane:
             ("teacher", cfg.teacher, cfg.teacher_data),
         ):
             if data:
-                self.logger.info(f"{role} {name}: {models.DataConfig.from_dict(data).describe(cfg.image_size)}")
+                # the student validates with --val-resize and val_interpolation where given (val_transform)
+                given = (cfg.val_resize, cfg.val_interpolation) if role == "student" else (None, None)
+                line = models.DataConfig.from_dict(data).describe(cfg.image_size, *given)
+                self.logger.info(f"{role} {name}: {line}")
 
     def use_teacher(self, teacher: Teacher) -> None:
         """The prepared teacher this student learns from (its own, or one shared with other students)."""
