@@ -7,8 +7,11 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import kd_main, make_image_folder, run_kd
 
-from tests.conftest import kd_main, make_image_folder, run_kd
+from kd import config as kd_config
+from kd.errors import KDError
+from kd.run.step import StepHook
 
 #: a fast student-alone run on the CPU
 ARGS = ["--no-teacher", "--student", "resnet18", "--image-size", 32, "-b", 8, "--device", "cpu", "--log-every", 1]
@@ -118,3 +121,55 @@ def test_the_log_names_the_val_resize_used(tmp_path):
     (line,) = [line for line in r.stderr.splitlines() if line.startswith("student resnet18:")]
     assert "eval: bilinear resize 10 (--val-resize), centre crop 32" in line, line
     assert "resize 37" not in line and "padded with black" in line, line
+
+
+class _Deleter(StepHook):
+    """Deletes ``paths`` after the run's first step: files gone after the listing was made."""
+
+    def __init__(self, paths):
+        self.paths = list(paths)
+
+    def on_step(self, trainer, out) -> None:
+        for path in self.paths:
+            if path.exists():
+                path.unlink()
+
+
+def _disappearing_run(tmp_path, workers: int, max_bad_images: int):
+    """Two epochs of a real run in this process on a folder whose listing loses a training and a
+    val image after the first step: (the run's folder, the two paths); the Trainer closed after."""
+    import backends
+    from kd.run.loop import Trainer
+
+    data = make_image_folder(tmp_path / "data", classes=2, train_per_class=4, val_per_class=3, size=(16, 16))
+    gone = [data / "train" / "class_01" / "002.jpg", data / "val" / "class_00" / "001.jpg"]
+    options = dict(
+        data=str(data), out=str(tmp_path / "run"), no_teacher=True, student="resnet18", image_size=32,
+        batch_size=4, workers=workers, device="cpu", epochs=2, log_every=1, max_bad_images=max_bad_images,
+    )  # fmt: skip
+    cfg = kd_config.resolve(options=options)
+    backend = backends.get("single")(cfg)
+    backend.setup()
+    trainer = Trainer(cfg, backend, hooks=[_Deleter(gone)])
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    return tmp_path / "run", gone
+
+
+def test_images_that_disappear_mid_run_count_as_unreadable(tmp_path, capfd):
+    """A training and a val image deleted after the first step (a DataLoader worker reads them):
+    each counts as unreadable (named, under --max-bad-images), the val accuracy stays over every
+    listed image, and the run ends."""
+    out, (train_gone, val_gone) = _disappearing_run(tmp_path, 1, max_bad_images=2)
+    err = capfd.readouterr().err
+    assert f"skipped unreadable image {train_gone}" in err and f"unreadable val image {val_gone}" in err, err
+    recs = records(out)
+    assert recs[-1]["train_bad_images"] == 1
+    assert [(r["val_images"], r["val_unreadable"]) for r in recs] == [(6, 1), (6, 1)]
+
+
+def test_images_that_disappear_mid_run_count_under_max_bad_images(tmp_path):
+    with pytest.raises(KDError, match=r"^2 unreadable images, more than --max-bad-images 1"):
+        _disappearing_run(tmp_path, 0, max_bad_images=1)
