@@ -26,6 +26,10 @@ def damaged_val(root: Path) -> Path:
     return data
 
 
+def UNREADABLE(data: Path):  # noqa: N802  (the files damaged_val damages)
+    return [data / "val" / "class_00" / "003.jpg", data / "val" / "class_01" / "007.jpg"]
+
+
 def records(out: Path):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
@@ -173,3 +177,70 @@ def test_images_that_disappear_mid_run_count_as_unreadable(tmp_path, capfd):
 def test_images_that_disappear_mid_run_count_under_max_bad_images(tmp_path):
     with pytest.raises(KDError, match=r"^2 unreadable images, more than --max-bad-images 1"):
         _disappearing_run(tmp_path, 0, max_bad_images=1)
+
+
+class _Fp32:
+    """A float32 precision: no autocast, no input cast."""
+
+    def autocast(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def input_cast(self, images):
+        return images
+
+
+@pytest.mark.parametrize("decoder", ["cpu", "cpu-thread"])
+def test_the_gpu_loader_counts_unreadable_val_images_as_the_pil_loader(damaged, monkeypatch, decoder):
+    """--loader gpu on the CPU (its decode falls back there): the same images, unreadable ones and
+    accuracy as the PIL loader, batches of one included (a batch of an unreadable image alone)."""
+    import torch
+
+    import backends
+    from kd.data import gpu as gpu_mod
+    from kd.data.folder import scan_split
+    from kd.data.gpu import make_gpu_loader
+    from kd.data.loader import make_loader
+    from kd.run.accuracy import evaluate
+
+    monkeypatch.setenv(gpu_mod.DECODER_ENV, decoder)
+    cfg = kd_config.resolve(
+        options=dict(
+            data=str(damaged), out="unused", student="resnet18", no_teacher=True, image_size=32, workers=0, device="cpu"
+        )
+    )
+    backend = backends.get("single")(cfg)
+    backend.setup()
+    _, val = scan_split(damaged, "val")
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(2), torch.nn.Flatten(), torch.nn.Linear(12, 2)).eval()
+    for batch in (1, 4):
+        cpu = torch.device("cpu")
+        got = evaluate(net, make_gpu_loader(cfg, val, False, 1, 0, batch, cpu, False), backend, _Fp32())
+        ref = evaluate(net, make_loader(cfg, val, False, 1, 0, batch, cpu, False), backend, _Fp32())
+        assert got["images"] == ref["images"] == 20 and got["unreadable"] == ref["unreadable"] == 2
+        assert got["unreadable_files"] == ref["unreadable_files"] == sorted(str(p) for p in UNREADABLE(damaged))
+        assert got["top1"] == pytest.approx(ref["top1"], abs=5.0)  # one image in 20 may differ by a rounding
+
+
+def test_a_prepared_copy_counts_the_val_images_it_left_out(one_process, damaged, tmp_path):
+    """kd prepare leaves unreadable val images out of the copy (and says so); an accuracy on the
+    copy is still over the whole val split, as on the folder: the same images, names and top-1."""
+    from kd.data.prepare import Settings, prepare
+
+    r, out = one_process
+    assert r.returncode == 0, r.stderr
+    prepare(str(damaged), str(tmp_path / "copy"), Settings(max_side=32), progress=False, echo=lambda line: None)
+    weights = out / "checkpoints" / "last.pt"
+    on_copy = kd_main("eval", "--weights", weights, "--data", tmp_path / "copy", "-j", 0)
+    on_folder = kd_main("eval", "--weights", weights, "--data", damaged, "-j", 0)
+    assert on_copy.returncode == on_folder.returncode == 0, on_copy.stderr + on_folder.stderr
+    assert "(20 images, 2 unreadable, counted as errors)" in on_copy.stdout, on_copy.stdout
+    assert on_copy.stdout.splitlines()[-1].split(":", 1)[1] == on_folder.stdout.splitlines()[-1].split(":", 1)[1]
+    for path in UNREADABLE(damaged):
+        assert f"unreadable val image {path}" in on_copy.stderr, on_copy.stderr
+    # training on the copy: the run's validation counts them too
+    run = kd_main("train", "--data", tmp_path / "copy", *ARGS, "-j", 0, "--epochs", 1, "--out", tmp_path / "r")
+    assert run.returncode == 0, run.stderr
+    assert [(rec["val_images"], rec["val_unreadable"]) for rec in records(tmp_path / "r")] == [(20, 2)]
