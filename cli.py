@@ -274,10 +274,9 @@ def eval_cmd(model, weights, data, batch_size, image_size, val_resize, workers, 
         model, weights, data, batch_size, device, image_size, workers, num_classes, val_resize=val_resize
     )
     click.echo(f"settings: {r['settings']}")
-    click.echo(
-        f"{r['model']} {weights}: top-1 {r['top1']:.2f}  top-5 {r['top5']:.2f}  loss {r['loss']:.4f}  "
-        f"({r['count']} images)"
-    )
+    for path in r["unreadable_files"]:
+        click.echo(f"unreadable val image {path}", err=True)
+    click.echo(r["line"])
 
 
 @cli.command("prepare")

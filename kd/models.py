@@ -254,13 +254,20 @@ class DataConfig:
         value = image_size * self.resize_ratio
         return int(math.floor(value + 1e-6)) if self.floor else int(round(value))
 
-    def describe(self, image_size: int) -> str:
+    def describe(self, image_size: int, resize: Optional[int] = None, interpolation: Optional[str] = None) -> str:
+        """One line: the normalisation and the evaluation transform; ``resize`` and ``interpolation``
+        where the run's options (``--val-resize``, ``val_interpolation``) replace the model's."""
         mean = ", ".join(f"{m:g}" for m in self.mean)
         std = ", ".join(f"{s:g}" for s in self.std)
-        return (
-            f"mean ({mean}) std ({std}); eval: {self.interpolation} resize {self.val_resize(image_size)}, "
+        size = resize or self.val_resize(image_size)
+        how = f"{interpolation} (val_interpolation)" if interpolation else self.interpolation
+        line = (
+            f"mean ({mean}) std ({std}); eval: {how} resize {size}{' (--val-resize)' if resize else ''}, "
             f"centre crop {image_size} ({self.source})"
         )
+        if size < image_size:  # torchvision's CenterCrop pads; kd's crop is the same, bit for bit
+            line += f"; resize {size} is smaller than the crop: its border is padded with black, as torchvision does"
+        return line
 
     def to_dict(self) -> Dict[str, Any]:
         return {

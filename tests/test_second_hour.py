@@ -28,7 +28,8 @@ def test_a_run_ends_with_where_its_result_is(teacher_run):
     r, out = teacher_run
     line = r.stdout.strip().splitlines()[-1]
     assert re.fullmatch(
-        rf"done: best top-1 \d+\.\d\d at epoch 1, last top-1 \d+\.\d\d at epoch 1, \d+s; run {re.escape(str(out))}, "
+        rf"done: best top-1 \d+\.\d\d at epoch 1, last top-1 \d+\.\d\d at epoch 1 \(\d+ val images, 0 unreadable\), "
+        rf"\d+s; run {re.escape(str(out))}, "
         rf"best checkpoint {re.escape(str(out / 'checkpoints' / 'best.pt'))}",
         line,
     ), r.stdout

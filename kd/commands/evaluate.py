@@ -95,6 +95,16 @@ def resolve(
     return EvalSettings(model, num_classes, image_size, val_resize, workers, sources, own)
 
 
+def result_line(model: str, weights: str, result: Dict[str, Any]) -> str:
+    """kd eval's result: top-1, top-5, loss, and the images they are over (unreadable ones counted as errors)."""
+    bad = result["unreadable"]
+    over = f"{result['images']} images, {bad} unreadable, counted as errors" if bad else f"{result['images']} images"
+    return (
+        f"{model} {weights}: top-1 {result['top1']:.2f}  top-5 {result['top5']:.2f}  loss {result['loss']:.4f}  "
+        f"({over})"
+    )
+
+
 def evaluate_model(
     model: Optional[str],
     weights: str,
@@ -157,6 +167,7 @@ def evaluate_model(
         "model": s.model,
         "weights": weights,
         **result,
+        "line": result_line(s.model, weights, result),
         "num_classes": n,
         "image_size": s.image_size,
         "val_resize": s.val_resize,

@@ -28,6 +28,7 @@ COLUMNS = [
     "best_top5",
     "last_top1",
     "last_top5",
+    "val_images",
     "reference_top1",
     "diff",
     "wall",
@@ -76,12 +77,29 @@ def collect(run: Path) -> Dict[str, object]:
         "best_top5": round(best["val_top5"], 2),
         "last_top1": round(last["val_top1"], 2),
         "last_top5": round(last["val_top5"], 2),
+        "val_images": images_over(last),
         "reference_top1": ref if ref is not None else "-",
         "diff": round(best["val_top1"] - ref, 2) if ref is not None else "-",
         "wall": duration(wall),
         "wall_s": round(wall, 1),
         "_no_reference": why,
     }
+
+
+def images_over(record: Dict[str, Any]) -> str:
+    """What a record's accuracy is over: ``20`` or ``20 (2 unreadable)``; ``-`` for a run of a kd
+    that did not count them."""
+    if "val_images" not in record:
+        return "-"
+    bad = int(record.get("val_unreadable", 0))
+    return f"{int(record['val_images'])}" + (f" ({bad} unreadable)" if bad else "")
+
+
+def val_count(record: Dict[str, Any]) -> str:
+    """`` (20 val images, 2 unreadable)`` for the summary line; "" for a run of a kd that did not count them."""
+    if "val_images" not in record:
+        return ""
+    return f" ({int(record['val_images'])} val images, {int(record.get('val_unreadable', 0))} unreadable)"
 
 
 def summary_line(run: Path, seconds: float, name: str = "") -> str:
@@ -98,7 +116,8 @@ def summary_line(run: Path, seconds: float, name: str = "") -> str:
     checkpoint = folder.best if folder.best.is_file() else folder.last
     return (
         f"{prefix}done: best top-1 {best['val_top1']:.2f} at epoch {best['epoch']}, last top-1 "
-        f"{last['val_top1']:.2f} at epoch {last['epoch']}, {duration(seconds)}; run {run}, best checkpoint {checkpoint}"
+        f"{last['val_top1']:.2f} at epoch {last['epoch']}{val_count(last)}, {duration(seconds)}; "
+        f"run {run}, best checkpoint {checkpoint}"
     )
 
 

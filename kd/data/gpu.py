@@ -47,6 +47,7 @@ from kd.data.loader import (
     STD,
     Batch,
     DeviceLoader,
+    left_out,
     make_data_loader,
     normalisation,
     upload,
@@ -343,6 +344,7 @@ class GpuLoader(DeviceLoader):
         feeder = _DecodeThread(iter(self.loader), lambda host: self._decode(unpacked(host), stages), stages)
         retire: deque = deque()  # (event, decoded batch) kept until the prep stream has read it
         pending = None
+        first_bad = self.left_out  # with the first batch
         try:
             while True:
                 staged = None
@@ -356,7 +358,8 @@ class GpuLoader(DeviceLoader):
                 if pending is not None:
                     images, labels, bad, indices, event = pending
                     stages.hand_over((images, labels), event)
-                    yield Batch(images, labels, bad, indices)
+                    yield Batch(images, labels, first_bad + bad, indices)
+                    first_bad = []
                     remaining -= 1
                 while retire and stages.done(retire[0][0]):
                     retire.popleft()
@@ -499,4 +502,6 @@ def make_gpu_loader(
     )
     loader, sampler = make_data_loader(cfg, dataset, collate_packed, train, num_replicas, rank, local_batch, device)
     limit = cfg.limit_train_batches if train else cfg.limit_val_batches
-    return GpuLoader(loader, sampler, decoder.device, channels_last, limit, dataset, decoder, notes, normalisation(cfg))
+    out = GpuLoader(loader, sampler, decoder.device, channels_last, limit, dataset, decoder, notes, normalisation(cfg))
+    out.left_out = left_out(samples, train, rank)
+    return out

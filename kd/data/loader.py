@@ -266,6 +266,9 @@ class DeviceLoader:
         self.norm = norm
         self.normalise = Normalisation(norm, device)
         self.skipped_batches = 0
+        #: unreadable files that are not among its samples (the val images a prepared copy left out),
+        #: reported with the first batch of every pass (:func:`left_out`)
+        self.left_out: List[str] = []
 
     @property
     def batch_size(self) -> int:
@@ -311,9 +314,11 @@ class DeviceLoader:
         remaining = len(self)
         if remaining == 0:
             return
+        first_bad = self.left_out
         for images, labels, bad, indices in self.loader:
             images = self.normalise(images.to(self.device, non_blocking=True), self.memory_format)
-            yield Batch(images, labels.to(self.device, non_blocking=True), bad, indices)
+            yield Batch(images, labels.to(self.device, non_blocking=True), first_bad + bad, indices)
+            first_bad = []
             remaining -= 1
             if remaining == 0:
                 break
@@ -372,7 +377,17 @@ def make_loader(
     dataset = ImageFolderPIL(samples, cfg.image_size, train, resize, cfg.min_crop_scale, interpolation)
     loader, sampler = make_data_loader(cfg, dataset, collate, train, num_replicas, rank, local_batch, device)
     limit = cfg.limit_train_batches if train else cfg.limit_val_batches
-    return DeviceLoader(loader, sampler, device, channels_last, limit, normalisation(cfg))
+    out = DeviceLoader(loader, sampler, device, channels_last, limit, normalisation(cfg))
+    out.left_out = left_out(samples, train, rank)
+    return out
+
+
+def left_out(samples, train: bool, rank: int) -> List[str]:
+    """The val images a prepared copy left out as unreadable, for the first process's val loader
+    to report (a validation counts each as an error once, as on the folder); none otherwise."""
+    from kd.data.prepared import Prepared
+
+    return samples.left_out() if isinstance(samples, Prepared) and not train and rank == 0 else []
 
 
 def make_data_loader(

@@ -128,6 +128,12 @@ class Prepared(Sequence[Tuple[str, int]]):
         kind = "raw RGB pixels" if settings["format"] == "raw" else f"JPEG (quality {settings['quality']})"
         return f"the prepared copy {self.root} ({self.split}: {kind}, longer side at most {settings['max_side']})"
 
+    def left_out(self) -> List[str]:
+        """The source files of this split that ``kd prepare`` could not read and left out of the copy
+        (its manifest lists them): a validation counts them as unreadable, as on the folder."""
+        bad = read_manifest(self.root)["splits"][self.split].get("bad", [])
+        return [entry.rsplit(": ", 1)[0] for entry in bad]  # "path: ExceptionName"
+
     def format(self, i: int) -> int:
         return int(self.records[i]["format"])
 

@@ -18,7 +18,7 @@ from kd import models
 from kd.data.loader import Batch
 from kd.errors import KDError, NonFinite
 from kd.run import checkpoint
-from kd.run.accuracy import validate_student
+from kd.run.accuracy import unreadable_note, validate_student
 from kd.run.log import NullBar, NullLogger, RunLogger, SetupClock, first_step_record
 from kd.run.meter import Meter, format_record, nonfinite_flags, nonfinite_message
 from kd.run.runtime import resolve as resolve_runtime
@@ -88,6 +88,7 @@ class Lane:
         self.epoch_lr: Optional[float] = None  # the lr of this epoch's first step
         self.bad_files: Set[str] = set()  # the unreadable files met so far, on every process
         self.new_bad_files: Set[str] = set()  # those this process met since the last check
+        self.val_bad_files: Set[str] = set()  # the unreadable val files, named once (the same on every process)
         self.meter = Meter(self.device)
         # an epoch trained whose validation a stop cut short: its training totals and seconds
         self.pending_epoch: Optional[Tuple[Dict[str, float], float]] = None
@@ -143,13 +144,16 @@ class Lane:
                 self.pending_epoch = (train, seconds)
                 raise self.interrupt()
             record["teacher_top1"] = top1
+            self.val_bad_files.update(self.prepared_teacher.unreadable_files)  # named by the teacher's line
         if self.validates and ((self.epoch + 1) % cfg.eval_every == 0 or self.epoch == cfg.epochs - 1):
             stop = lambda: self.stop.requested  # noqa: E731
-            val = validate_student(self.side, self.eval_forward, self.data.val, self.backend, self.precision, stop)
-            if val is None:  # stopped: the epoch's training is kept, a resume validates it
+            result = validate_student(self.side, self.eval_forward, self.data.val, self.backend, self.precision, stop)
+            if result is None:  # stopped: the epoch's training is kept, a resume validates it
                 self.pending_epoch = (train, seconds)
                 raise self.interrupt()
+            val, unreadable = result
             record.update(val)
+            self._unreadable_val(unreadable, int(val["val_images"]))
         if self.device.type == "cuda":
             record["gpu_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         best = record.get("val_top1", -1.0) > self.best_top1
@@ -166,6 +170,26 @@ class Lane:
         self.epoch_lr = None
         self.save(best)
         return record
+
+    def _unreadable_val(self, unreadable: List[str], images: int) -> None:
+        """The val files a validation could not read (every process's): named once in the log, and
+        counted with the unreadable training files under --max-bad-images (a KDError over it)."""
+        new = [path for path in unreadable if path not in self.val_bad_files]
+        for path in new:
+            self.logger.info(f"unreadable val image {path}")
+        if new:
+            self.logger.info(unreadable_note(len(unreadable), images))
+        self.val_bad_files.update(new)
+        self._check_bad_images()
+
+    def _check_bad_images(self) -> None:
+        """KDError where the distinct unreadable files (training's and validation's) pass --max-bad-images."""
+        bad = len(self.bad_files | self.val_bad_files)  # distinct files: one bad file is met every epoch
+        if bad > self.cfg.max_bad_images:
+            raise KDError(
+                f"{bad} unreadable images, more than --max-bad-images {self.cfg.max_bad_images}; "
+                f"see the log for their names"
+            )
 
     def finish(self) -> None:
         """The end of training: a run whose last steps had a non-finite loss fails (steps skipped on
@@ -263,11 +287,7 @@ class Lane:
             self._t_interval = time.perf_counter()
             if too_long_anywhere > 0:
                 raise NonFinite(self._nonfinite_message(f"for {cfg.max_nonfinite_steps} consecutive steps"))
-            if len(self.bad_files) > cfg.max_bad_images:  # distinct files: one bad file is met every epoch
-                raise KDError(
-                    f"{len(self.bad_files)} unreadable images, more than "
-                    f"--max-bad-images {cfg.max_bad_images}; see the log for their names"
-                )
+            self._check_bad_images()
             if stop_all > 0 and not end_of_epoch:
                 return True
         if cfg.save_every_steps and self.global_step % cfg.save_every_steps == 0 and not end_of_epoch:
@@ -339,7 +359,10 @@ class Lane:
             ("teacher", cfg.teacher, cfg.teacher_data),
         ):
             if data:
-                self.logger.info(f"{role} {name}: {models.DataConfig.from_dict(data).describe(cfg.image_size)}")
+                # the student validates with --val-resize and val_interpolation where given (val_transform)
+                given = (cfg.val_resize, cfg.val_interpolation) if role == "student" else (None, None)
+                line = models.DataConfig.from_dict(data).describe(cfg.image_size, *given)
+                self.logger.info(f"{role} {name}: {line}")
 
     def use_teacher(self, teacher: Teacher) -> None:
         """The prepared teacher this student learns from (its own, or one shared with other students)."""

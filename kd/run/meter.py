@@ -119,10 +119,17 @@ def nonfinite_flags(
 GRADIENTS = "the gradients (with a finite loss)"
 
 
+def val_count(record: Dict[str, Any]) -> str:
+    """`` (20 images, 2 unreadable)``: what a record's accuracy is over ("" where it has no count)."""
+    if "val_images" not in record:
+        return ""
+    return f" ({record['val_images']:.0f} images, {record.get('val_unreadable', 0):.0f} unreadable)"
+
+
 def format_record(record: Dict[str, float], epochs: int) -> str:
     parts = [f"epoch {record['epoch']}/{epochs}", f"loss {record.get('train_loss', float('nan')):.4f}"]
     if "val_top1" in record:
-        parts.append(f"val top-1 {record['val_top1']:.2f} top-5 {record['val_top5']:.2f}")
+        parts.append(f"val top-1 {record['val_top1']:.2f} top-5 {record['val_top5']:.2f}{val_count(record)}")
     parts.append(f"{record['img_per_s']:.0f} img/s")
     parts.append(f"{record['seconds']:.1f}s")
     return " | ".join(parts)

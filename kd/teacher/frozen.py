@@ -52,6 +52,7 @@ class Teacher:
         self.val = val
         self.owns_val = owns_val
         self.top1: Optional[float] = None  # its val top-1 once measured (validate)
+        self.unreadable_files: List[str] = []  # the val files its validation could not read (counted as errors)
         self.renorm = renorm if renorm is not None else (lambda images: images)
         self.log = log
         self.graph_step = runtime.cuda_graphs
@@ -121,9 +122,12 @@ class Teacher:
             return None
         self.close()  # its own val loader is needed for nothing more
         self.top1 = top1 = val["top1"]
+        self.unreadable_files = val["unreadable_files"]
+        for path in self.unreadable_files:
+            self.log(f"unreadable val image {path}")
         self.log(
-            f"teacher {self.cfg.teacher}: val top-1 {top1:.2f} (in {self.dtype_name}, "
-            f"{time.perf_counter() - start:.1f}s)"
+            f"teacher {self.cfg.teacher}: val top-1 {top1:.2f} ({val['images']} images, {val['unreadable']} "
+            f"unreadable; in {self.dtype_name}, {time.perf_counter() - start:.1f}s)"
         )
         note = teacher_preprocessing_note(self.cfg)
         if note:
