@@ -76,31 +76,19 @@ def test_every_checkpoint_has_its_sha256_beside_it_as_sha256sum_writes_it(run):
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-def test_a_damaged_checkpoint_is_refused_by_eval_export_resume_and_teacher_weights(run, data, tmp_path):
+def test_a_damaged_checkpoint_is_refused_by_eval_export_resume_and_either_weights(run, data, tmp_path):
     copy = damaged_copy(run, tmp_path)
     best = copy / "checkpoints" / "best.pt"
     calls = {
         "eval": ("eval", "--weights", best, "--data", data, "-j", 0, "--device", "cpu"),
         "export": ("export", copy, "-o", tmp_path / "w.pt"),
         "resume": ("train", "--data", data, *TINY, "--epochs", 2, "--out", copy, "--resume"),
-        "teacher": (
-            "train",
-            "--data",
-            data,
-            *TINY[1:],
-            "--teacher",
-            "resnet18",
-            "--teacher-weights",
-            best,
-            "--epochs",
-            1,
-            "--out",
-            tmp_path / "student",
-        ),  # fmt: skip
+        "teacher": ("train", "--data", data, *TINY[1:], "--teacher", "resnet18", "--teacher-weights", best),
+        "student": ("train", "--data", data, *TINY, "--student-weights", best),
     }
     before = {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()}
     for name, args in calls.items():
-        r = kd_main(*args)
+        r = kd_main(*args, *(("--epochs", 1, "--out", tmp_path / "student") if name in ("teacher", "student") else ()))
         one_line(r, "is damaged: its bytes do not match the SHA-256")
         assert ("last.pt" if name == "resume" else "best.pt") in r.stderr.splitlines()[-1], (name, r.stderr)
     assert not (tmp_path / "w.pt").exists() and not (tmp_path / "student" / "checkpoints").exists()
@@ -174,23 +162,11 @@ def test_a_file_kd_cannot_read_is_named_by_eval_resume_and_teacher_weights(run, 
     else:
         torch.save({"student": Opaque()}, bad)
         expected = "which would need code to be unpickled"
+    teacher = ["--teacher", "resnet18", "--teacher-weights", bad, *TINY[1:], "--out", tmp_path / "student"]
     for args in (
         ("eval", "--weights", bad, "--data", data, "-j", 0, "--device", "cpu"),
         ("train", "--data", data, *TINY, "--epochs", 1, "--out", bad.parent.parent, "--resume"),
-        (
-            "train",
-            "--data",
-            data,
-            *TINY[1:],
-            "--teacher",
-            "resnet18",
-            "--teacher-weights",
-            bad,
-            "--epochs",
-            1,
-            "--out",
-            tmp_path / "student",
-        ),  # fmt: skip
+        ("train", "--data", data, *teacher, "--epochs", 1),
     ):
         r = kd_main(*args)
         one_line(r, expected)
@@ -275,3 +251,16 @@ def test_a_flipped_byte_in_an_index_is_refused_at_the_start(copy, data, tmp_path
     one_line(r, "val.index.npy does not match its SHA-256 in the manifest")
     assert not (tmp_path / "r" / "checkpoints").exists()
     one_line(kd_main("verify", index), "val.index.npy")
+
+
+def test_kd_verify_reads_each_student_of_a_run_of_several(data, tmp_path):
+    teacher = ["--teacher", "resnet18", "--teacher-weights", "none", *TINY[1:]]
+    out = tmp_path / "several"
+    r = kd_main("train", "--data", data, *teacher, "--kd-loss", "kd,dkd", "--epochs", 1, "--out", out)
+    assert r.returncode == 0, r.stderr
+    r = kd_main("verify", out)
+    assert r.returncode == 0, r.stderr
+    for name in ("kd", "dkd"):
+        assert f"{out / name / 'checkpoints' / 'last.pt'}: OK" in r.stdout.splitlines(), r.stdout
+    flip(out / "dkd" / "checkpoints" / "best.pt")
+    one_line(kd_main("verify", out), "dkd/checkpoints/best.pt is damaged")

@@ -1,7 +1,8 @@
 """``kd verify PATH``: every byte of what kd wrote, against the checksums it wrote beside it.
 
 PATH is a checkpoint (against ``NAME.sha256`` beside it; a file with none, from elsewhere or an
-older kd, is read through to check it loads), a run folder (each of its checkpoints), a prepared
+older kd, is read through to check it loads), a run folder (each of its checkpoints; of each
+student, for a run of several), a prepared
 copy (its manifest, every shard, the index and paths files) or a soft-label store (its own
 :func:`kd.teacher.store.verify`). One line per file checked, ``OK`` or ``DAMAGED: why``; anything
 damaged ends in a KDError (``kd: error:``, exit 2) that names it and what to do.
@@ -34,8 +35,15 @@ def check_file(path: Path) -> str:
 
 
 def checkpoints(folder: Path) -> List[Path]:
-    """A run folder's checkpoints (last.pt, best.pt, step_*.pt; not the temporary files of a write)."""
-    return sorted(p for p in RunFolder(folder).checkpoints.glob("*.pt") if not p.name.startswith("."))
+    """A run folder's checkpoints (last.pt, best.pt, step_*.pt; not the temporary files of a write),
+    or those of each student of a run of several (``OUT/NAME/checkpoints``)."""
+    runs = [folder] if RunFolder(folder).checkpoints.is_dir() else sorted(p for p in folder.iterdir() if p.is_dir())
+    return [
+        p
+        for run in runs
+        for p in sorted(RunFolder(run).checkpoints.glob("*.pt"))
+        if p.is_file() and not p.name.startswith(".")
+    ]
 
 
 def verify_files(paths: List[Path], echo: Echo, what: str) -> str:
@@ -61,6 +69,7 @@ def verify(path: Path, echo: Echo = print) -> str:
     """Check ``path`` (see the module's docstring), a line per file through ``echo``; returns a
     one-line summary, or raises a KDError for the first damage (a run folder: after every file)."""
     from kd.data.prepared import is_prepared, verify_copy
+    from kd.run.students import is_students_folder
     from kd.teacher import store
 
     path = Path(path)
@@ -75,10 +84,10 @@ def verify(path: Path, echo: Echo = print) -> str:
         if verify_store is None:
             raise KDError(f"{path} is a soft-label store, which this kd cannot verify yet")
         return verify_store(path)
-    if RunFolder(path).checkpoints.is_dir():
+    if RunFolder(path).is_run() or RunFolder(path).checkpoints.is_dir() or is_students_folder(path):
         found = checkpoints(path)
         if not found:
-            raise KDError(f"{path} is a run folder with no checkpoint in {RunFolder(path).checkpoints}")
+            raise KDError(f"{path} is a run folder with no checkpoint yet")
         return verify_files(found, echo, f"run {path}")
     raise KDError(
         f"{path} is nothing kd verifies: give a checkpoint file, a run folder, a prepared copy "

@@ -28,6 +28,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 from PIL import Image
 
+from kd.checksum import file_sha256
 from kd.data.folder import scan
 from kd.data.prepared import (
     FORMAT_VERSION,
@@ -35,7 +36,6 @@ from kd.data.prepared import (
     INDEX_DTYPE,
     MANIFEST,
     ORIGINAL,
-    file_sha256,
     read_manifest,
     sealed,
     shard_name,

@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 from PIL import Image
 
+from kd.checksum import file_sha256
 from kd.errors import KDError
 
 MANIFEST = "kd-prepared.json"
@@ -97,14 +98,6 @@ def contents_sha256(manifest: Dict[str, Any]) -> str:
 def sealed(manifest: Dict[str, Any]) -> Dict[str, Any]:
     """``manifest`` with the checksum of its listing (what kd prepare writes)."""
     return {**manifest, "contents_sha256": contents_sha256(manifest)}
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def damaged(root: Path, manifest: Dict[str, Any], what: str) -> KDError:

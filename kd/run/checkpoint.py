@@ -33,6 +33,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple, Union, cast
 import numpy as np
 import torch
 
+from kd.checksum import file_sha256
 from kd.errors import KDError
 from kd.runfolder import RunFolder
 from kd.version import __version__
@@ -81,15 +82,6 @@ def sums_file(path: Union[str, Path]) -> Path:
     """Where the SHA-256 of ``path`` is kept: ``NAME.sha256`` beside it."""
     path = Path(path)
     return path.with_name(path.name + SUMS)
-
-
-def file_sha256(path: Union[str, Path]) -> str:
-    """The SHA-256 of a file's bytes, as hex."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def listed_sums(path: Union[str, Path]) -> Optional[List[str]]:
@@ -222,13 +214,17 @@ def verify(path: Union[str, Path]) -> Optional[bool]:
 def damaged(path: Union[str, Path]) -> str:
     """The one line that says ``path`` does not match its sums, and what to do."""
     path = Path(path)
-    if path.name in ("last.pt", "best.pt") or path.name.startswith("step_"):
-        what = "use another of its run's checkpoints (best.pt or a step_*.pt copy; kd verify lists the sound ones)"
+    if path.parent.name == "checkpoints" and path.name.endswith(".pt"):  # one of a run's
+        run = path.parent.parent
+        what = (
+            f"resume from a sound one of its run's checkpoints (--resume {path.parent}/best.pt or a step_*.pt "
+            f"copy; kd verify {run} lists them)"
+        )
     else:
         what = "copy it again from where it came from"
     return (
         f"{path} is damaged: its bytes do not match the SHA-256 kd wrote beside it in {sums_file(path).name} "
-        f"(a disk or copy error changed it); {what}"
+        f"(a disk or copy error changed them); {what}"
     )
 
 
