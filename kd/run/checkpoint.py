@@ -108,6 +108,7 @@ def _write_sums(path: Path, sums: List[str]) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, target)
+    _sync_folder(target.parent)  # on the disk before the next rename in the folder
 
 
 def _sync_folder(folder: Path) -> None:
@@ -131,7 +132,6 @@ def _commit(tmp: str, path: Path, digest: str) -> None:
     os.replace(tmp, path)
     _sync_folder(path.parent)
     _write_sums(path, [digest])
-    _sync_folder(path.parent)
 
 
 def save_atomic(obj: Dict[str, Any], path: Path) -> str:
