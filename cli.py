@@ -325,6 +325,16 @@ def export_cmd(run, out):
     click.echo(describe(export(run, out), out))
 
 
+@cli.command("verify")
+@click.argument("path", type=click.Path(path_type=Path))
+def verify_cmd(path):
+    """Check PATH against the checksums kd wrote: a checkpoint, a run folder (each checkpoint), a
+    prepared copy (every shard) or a soft-label store. One line per file; exit 2 if any is damaged."""
+    from kd.commands.verify import verify
+
+    click.echo(verify(path, click.echo))
+
+
 @cli.command()
 @click.option("--out", "-o", default="runs/demo", show_default=True, metavar="DIR", help="Where the demo runs go.")
 @click.option("--epochs", type=int, default=None, help="Epochs of every run [teacher 20, students 6].")

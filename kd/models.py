@@ -169,11 +169,13 @@ def classifier_outputs(state: Dict[str, torch.Tensor]) -> Optional[int]:
 def load_state_file(path: str) -> Dict[str, torch.Tensor]:
     """A state dict from a file: plain, wrapped (``state_dict``/``model``/...), or a kd checkpoint.
 
-    Loaded with ``weights_only=True``: a file that needs arbitrary code to unpickle is refused.
+    Loaded with ``weights_only=True``: a file that needs arbitrary code to unpickle is refused; a
+    file kd wrote is checked against the SHA-256 beside it first (:func:`kd.run.checkpoint.verify`).
     """
     p = Path(path)
     if not p.is_file():
         raise KDError(f"weights file {path} does not exist (expected pretrained, none or a file path)")
+    checkpoint.verify(p)  # a file kd wrote: against the sum beside it
     return extract_state(checkpoint.read(p, "cannot read weights file"), path)
 
 
@@ -332,6 +334,7 @@ def _kd_checkpoint(weights: str) -> Optional[Dict[str, Any]]:
     """A kd checkpoint's contents (memory-mapped), or None for named weights and other files."""
     if not weights or is_named(weights) or weights == "none" or not Path(weights).is_file():
         return None
+    checkpoint.verify(weights)  # damaged: said here, not taken for a file of another kind
     try:
         obj = checkpoint.read(weights, "cannot read weights file", mmap=True)
     except KDError:  # not a file kd can read: building the model says why

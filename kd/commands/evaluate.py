@@ -75,6 +75,8 @@ def resolve(
 
     model = pick("model", model, run.get("model"), None)
     if model is None:
+        if not models.is_named(weights) and weights != "none":
+            models.load_state_file(weights)  # a file kd cannot read: what is wrong with it, not a missing option
         what = "with --weights pretrained" if weights == "pretrained" else f"for {weights}: not a kd checkpoint"
         raise KDError(f"--model NAME is required {what} (a kd checkpoint names its model)")
     num_classes = pick("classes", num_classes, run.get("num_classes"), None, "class folders of val/")

@@ -7,7 +7,9 @@ re-encoded baseline JPEGs (``jpeg``: a sixth of the size or less). Validation im
 source bytes. Work is cut into shards of ``shard_images`` images; each finished shard is
 committed by its own small JSON file, so a stopped run starts again where it stopped. The
 manifest holds the source's listing checksum and the settings: a copy of another folder, of a
-folder that changed since, or with other settings is refused in one line.
+folder that changed since, or with other settings is refused in one line. It also holds each
+shard's, index's and paths file's SHA-256 and, sealing it, the SHA-256 of its own listing (see
+:mod:`kd.data.prepared`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 from PIL import Image
 
+from kd.checksum import file_sha256
 from kd.data.folder import scan
 from kd.data.prepared import (
     FORMAT_VERSION,
@@ -35,6 +38,7 @@ from kd.data.prepared import (
     MANIFEST,
     ORIGINAL,
     read_manifest,
+    sealed,
     shard_name,
 )
 from kd.errors import KDError
@@ -223,7 +227,7 @@ def prepare(
         "complete": False,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    write_json(out / MANIFEST, manifest)
+    write_json(out / MANIFEST, sealed(manifest))
     jobs = [
         Job(str(out), split, shard, tuple(samples[start : start + settings.shard_images]), settings)
         for split, samples in (("train", train), ("val", val))
@@ -238,9 +242,16 @@ def prepare(
         (out / f"{split}.paths.txt").write_text("\n".join(p for s in mine for p in s["paths"]), encoding="utf-8")
         shards = [{k: s[k] for k in ("file", "images", "bytes", "sha256")} for s in mine]
         bad = [b for s in mine for b in s["bad"]]
-        splits[split] = {"images": len(index), "bytes": sum(s["bytes"] for s in mine), "shards": shards, "bad": bad}
+        splits[split] = {
+            "images": len(index),
+            "bytes": sum(s["bytes"] for s in mine),
+            "shards": shards,
+            "bad": bad,
+            "index_sha256": file_sha256(out / f"{split}.index.npy"),
+            "paths_sha256": file_sha256(out / f"{split}.paths.txt"),
+        }
     manifest.update(splits=splits, complete=True)
-    write_json(out / MANIFEST, manifest)
+    write_json(out / MANIFEST, sealed(manifest))
     for job in jobs:  # the per-shard commits and indexes are in the manifest and the split index now
         for path in (sidecar(out, job.split, job.shard), out / f"{shard_name(job.split, job.shard)}.idx.npy"):
             path.unlink(missing_ok=True)

@@ -10,10 +10,18 @@ validation crops stay torchvision's bit for bit. :class:`Prepared` is a split's 
 reads like the ``(path, label)`` list of a folder, and opens each image from its shard
 (:meth:`Prepared.image`, :meth:`Prepared.data`). Module-level and picklable: DataLoader workers
 receive the folder and split only, and open the index (memory-mapped) and the shards themselves.
+
+What is checked: the manifest carries the SHA-256 of its own listing (``contents_sha256``: source,
+settings, classes, and per split the shards with their sizes and SHA-256s and the index's and
+paths' SHA-256s), so a manifest edited by hand is refused wherever it is read, and the class names
+a run takes come from a verified manifest. At a run's start (:func:`open_copy`) the cheap checks:
+every shard's size, the index files' SHA-256 (29 bytes an image) and length. ``kd verify COPY``
+(:func:`verify_copy`) reads everything: every shard's SHA-256, the paths, each record within its shard.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -24,6 +32,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 from PIL import Image
 
+from kd.checksum import file_sha256
 from kd.errors import KDError
 
 MANIFEST = "kd-prepared.json"
@@ -45,6 +54,9 @@ INDEX_DTYPE = np.dtype(
 #: index ``format`` codes: raw RGB pixels, a JPEG kd encoded, the source file's bytes
 RAW, JPEG, ORIGINAL = 0, 1, 2
 FORMATS = {"raw": RAW, "jpeg": JPEG, "original": ORIGINAL}
+#: the manifest's keys its own checksum covers (``kind``, ``format_version``, ``complete`` and
+#: ``created`` are checked or harmless on their own)
+SEALED = ("source", "listing_sha256", "settings", "classes", "splits")
 
 
 def is_prepared(root: Path) -> bool:
@@ -66,7 +78,33 @@ def read_manifest(root: Path) -> Dict[str, Any]:
             f"{root} is a prepared copy in format {version}; this kd reads format {FORMAT_VERSION}: "
             f"prepare it again with this kd (kd prepare SOURCE {root} --overwrite)"
         )
+    # a manifest from before kd sealed them has no checksum, and is read as it was
+    if "contents_sha256" in manifest and manifest["contents_sha256"] != contents_sha256(manifest):
+        raise KDError(
+            f"{path} was changed after kd prepare wrote it (its listing no longer matches its checksum): "
+            f"restore it from where the copy came from, or prepare the copy again (kd prepare "
+            f"{manifest.get('source')} {root} --overwrite)"
+        )
     return manifest
+
+
+def contents_sha256(manifest: Dict[str, Any]) -> str:
+    """The SHA-256 of a manifest's listing (the keys of SEALED), in a canonical JSON form."""
+    sealed = {key: manifest[key] for key in SEALED if key in manifest}
+    text = json.dumps(sealed, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def sealed(manifest: Dict[str, Any]) -> Dict[str, Any]:
+    """``manifest`` with the checksum of its listing (what kd prepare writes)."""
+    return {**manifest, "contents_sha256": contents_sha256(manifest)}
+
+
+def damaged(root: Path, manifest: Dict[str, Any], what: str) -> KDError:
+    return KDError(
+        f"prepared copy {root} is damaged: {what}; prepare it again "
+        f"(kd prepare {manifest.get('source')} {root} --overwrite)"
+    )
 
 
 def open_copy(root: Path) -> Tuple[List[str], Prepared, Prepared]:
@@ -77,17 +115,101 @@ def open_copy(root: Path) -> Tuple[List[str], Prepared, Prepared]:
             f"{root} is an unfinished prepared copy of {manifest.get('source')}; finish it with: "
             f"kd prepare {manifest.get('source')} {root}"
         )
+    check_files(root, manifest)
+    return list(manifest["classes"]), Prepared(root, "train"), Prepared(root, "val")
+
+
+def check_files(root: Path, manifest: Dict[str, Any]) -> None:
+    """The cheap checks of a complete copy against its manifest: every shard's size, and each
+    split's index (SHA-256, where the manifest has it, and length)."""
     for split in ("train", "val"):
-        for shard in manifest["splits"][split]["shards"]:
+        listing = manifest["splits"][split]
+        for shard in listing["shards"]:
             path = root / shard["file"]
             size = path.stat().st_size if path.is_file() else None
             if size != shard["bytes"]:
                 found = "missing" if size is None else f"{size:,} bytes, not {shard['bytes']:,}"
-                raise KDError(
-                    f"prepared copy {root} is damaged: {shard['file']} is {found}; "
-                    f"prepare it again (kd prepare {manifest.get('source')} {root} --overwrite)"
-                )
-    return list(manifest["classes"]), Prepared(root, "train"), Prepared(root, "val")
+                raise damaged(root, manifest, f"{shard['file']} is {found}")
+        index = root / f"{split}.index.npy"
+        if not index.is_file():
+            raise damaged(root, manifest, f"{index.name} is missing")
+        if "index_sha256" in listing and file_sha256(index) != listing["index_sha256"]:
+            raise damaged(root, manifest, f"{index.name} does not match its SHA-256 in the manifest")
+        try:
+            count = len(np.load(index, mmap_mode="r"))
+        except (OSError, ValueError) as exc:
+            raise damaged(root, manifest, f"{index.name} cannot be read ({exc})") from None
+        if count != listing["images"]:
+            raise damaged(root, manifest, f"{index.name} lists {count:,} images, the manifest {listing['images']:,}")
+
+
+def verify_copy(root: Path, echo=print) -> str:
+    """Every byte of the complete copy in ``root`` against its manifest, a line through ``echo``
+    per file (``OK``, or ``DAMAGED: why`` and a KDError for the first damage); returns a summary."""
+    root = Path(root)
+    manifest = read_manifest(root)
+    if not manifest.get("complete"):
+        source = manifest.get("source")
+        raise KDError(f"{root} is an unfinished prepared copy; finish it with: kd prepare {source} {root}")
+    sealed_note = "" if "contents_sha256" in manifest else " (no checksum of its own: written by an older kd)"
+    echo(f"{root / MANIFEST}: OK{sealed_note}")
+    shards = files = 0
+    for split in ("train", "val"):
+        listing = manifest["splits"][split]
+        sizes = []
+        for shard in listing["shards"]:
+            path = root / shard["file"]
+            problem = None
+            if not path.is_file():
+                problem = "missing"
+            elif path.stat().st_size != shard["bytes"]:
+                problem = f"{path.stat().st_size:,} bytes, not {shard['bytes']:,}"
+            elif file_sha256(path) != shard["sha256"]:
+                problem = "its bytes do not match its SHA-256 in the manifest"
+            if problem:
+                echo(f"{path}: DAMAGED: {problem}")
+                raise damaged(root, manifest, f"{shard['file']}: {problem}")
+            echo(f"{path}: OK")
+            sizes.append(shard["bytes"])
+            shards += 1
+        for name, key in ((f"{split}.index.npy", "index_sha256"), (f"{split}.paths.txt", "paths_sha256")):
+            path = root / name
+            problem = None
+            if not path.is_file():
+                problem = "missing"
+            elif key in listing and file_sha256(path) != listing[key]:
+                problem = "its bytes do not match its SHA-256 in the manifest"
+            if problem:
+                echo(f"{path}: DAMAGED: {problem}")
+                raise damaged(root, manifest, f"{name}: {problem}")
+            files += 1
+        records = np.load(root / f"{split}.index.npy", mmap_mode="r")
+        problem = records_problem(records, np.array(sizes, dtype=np.int64), len(manifest["classes"]), listing["images"])
+        if problem:
+            echo(f"{root / f'{split}.index.npy'}: DAMAGED: {problem}")
+            raise damaged(root, manifest, f"{split}.index.npy: {problem}")
+        echo(f"{root / f'{split}.index.npy'}: OK")
+        echo(f"{root / f'{split}.paths.txt'}: OK")
+    total = sum(manifest["splits"][s]["bytes"] for s in ("train", "val"))
+    return f"prepared copy {root}: sound ({shards} shards, {total:,} bytes, and {files} index and path files)"
+
+
+def records_problem(records: np.ndarray, shard_bytes: np.ndarray, classes: int, images: int) -> Optional[str]:
+    """What is wrong with a split's index (its count, a record outside its shard, a label outside the
+    classes), or None."""
+    if len(records) != images:
+        return f"it lists {len(records):,} images, the manifest {images:,}"
+    if not len(records):
+        return None
+    shard = records["shard"].astype(np.int64)
+    if shard.min() < 0 or shard.max() >= len(shard_bytes):
+        return "a record names a shard the manifest does not list"
+    end = records["offset"].astype(np.int64) + records["length"].astype(np.int64)
+    if (records["offset"] < 0).any() or (records["length"] < 0).any() or (end > shard_bytes[shard]).any():
+        return "a record lies outside its shard"
+    if (records["label"] < 0).any() or (records["label"] >= classes).any():
+        return "a record's label is not one of the classes"
+    return None
 
 
 class Prepared(Sequence[Tuple[str, int]]):

@@ -1,24 +1,50 @@
-"""Checkpoints: full state, written atomically by the main process, loaded with weights_only=True."""
+"""Checkpoints: full state, written atomically by the main process, loaded with weights_only=True.
+
+Every file :func:`save_atomic` and :func:`copy_atomic` write has its SHA-256 beside it, in
+``NAME.sha256`` as ``sha256sum`` writes it (``HEX  NAME``), so ``sha256sum -c last.pt.sha256``
+checks it without kd; kd checks it wherever it reads its own files (:func:`verify`: resume,
+``--teacher-weights``/``--student-weights``, ``kd eval``, ``kd export``, ``kd verify``). A file with
+no sums file beside it (one from elsewhere) is read as it is.
+
+A kill may come between any two steps, and must never leave a sound file refused. So the sums
+file lists every version of the file that may be in place, and only those:
+
+1. the new version is written, flushed and synced to a temporary file, and its sum read back
+   from the disk;
+2. the sums file is replaced (atomically) by one listing the new sum *and* the sum of the file in
+   place (the one it listed, or, where it listed none or several, the file's own, computed);
+3. the temporary file is renamed over the file;
+4. the sums file is replaced by one listing the new sum alone.
+
+Killed after 2 or 3, the file in place (old or new) is listed; after 4, only the new one. A file
+whose bytes match none of its listed sums is damaged, and refused in one line.
+"""
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import pickle
 import random
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple, Union, cast
+from typing import Any, Dict, List, Optional, Set, Tuple, Union, cast
 
 import numpy as np
 import torch
 
+from kd.checksum import file_sha256
 from kd.errors import KDError
 from kd.runfolder import RunFolder
 from kd.version import __version__
 
 FORMAT_VERSION = 1
+#: the suffix of a file's sums file: ``last.pt`` has ``last.pt.sha256``
+SUMS = ".sha256"
+#: files verified in this process, by path and identity (a run reads its checkpoint more than once)
+_verified: Set[Tuple[str, int, int, int]] = set()
 
 
 def rng_state() -> Dict[str, Any]:
@@ -54,8 +80,65 @@ def set_rng_state(state: Dict[str, Any]) -> None:
         torch.cuda.set_rng_state(cuda)
 
 
-def save_atomic(obj: Dict[str, Any], path: Path) -> None:
-    """Write to a temporary file in the same folder, fsync, rename: never a truncated file.
+def sums_file(path: Union[str, Path]) -> Path:
+    """Where the SHA-256 of ``path`` is kept: ``NAME.sha256`` beside it."""
+    path = Path(path)
+    return path.with_name(path.name + SUMS)
+
+
+def listed_sums(path: Union[str, Path]) -> Optional[List[str]]:
+    """The sums listed for ``path`` (the first is the newest); None where it has no sums file."""
+    sums = sums_file(path)
+    try:
+        text = sums.read_text(encoding="ascii")
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise KDError(f"cannot read {sums} ({exc}); delete it to read {Path(path).name} unchecked") from None
+    listed = [line.split()[0].lower() for line in text.splitlines() if line.strip()]
+    if not listed or any(len(h) != 64 or any(c not in "0123456789abcdef" for c in h) for h in listed):
+        raise KDError(f"{sums} is not a list of SHA-256 sums; delete it to read {Path(path).name} unchecked")
+    return listed
+
+
+def _write_sums(path: Path, sums: List[str]) -> None:
+    """Replace ``path``'s sums file, atomically, by one listing ``sums``."""
+    target = sums_file(path)
+    tmp = target.with_name(f".{target.name}.tmp")
+    with open(tmp, "w", encoding="ascii") as fh:
+        fh.write("".join(f"{h}  {path.name}\n" for h in sums))
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, target)
+    _sync_folder(target.parent)  # on the disk before the next rename in the folder
+
+
+def _sync_folder(folder: Path) -> None:
+    dir_fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _commit(tmp: str, path: Path, digest: str) -> None:
+    """Rename the written and synced ``tmp`` (whose sum is ``digest``) over ``path``, its sums file
+    listing the file in place at every moment (steps 2 to 4 of the module's docstring)."""
+    in_place: List[str] = []
+    if path.is_file():
+        listed = listed_sums(path) if sums_file(path).is_file() else None
+        # one listed sum is the file's (or the file is damaged, and is replaced now); none or
+        # several (a file from an older kd, or a kill between steps 2 and 4): the file says
+        in_place = listed if listed is not None and len(listed) == 1 else [file_sha256(path)]
+    _write_sums(path, [digest] + [h for h in in_place if h != digest])
+    os.replace(tmp, path)
+    _sync_folder(path.parent)
+    _write_sums(path, [digest])
+
+
+def save_atomic(obj: Dict[str, Any], path: Path) -> str:
+    """Write to a temporary file in the same folder, fsync, rename: never a truncated file; its
+    SHA-256 (returned) in ``NAME.sha256`` beside it.
 
     A failed write (disk full) leaves the previous file as it was.
     """
@@ -67,12 +150,8 @@ def save_atomic(obj: Dict[str, Any], path: Path) -> None:
             torch.save(obj, fh)
             fh.flush()
             os.fsync(fh.fileno())
-        os.replace(tmp, path)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        digest = file_sha256(tmp)  # what is on the disk, read back
+        _commit(tmp, path, digest)
     except BaseException as exc:
         full = isinstance(exc, RuntimeError) and disk_full(path.parent)  # seen before the partial file goes
         if os.path.exists(tmp):
@@ -80,6 +159,7 @@ def save_atomic(obj: Dict[str, Any], path: Path) -> None:
         if full:  # torch.save's writer reports a short write as a RuntimeError
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) from exc
         raise
+    return digest
 
 
 def disk_full(folder: Path) -> bool:
@@ -90,17 +170,75 @@ def disk_full(folder: Path) -> bool:
         return False
 
 
-def copy_atomic(src: Path, dst: Path) -> None:
-    """Copy ``src`` to ``dst`` through a temporary file and a rename."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{Path(dst).name}.", suffix=".tmp", dir=Path(dst).parent)
-    os.close(fd)
+def copy_atomic(src: Path, dst: Path) -> str:
+    """Copy ``src`` to ``dst`` through a temporary file and a rename, its SHA-256 (returned) beside
+    it as :func:`save_atomic` writes it. Where ``src`` has sums, a copy that matches none of them
+    is not put in place."""
+    dst = Path(dst)
+    listed = listed_sums(src)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
     try:
-        shutil.copyfile(src, tmp)
-        os.replace(tmp, dst)
+        copied = hashlib.sha256()
+        with open(src, "rb") as fin, os.fdopen(fd, "wb") as fout:
+            for block in iter(lambda: fin.read(1 << 22), b""):
+                copied.update(block)
+                fout.write(block)
+            fout.flush()
+            os.fsync(fout.fileno())
+        if listed is not None and copied.hexdigest() not in listed:
+            raise KDError(f"{damaged(src)} (found copying it to {dst}, which is intact)")
+        _commit(tmp, dst, copied.hexdigest())
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    return copied.hexdigest()
+
+
+def remove(path: Path) -> None:
+    """Delete ``path``, then its sums file (a kill between leaves a sums file of nothing, never a
+    file without its sums)."""
+    path.unlink()
+    sums_file(path).unlink(missing_ok=True)
+
+
+def verify(path: Union[str, Path]) -> Optional[bool]:
+    """Check ``path`` against the sums kd wrote beside it: True where it matches one, None where
+    it has no sums file (a file from elsewhere: nothing to check); a KDError of one line where it
+    matches none (damaged). A file verified once in this process is not read again while its
+    size, time and inode stay."""
+    path = Path(path)
+    try:
+        st = path.stat()
+    except OSError:
+        return None  # reading it says what is wrong
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
+    if key in _verified:
+        return True
+    listed = listed_sums(path)
+    if listed is None:
+        return None
+    if file_sha256(path) not in listed:
+        raise KDError(damaged(path))
+    _verified.add(key)
+    return True
+
+
+def damaged(path: Union[str, Path]) -> str:
+    """The one line that says ``path`` does not match its sums, and what to do."""
+    path = Path(path)
+    if path.parent.name == "checkpoints" and path.name.endswith(".pt"):  # one of a run's
+        run = path.parent.parent
+        what = (
+            f"resume from a sound one of its run's checkpoints (--resume {path.parent}/best.pt or a step_*.pt "
+            f"copy; kd verify {run} lists them)"
+        )
+    else:
+        what = "copy it again from where it came from"
+    return (
+        f"{path} is damaged: its bytes do not match the SHA-256 kd wrote beside it in {sums_file(path).name} "
+        f"(a disk or copy error changed them); {what}"
+    )
 
 
 def read(path: Union[str, Path], cannot: str, mmap: bool = False) -> Any:
@@ -146,6 +284,7 @@ def load(path: Path, mmap: bool = False) -> Dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise KDError(f"nothing to resume: {path} does not exist")
+    verify(path)
     obj = read(path, "cannot load checkpoint", mmap=mmap)
     if not isinstance(obj, dict) or obj.get("format") != FORMAT_VERSION or "student" not in obj:
         raise KDError(f"{path} is not a kd checkpoint")
@@ -155,6 +294,7 @@ def load(path: Path, mmap: bool = False) -> Dict[str, Any]:
 def finished_epochs(path: Path, epochs: int) -> Optional[int]:
     """The epochs the run of checkpoint ``path`` trained where that is ``epochs`` or more (nothing left
     to resume), else None."""
+    verify(path)
     state = read(path, "cannot load checkpoint", mmap=True)  # memory-mapped: the run reads it again
     if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
         raise KDError(f"{path} is not a kd checkpoint")
@@ -273,7 +413,7 @@ def save_run(t, best: bool, step_copy: bool = False) -> None:
                 if step_copy:  # the oldest go first, so a kill at any moment leaves at most --keep-last copies
                     kept = sorted(folder.glob("step_*.pt"))
                     for old in kept[: max(0, len(kept) - (t.cfg.keep_last - 1))]:
-                        old.unlink()
+                        remove(old)
                     copy_atomic(path, folder / f"step_{t.global_step:08d}.pt")
         except (OSError, RuntimeError) as exc:  # torch.save's writer reports a short write as a RuntimeError
             raise KDError(f"could not write a checkpoint to {folder}: {write_failure(exc, folder)}; " + (

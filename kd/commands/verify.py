@@ -1,0 +1,95 @@
+"""``kd verify PATH``: every byte of what kd wrote, against the checksums it wrote beside it.
+
+PATH is a checkpoint (against ``NAME.sha256`` beside it; a file with none, from elsewhere or an
+older kd, is read through to check it loads), a run folder (each of its checkpoints; of each
+student, for a run of several), a prepared
+copy (its manifest, every shard, the index and paths files) or a soft-label store (its own
+:func:`kd.teacher.store.verify`). One line per file checked, ``OK`` or ``DAMAGED: why``; anything
+damaged ends in a KDError (``kd: error:``, exit 2) that names it and what to do.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, List
+
+from kd.errors import KDError
+from kd.run import checkpoint
+from kd.runfolder import RunFolder
+
+Echo = Callable[[str], None]
+
+
+def check_file(path: Path) -> str:
+    """``OK ...`` or ``DAMAGED: why`` for one checkpoint or weights file (read in full, not cached)."""
+    listed = checkpoint.listed_sums(path)
+    if listed is None:
+        try:
+            checkpoint.read(path, "cannot read", mmap=True)
+        except KDError as exc:
+            return f"DAMAGED: {str(exc).split(': ', 1)[-1]}"
+        return f"OK (no {checkpoint.sums_file(path).name} beside it: it loads, but its bytes cannot be checked)"
+    if checkpoint.file_sha256(path) not in listed:
+        return f"DAMAGED: its bytes do not match the SHA-256 in {checkpoint.sums_file(path).name}"
+    return "OK"
+
+
+def checkpoints(folder: Path) -> List[Path]:
+    """A run folder's checkpoints (last.pt, best.pt, step_*.pt; not the temporary files of a write),
+    or those of each student of a run of several (``OUT/NAME/checkpoints``)."""
+    runs = [folder] if RunFolder(folder).checkpoints.is_dir() else sorted(p for p in folder.iterdir() if p.is_dir())
+    return [
+        p
+        for run in runs
+        for p in sorted(RunFolder(run).checkpoints.glob("*.pt"))
+        if p.is_file() and not p.name.startswith(".")
+    ]
+
+
+def verify_files(paths: List[Path], echo: Echo, what: str) -> str:
+    bad = []
+    for path in paths:
+        verdict = check_file(path)
+        echo(f"{path}: {verdict}")
+        if verdict.startswith("DAMAGED"):
+            bad.append(path)
+    if not bad:
+        return f"{what}: sound ({len(paths)} file{'s' if len(paths) != 1 else ''})"
+    sound = [p.name for p in paths if p not in bad]
+    advice = (
+        f"resume or evaluate from a sound one ({', '.join(sound)})"
+        if sound
+        else "copy it again from where it came from, or train again"
+    )
+    names = ", ".join(str(p) for p in bad)
+    raise KDError(f"{names} {'is' if len(bad) == 1 else 'are'} damaged: {advice}")
+
+
+def verify(path: Path, echo: Echo = print) -> str:
+    """Check ``path`` (see the module's docstring), a line per file through ``echo``; returns a
+    one-line summary, or raises a KDError for the first damage (a run folder: after every file)."""
+    from kd.data.prepared import is_prepared, verify_copy
+    from kd.run.students import is_students_folder
+    from kd.teacher import store
+
+    path = Path(path)
+    if not path.exists():
+        raise KDError(f"{path} does not exist")
+    if path.is_file():
+        return verify_files([path], echo, str(path))
+    if is_prepared(path):
+        return verify_copy(path, echo)
+    if store.is_store(path):
+        verify_store = getattr(store, "verify", None)
+        if verify_store is None:
+            raise KDError(f"{path} is a soft-label store, which this kd cannot verify yet")
+        return verify_store(path)
+    if RunFolder(path).is_run() or RunFolder(path).checkpoints.is_dir() or is_students_folder(path):
+        found = checkpoints(path)
+        if not found:
+            raise KDError(f"{path} is a run folder with no checkpoint yet")
+        return verify_files(found, echo, f"run {path}")
+    raise KDError(
+        f"{path} is nothing kd verifies: give a checkpoint file, a run folder, a prepared copy "
+        f"(kd prepare) or a soft-label store (kd teach)"
+    )

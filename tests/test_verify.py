@@ -1,0 +1,266 @@
+"""Damaged bytes are detected: a checkpoint against the SHA-256 kd writes beside it (resume,
+--teacher-weights, kd eval, kd export, kd verify), a sums file that lists the file in place at every
+moment of a write, a prepared copy against its sealed manifest, and a file kd cannot read named as
+such wherever it is given."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import kd_main, make_image_folder
+
+from kd.data.prepare import Settings, prepare
+from kd.data.prepared import MANIFEST
+from kd.errors import KDError
+from kd.run import checkpoint
+
+TINY = ["--no-teacher", "--student", "resnet18", "--image-size", 32, "-b", 8, "-j", 0, "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_image_folder(tmp_path_factory.mktemp("verify"), classes=3, train_per_class=4, val_per_class=2)
+
+
+@pytest.fixture(scope="module")
+def run(data, tmp_path_factory):
+    """A one-epoch run with a step copy: last.pt, best.pt and step_*.pt, each with its sums file."""
+    out = tmp_path_factory.mktemp("runs") / "run"
+    r = kd_main("train", "--data", data, *TINY, "-b", 4, "--epochs", 1, "--save-every-steps", 1, "--out", out)
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def flip(path: Path, count: int = 3) -> None:
+    """Flip ``count`` bytes in the middle of ``path`` (in its tensor data, for a checkpoint)."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    for i in range(count):
+        data[middle + 97 * i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def damaged_copy(run: Path, tmp_path: Path) -> Path:
+    """A copy of ``run`` whose last.pt and best.pt have three flipped bytes."""
+    copy = tmp_path / "damaged"
+    shutil.copytree(run, copy)
+    for name in ("last.pt", "best.pt"):
+        flip(copy / "checkpoints" / name)
+    return copy
+
+
+class Opaque:
+    """Anything beyond tensors: weights_only refuses to unpickle it."""
+
+
+def one_line(r, expected: str) -> None:
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert expected in r.stderr and lines[-1].startswith("kd: error:") and "Traceback" not in r.stderr, r.stderr
+    assert sum(line.startswith("kd: error:") for line in lines) == 1, r.stderr
+
+
+def test_every_checkpoint_has_its_sha256_beside_it_as_sha256sum_writes_it(run):
+    folder = run / "checkpoints"
+    written = sorted(p.name for p in folder.glob("*.pt"))
+    assert {"last.pt", "best.pt"} <= set(written) and any(n.startswith("step_") for n in written), written
+    for name in written:
+        assert checkpoint.listed_sums(folder / name) == [checkpoint.file_sha256(folder / name)]
+    r = subprocess.run(["sha256sum", "-c", *[f"{n}.sha256" for n in written]], cwd=folder, capture_output=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_a_damaged_checkpoint_is_refused_by_eval_export_resume_and_either_weights(run, data, tmp_path):
+    copy = damaged_copy(run, tmp_path)
+    best = copy / "checkpoints" / "best.pt"
+    calls = {
+        "eval": ("eval", "--weights", best, "--data", data, "-j", 0, "--device", "cpu"),
+        "export": ("export", copy, "-o", tmp_path / "w.pt"),
+        "resume": ("train", "--data", data, *TINY, "--epochs", 2, "--out", copy, "--resume"),
+        "teacher": ("train", "--data", data, *TINY[1:], "--teacher", "resnet18", "--teacher-weights", best),
+        "student": ("train", "--data", data, *TINY, "--student-weights", best),
+    }
+    before = {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()}
+    for name, args in calls.items():
+        r = kd_main(*args, *(("--epochs", 1, "--out", tmp_path / "student") if name in ("teacher", "student") else ()))
+        one_line(r, "is damaged: its bytes do not match the SHA-256")
+        assert ("last.pt" if name == "resume" else "best.pt") in r.stderr.splitlines()[-1], (name, r.stderr)
+    assert not (tmp_path / "w.pt").exists() and not (tmp_path / "student" / "checkpoints").exists()
+    assert {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()} == before
+
+
+def test_a_checkpoint_from_elsewhere_has_no_sums_and_loads_as_before(run, data, tmp_path):
+    plain = tmp_path / "plain.pt"
+    shutil.copyfile(run / "checkpoints" / "best.pt", plain)  # no plain.pt.sha256
+    assert checkpoint.verify(plain) is None
+    r = kd_main("eval", "--weights", plain, "--data", data, "-j", 0, "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("older_kd", [False, True], ids=["sums", "no-sums-yet"])
+def test_a_kill_between_any_two_steps_of_a_write_leaves_a_file_that_verifies(tmp_path, monkeypatch, older_kd):
+    """Each of save_atomic's renames (sums with both, the file, sums with the new alone) is the place of
+    a kill: before it, the file in place (old or new) must verify and load; then the next write too."""
+    import kd.run.checkpoint as ck
+
+    class Killed(BaseException):
+        pass
+
+    real_replace = os.replace
+    for step in range(3):
+        path = tmp_path / f"k{step}" / "last.pt"
+        path.parent.mkdir()
+        if older_kd:  # a file an older kd wrote, with no sums beside it
+            torch.save({"v": torch.zeros(4)}, path)
+        else:
+            ck.save_atomic({"v": torch.zeros(4)}, path)
+        calls = []
+
+        def replace(src, dst, _calls=calls, _step=step):
+            if len(_calls) == _step:
+                raise Killed
+            _calls.append(dst)
+            real_replace(src, dst)
+
+        monkeypatch.setattr(ck.os, "replace", replace)
+        with pytest.raises(Killed):
+            ck.save_atomic({"v": torch.ones(4)}, path)
+        monkeypatch.setattr(ck.os, "replace", real_replace)
+        ck._verified.clear()
+        expected = torch.ones(4) if step == 2 else torch.zeros(4)
+        if step == 0 and older_kd:
+            assert ck.verify(path) is None  # still the older kd's file, unchecked
+        else:
+            assert ck.verify(path) is True, (step, path.read_bytes()[:0], ck.listed_sums(path))
+        assert torch.equal(torch.load(path, weights_only=True)["v"], expected), step
+        ck.save_atomic({"v": torch.full((4,), 2.0)}, path)  # the next write after the kill
+        assert ck.listed_sums(path) == [ck.file_sha256(path)]
+        flip(path, 1)
+        ck._verified.clear()
+        with pytest.raises(KDError, match="is damaged"):
+            ck.verify(path)
+
+
+@pytest.mark.parametrize("kind", ["empty", "truncated", "refused pickle"])
+def test_a_file_kd_cannot_read_is_named_by_eval_resume_and_teacher_weights(run, data, tmp_path, kind):
+    bad = tmp_path / "bad" / "checkpoints" / "last.pt"
+    bad.parent.mkdir(parents=True)
+    good = (run / "checkpoints" / "best.pt").read_bytes()
+
+    if kind == "empty":
+        bad.write_bytes(b"")
+        expected = "it is not a PyTorch file"
+    elif kind == "truncated":
+        bad.write_bytes(good[: len(good) // 3])
+        expected = "the PyTorch archive is damaged or truncated"
+    else:
+        torch.save({"student": Opaque()}, bad)
+        expected = "which would need code to be unpickled"
+    teacher = ["--teacher", "resnet18", "--teacher-weights", bad, *TINY[1:], "--out", tmp_path / "student"]
+    for args in (
+        ("eval", "--weights", bad, "--data", data, "-j", 0, "--device", "cpu"),
+        ("train", "--data", data, *TINY, "--epochs", 1, "--out", bad.parent.parent, "--resume"),
+        ("train", "--data", data, *teacher, "--epochs", 1),
+    ):
+        r = kd_main(*args)
+        one_line(r, expected)
+        assert str(bad) in r.stderr and "--model NAME is required" not in r.stderr, r.stderr
+    assert not (tmp_path / "student" / "checkpoints").exists()
+
+
+def test_kd_verify_names_each_checkpoint_of_a_run_and_each_damaged_one(run, tmp_path):
+    r = kd_main("verify", run)
+    assert r.returncode == 0, r.stderr
+    files = sorted((run / "checkpoints").glob("*.pt"))
+    assert [line for line in r.stdout.splitlines() if line.endswith(": OK")] == [f"{p}: OK" for p in files]
+    assert r.stdout.splitlines()[-1] == f"run {run}: sound ({len(files)} files)"
+    copy = damaged_copy(run, tmp_path)
+    r = kd_main("verify", copy)
+    one_line(r, "are damaged: resume or evaluate from a sound one (step_")
+    assert f"{copy / 'checkpoints' / 'best.pt'}: DAMAGED: its bytes do not match" in r.stdout
+    assert f"{copy / 'checkpoints' / 'last.pt'}: DAMAGED" in r.stdout
+    r = kd_main("verify", copy / "checkpoints" / "last.pt")
+    one_line(r, "last.pt is damaged")
+    for nothing in (tmp_path / "nowhere", tmp_path):
+        one_line(kd_main("verify", nothing), "does not exist" if nothing.name == "nowhere" else "nothing kd verifies")
+
+
+@pytest.fixture(scope="module")
+def copy(data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("prepared") / "copy"
+    prepare(str(data), str(out), Settings(max_side=48, shard_images=4), workers=1, progress=False, echo=lambda s: None)
+    return out
+
+
+def spoiled(copy: Path, tmp_path: Path, spoil) -> Path:
+    target = tmp_path / "spoiled"
+    shutil.copytree(copy, target)
+    spoil(target)
+    return target
+
+
+def edit_manifest(change):
+    def spoil(root: Path) -> None:
+        manifest = json.loads((root / MANIFEST).read_text())
+        change(manifest)
+        (root / MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+    return spoil
+
+
+def test_a_prepared_copy_is_sound_to_kd_verify(copy):
+    r = kd_main("verify", copy)
+    assert r.returncode == 0, r.stderr
+    shards = sorted(copy.glob("*.bin"))
+    assert all(f"{p}: OK" in r.stdout.splitlines() for p in shards), r.stdout
+    assert r.stdout.splitlines()[-1].startswith(f"prepared copy {copy}: sound ({len(shards)} shards")
+
+
+def test_a_manifest_edited_by_hand_is_refused_at_the_start_and_by_kd_verify(copy, data, tmp_path):
+    def rename(m):
+        m["classes"][0] = "cat"
+
+    bad = spoiled(copy, tmp_path, edit_manifest(rename))
+    train = kd_main("train", "--data", bad, *TINY, "--epochs", 1, "--out", tmp_path / "r")
+    one_line(train, "was changed after kd prepare wrote it")
+    assert not (tmp_path / "r" / "checkpoints").exists()
+    one_line(kd_main("verify", bad), "was changed after kd prepare wrote it")
+
+
+def test_flipped_bytes_in_a_shard_are_found_by_kd_verify(copy, tmp_path):
+    shard = spoiled(copy, tmp_path, lambda root: flip(root / "train-00001.bin", 3))
+    r = kd_main("verify", shard)
+    one_line(r, "is damaged: train-00001.bin: its bytes do not match its SHA-256")
+    assert f"{shard / 'train-00000.bin'}: OK" in r.stdout and f"{shard / 'train-00001.bin'}: DAMAGED" in r.stdout
+
+
+def test_a_flipped_byte_in_an_index_is_refused_at_the_start(copy, data, tmp_path):
+    def relabel(root: Path) -> None:  # the last record's label (its 21st byte of 29) changed
+        data = bytearray((root / "val.index.npy").read_bytes())
+        data[-9] ^= 0x01
+        (root / "val.index.npy").write_bytes(bytes(data))
+
+    index = spoiled(copy, tmp_path, relabel)
+    r = kd_main("train", "--data", index, *TINY, "--epochs", 1, "--out", tmp_path / "r")
+    one_line(r, "val.index.npy does not match its SHA-256 in the manifest")
+    assert not (tmp_path / "r" / "checkpoints").exists()
+    one_line(kd_main("verify", index), "val.index.npy")
+
+
+def test_kd_verify_reads_each_student_of_a_run_of_several(data, tmp_path):
+    teacher = ["--teacher", "resnet18", "--teacher-weights", "none", *TINY[1:]]
+    out = tmp_path / "several"
+    r = kd_main("train", "--data", data, *teacher, "--kd-loss", "kd,dkd", "--epochs", 1, "--out", out)
+    assert r.returncode == 0, r.stderr
+    r = kd_main("verify", out)
+    assert r.returncode == 0, r.stderr
+    for name in ("kd", "dkd"):
+        assert f"{out / name / 'checkpoints' / 'last.pt'}: OK" in r.stdout.splitlines(), r.stdout
+    flip(out / "dkd" / "checkpoints" / "best.pt")
+    one_line(kd_main("verify", out), "dkd/checkpoints/best.pt is damaged")
