@@ -120,6 +120,8 @@ def test_verify_names_damaged_bytes_and_non_finite_rows(world, tmp_path):
     assert r.returncode == 0, r.stderr
     summary = kd_store.verify(store)
     assert "sound" in summary and "2 epoch(s)" in summary and "\n" not in summary
+    r = kd_main("verify", store)  # the command users run after a copy
+    assert r.returncode == 0 and summary in r.stdout, (r.stdout, r.stderr)
     manifest = kd_store.read_manifest(store)
     assert manifest["format"] == 2 and len(manifest["epoch_files"]) == 2
     # three flipped bytes in epoch 2's logits: the start of a run cannot see them, verify does
@@ -130,6 +132,9 @@ def test_verify_names_damaged_bytes_and_non_finite_rows(world, tmp_path):
     path.write_bytes(bytes(data_bytes))
     with pytest.raises(KDError, match="epoch-002.values.npy does not match its checksum"):
         kd_store.verify(store)
+    r = kd_main("verify", store)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("kd: error: "), r.stderr
+    assert "epoch-002.values.npy does not match its checksum" in r.stderr
     # a store whose checksums agree with an inf in its rows (as a teach without the check wrote)
     values = np.load(path, mmap_mode="r+")
     values[3, 0] = np.inf

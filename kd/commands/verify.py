@@ -80,10 +80,7 @@ def verify(path: Path, echo: Echo = print) -> str:
     if is_prepared(path):
         return verify_copy(path, echo)
     if store.is_store(path):
-        verify_store = getattr(store, "verify", None)
-        if verify_store is None:
-            raise KDError(f"{path} is a soft-label store, which this kd cannot verify yet")
-        return verify_store(path)
+        return store.verify(path)
     if RunFolder(path).is_run() or RunFolder(path).checkpoints.is_dir() or is_students_folder(path):
         found = checkpoints(path)
         if not found:

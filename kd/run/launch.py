@@ -22,18 +22,20 @@ worker reaches the user as one line and exit code 2 from the parent.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Dict, Optional, Type
+from typing import TYPE_CHECKING, Dict, List, Optional, Type
 
 from kd.errors import KDError
 from kd.run.placement import Placement, slurm_env
 from kd.run.signals import Interrupted, held_for_children
-from kd.runfolder import RunFolder, why_unwritable
+from kd.runfolder import RunFolder, describe_holder, locked, why_unwritable
 
 if TYPE_CHECKING:  # imported where used: a launcher process builds no Trainer
     from kd.run.loop import Trainer
@@ -97,7 +99,32 @@ def preflight(cfg) -> None:
 
 def train(cfg, resume: Optional[str] = None, overwrite: bool = False, students=None):
     """Run ``cfg`` to the end; returns the last epoch's metrics (those of the main process).
-    ``students`` (a :class:`kd.run.plan.Students`, ``cfg`` its first) trains several students at once."""
+    ``students`` (a :class:`kd.run.plan.Students`, ``cfg`` its first) trains several students at once.
+
+    One writer per run folder: the process that launches the run (this one: kd's launcher parent,
+    the one process, or rank 0 of those torchrun or srun started) holds the lock of every folder
+    the run writes (:class:`kd.runfolder.FolderLock`) from before any work until the run ends."""
+    main = Placement.from_environment(None).rank == 0
+    with locked(_folders(cfg, students)) if main else contextlib.nullcontext() as locks:
+        for lock in locks or ():
+            if lock.taken_over:
+                print(
+                    f"kd: {lock.root} was locked by a run that ended without releasing it "
+                    f"({describe_holder(lock.taken_over)}); taken over",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        return _train(cfg, resume, overwrite, students)
+
+
+def _folders(cfg, students) -> List[Path]:
+    """The folders a run writes: its --out, or several students' folder and each student's."""
+    if students is None:
+        return [Path(cfg.out)]
+    return [Path(students.out), *(Path(c.out) for c in students.cfgs)]
+
+
+def _train(cfg, resume: Optional[str], overwrite: bool, students):
     import backends
 
     backend_cls = backends.get(cfg.backend)

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from kd.errors import KDError
-from kd.runfolder import why_unwritable, write_json
+from kd.runfolder import LOCK_FILE, why_unwritable, write_json
 
 FORMAT = 2  # 2: checksums of each epoch's files and of the manifest, each epoch's largest |logit|
 MANIFEST = "kd-soft-labels.json"
@@ -268,7 +268,7 @@ def check_out(root: Path) -> None:
     match, :class:`kd.run.loop.Teaching` checks them); anything else is refused, untouched."""
     if root.exists() and not root.is_dir():
         raise KDError(f"--out {root} exists and is not a folder")
-    if root.is_dir() and any(root.iterdir()) and not is_store(root):
+    if root.is_dir() and any(p.name != LOCK_FILE for p in root.iterdir()) and not is_store(root):
         raise KDError(f"--out {root} holds files that are not a soft-label store; give a new or empty folder")
     if is_store(root):
         read_manifest(root, "--out")  # one this kd cannot read fails here

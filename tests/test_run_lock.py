@@ -1,0 +1,244 @@
+"""One writer per run folder: a second run on a folder being written is refused in one line, and
+the lock of a run killed with kill -9 is taken over; a kill -9 in validation resumes exactly.
+
+Real processes: the holder is a real kd run (or a small process holding the lock), the second
+writer a real ``kd`` command."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, kd_main, make_image_folder, run_kd
+
+from kd.errors import KDError
+from kd.runfolder import LOCK_FILE, FolderLock
+
+TINY = [
+    "--teacher",
+    "timm:resnet10t",
+    "--teacher-weights",
+    "none",
+    "--student",
+    "timm:resnet10t",
+    "--image-size",
+    "32",
+    "-b",
+    "4",
+    "--device",
+    "cpu",
+    "-j",
+    "0",
+    "--no-progress",
+]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_image_folder(tmp_path_factory.mktemp("lock"), classes=3, train_per_class=8, val_per_class=2)
+
+
+def start(*args):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "cli", *map(str, args)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_for(pred, proc, timeout=300):
+    deadline = time.time() + timeout
+    while not pred():
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+HOLD = """
+import sys, time
+from kd.runfolder import FolderLock
+FolderLock(sys.argv[1]).acquire()
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def holder(folder: Path) -> subprocess.Popen:
+    """A process that holds ``folder``'s lock until killed."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(folder)], env=env, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def one_error_line(stderr: str) -> str:
+    lines = [line for line in stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("kd: error: "), stderr
+    return lines[0]
+
+
+def test_a_held_folder_names_its_holder_and_a_killed_holders_lock_is_taken_over(tmp_path):
+    folder = tmp_path / "a" / "run"
+    proc = holder(folder)
+    try:
+        with pytest.raises(KDError) as err:
+            FolderLock(folder).acquire()
+        assert f"pid {proc.pid} on host {socket.gethostname()}, started " in str(err.value)
+    finally:
+        proc.kill()
+        proc.wait()
+    lock = FolderLock(folder).acquire()  # the kernel released the dead holder's lock; its file names it
+    assert lock.taken_over is not None and lock.taken_over["pid"] == proc.pid
+    lock.release()
+    assert list(folder.iterdir()) == []  # its file gone; the folder stays: the killed holder made it
+    lock = FolderLock(tmp_path / "b" / "c").acquire()
+    assert lock.taken_over is None and (tmp_path / "b" / "c" / LOCK_FILE).is_file()
+    lock.release()
+    assert list(tmp_path.iterdir()) == [tmp_path / "a"]  # what it made is gone
+
+
+def test_a_run_on_a_held_folder_is_refused_in_one_line_and_writes_nothing(data, tmp_path):
+    out = tmp_path / "run"
+    proc = holder(out)
+    try:
+        before = sorted(p.name for p in out.iterdir())
+        for extra in ([], ["--overwrite"]):
+            r = kd_main("train", "--data", data, *TINY, "--epochs", 1, "--out", out, *extra)
+            assert r.returncode == 2, r.stderr
+            line = one_error_line(r.stderr)
+            assert f"--out {out} is being written by another kd run (pid {proc.pid} on host" in line, line
+            assert sorted(p.name for p in out.iterdir()) == before
+        store = tmp_path / "store"  # kd teach's store, too
+        proc2 = holder(store)
+        try:
+            r = kd_main("teach", "--data", data, *TINY, "--epochs", 1, "--out", store)
+            assert r.returncode == 2 and f"(pid {proc2.pid} on host" in one_error_line(r.stderr), r.stderr
+            assert [p.name for p in store.iterdir()] == [LOCK_FILE]
+        finally:
+            proc2.kill()
+            proc2.wait()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_run_refused_in_set_up_leaves_no_lock_and_no_folder(data, tmp_path):
+    out = tmp_path / "new" / "run"
+    r = kd_main("train", "--data", data, *TINY, "--epochs", 1, "--out", out, "--resume")
+    assert r.returncode == 2 and "nothing to resume" in one_error_line(r.stderr), r.stderr
+    r = kd_main("train", "--data", data, *TINY, "--epochs", 1, "--out", out, "--teacher", "resnet_nosuch")
+    assert r.returncode == 2 and "resnet_nosuch" in one_error_line(r.stderr), r.stderr
+    r = kd_main("teach", "--data", data, *TINY, "--epochs", 1, "--out", out, "--teacher", "resnet_nosuch")
+    assert r.returncode == 2 and "resnet_nosuch" in one_error_line(r.stderr), r.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_second_writer_is_refused_while_the_first_runs_on(data, tmp_path):
+    """The issue's case: ``--resume`` on a folder whose run is still going (it had trained too, and
+    metrics.jsonl ended 1, 2, 1, 2); and --overwrite, and one student's folder of several."""
+    out = tmp_path / "run"
+    proc = start("train", "--data", data, *TINY, "--kd-loss", "kd,dkd", "--epochs", 5, "--out", out)
+    try:
+        # an epoch done: --resume has its checkpoints
+        wait_for(lambda: all((out / name / "metrics.jsonl").exists() for name in ("kd", "dkd")), proc)
+        for args, folder in (
+            (["--out", out, "--resume"], out),
+            (["--out", out / "dkd", "--resume"], out / "dkd"),
+            (["--data", data, *TINY, "--kd-loss", "kd,dkd", "--out", out, "--overwrite"], out),
+        ):
+            r = run_kd("train", *args, timeout=300)
+            assert r.returncode == 2, r.stderr
+            line = one_error_line(r.stderr)
+            assert f"--out {folder} is being written by another kd run (pid {proc.pid} on host" in line, line
+            assert proc.poll() is None, "the first run ended before the second writer was tried"
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    for name in ("kd", "dkd"):
+        records = [json.loads(x) for x in (out / name / "metrics.jsonl").read_text().splitlines()]
+        assert [r["epoch"] for r in records] == [1, 2, 3, 4, 5]
+    assert not list(out.rglob(LOCK_FILE))
+
+
+@pytest.mark.slow
+def test_kd_teach_refuses_a_second_writer_of_its_store(data, tmp_path):
+    store = tmp_path / "store"
+    args = ["--data", data, *TINY, "--out", store]
+    proc = start("teach", *args, "--epochs", 50)
+    try:
+        wait_for(lambda: (store / "kd-soft-labels.json").exists(), proc)
+        r = run_kd("teach", *args, "--epochs", 1, timeout=300)
+        assert r.returncode == 2 and f"(pid {proc.pid} on host" in one_error_line(r.stderr), r.stderr
+        assert proc.poll() is None
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=300)
+    assert proc.returncode == 143 and not (store / LOCK_FILE).exists()
+
+
+# ----------------------------------------------------------------------------- kill -9 in validation
+RESNET = ["--teacher", "resnet18", "--teacher-weights", "none", "--student", "resnet18"]
+
+
+@pytest.fixture(scope="module")
+def long_val(tmp_path_factory):
+    """One training step an epoch (12 images, batch 12) and a validation pass of a few seconds."""
+    return make_image_folder(
+        tmp_path_factory.mktemp("long_val"), classes=3, train_per_class=4, val_per_class=70, size=(64, 64)
+    )
+
+
+def epochs_saved(path: Path) -> int:
+    try:
+        return int(torch.load(path, weights_only=True)["epoch"])
+    except (OSError, RuntimeError, KeyError):
+        return 0
+
+
+@pytest.mark.slow
+def test_kill_9_in_validation_then_resume_takes_the_lock_over_and_is_exact(long_val, tmp_path):
+    """The kill lands in epoch 2's validation: after epoch 1's checkpoint and epoch 2's one short
+    step, before epoch 2's record. The lock file it leaves names a process that is gone; --resume
+    takes it over and ends equal to a run never killed."""
+    args = ["--data", long_val, *RESNET, "--image-size", 64, "-b", 12, "--epochs", 2, "--device", "cpu"]
+    args += ["-j", 0, "--no-progress", "--lr", "0.02", "--teacher-precision", "float32"]
+    ref = tmp_path / "ref"
+    r = run_kd("train", *args, "--out", ref)
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "run"
+    proc = start("train", *args, "--out", out)
+    wait_for(lambda: epochs_saved(out / "checkpoints" / "last.pt") == 1, proc)
+    time.sleep(1.5)  # epoch 2's step, then its validation (several seconds)
+    proc.kill()
+    proc.communicate()
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 1, "the kill came after the validation"
+    assert epochs_saved(out / "checkpoints" / "last.pt") == 1
+    assert json.loads((out / LOCK_FILE).read_text())["pid"] == proc.pid  # left behind, its holder gone
+    r = run_kd("train", "--out", out, "--resume")
+    assert r.returncode == 0, r.stderr
+    assert f"was locked by a run that ended without releasing it (pid {proc.pid} on host" in r.stderr
+    assert not (out / LOCK_FILE).exists()
+    a = torch.load(ref / "checkpoints" / "last.pt", weights_only=True)
+    b = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
+    assert a["global_step"] == b["global_step"] == 2
+    for key, value in a["student"].items():
+        assert torch.equal(value, b["student"][key]), key
+    ma = [json.loads(x) for x in (ref / "metrics.jsonl").read_text().splitlines()]
+    mb = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in mb] == [1, 2]
+    for ra, rb in zip(ma, mb):
+        for key in ("train_loss", "train_images", "val_top1", "val_top5"):
+            assert ra[key] == pytest.approx(rb[key], rel=1e-6, abs=1e-9), (key, ra, rb)
