@@ -247,7 +247,7 @@ def launch_local(cfg, nproc: int, resume_from: Optional[Path], students=None):
         error = first_error(error_dir)
         if error is not None:
             raise KDError(error) from None
-        if isinstance(exc, signal_exception):
+        if not isinstance(exc, ChildFailedError):  # the launcher's own signal
             raise KeyboardInterrupt from None
         raise RankFailed(*rank_failed(exc.failures, cfg, _out(cfg, students), students)) from None
     finally:
