@@ -615,7 +615,7 @@ def main(argv=None) -> int:
         return 143 if exc.signame == "SIGTERM" else 130
     except KDError as exc:
         click.echo(f"kd: error: {exc}", err=True)
-        return 2
+        return getattr(exc, "exit_code", 2)  # a killed rank's tells the kill (kd.run.launch.RankFailed)
     except click.UsageError as exc:
         if type(exc).__name__.startswith("NoArgsIsHelp"):  # 'kd' or 'kd train' alone: show the help
             click.echo(exc.ctx.get_help() if exc.ctx else str(exc))

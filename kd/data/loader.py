@@ -70,12 +70,16 @@ def mp_context(name: str):
     """
     ctx = multiprocessing.get_context(name)
     if name == "forkserver":
-        ctx.set_forkserver_preload(["torch", "kd.data.loader", "kd.data.folder", "kd.data.bytes_dataset"])
+        # kd.lifeline first: the server and the workers it forks die with this process (a kill -9)
+        preload = ["kd.lifeline", "torch", "kd.data.loader", "kd.data.folder", "kd.data.bytes_dataset"]
+        ctx.set_forkserver_preload(preload)
         from multiprocessing import forkserver
 
+        from kd.lifeline import forkserver_guarded
         from kd.run.signals import ignoring_sigint
 
-        with ignoring_sigint():  # a Ctrl-C while it imports torch stops the run, not it with a traceback
+        # ignoring SIGINT: a Ctrl-C while it imports torch stops the run, not it with a traceback
+        with ignoring_sigint(), forkserver_guarded():
             forkserver.ensure_running()
     return ctx
 

@@ -259,9 +259,12 @@ def launch_local(cfg, nproc: int, resume_from: Optional[Path], students=None):
     try:
         with held_for_children():  # the workers take a stop signal once kd's handler is in place
             results = elastic_launch(config, worker)(
-                cfg, str(_out(cfg, students)), resume_from, error_dir, visible, students
+                cfg, str(_out(cfg, students)), resume_from, error_dir, visible, students, os.getpid()
             )
     except (ChildFailedError, signal_exception) as exc:
+        killed = isinstance(exc, ChildFailedError) and rank_killed(exc.failures, cfg, _out(cfg, students), students)
+        if killed:  # before a stop's message: the agent stopped the other ranks because of it
+            raise RankFailed(*killed) from None
         stopped = Path(error_dir, "interrupted.txt")
         if stopped.exists():  # the workers stopped on a signal after writing their checkpoint
             from kd.run.signals import Interrupted
@@ -271,19 +274,31 @@ def launch_local(cfg, nproc: int, resume_from: Optional[Path], students=None):
         error = first_error(error_dir)
         if error is not None:
             raise KDError(error) from None
-        if isinstance(exc, signal_exception):
+        if not isinstance(exc, ChildFailedError):  # the launcher's own signal
             raise KeyboardInterrupt from None
-        raise
+        raise RankFailed(*rank_failed(exc.failures, cfg, _out(cfg, students), students)) from None
     finally:
         logging.disable(previous)
         shutil.rmtree(error_dir, ignore_errors=True)
     return results.get(0)
 
 
-def worker(cfg, out: str, resume_from: Optional[Path], error_dir: str, visible: Optional[str], students=None):
-    """The entrypoint of each process kd's launcher starts (module level, so it pickles)."""
+def worker(
+    cfg,
+    out: str,
+    resume_from: Optional[Path],
+    error_dir: str,
+    visible: Optional[str],
+    students=None,
+    launcher: Optional[int] = None,
+):
+    """The entrypoint of each process kd's launcher starts (module level, so it pickles); it dies
+    with ``launcher``, the launching process (:mod:`kd.lifeline`)."""
+    from kd.lifeline import die_with_parent
     from kd.run.signals import Interrupted, install_early
 
+    if launcher is not None:
+        die_with_parent(launcher)
     try:
         install_early(launched=True)  # first: the signals held while this process started arrive now
         return _worker(cfg, out, resume_from, visible, students)
@@ -320,6 +335,52 @@ def _worker(cfg, out: str, resume_from: Optional[Path], visible: Optional[str], 
         # --max-restarts: the restarted group continues from the last checkpoint(s)
         resume_from = Path(out) if students is not None else last[0]
     return run_worker(cfg, Path(out), resume_from, place, students, signals_ready=True)
+
+
+class RankFailed(KDError):
+    """A rank of kd's own launch ended without a message of kd's (killed, or crashed); ``code`` is
+    ``exit_code`` is kd's: 128 + the signal that killed the rank (as a shell reports a killed
+    process: 137 for SIGKILL, the out-of-memory killer's), else the rank's own exit code."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def rank_killed(failures, cfg, out: Path, students=None):
+    """The lowest rank of ``failures`` (torch's ``ProcessFailure`` by rank) that a signal killed,
+    as :class:`RankFailed`'s arguments; None where none was."""
+    killed = sorted(rank for rank, failure in failures.items() if failure.exitcode < 0)
+    return rank_failed({killed[0]: failures[killed[0]]}, cfg, out, students) if killed else None
+
+
+def rank_failed(failures, cfg, out: Path, students=None):
+    """One line and an exit code for the lowest rank of ``failures`` (:class:`RankFailed`): what
+    became of it, and how the run goes on (``--resume``, ``--max-restarts``)."""
+    rank = min(failures)
+    code = failures[rank].exitcode
+    if code < 0:
+        import signal
+
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        what, exit_code = f"was killed by {name}", 128 - code
+    else:
+        what, exit_code = f"exited with code {code}", code if 0 < code < 256 else 1
+    restarts = (
+        f"--max-restarts {cfg.max_restarts} was used up"
+        if cfg.max_restarts
+        else "--max-restarts N restarts the group on its own"
+    )
+    if cfg.teach:
+        where = "run the same kd teach again to continue"
+    elif RunFolder(out).last.is_file() or (students and any(RunFolder(c.out).last.is_file() for c in students.cfgs)):
+        where = f"continue from its last checkpoint with: kd train --out {out} --resume"
+    else:
+        where = "it had written no checkpoint; start it again"
+    return f"rank {rank} of the run {what}, and the run stopped; {where} ({restarts})", exit_code
 
 
 def first_error(error_dir: str) -> Optional[str]:

@@ -17,6 +17,7 @@ Where a stop can come from, and what kd makes of it:
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 from pathlib import Path
@@ -95,8 +96,19 @@ def held_for_children() -> Iterator[None]:
         return
     from multiprocessing import resource_tracker
 
-    # started now: when multiprocessing starts it later, it unblocks both signals in this thread
-    resource_tracker.ensure_running()
+    # started now: when multiprocessing starts it later, it unblocks both signals in this thread.
+    # Quiet about leaks: it cleans up the semaphores of a rank that was killed (which kd reports in
+    # one line, kd.run.launch.RankFailed), and would warn of them after that line.
+    quiet = "ignore:resource_tracker:UserWarning"
+    previous_warnings = os.environ.get("PYTHONWARNINGS")
+    os.environ["PYTHONWARNINGS"] = f"{previous_warnings},{quiet}" if previous_warnings else quiet
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        if previous_warnings is None:
+            del os.environ["PYTHONWARNINGS"]
+        else:
+            os.environ["PYTHONWARNINGS"] = previous_warnings
     done = threading.Event()
     helper = threading.Thread(target=done.wait, name="kd-signals", daemon=True)
     helper.start()

@@ -1,0 +1,85 @@
+"""Every helper process kd starts dies with the process that started it, even after a kill -9.
+
+Without help, a killed run leaves its helpers running: the loader's forkserver waits for the end
+of its "alive" pipe, whose write end each DataLoader worker it forked also holds (multiprocessing
+hands it to every child); each worker watches only its own parent, the forkserver; and the
+resource tracker waits for the end of a pipe that all of them hold. So none of them ever ends.
+
+Linux's parent-death signal (``prctl(PR_SET_PDEATHSIG)``) breaks the cycle: the kernel kills the
+process when the thread that started it ends. kd arms it
+
+* in the forkserver (started from the main thread, :func:`forkserver_guarded`), when its
+  preload imports this module (:func:`_arm_forkserver`), and in each process the forkserver forks
+  (DataLoader and process-pool workers), whose parent is the forkserver's only thread;
+* in each rank kd's launcher starts (:func:`die_with_parent`, from :func:`kd.run.launch.worker`).
+
+The resource tracker then ends on its own: the last process holding its pipe is gone. Elsewhere
+than Linux this is a no-op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+import threading
+from typing import Iterator, Optional
+
+#: prctl's option number (linux/prctl.h)
+PR_SET_PDEATHSIG = 1
+
+#: Set while kd starts a forkserver: the pid of the process starting it (its parent).
+FORKSERVER_PARENT_ENV = "KD_FORKSERVER_PARENT"
+
+_libc: Optional[ctypes.CDLL] = None
+
+
+def _prctl_pdeathsig(sig: int) -> bool:
+    global _libc
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL(None, use_errno=True)
+        return _libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> None:
+    """Have the kernel send ``sig`` to this process when ``parent`` (the process, or precisely the
+    thread of it, that started this one) ends; where it has ended already, now."""
+    if _prctl_pdeathsig(sig) and os.getppid() != parent:  # it died before the request
+        os.kill(os.getpid(), sig)
+
+
+def _arm_forkserver() -> None:
+    """In a forkserver kd started (its parent named in FORKSERVER_PARENT_ENV): die with that
+    parent, and have each process it forks die with it."""
+    parent = os.environ.get(FORKSERVER_PARENT_ENV)
+    if parent is None or parent != str(os.getppid()):
+        return
+    del os.environ[FORKSERVER_PARENT_ENV]  # not for the processes it starts
+    server = os.getpid()
+    die_with_parent(int(parent))
+    os.register_at_fork(after_in_child=lambda: die_with_parent(server))
+
+
+@contextlib.contextmanager
+def forkserver_guarded() -> Iterator[None]:
+    """Around the start of a forkserver whose preload imports this module: it dies with this
+    process. Only from the main thread, which lives as long as the process (the signal comes
+    when the starting thread ends)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    os.environ[FORKSERVER_PARENT_ENV] = str(os.getpid())
+    try:
+        yield
+    finally:
+        os.environ.pop(FORKSERVER_PARENT_ENV, None)
+
+
+_arm_forkserver()

@@ -1,0 +1,120 @@
+"""A kill -9 leaves no process behind, and a killed rank is one line (kd.lifeline, kd.run.launch).
+
+Real ``kd train`` processes with DataLoader workers started through the forkserver; every process
+kd starts inherits a marker in its environment (test_exit's helpers), and /proc is searched for it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from conftest import make_image_folder
+from test_exit import marked_processes, start, wait_line
+
+TINY = [
+    "--teacher",
+    "timm:resnet10t",
+    "--teacher-weights",
+    "none",
+    "--student",
+    "timm:resnet10t",
+    "--image-size",
+    "32",
+    "-b",
+    "4",
+    "--log-every",
+    "1",
+    "--no-progress",
+    "--device",
+    "cpu",
+    "--epochs",
+    "50",
+]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_image_folder(tmp_path_factory.mktemp("orphans"), classes=3, train_per_class=24, val_per_class=2)
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def parent(pid: int) -> int:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
+
+
+def wait_for_processes(proc, marker: str, forked: int, timeout: float = 120) -> None:
+    """Until ``forked`` processes of the forkserver (the servers and their loader workers) run."""
+    deadline = time.time() + timeout
+    while sum("forkserver" in cmdline(pid) for pid in marked_processes(marker)) < forked:
+        assert proc.poll() is None and time.time() < deadline, "the loader workers never started"
+        time.sleep(0.2)
+
+
+def assert_none_left(marker: str, within: float = 30.0) -> None:
+    deadline = time.time() + within
+    while marked_processes(marker) and time.time() < deadline:
+        time.sleep(0.2)
+    left = {pid: cmdline(pid)[:120] for pid in marked_processes(marker)}
+    for pid in left:  # not to burden the next tests
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    assert not left, f"left running {within:.0f} s after the kill: {left}"
+
+
+def killed(proc) -> None:
+    """kill -9 of ``proc``; not reading its output, which a process left behind would keep open."""
+    proc.kill()
+    proc.wait(timeout=60)
+    proc.stdout.close()
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_run_leaves_no_process(data, tmp_path):
+    """The loader's forkserver, its two DataLoader workers and the resource tracker die with the run."""
+    marker = uuid.uuid4().hex
+    proc = start(marker, "--data", data, *TINY, "-j", "2", "--out", tmp_path / "run")
+    wait_line(proc, "first step done")
+    wait_for_processes(proc, marker, forked=3)
+    killed(proc)
+    assert_none_left(marker)
+
+
+@pytest.mark.slow
+def test_kill_9_of_one_rank_leaves_no_process_and_is_one_line(data, tmp_path):
+    """kill -9 of one rank of --nproc 2: its forkserver and loader worker die with it, the other rank
+    is stopped, and kd says so in one line, with exit code 128 + 9."""
+    marker = uuid.uuid4().hex
+    out = tmp_path / "run"
+    ddp = ["--backend", "torch_ddp", "--nproc", "2", "-j", "1"]
+    proc = start(marker, "--data", data, *TINY, *ddp, "--out", out)
+    wait_line(proc, "first step done")
+    wait_for_processes(proc, marker, forked=4)
+    ranks = sorted(pid for pid in marked_processes(marker) if parent(pid) == proc.pid and "spawn_main" in cmdline(pid))
+    assert len(ranks) == 2, ranks
+    os.kill(ranks[-1], signal.SIGKILL)
+    text, _ = proc.communicate(timeout=240)
+    assert_none_left(marker)
+    assert proc.returncode == 137, text
+    assert "Traceback" not in text and "ChildFailedError" not in text and "leaked" not in text, text
+    last = text.strip().splitlines()[-1]
+    assert re.match(r"kd: error: rank [01] of the run was killed by SIGKILL, and the run stopped; ", last), text
+    resume = f"continue from its last checkpoint with: kd train --out {out} --resume"
+    assert (resume in last or "it had written no checkpoint" in last) and "--max-restarts" in last, text
