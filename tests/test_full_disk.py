@@ -12,6 +12,8 @@ import pytest
 import torch
 from conftest import kd_main, make_image_folder
 
+from kd.run import checkpoint
+
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "geteuid") or os.geteuid() != 0 or not Path("/proc/mounts").is_file(),
     reason="mounts a small tmpfs: needs root on Linux",
@@ -70,7 +72,10 @@ def test_no_room_for_a_later_checkpoint_keeps_the_last_one(data, small_disk):
     assert "the previous checkpoint is intact" in line and "--resume" in line, line
     state = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
     assert state["epoch"] == 1
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["best.pt", "last.pt"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "best.pt", "best.pt.sha256", "last.pt", "last.pt.sha256"
+    ]  # fmt: skip
+    assert checkpoint.verify(out / "checkpoints" / "last.pt")  # its sums file lists it
 
 
 def test_prepare_refuses_a_disk_without_room_before_writing(data, small_disk):
