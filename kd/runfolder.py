@@ -7,25 +7,19 @@
     RUN/checkpoints/last.pt     the latest full state (model, optimizer, scaler, RNG, loader position)
     RUN/checkpoints/best.pt     a copy of the checkpoint with the best validation top-1
     RUN/tb/                     TensorBoard event files
-    RUN/.kd-lock                the writer's lock, while a run writes the folder (:class:`FolderLock`)
+    RUN/.kd-lock                the writer's lock, while a run writes the folder (:mod:`kd.runlock`)
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import fcntl
 import json
 import os
 import shutil
-import socket
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Dict, Iterator, List, Optional, Sequence, Tuple, Union
-
-from kd.errors import KDError
+from typing import Any, ClassVar, Optional, Tuple, Union
 
 
 @dataclass(frozen=True)
@@ -135,129 +129,6 @@ def write_json(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
-# ----------------------------------------------------------------------------- one writer per folder
-#: The lock file of a folder a run writes (a run folder, each student's, kd teach's store).
+#: The lock file of a folder a run writes (a run folder, each student's, kd teach's store;
+#: :class:`kd.runlock.FolderLock`).
 LOCK_FILE = ".kd-lock"
-
-
-class FolderLock:
-    """One writer per folder: an advisory POSIX record lock (``fcntl.lockf``) on ``FOLDER/.kd-lock``,
-    held by the process that launches a run for the run's whole life, the file naming its holder.
-
-    POSIX locks rather than ``flock``: they work over NFS (NFSv4 locks, NFSv3's lock manager),
-    where ``flock`` may lock only on the client that took it; and a child process does not inherit
-    them, so a helper process left behind by a killed run cannot keep its folder locked. The kernel
-    (or the NFS server, once the client's lease ends) releases the lock when its holder dies, kill
-    -9 included: the file left behind names a holder that is gone, and the next run takes it over.
-
-    Taken before any work on the folder: a folder (and its parents) missing at that moment is made
-    for the lock file, and :meth:`release` removes the file and the folders it made, if nothing else
-    was written to them, so a run refused or stopped in set-up leaves the disk as it was.
-    """
-
-    def __init__(self, root: Union[str, Path], option: str = "--out"):
-        self.root = Path(root)
-        self.path = self.root / LOCK_FILE
-        self.option = option
-        #: The record of a holder that ended without releasing the lock (killed), when one was taken over.
-        self.taken_over: Optional[Dict[str, Any]] = None
-        self._fd: Optional[int] = None
-        self._made: List[Path] = []
-
-    def acquire(self) -> FolderLock:
-        """Take the lock, or raise a KDError naming the process that holds it."""
-        if self.root.exists() and not self.root.is_dir():
-            raise KDError(f"{self.option} {self.root} exists and is not a folder")
-        why = why_unwritable(self.root)
-        if why:
-            raise KDError(f"{self.option} {self.root} cannot be written: {why}")
-        missing = [p for p in (self.root.absolute(), *self.root.absolute().parents) if not p.exists()]
-        for _ in range(50):  # a holder's release may remove the file (or folder) between two steps here
-            try:
-                self.root.mkdir(parents=True, exist_ok=True)
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            except FileNotFoundError:
-                continue
-            except OSError as exc:
-                raise KDError(f"{self.option} {self.root}: cannot make its lock file: {exc.strerror}") from None
-            try:
-                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as exc:
-                holder = _read_record(fd)
-                os.close(fd)
-                if exc.errno not in (errno.EACCES, errno.EAGAIN):
-                    raise KDError(f"{self.option} {self.root}: cannot lock {self.path}: {exc.strerror}") from None
-                raise KDError(
-                    f"{self.option} {self.root} is being written by another kd run ({describe_holder(holder)}); "
-                    f"wait for it to end, or give another {self.option}"
-                ) from None
-            if not _same_file(fd, self.path):  # released and removed after we opened it: open the new one
-                os.close(fd)
-                continue
-            previous = _read_record(fd)
-            if previous:
-                self.taken_over = previous
-            record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, json.dumps(record).encode(), 0)
-            self._fd = fd
-            self._made = [p for p in missing if p.is_dir()]
-            return self
-        raise KDError(f"{self.option} {self.root}: its lock file {self.path} keeps being replaced; try again")
-
-    def release(self) -> None:
-        """Give the lock up: remove its file, and the folders :meth:`acquire` made if they are empty."""
-        if self._fd is None:
-            return
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()  # while still held: a process waiting on this file then sees it replaced
-        os.close(self._fd)
-        self._fd = None
-        for folder in self._made:  # deepest first
-            try:
-                folder.rmdir()
-            except OSError:
-                break
-
-
-def describe_holder(record: Optional[Dict[str, Any]]) -> str:
-    """``pid N on host H, started at T`` from a lock file's record."""
-    if not record:
-        return "its pid and host not yet written"
-    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(record.get("started", 0))))
-    return f"pid {record.get('pid')} on host {record.get('host')}, started {started}"
-
-
-@contextlib.contextmanager
-def locked(folders: Sequence[Path], option: str = "--out") -> Iterator[List[FolderLock]]:
-    """Hold the lock of every folder in ``folders`` (in that order) until the block ends; a folder
-    already held by another process releases those taken and raises its KDError."""
-    locks: List[FolderLock] = []
-    seen = set()
-    try:
-        for folder in folders:
-            key = os.path.abspath(folder)
-            if key in seen:  # a process's POSIX locks are one per file: the same folder twice is once
-                continue
-            seen.add(key)
-            locks.append(FolderLock(folder, option).acquire())
-        yield locks
-    finally:
-        for lock in reversed(locks):
-            lock.release()
-
-
-def _read_record(fd: int) -> Optional[Dict[str, Any]]:
-    try:
-        data = json.loads(os.pread(fd, 4096, 0).decode("utf-8") or "null")
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def _same_file(fd: int, path: Path) -> bool:
-    try:
-        here, there = os.fstat(fd), os.stat(path)
-    except FileNotFoundError:
-        return False
-    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)

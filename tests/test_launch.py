@@ -98,7 +98,9 @@ def assert_students_equal_one_process(out: Path, one: Path, data, teacher, stude
     for name in ("kd", "dkd"):
         assert len(metrics(out / name)) == 1 and [f for f in run_files(out / name) if not f.startswith("tb/")] == [
             "checkpoints/best.pt",
+            "checkpoints/best.pt.sha256",
             "checkpoints/last.pt",
+            "checkpoints/last.pt.sha256",
             "config.yaml",
             "metrics.jsonl",
         ]
@@ -122,7 +124,9 @@ def test_kd_starts_two_cpu_processes_with_loader_workers_and_only_main_writes(da
     assert [f for f in files if f.startswith("tb/")] and len([f for f in files if f.startswith("tb/")]) == 1, files
     assert [f for f in files if not f.startswith("tb/")] == [
         "checkpoints/best.pt",
+        "checkpoints/best.pt.sha256",
         "checkpoints/last.pt",
+        "checkpoints/last.pt.sha256",
         "config.yaml",
         "metrics.jsonl",
     ], files

@@ -126,8 +126,8 @@ def test_a_paper_reference_is_shown_for_the_recipes_setting_only(tmp_path):
     r = kd_main("report", same, student, small)
     assert r.returncode == 0, r.stderr
     rows = {line.split("|")[1].strip(): line.split("|") for line in r.stdout.splitlines() if "|" in line}
-    assert rows[str(same)][10].strip() == "71.03" and rows[str(same)][11].strip() == "-0.53"
-    assert rows[str(student)][10].strip() == "-" and rows[str(small)][10].strip() == "-"
+    assert rows[str(same)][11].strip() == "71.03" and rows[str(same)][12].strip() == "-0.53"
+    assert rows[str(student)][11].strip() == "-" and rows[str(small)][11].strip() == "-"
     assert (
         f"kd report: {student}: no paper reference shown, not the setting of recipe imagenet/r34_r18_kd: " in r.stderr
     )

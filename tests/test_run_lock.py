@@ -20,7 +20,8 @@ import torch
 from conftest import ROOT, kd_main, make_image_folder, run_kd
 
 from kd.errors import KDError
-from kd.runfolder import LOCK_FILE, FolderLock
+from kd.runfolder import LOCK_FILE
+from kd.runlock import FolderLock
 
 TINY = [
     "--teacher",
@@ -67,7 +68,7 @@ def wait_for(pred, proc, timeout=300):
 
 HOLD = """
 import sys, time
-from kd.runfolder import FolderLock
+from kd.runlock import FolderLock
 FolderLock(sys.argv[1]).acquire()
 print("held", flush=True)
 time.sleep(600)

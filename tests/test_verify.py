@@ -253,6 +253,14 @@ def test_a_flipped_byte_in_an_index_is_refused_at_the_start(copy, data, tmp_path
     one_line(kd_main("verify", index), "val.index.npy")
 
 
+def test_a_copy_missing_its_val_index_is_refused_in_one_line(copy, data, tmp_path):
+    missing = spoiled(copy, tmp_path, lambda root: (root / "val.index.npy").unlink())
+    r = kd_main("train", "--data", missing, *TINY, "--epochs", 1, "--out", tmp_path / "r")
+    one_line(r, "val.index.npy is missing")
+    assert not (tmp_path / "r").exists()
+    one_line(kd_main("verify", missing), "val.index.npy")
+
+
 def test_kd_verify_reads_each_student_of_a_run_of_several(data, tmp_path):
     teacher = ["--teacher", "resnet18", "--teacher-weights", "none", *TINY[1:]]
     out = tmp_path / "several"

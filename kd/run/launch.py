@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Type
 from kd.errors import KDError
 from kd.run.placement import Placement, slurm_env
 from kd.run.signals import Interrupted, held_for_children
-from kd.runfolder import RunFolder, describe_holder, locked, why_unwritable
+from kd.runfolder import RunFolder, why_unwritable
+from kd.runlock import describe_holder, locked
 
 if TYPE_CHECKING:  # imported where used: a launcher process builds no Trainer
     from kd.run.loop import Trainer
@@ -103,7 +104,7 @@ def train(cfg, resume: Optional[str] = None, overwrite: bool = False, students=N
 
     One writer per run folder: the process that launches the run (this one: kd's launcher parent,
     the one process, or rank 0 of those torchrun or srun started) holds the lock of every folder
-    the run writes (:class:`kd.runfolder.FolderLock`) from before any work until the run ends."""
+    the run writes (:class:`kd.runlock.FolderLock`) from before any work until the run ends."""
     main = Placement.from_environment(None).rank == 0
     with locked(_folders(cfg, students)) if main else contextlib.nullcontext() as locks:
         for lock in locks or ():
