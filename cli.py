@@ -602,44 +602,69 @@ def backends_cmd():
     click.echo(aligned([(name, "yes" if ok else "no", note) for name, ok, note in backends.report()]))
 
 
+#: The commands that run a run: a stop signal before it starts is one line (kd.run.signals.install_first).
+RUN_COMMANDS = ("train", "teach")
+
+
+def _command_name(args) -> str:
+    """The command ``args`` names (its first word that is not a group option or its value)."""
+    words = iter(args)
+    for word in words:
+        if word in ("--local_rank", "--local-rank"):
+            next(words, None)
+        elif not word.startswith("-"):
+            return word
+    return ""
+
+
 def main(argv=None) -> int:
     """Entry point of the ``kd`` console script: one line and exit code 2 for any user error."""
+    from kd.run.signals import Interrupted, install_first, run_ended
+
+    args = sys.argv[1:] if argv is None else list(argv)
+    # first, before torch and the rest are imported: a stop signal from here on is one line
+    restore_signals = install_first() if _command_name(args) in RUN_COMMANDS else None
     from kd.run.log import START_ENV, mark_command_start
-    from kd.run.signals import Interrupted
 
     mark_command_start()  # processes that kd launches inherit it
+    code = 0
     try:
-        cli.main(args=argv, prog_name="kd", standalone_mode=False)
+        try:
+            cli.main(args=args, prog_name="kd", standalone_mode=False)
+        finally:
+            run_ended()  # from here a stop is noted, not raised into the lines below
     except Interrupted as exc:
         click.echo(f"kd: {exc}", err=True)
-        return 143 if exc.signame == "SIGTERM" else 130
+        code = 143 if exc.signame == "SIGTERM" else 130
     except KDError as exc:
         click.echo(f"kd: error: {exc}", err=True)
-        return getattr(exc, "exit_code", 2)  # a killed rank's tells the kill (kd.run.launch.RankFailed)
+        code = getattr(exc, "exit_code", 2)  # a killed rank's tells the kill (kd.run.launch.RankFailed)
     except click.UsageError as exc:
         if type(exc).__name__.startswith("NoArgsIsHelp"):  # 'kd' or 'kd train' alone: show the help
             click.echo(exc.ctx.get_help() if exc.ctx else str(exc))
-            return 2
-        hint = f" (see 'kd {exc.ctx.info_name} --help')" if exc.ctx and exc.ctx.info_name != "kd" else ""
-        click.echo(f"kd: error: {exc.format_message()}{hint}", err=True)
-        return 2
+            code = 2
+        else:
+            hint = f" (see 'kd {exc.ctx.info_name} --help')" if exc.ctx and exc.ctx.info_name != "kd" else ""
+            click.echo(f"kd: error: {exc.format_message()}{hint}", err=True)
+            code = 2
     except click.exceptions.Exit as exc:
-        return exc.exit_code
-    except click.exceptions.Abort:
+        code = exc.exit_code
+    except (click.exceptions.Abort, KeyboardInterrupt):
         click.echo("kd: interrupted", err=True)
-        return 130
-    except KeyboardInterrupt:
-        click.echo("kd: interrupted", err=True)
-        return 130
+        code = 130
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         where = f" writing {exc.filename}" if exc.filename else ""
         click.echo(f"kd: error: no space left on the device{where}; free space, then run again", err=True)
-        return 2
+        code = 2
     finally:
         os.environ.pop(START_ENV, None)
-    return 0
+        noted = restore_signals() if restore_signals is not None else ""
+    if noted and code == 0:  # a stop as the run ended: what it wrote is complete
+        click.echo(f"kd: stopped by {noted} as the run ended; the run is complete", err=True)
+        code = 143 if noted == "SIGTERM" else 130
+    return code
 
 
 EXIT_GRACE_S = 30.0

@@ -284,3 +284,43 @@ def test_a_late_copy_of_the_signal_after_the_run_is_no_new_stop():
         time.sleep(0.05)
     finally:
         restore()
+
+
+# ----------------------------------------------------------------------------- SIGTERM before and after the run
+@pytest.mark.slow
+def test_sigterm_as_a_launched_run_ends_exits_143_with_its_line(data, tmp_path):
+    """SIGTERM to kd's launcher once the last epoch is logged (its checkpoint, the workers' end, the
+    launcher's collection of the results): exit 143 with kd's stop line at once, the run complete
+    (it was 130, 'kd: interrupted', after the agent's 30 s wait for the workers)."""
+    marker = uuid.uuid4().hex
+    out = tmp_path / "run"
+    args = ["--data", data, *TINY[:8], "--image-size", 32, "-b", 12, "--epochs", 1, *DDP, "--out", out]
+    proc = start(marker, *args)
+    wait_line(proc, "epoch 1/1 |")
+    proc.send_signal(signal.SIGTERM)
+    sent = time.time()
+    text = assert_gone(proc, marker)
+    assert proc.returncode == 143 and time.time() - sent < 20, text
+    assert "Traceback" not in text and text.strip().splitlines()[-1] == (
+        f"kd: stopped by SIGTERM as the run ended; {out} holds it complete"
+    ), text
+    assert [json.loads(line)["epoch"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert torch.load(out / "checkpoints" / "last.pt", weights_only=True)["epoch"] == 1
+
+
+def test_sigterm_while_torch_is_imported_is_one_line(data, tmp_path):
+    """SIGTERM in a kd train's first second, while Python imports torch (before any run's handler):
+    one line and exit 143, nothing written (it was the default action: killed, no line)."""
+    marker = uuid.uuid4().hex
+    out = tmp_path / "run"
+    proc = start(marker, "--data", data, "--device", "cpu", *TINY, "--out", out)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if "libtorch" in Path(f"/proc/{proc.pid}/maps").read_text():  # torch's import has begun
+            break
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGTERM)
+    text = assert_gone(proc, marker)
+    assert proc.returncode == 143, text
+    assert text.strip().splitlines() == ["kd: stopped by SIGTERM before the run started; nothing was written"], text
+    assert not out.exists()

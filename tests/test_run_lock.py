@@ -58,12 +58,27 @@ def start(*args):
     )
 
 
-def wait_for(pred, proc, timeout=300):
+def wait_for(pred, proc, timeout=300, poll=0.05):
     deadline = time.time() + timeout
     while not pred():
         assert proc.poll() is None, proc.communicate()
         assert time.time() < deadline, "timed out"
-        time.sleep(0.05)
+        time.sleep(poll)
+
+
+def reading(pid: int, folder: Path) -> bool:
+    """Whether process ``pid`` has a file below ``folder`` open now (its /proc/PID/fd links)."""
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(fd).startswith(str(folder)):
+                return True
+        except OSError:
+            continue
+    return False
 
 
 HOLD = """
@@ -196,9 +211,9 @@ RESNET = ["--teacher", "resnet18", "--teacher-weights", "none", "--student", "re
 
 @pytest.fixture(scope="module")
 def long_val(tmp_path_factory):
-    """One training step an epoch (12 images, batch 12) and a validation pass of a few seconds."""
+    """One training step an epoch (12 images, batch 12) and a validation pass of 120 images."""
     return make_image_folder(
-        tmp_path_factory.mktemp("long_val"), classes=3, train_per_class=4, val_per_class=70, size=(64, 64)
+        tmp_path_factory.mktemp("long_val"), classes=3, train_per_class=4, val_per_class=40, size=(64, 64)
     )
 
 
@@ -215,14 +230,14 @@ def test_kill_9_in_validation_then_resume_takes_the_lock_over_and_is_exact(long_
     step, before epoch 2's record. The lock file it leaves names a process that is gone; --resume
     takes it over and ends equal to a run never killed."""
     args = ["--data", long_val, *RESNET, "--image-size", 64, "-b", 12, "--epochs", 2, "--device", "cpu"]
-    args += ["-j", 0, "--no-progress", "--lr", "0.02", "--teacher-precision", "float32"]
+    args += ["-j", 0, "--val-cache-gb", 0, "--no-progress", "--lr", "0.02", "--teacher-precision", "float32"]
     ref = tmp_path / "ref"
     r = run_kd("train", *args, "--out", ref)
     assert r.returncode == 0, r.stderr
     out = tmp_path / "run"
     proc = start("train", *args, "--out", out)
     wait_for(lambda: epochs_saved(out / "checkpoints" / "last.pt") == 1, proc)
-    time.sleep(1.5)  # epoch 2's step, then its validation (several seconds)
+    wait_for(lambda: reading(proc.pid, long_val / "val"), proc, poll=0.0005)  # epoch 2's validation (-j 0)
     proc.kill()
     proc.communicate()
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 1, "the kill came after the validation"

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Type
 
 from kd.errors import KDError
 from kd.run.placement import Placement, slurm_env
-from kd.run.signals import Interrupted, held_for_children
+from kd.run.signals import Interrupted, held_for_children, launcher_handlers
 from kd.runfolder import RunFolder, why_unwritable
 from kd.runlock import describe_holder, locked
 
@@ -258,7 +258,9 @@ def launch_local(cfg, nproc: int, resume_from: Optional[Path], students=None):
     previous = logging.root.manager.disable
     logging.disable(logging.ERROR)  # the agent's own failure report; kd reports the cause below
     try:
-        with held_for_children():  # the workers take a stop signal once kd's handler is in place
+        # the workers take a stop signal once kd's handler is in place; the agent's handlers, which
+        # it leaves installed, go once it is done
+        with launcher_handlers(), held_for_children():
             results = elastic_launch(config, worker)(
                 cfg, str(_out(cfg, students)), resume_from, error_dir, visible, students, os.getpid()
             )
@@ -275,8 +277,8 @@ def launch_local(cfg, nproc: int, resume_from: Optional[Path], students=None):
         error = first_error(error_dir)
         if error is not None:
             raise KDError(error) from None
-        if not isinstance(exc, ChildFailedError):  # the launcher's own signal
-            raise KeyboardInterrupt from None
+        if not isinstance(exc, ChildFailedError):  # the launcher's own signal, after the workers' last check
+            raise _stopped_launcher(exc, error_dir, cfg, _out(cfg, students), students) from None
         raise RankFailed(*rank_failed(exc.failures, cfg, _out(cfg, students), students)) from None
     finally:
         logging.disable(previous)
@@ -296,21 +298,33 @@ def worker(
     """The entrypoint of each process kd's launcher starts (module level, so it pickles); it dies
     with ``launcher``, the launching process (:mod:`kd.lifeline`)."""
     from kd.lifeline import die_with_parent
-    from kd.run.signals import Interrupted, install_early
+    from kd.run.signals import Interrupted, exit_when_stopped, install_early, stopped_in_run
 
     if launcher is not None:
         die_with_parent(launcher)
+    main = Placement.from_environment(None).rank == 0
     try:
         install_early(launched=True)  # first: the signals held while this process started arrive now
-        return _worker(cfg, out, resume_from, visible, students)
+        result = _worker(cfg, out, resume_from, visible, students)
     except Interrupted as exc:
-        if Placement.from_environment(None).rank == 0:
+        if main:
             Path(error_dir, "interrupted.txt").write_text(f"{exc.signame}\n{exc}", encoding="utf-8")
         raise SystemExit(143 if exc.signame == "SIGTERM" else 130) from None
     except KDError as exc:
         rank = Placement.from_environment(None).rank
         Path(error_dir, f"rank{rank:05d}.txt").write_text(str(exc), encoding="utf-8")
         raise SystemExit(2) from None
+    # the run is complete: what the launcher says should a stop reach it before it has the results
+    done = f"as the run ended; {out} holds it complete" if not cfg.teach else f"as kd teach ended; {out} is complete"
+    if main:
+        Path(error_dir, "finished.txt").write_text(done, encoding="utf-8")
+    signame = stopped_in_run()
+    if signame:  # a stop after the run's last check: the run ended, and the process ends as stopped
+        if main:
+            Path(error_dir, "interrupted.txt").write_text(f"{signame}\nstopped by {signame} {done}", encoding="utf-8")
+        raise SystemExit(143 if signame == "SIGTERM" else 130)
+    exit_when_stopped()  # while the launcher collects the result
+    return result
 
 
 def _worker(cfg, out: str, resume_from: Optional[Path], visible: Optional[str], students):
@@ -336,6 +350,22 @@ def _worker(cfg, out: str, resume_from: Optional[Path], visible: Optional[str], 
         # --max-restarts: the restarted group continues from the last checkpoint(s)
         resume_from = Path(out) if students is not None else last[0]
     return run_worker(cfg, Path(out), resume_from, place, students, signals_ready=True)
+
+
+def _stopped_launcher(exc, error_dir: str, cfg, out: Path, students=None) -> Interrupted:
+    """The stop of a launcher that took a signal (torch's ``SignalException``) when no worker wrote
+    why it stopped: a run that had ended (its workers' ``finished.txt``), or one they left as it was."""
+    signame = getattr(getattr(exc, "sigval", None), "name", "") or "a signal"
+    finished = Path(error_dir, "finished.txt")
+    if finished.exists():
+        return Interrupted(signame, message=f"stopped by {signame} {finished.read_text(encoding='utf-8')}")
+    if cfg.teach:
+        where = "run the same kd teach again to continue"
+    elif any(RunFolder(c.out).last.is_file() for c in (students.cfgs if students is not None else [cfg])):
+        where = f"continue from its last checkpoint with: kd train --out {out} --resume"
+    else:
+        where = "it had written no checkpoint; start it again"
+    return Interrupted(signame, message=f"stopped by {signame}; {where}")
 
 
 class RankFailed(KDError):

@@ -12,6 +12,11 @@ Where a stop can come from, and what kd makes of it:
   worker takes them once kd's handler is in place (:func:`install_early`), so a Ctrl-C during a
   worker's start-up stops it quietly instead of in Python's import machinery with a traceback.
 * the loader's forkserver is started with SIGINT ignored (:func:`ignoring_sigint`), for the same reason.
+* before any of that, from the start of ``kd train`` / ``kd teach`` (:func:`install_first`), a stop
+  ends the command in one line (nothing was written yet); once the run's handlers are gone again
+  (the run ended), a stop lets the command end as it would and its exit code says it was stopped.
+* a launched process whose run has ended, while its launcher collects the results, leaves at once
+  on a stop signal (:func:`exit_when_stopped`).
 """
 
 from __future__ import annotations
@@ -27,8 +32,16 @@ from kd.runfolder import RunFolder
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-#: The first stop signal this process received before any StopFlag existed (:func:`install_early`).
+#: The first stop signal this process received before any StopFlag existed (:func:`install_early`),
+#: or during the run (a StopFlag's), and "ended" once the run's StopFlag was restored.
 _early: Dict[str, str] = {}
+
+#: The kd command's own handler (:func:`install_first`): "phase" (before the run, or after it) and
+#: the stop signal it took ("signame").
+_command: Dict[str, str] = {}
+
+#: The handlers torch's elastic agent installs in kd's launcher (and leaves in place).
+LAUNCHER_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT") if hasattr(signal, n))
 
 
 class Interrupted(BaseException):
@@ -58,6 +71,84 @@ def _main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
+def install_first() -> Callable[[], str]:
+    """At the start of a command that runs a run (kd train, kd teach), before torch and the rest are
+    imported: a stop signal ends the command at once (:class:`Interrupted`, before the run started,
+    nothing written). The run's own handlers replace it while they are in place (:func:`install_early`,
+    :class:`StopFlag`, the launcher's: :func:`launcher_handlers`); once they are gone (:func:`run_ended`)
+    a stop is only noted, the command ends as it would (its files are complete), and the function
+    returned (which puts the previous handlers back) gives the noted signal's name."""
+
+    def stop(signum, frame):
+        if "signame" in _command:  # already stopping
+            return
+        _command["signame"] = signal.Signals(signum).name
+        if _command.get("phase") == "before":
+            raise Interrupted(
+                _command["signame"],
+                message=f"stopped by {_command['signame']} before the run started; nothing was written",
+            )
+
+    _command.clear()
+    if not _main_thread():
+        return lambda: ""
+    _command["phase"] = "before"
+    previous = {sig: signal.signal(sig, stop) for sig in SIGNALS}
+
+    def restore() -> str:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+        noted = _command.get("signame", "") if _command.get("phase") == "after" else ""
+        _command.clear()
+        return noted
+
+    return restore
+
+
+def run_ended() -> None:
+    """The run's handlers are gone (the run ended): a stop from now on is noted by :func:`install_first`'s
+    handler, with one the run took after its last check (a StopFlag set as it ended)."""
+    if not _command:
+        return
+    _command["phase"] = "after"
+    if "signame" in _early and "signame" not in _command:
+        _command["signame"] = _early["signame"]
+
+
+def exit_when_stopped() -> None:
+    """In a launched process whose run has ended (its result on the way to the launcher): a stop
+    signal ends it at once, with the code of a stop (143 for SIGTERM, 130 for SIGINT); the launcher,
+    stopping, waits for it (and kills it after 30 s otherwise)."""
+    if not _main_thread():
+        return
+
+    def leave(signum, frame):
+        raise SystemExit(128 + signum)
+
+    for sig in SIGNALS:
+        signal.signal(sig, leave)
+
+
+def stopped_in_run() -> str:
+    """The name of a stop signal this process took during its run that the run did not act on (it
+    came after the run's last check), else empty."""
+    return _early.get("signame", "")
+
+
+@contextlib.contextmanager
+def launcher_handlers() -> Iterator[None]:
+    """Around torch's elastic launch: the handlers it installs (and leaves) replaced by those before
+    it, and :func:`run_ended` once the launch is over."""
+    previous = {sig: signal.getsignal(sig) for sig in LAUNCHER_SIGNALS} if _main_thread() else {}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+        run_ended()
+
+
 def install_early(launched: bool) -> Callable[[], None]:
     """At the start of a run's process, until a :class:`StopFlag` takes over (the run has set up,
     written nothing yet): a stop signal ends the process's set-up at once (:func:`in_setup`); a
@@ -70,6 +161,8 @@ def install_early(launched: bool) -> Callable[[], None]:
                 raise KeyboardInterrupt
             return
         _early["signame"] = signal.Signals(signum).name
+        if "ended" in _early:  # after the run's StopFlag: the run ended, its files are complete
+            return
         raise in_setup(_early["signame"])
 
     _early.clear()
@@ -82,6 +175,7 @@ def install_early(launched: bool) -> Callable[[], None]:
         """The handlers as they were before (a run in a longer-lived process, as in tests)."""
         for sig, handler in previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
+        run_ended()
 
     return restore
 
@@ -180,6 +274,8 @@ class StopFlag:
                 raise KeyboardInterrupt
 
     def restore(self) -> None:
+        """The handlers as before; the run has ended (a later stop in set-up's handler is no set-up's)."""
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
         self._previous = {}
+        _early["ended"] = "1"
