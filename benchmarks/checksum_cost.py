@@ -1,5 +1,5 @@
 """What kd's checksums cost (issue 44): writing and verifying a checkpoint of a given size, and
-verifying a prepared copy of a given size, on this machine's CPU.
+verifying a prepared copy of a given size, and one epoch of a soft-label store, on this machine's CPU.
 
 A checkpoint: a dict of float32 tensors of ``--checkpoint-mb`` MB, written by ``save_atomic``
 (with its sums file) against the same write without checksums (torch.save, fsync, rename, as
@@ -10,6 +10,7 @@ sized to give about ``--copy-gb`` GB, then the check at a run's start (``open_co
 page cache (just written), so a cold read adds the disk's read time to the SHA-256 time.
 
     python benchmarks/checksum_cost.py --work /tmp/kd-checksum [--checkpoint-mb 100] [--copy-gb 1]
+        [--store 1281167,1000,10]
 """
 
 from __future__ import annotations
@@ -112,12 +113,48 @@ def copy_costs(work: Path, gb: float, repeat: int) -> None:
     print(f"  SHA-256 alone, of bytes in memory: {per_gb:.2f} s per GB")
 
 
+def store_costs(work: Path, samples: int, classes: int, k: int) -> None:
+    """One epoch of a soft-label store (float16, random logits): its commit (fsync and SHA-256 of
+    each file), ``kd verify STORE`` (every byte and every row's finiteness) and a student run's
+    start check (the manifest and the files' sizes)."""
+    from kd.teacher import store
+
+    root = work / "store"
+    root.mkdir(parents=True, exist_ok=True)
+    shape = {"samples": samples, "classes": classes, "k": k, "dtype": "float16"}
+    writer = store.EpochWriter(root, 0, shape, create=True)
+    gen = torch.Generator().manual_seed(0)
+    start = time.perf_counter()
+    for first in range(0, samples, 16384):
+        rows = torch.arange(first, min(first + 16384, samples))
+        writer.write(rows, torch.randn(len(rows), classes, generator=gen) * 5)
+    writer.flush()
+    t_write = time.perf_counter() - start
+    start = time.perf_counter()
+    files = writer.commit()
+    t_commit = time.perf_counter() - start
+    manifest = {"format": store.FORMAT, **shape, "epochs": 1, "epochs_done": 1, "epoch_files": [files]}
+    store.write_manifest(root, {**manifest, "epoch_largest_logit": [float(writer.largest)]})
+    start = time.perf_counter()
+    store.verify(root)
+    t_verify = time.perf_counter() - start
+    start = time.perf_counter()
+    store.check_listing(root, store.read_manifest(root))
+    t_start = time.perf_counter() - start
+    size = sum(f["bytes"] for f in files.values())
+    kept = "every logit" if k >= classes else f"top {k}"
+    print(f"store epoch {size / 1e6:.0f} MB ({samples:,} samples, {classes} classes, {kept}, float16):")
+    print(f"  writing {t_write:.1f} s; commit (fsync, SHA-256) {t_commit:.2f} s; kd verify {t_verify:.2f} s; "
+          f"a run's start check {t_start * 1e3:.2f} ms")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, default=Path("/tmp/kd-checksum"))
     parser.add_argument("--checkpoint-mb", type=int, default=100)
     parser.add_argument("--copy-gb", type=float, default=1.0)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--store", default="1281167,1000,10", metavar="SAMPLES,CLASSES,K", help="'' for none")
     parser.add_argument("--keep", action="store_true", help="keep --work afterwards")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -125,6 +162,9 @@ def main() -> None:
         checkpoint_costs(args.work / "ckpt", args.checkpoint_mb, args.repeat)
         if args.copy_gb > 0:
             copy_costs(args.work, args.copy_gb, args.repeat)
+        if args.store:
+            samples, classes, k = (int(x) for x in args.store.split(","))
+            store_costs(args.work, samples, classes, k)
     finally:
         if not args.keep:
             shutil.rmtree(args.work, ignore_errors=True)

@@ -48,6 +48,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from kd import checksum
 from kd.errors import KDError
 from kd.runfolder import LOCK_FILE, why_unwritable, write_json
 
@@ -70,13 +71,7 @@ def is_store(path: Path) -> bool:
 
 def file_sha256(path: str) -> Optional[str]:
     """SHA-256 of a weights file (None for a named or no weight, which the manifest records by name)."""
-    if not os.path.isfile(path):
-        return None
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    return checksum.file_sha256(path) if os.path.isfile(path) else None
 
 
 def listing_sha256(samples: Sequence[Tuple[str, int]]) -> str:
