@@ -6,10 +6,11 @@
 # with apex where it is installed. Every run reports its exit code, wall time, first-step time,
 # teacher precision, losses and skipped steps.
 # Usage: bash benchmarks/mission.sh PART...  (PART: data | teacher | backends | together | overflow | stops | ctrlc | field |
-#        apex | fast | resolution | store)
+#        apex | fast | resolution | store | integrity)
 # fast: the command as typed (kd's defaults) beside the best flags known and prepared copies, each as a share of
 #       the synthetic step, and the first step's breakdown; resolution: a short run on the folder and on a copy.
 # together: four students (kd, dkd, dist, lskd) from one teacher forward, under each of TOGETHER_BACKENDS.
+# integrity: unreadable val images counted under both loaders, a second writer, kill -9, checksums, a float32 store.
 # store: kd bench --vs-store (synthetic, then the folder), then three students three ways: separate runs, together,
 #        from a store taught once (WAYS_EPOCHS epochs each, 4 by default).
 set -uo pipefail
@@ -189,6 +190,50 @@ EOF
          echo "teach: exit $?, $(( ($(date +%s%N) - start) / 1000000 )) ms, $(du -sh "$RUNS/store" | cut -f1)" | tee -a "$OUT/summary.txt"
          grep -h "kd teach:\|teacher" "$OUT/teach.log" | sed "s/^/    /" | tee -a "$OUT/summary.txt"
          for m in kd dkd lskd; do run "from_store_$m" 300 $W --soft-labels "$RUNS/store" --kd-loss $m; done ;;
+  integrity) # nothing silently wrong, on the user's path: two unreadable val images counted (both loaders), a
+             # second writer refused, a kill -9 leaving no process, checksums checked and verified, a store of a
+             # teacher past float16's range stored in float32 and trained from
+         DMG=${DATA}_damaged
+         if [ ! -d "$DMG" ]; then
+           cp -al "$DATA" "$DMG" && rm "$DMG/val/c000/0000.jpg" "$DMG/val/c001/0000.jpg"
+           head -c 3000 "$DATA/val/c000/0000.jpg" > "$DMG/val/c000/0000.jpg"; : > "$DMG/val/c001/0000.jpg"
+         fi
+         D="--data $DMG -j 15 -b 256 --no-progress --overwrite --teacher resnet101 --teacher-weights $TEACHER"
+         for L in gpu pil; do
+           run "damaged_$L" 240 $D --loader $L --student resnet18 --opt O1 --amp-dtype float16 --epochs 1
+           $PY -c "import json,sys; r=json.loads(open(sys.argv[1]).readlines()[-1]); print('    val_images', r.get('val_images'), 'val_unreadable', r.get('val_unreadable'), 'val_top1', round(r.get('val_top1', -1), 2))" \
+             "$RUNS/damaged_$L/metrics.jsonl" 2>&1 | tee -a "$OUT/summary.txt"
+           grep -h "unreadable" "$OUT/damaged_$L.log" | head -4 | sed "s/^/    /" | tee -a "$OUT/summary.txt"
+         done
+         $KD verify "$RUNS/damaged_gpu" 2>&1 | tail -2 | sed "s/^/    verify: /" | tee -a "$OUT/summary.txt"
+         cp "$RUNS/damaged_gpu/checkpoints/best.pt" /tmp/flipped.pt; cp "$RUNS/damaged_gpu/checkpoints/best.pt.sha256" /tmp/flipped.pt.sha256
+         sed -i "s/best.pt/flipped.pt/" /tmp/flipped.pt.sha256
+         printf '\x5a' | dd of=/tmp/flipped.pt bs=1 seek=4000000 conv=notrunc 2>/dev/null
+         $KD eval --weights /tmp/flipped.pt --data "$DMG" 2>&1 | tail -1 | sed "s/^/    flipped eval: /" | tee -a "$OUT/summary.txt"
+         KD_MARK=integrity_lock $KD train $D --loader gpu --student resnet18 --opt O1 --epochs 3 --out "$RUNS/lock" \
+           > "$OUT/lock.log" 2>&1 &
+         pid=$!
+         for _ in $(seq 240); do grep -q "first step" "$OUT/lock.log" && break; sleep 0.5; done
+         $T 120 $KD train --out "$RUNS/lock" --resume --no-progress 2>&1 | tail -1 | sed "s/^/    second writer: /" | tee -a "$OUT/summary.txt"
+         before=$(grep -l "KD_MARK=integrity_lock" /proc/[0-9]*/environ 2>/dev/null | wc -l)
+         kill -9 $pid; sleep 8
+         left=$(grep -l "KD_MARK=integrity_lock" /proc/[0-9]*/environ 2>/dev/null | wc -l)
+         echo "    kill -9 with --loader gpu -j 15: $before processes before, $left left 8 s after" | tee -a "$OUT/summary.txt"
+         $T 200 $KD train --out "$RUNS/lock" --resume --no-progress > "$OUT/lock_resume.log" 2>&1
+         echo "    resumed after kill -9: exit $?; $(grep -h "taken over\|^done" "$OUT/lock_resume.log" | tr '\n' ' ')" | tee -a "$OUT/summary.txt"
+         $PY - "$TEACHER" "$RUNS/overflow.pt" <<'PYEOF'
+import sys, torch
+state = torch.load(sys.argv[1], weights_only=True)
+state["student"]["fc.weight"] *= 2000.0  # logits far past float16's 65504
+torch.save(state, sys.argv[2])
+PYEOF
+         rm -rf "$RUNS/store_over"
+         $T 300 $KD teach --data "$DATA" --loader gpu -j 15 -b 256 --no-progress --teacher resnet101 \
+           --teacher-weights "$RUNS/overflow.pt" --opt O1 --amp-dtype float16 --epochs 1 --out "$RUNS/store_over" > "$OUT/teach_over.log" 2>&1
+         echo "    teach (overflowing teacher): exit $?; $(grep -h "stored in" "$OUT/teach_over.log")" | tee -a "$OUT/summary.txt"
+         $KD verify "$RUNS/store_over" 2>&1 | tail -1 | sed "s/^/    verify: /" | tee -a "$OUT/summary.txt"
+         run from_store_over 240 --data "$DATA" --loader gpu -j 15 -b 256 --no-progress --overwrite --soft-labels "$RUNS/store_over" \
+           --student resnet18 --opt O1 --amp-dtype float16 --epochs 1 ;;
   apex) for opt in O1; do
           run "apexamp_single" 240 $COMMON --teacher resnet101 --teacher-weights "$TEACHER" --student resnet18 \
             --amp-impl apex --opt $opt --gpus 0 --epochs 2 --lr 0.2
