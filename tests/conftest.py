@@ -68,6 +68,23 @@ def image_folder(tmp_path_factory) -> Path:
     return make_image_folder(tmp_path_factory.mktemp("data"))
 
 
+#: a tiny teacher and student pair (timm's resnet10t at 32 px, batch 4) for runs in real processes
+TINY_PAIR = ["--teacher", "timm:resnet10t", "--teacher-weights", "none", "--student", "timm:resnet10t"]
+TINY_PAIR += ["--image-size", "32", "-b", "4"]
+
+
+def start_kd(*args) -> subprocess.Popen:
+    """``kd ARGS`` started in a fresh interpreter, not waited for (stdout and stderr piped)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "cli", *map(str, args)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 def run_kd(*args, cwd=None, env=None, timeout=600) -> subprocess.CompletedProcess:
     """``kd ARGS`` as a user runs it, in a fresh interpreter."""
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **(env or {})}

@@ -14,28 +14,10 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import make_image_folder
+from conftest import TINY_PAIR, make_image_folder
 from test_exit import marked_processes, start, wait_line
 
-TINY = [
-    "--teacher",
-    "timm:resnet10t",
-    "--teacher-weights",
-    "none",
-    "--student",
-    "timm:resnet10t",
-    "--image-size",
-    "32",
-    "-b",
-    "4",
-    "--log-every",
-    "1",
-    "--no-progress",
-    "--device",
-    "cpu",
-    "--epochs",
-    "50",
-]
+TINY = [*TINY_PAIR, "--log-every", "1", "--no-progress", "--device", "cpu", "--epochs", "50"]
 
 
 @pytest.fixture(scope="module")

@@ -6,13 +6,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, kd_main, make_image_folder, run_kd
+from conftest import kd_main, make_image_folder, run_kd, start_kd
 
 ARGS = [
     "--teacher",
@@ -43,15 +42,7 @@ def data(tmp_path_factory):
     return make_image_folder(tmp_path_factory.mktemp("rel"), classes=3, train_per_class=16, val_per_class=3)
 
 
-def start(*args):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "cli", *map(str, args)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+start = start_kd
 
 
 def wait_for(pred, proc, timeout=300):

@@ -17,29 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, kd_main, make_image_folder, run_kd
+from conftest import ROOT, TINY_PAIR, kd_main, make_image_folder, run_kd, start_kd
 
 from kd.errors import KDError
 from kd.runfolder import LOCK_FILE
 from kd.runlock import FolderLock
 
-TINY = [
-    "--teacher",
-    "timm:resnet10t",
-    "--teacher-weights",
-    "none",
-    "--student",
-    "timm:resnet10t",
-    "--image-size",
-    "32",
-    "-b",
-    "4",
-    "--device",
-    "cpu",
-    "-j",
-    "0",
-    "--no-progress",
-]
+TINY = [*TINY_PAIR, "--device", "cpu", "-j", "0", "--no-progress"]
 
 
 @pytest.fixture(scope="module")
@@ -47,15 +31,7 @@ def data(tmp_path_factory):
     return make_image_folder(tmp_path_factory.mktemp("lock"), classes=3, train_per_class=8, val_per_class=2)
 
 
-def start(*args):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "cli", *map(str, args)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+start = start_kd
 
 
 def wait_for(pred, proc, timeout=300, poll=0.05):
