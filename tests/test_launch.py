@@ -300,3 +300,50 @@ def test_two_gpus_nccl(backend, data9, teacher_file, tmp_path):
     r = run_kd(*train_args(data9, out, teacher_file, "--device", "cuda", "--backend", backend, "--gpus", gpus))
     assert r.returncode == 0, r.stderr
     assert "2 process(es) over nccl" in r.stderr
+
+
+CRASHING_RANK = """
+import errno, sys
+import kd.run.launch as launch
+from kd.run.placement import Placement
+
+real_worker = launch.worker
+
+def failing_worker(*args):
+    def fail(*a, **k):
+        if Placement.from_environment(None).rank == 1:
+            if sys.argv[1] == "crash":
+                raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB\\nmore detail")
+            raise OSError(errno.ENOSPC, "No space left on device", "run/metrics.jsonl")
+        return real(*a, **k)
+    real = launch._worker
+    launch._worker = fail
+    return real_worker(*args)
+
+if __name__ == "__main__":
+    launch.worker = failing_worker
+    import cli
+    sys.exit(cli.main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["crash", "full disk"])
+def test_a_rank_failing_outside_kd_s_errors_is_one_line_with_its_cause(fault, data9, teacher_file, tmp_path):
+    """An error kd does not translate (an out-of-memory, a bug) in one rank: one line naming it,
+    the rank's traceback kept above; a full disk in a rank: kd's full-disk line."""
+    script = tmp_path / "failing_rank.py"
+    script.write_text(CRASHING_RANK)
+    args = train_args(data9, tmp_path / "run", teacher_file, "--backend", "torch_ddp", "--nproc", 2, "-j", 0)
+    r = _run_module([script.stem, fault.split()[0], *args], env={"PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"})
+    last = r.stderr.strip().splitlines()[-1]
+    assert "ChildFailedError" not in r.stderr, r.stderr[-3000:]
+    if fault == "crash":
+        assert r.returncode == 1, r.stderr[-3000:]
+        assert last.startswith("kd: error: rank 1 of the run failed with RuntimeError: CUDA out of memory."), last
+        assert "more detail" not in last and "Traceback" in r.stderr  # the rank's own traceback, above
+    else:
+        assert r.returncode == 2, r.stderr[-3000:]
+        expected = "no space left on the device writing run/metrics.jsonl; free space, then continue with --resume"
+        assert last == f"kd: error: {expected}", last
+        assert "Traceback" not in r.stderr, r.stderr[-3000:]

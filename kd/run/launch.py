@@ -23,6 +23,7 @@ worker reaches the user as one line and exit code 2 from the parent.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import shutil
@@ -268,18 +269,23 @@ def launch_local(cfg, nproc: int, resume_from: Optional[Path], students=None):
         killed = isinstance(exc, ChildFailedError) and rank_killed(exc.failures, cfg, _out(cfg, students), students)
         if killed:  # before a stop's message: the agent stopped the other ranks because of it
             raise RankFailed(*killed) from None
+        error = first_error(error_dir)
+        failed = isinstance(exc, ChildFailedError)
+        if failed and error is not None:  # a rank's error: the agent stopped the others
+            raise KDError(error) from None
+        if isinstance(exc, ChildFailedError) and any(Path(error_dir).glob("crash*.txt")):
+            raise RankFailed(*rank_failed(exc.failures, cfg, _out(cfg, students), students, error_dir)) from None
         stopped = Path(error_dir, "interrupted.txt")
         if stopped.exists():  # the workers stopped on a signal after writing their checkpoint
             from kd.run.signals import Interrupted
 
             signame, message = stopped.read_text(encoding="utf-8").split("\n", 1)
             raise Interrupted(signame, message=message) from None
-        error = first_error(error_dir)
         if error is not None:
             raise KDError(error) from None
         if not isinstance(exc, ChildFailedError):  # the launcher's own signal, after the workers' last check
             raise _stopped_launcher(exc, error_dir, cfg, _out(cfg, students), students) from None
-        raise RankFailed(*rank_failed(exc.failures, cfg, _out(cfg, students), students)) from None
+        raise RankFailed(*rank_failed(exc.failures, cfg, _out(cfg, students), students, error_dir)) from None
     finally:
         logging.disable(previous)
         shutil.rmtree(error_dir, ignore_errors=True)
@@ -314,6 +320,17 @@ def worker(
         rank = Placement.from_environment(None).rank
         Path(error_dir, f"rank{rank:05d}.txt").write_text(str(exc), encoding="utf-8")
         raise SystemExit(2) from None
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise _crashed(exc, error_dir) from None
+        rank = Placement.from_environment(None).rank
+        where = f" writing {exc.filename}" if exc.filename else ""
+        Path(error_dir, f"rank{rank:05d}.txt").write_text(
+            f"no space left on the device{where}; free space, then continue with --resume", encoding="utf-8"
+        )
+        raise SystemExit(2) from None
+    except Exception as exc:  # a bug, or an error kd does not translate (out of memory): its traceback stays
+        raise _crashed(exc, error_dir) from None
     # the run is complete: what the launcher says should a stop reach it before it has the results
     done = f"as the run ended; {out} holds it complete" if not cfg.teach else f"as kd teach ended; {out} is complete"
     if main:
@@ -325,6 +342,18 @@ def worker(
         raise SystemExit(143 if signame == "SIGTERM" else 130)
     exit_when_stopped()  # while the launcher collects the result
     return result
+
+
+def _crashed(exc: BaseException, error_dir: str) -> SystemExit:
+    """A rank's error that is no user error of kd's: its traceback on this rank's stderr, its one
+    line for the launcher's message (:func:`rank_failed`), and exit code 1."""
+    import traceback
+
+    traceback.print_exception(type(exc), exc, exc.__traceback__)
+    rank = Placement.from_environment(None).rank
+    cause = (str(exc).strip().splitlines() or [""])[0][:300]
+    Path(error_dir, f"crash{rank:05d}.txt").write_text(f"{type(exc).__name__}: {cause}", encoding="utf-8")
+    return SystemExit(1)
 
 
 def _worker(cfg, out: str, resume_from: Optional[Path], visible: Optional[str], students):
@@ -385,11 +414,14 @@ def rank_killed(failures, cfg, out: Path, students=None):
     return rank_failed({killed[0]: failures[killed[0]]}, cfg, out, students) if killed else None
 
 
-def rank_failed(failures, cfg, out: Path, students=None):
+def rank_failed(failures, cfg, out: Path, students=None, error_dir: Optional[str] = None):
     """One line and an exit code for the lowest rank of ``failures`` (:class:`RankFailed`): what
-    became of it, and how the run goes on (``--resume``, ``--max-restarts``)."""
-    rank = min(failures)
-    code = failures[rank].exitcode
+    became of it (with the error it raised, where it wrote one to ``error_dir``), and how the run
+    goes on (``--resume``, ``--max-restarts``)."""
+    crashes = sorted(Path(error_dir).glob("crash*.txt")) if error_dir else []
+    rank = int(crashes[0].stem[len("crash") :]) if crashes else min(failures)  # the cause, not the ranks stopped for it
+    code = failures[rank].exitcode if rank in failures else 1
+    crash = crashes[0] if crashes else None
     if code < 0:
         import signal
 
@@ -400,6 +432,8 @@ def rank_failed(failures, cfg, out: Path, students=None):
         what, exit_code = f"was killed by {name}", 128 - code
     else:
         what, exit_code = f"exited with code {code}", code if 0 < code < 256 else 1
+        if crash is not None and crash.is_file():  # its traceback is in the log above
+            what = f"failed with {crash.read_text(encoding='utf-8')} (its traceback above)"
     restarts = (
         f"--max-restarts {cfg.max_restarts} was used up"
         if cfg.max_restarts
