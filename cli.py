@@ -293,7 +293,7 @@ def eval_cmd(model, weights, data, batch_size, image_size, val_resize, workers, 
 @click.option("--max-side", type=int, default=256, show_default=True, help="Training images' longer side at most.")
 @click.option("--quality", type=int, default=90, show_default=True, help="--format jpeg: the JPEG quality.")
 @click.option("--workers", "-j", type=int, default=None, help="Processes [the CPU cores].")
-@click.option("--overwrite", is_flag=True, help="Replace a copy of another source or with other settings.")
+@click.option("--overwrite", is_flag=True, help="Write DST anew (a copy of another source or settings, or damaged).")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def prepare_cmd(src, dst, fmt, max_side, quality, workers, overwrite, no_progress):
     """Write a copy of the ImageNet-layout folder SRC to DST that the loaders read faster: training

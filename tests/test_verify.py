@@ -231,13 +231,26 @@ def test_a_manifest_edited_by_hand_is_refused_at_the_start_and_by_kd_verify(copy
     one_line(train, "was changed after kd prepare wrote it")
     assert not (tmp_path / "r" / "checkpoints").exists()
     one_line(kd_main("verify", bad), "was changed after kd prepare wrote it")
+    (tmp_path / "unsealed").mkdir()
+    unsealed = spoiled(copy, tmp_path / "unsealed", edit_manifest(lambda m: (rename(m), m.pop("contents_sha256"))))
+    one_line(kd_main("verify", unsealed), "its seal removed")  # not taken for an older kd's copy
+    rewrite(data, bad)  # what the line advises (kd prepare SRC COPY --overwrite) repairs it
+    assert kd_main("verify", bad).returncode == 0
 
 
-def test_flipped_bytes_in_a_shard_are_found_by_kd_verify(copy, tmp_path):
+def test_flipped_bytes_in_a_shard_are_found_by_kd_verify(copy, data, tmp_path):
     shard = spoiled(copy, tmp_path, lambda root: flip(root / "train-00001.bin", 3))
     r = kd_main("verify", shard)
     one_line(r, "is damaged: train-00001.bin: its bytes do not match its SHA-256")
     assert f"{shard / 'train-00000.bin'}: OK" in r.stdout and f"{shard / 'train-00001.bin'}: DAMAGED" in r.stdout
+    rewrite(data, shard)  # what the line advises (kd prepare SRC COPY --overwrite) repairs it
+    assert kd_main("verify", shard).returncode == 0
+
+
+def rewrite(data: Path, copy: Path) -> None:
+    """kd prepare --overwrite, with the settings of the ``copy`` fixture."""
+    settings = Settings(max_side=48, shard_images=4)
+    prepare(str(data), str(copy), settings, workers=1, overwrite=True, progress=False, echo=lambda s: None)
 
 
 def test_a_flipped_byte_in_an_index_is_refused_at_the_start(copy, data, tmp_path):

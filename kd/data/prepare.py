@@ -282,7 +282,8 @@ def check_room(out: Path, total: float) -> None:
 
 def check_destination(out: Path, wanted: Dict[str, Any], overwrite: bool) -> Optional[Dict[str, Any]]:
     """Refuse a destination that holds something else; the manifest of a complete copy of the same
-    source and settings (nothing to do); else None, after clearing what ``overwrite`` replaces."""
+    source and settings (nothing to do); else None. ``overwrite`` clears a copy there, whatever it
+    is a copy of and whatever state it is in (the way to repair a damaged one)."""
     if not out.exists():
         return None
     if not out.is_dir():
@@ -290,6 +291,9 @@ def check_destination(out: Path, wanted: Dict[str, Any], overwrite: bool) -> Opt
     if not (out / MANIFEST).is_file():
         if any(out.iterdir()):
             raise KDError(f"{out} exists and is not a kd prepared copy; choose a new or empty folder")
+        return None
+    if overwrite:  # replaced whatever it holds: another copy, or this one damaged (a sealed manifest edited)
+        clear(out)
         return None
     manifest = read_manifest(out)
     differs = [
@@ -307,12 +311,9 @@ def check_destination(out: Path, wanted: Dict[str, Any], overwrite: bool) -> Opt
         )
         if not same
     ]
-    if differs and not overwrite:
+    if differs:
         raise KDError(f"{out} is not a prepared copy of this source with these settings: {differs[0]}; "
                       f"use --overwrite to replace it")  # fmt: skip
-    if differs:
-        clear(out)
-        return None
     return manifest if manifest.get("complete") else None
 
 

@@ -78,7 +78,13 @@ def read_manifest(root: Path) -> Dict[str, Any]:
             f"{root} is a prepared copy in format {version}; this kd reads format {FORMAT_VERSION}: "
             f"prepare it again with this kd (kd prepare SOURCE {root} --overwrite)"
         )
-    # a manifest from before kd sealed them has no checksum, and is read as it was
+    # a manifest from before kd sealed them has no checksum (nor its index files' sums), and is read as it was
+    splits = manifest.get("splits") or {}
+    if "contents_sha256" not in manifest and any("index_sha256" in split for split in splits.values()):
+        raise KDError(
+            f"{path} was changed after kd prepare wrote it (its seal removed): restore it from where the "
+            f"copy came from, or prepare the copy again (kd prepare {manifest.get('source')} {root} --overwrite)"
+        )
     if "contents_sha256" in manifest and manifest["contents_sha256"] != contents_sha256(manifest):
         raise KDError(
             f"{path} was changed after kd prepare wrote it (its listing no longer matches its checksum): "
