@@ -8,12 +8,16 @@ import fcntl
 import json
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 from kd.errors import KDError
 from kd.runfolder import LOCK_FILE, why_unwritable
+
+#: lockf's errors on a filesystem without POSIX locks (NFSv3 without lockd, some FUSE filesystems)
+NO_LOCKS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP)
 
 
 class FolderLock:
@@ -59,6 +63,13 @@ class FolderLock:
             try:
                 fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:
+                if exc.errno in NO_LOCKS:  # a filesystem without POSIX locks: the run goes on, unguarded
+                    print(
+                        f"kd: warning: {self.root}'s filesystem takes no locks ({exc.strerror}): a second kd run "
+                        f"writing it at the same time cannot be detected",
+                        file=sys.stderr,
+                    )
+                    return self._hold(fd, missing)
                 holder = _read_record(fd)
                 os.close(fd)
                 if exc.errno not in (errno.EACCES, errno.EAGAIN):
@@ -73,13 +84,21 @@ class FolderLock:
             previous = _read_record(fd)
             if previous:
                 self.taken_over = previous
-            record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
+            return self._hold(fd, missing)
+        raise KDError(f"{self.option} {self.root}: its lock file {self.path} keeps being replaced; try again")
+
+    def _hold(self, fd: int, missing: List[Path]) -> FolderLock:
+        """The lock file ``fd`` (locked) names this process; the folders made for it are noted."""
+        self._fd = fd
+        self._made = [p for p in missing if p.is_dir()]
+        record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
+        try:
             os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps(record).encode(), 0)
-            self._fd = fd
-            self._made = [p for p in missing if p.is_dir()]
-            return self
-        raise KDError(f"{self.option} {self.root}: its lock file {self.path} keeps being replaced; try again")
+        except OSError as exc:  # a full disk: the run could not have written anything either
+            self.release()
+            raise KDError(f"{self.option} {self.root}: cannot write its lock file: {exc.strerror}") from None
+        return self
 
     def release(self) -> None:
         """Give the lock up: remove its file, and the folders :meth:`acquire` made if they are empty."""

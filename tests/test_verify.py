@@ -285,3 +285,30 @@ def test_kd_verify_reads_each_student_of_a_run_of_several(data, tmp_path):
         assert f"{out / name / 'checkpoints' / 'last.pt'}: OK" in r.stdout.splitlines(), r.stdout
     flip(out / "dkd" / "checkpoints" / "best.pt")
     one_line(kd_main("verify", out), "dkd/checkpoints/best.pt is damaged")
+
+
+def test_a_reader_beside_a_run_writing_its_checkpoint_never_calls_it_damaged(tmp_path, monkeypatch):
+    """kd verify or kd eval of last.pt while the run replaces it: the reader has read the sums file,
+    the run then writes its next checkpoint whole, and the reader hashes the new file."""
+    from kd.run.checkpoint import save_atomic
+
+    path = tmp_path / "last.pt"
+    save_atomic({"w": torch.zeros(8)}, path)
+    real, raced = checkpoint.file_sha256, []
+
+    def file_sha256(p):
+        if not raced:  # between the reader's reading of the sums file and its hashing of the file
+            raced.append(p)
+            save_atomic({"w": torch.ones(8)}, path)
+        return real(p)
+
+    monkeypatch.setattr(checkpoint, "file_sha256", file_sha256)
+    assert checkpoint.verify(path) and raced
+
+
+def test_a_file_that_cannot_be_read_to_check_it_is_one_line(tmp_path):
+    """An I/O error while hashing (here: a folder where the file should be) is a KDError, not a traceback."""
+    from kd.checksum import file_sha256
+
+    with pytest.raises(KDError, match=f"cannot read {tmp_path} to check it"):
+        file_sha256(tmp_path)

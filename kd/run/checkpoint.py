@@ -215,13 +215,30 @@ def verify(path: Union[str, Path]) -> Optional[bool]:
     key = (str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
     if key in _verified:
         return True
-    listed = listed_sums(path)
-    if listed is None:
+    sound = matches_sums(path)
+    if sound is None:
         return None
-    if file_sha256(path) not in listed:
+    if not sound:
         raise KDError(damaged(path))
     _verified.add(key)
     return True
+
+
+def matches_sums(path: Path) -> Optional[bool]:
+    """Whether ``path``'s bytes match a sum its sums file lists (None: it has none). A file that a
+    run replaced while it was read (its sums file or its inode changed meanwhile) is read again,
+    so a reader beside a run's checkpoint writes never calls a sound file damaged."""
+    for _ in range(5):
+        listed = listed_sums(path)
+        if listed is None:
+            return None
+        before = path.stat()
+        if file_sha256(path) in listed:
+            return True
+        after = path.stat()
+        if (before.st_ino, before.st_mtime_ns) == (after.st_ino, after.st_mtime_ns) and listed_sums(path) == listed:
+            return False
+    return False
 
 
 def damaged(path: Union[str, Path]) -> str:
@@ -415,10 +432,12 @@ def save_run(t, best: bool, step_copy: bool = False) -> None:
                     for old in kept[: max(0, len(kept) - (t.cfg.keep_last - 1))]:
                         remove(old)
                     copy_atomic(path, folder / f"step_{t.global_step:08d}.pt")
-        except (OSError, RuntimeError) as exc:  # torch.save's writer reports a short write as a RuntimeError
-            raise KDError(f"could not write a checkpoint to {folder}: {write_failure(exc, folder)}; " + (
-                "the previous checkpoint is intact: free space, then continue with --resume"
+        except OSError as exc:  # (save_atomic turns torch.save's short write on a full disk into one)
+            todo = "free space, then " if exc.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+            intact = (
+                f"the previous checkpoint is intact: {todo}continue with --resume"
                 if path.is_file()
-                else "no checkpoint was written yet: free space, then start again"
-            )) from None  # fmt: skip
+                else f"no checkpoint was written yet: {todo}start again"
+            )
+            raise KDError(f"could not write a checkpoint to {folder}: {write_failure(exc, folder)}; {intact}") from None
     t.backend.barrier()
