@@ -244,3 +244,8 @@ def test_a_prepared_copy_counts_the_val_images_it_left_out(one_process, damaged,
     run = kd_main("train", "--data", tmp_path / "copy", *ARGS, "-j", 0, "--epochs", 1, "--out", tmp_path / "r")
     assert run.returncode == 0, run.stderr
     assert [(rec["val_images"], rec["val_unreadable"]) for rec in records(tmp_path / "r")] == [(20, 2)]
+    # a limited pass is over its batches alone: the images the copy left out are in none of them
+    limited = ["--limit-val-batches", 1, "--out", tmp_path / "limited"]
+    run = kd_main("train", "--data", tmp_path / "copy", *ARGS, "-j", 0, "--epochs", 1, "-b", 6, *limited)
+    assert run.returncode == 0, run.stderr
+    assert [(rec["val_images"], rec["val_unreadable"]) for rec in records(tmp_path / "limited")] == [(6, 0)]

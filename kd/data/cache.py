@@ -56,7 +56,7 @@ class CachedVal:
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         per_batch = getattr(loader, "batch_size", 1) * 3 * image_size * image_size
         self.fits = len(loader) * per_batch <= budget_bytes
-        self.batches: Optional[List[Tuple[torch.Tensor, torch.Tensor, List[str]]]] = None
+        self.batches: Optional[List[Tuple[torch.Tensor, torch.Tensor, List[str], List[str]]]] = None
         # the loader's own normalisation, undone and redone
         self.normalise = Normalisation(getattr(loader, "norm", (MEAN, STD)), device)
 
@@ -82,10 +82,11 @@ class CachedVal:
 
     def __iter__(self) -> Iterator[Batch]:
         if self.batches is not None:
-            for pixels, labels, bad in self.batches:
-                yield Batch(self._normalised(upload(pixels, self.device)), upload(labels, self.device), list(bad))
+            for pixels, labels, bad, left_out in self.batches:
+                images = self._normalised(upload(pixels, self.device))
+                yield Batch(images, upload(labels, self.device), list(bad), left_out=list(left_out))
             return
-        kept: List[Tuple[torch.Tensor, torch.Tensor, List[str]]] = []
+        kept: List[Tuple[torch.Tensor, torch.Tensor, List[str], List[str]]] = []
         inner = iter(self.loader)
         try:
             for batch in inner:
@@ -93,8 +94,8 @@ class CachedVal:
                 # kept or not, so that every pass sees the same pixels
                 pixels = self.normalise.pixels(batch.images)
                 if self.fits:
-                    kept.append((pixels.cpu(), batch.labels.cpu(), list(batch.bad)))
-                yield Batch(self._normalised(pixels), batch.labels, batch.bad)
+                    kept.append((pixels.cpu(), batch.labels.cpu(), list(batch.bad), list(batch.left_out)))
+                yield Batch(self._normalised(pixels), batch.labels, batch.bad, left_out=batch.left_out)
         finally:
             close = getattr(inner, "close", None)
             if close is not None:

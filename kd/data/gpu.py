@@ -344,7 +344,7 @@ class GpuLoader(DeviceLoader):
         feeder = _DecodeThread(iter(self.loader), lambda host: self._decode(unpacked(host), stages), stages)
         retire: deque = deque()  # (event, decoded batch) kept until the prep stream has read it
         pending = None
-        first_bad = self.left_out  # with the first batch
+        first = self.left_out if self.limit is None else []  # with the first batch of a whole pass
         try:
             while True:
                 staged = None
@@ -358,8 +358,8 @@ class GpuLoader(DeviceLoader):
                 if pending is not None:
                     images, labels, bad, indices, event = pending
                     stages.hand_over((images, labels), event)
-                    yield Batch(images, labels, first_bad + bad, indices)
-                    first_bad = []
+                    yield Batch(images, labels, bad, indices, first)
+                    first = []
                     remaining -= 1
                 while retire and stages.done(retire[0][0]):
                     retire.popleft()

@@ -184,6 +184,9 @@ class Batch:
     #: the samples' indices in the dataset (int64, on the CPU), in the batch's order (synthetic
     #: tensors too: :class:`SyntheticLoader`); None for batches made otherwise (tests, benchmarks)
     indices: Optional[torch.Tensor] = None
+    #: images of the split that no batch holds (left out of a prepared copy as unreadable), named
+    #: with the first batch of a whole pass: a validation counts them as errors (:func:`left_out`)
+    left_out: List[str] = field(default_factory=list)
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -318,11 +321,11 @@ class DeviceLoader:
         remaining = len(self)
         if remaining == 0:
             return
-        first_bad = self.left_out
+        first = self.left_out if self.limit is None else []  # a limited pass covers its batches alone
         for images, labels, bad, indices in self.loader:
             images = self.normalise(images.to(self.device, non_blocking=True), self.memory_format)
-            yield Batch(images, labels.to(self.device, non_blocking=True), first_bad + bad, indices)
-            first_bad = []
+            yield Batch(images, labels.to(self.device, non_blocking=True), bad, indices, first)
+            first = []
             remaining -= 1
             if remaining == 0:
                 break

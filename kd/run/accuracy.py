@@ -47,6 +47,8 @@ def evaluate(
             sums[6] = 1.0
             break
         unreadable.extend(batch.bad)
+        if limit is None:  # the split's images no batch holds count in a whole pass only
+            unreadable.extend(batch.left_out)
         if len(batch) == 0:
             continue
         try:

@@ -581,7 +581,10 @@ class Teaching:
             settings["samples"], settings["classes"], settings["k"], settings["dtype"], epochs, block
         )
         free = shutil.disk_usage(folder).free
-        if needed > free:
+        # the main process's measure for every process (each measuring its own could split them at a barrier)
+        flag = torch.tensor(float(needed > free) if self.backend.is_main else 0.0, device=self.backend.device)
+        self.backend.all_reduce_sum(flag)
+        if flag.item() > 0:
             raise KDError(
                 f"--out {self.root}: the store needs {kd_store.human(needed)} more and the disk has "
                 f"{kd_store.human(free)} free; free space, give fewer --epochs or a smaller --top-k"
