@@ -312,3 +312,18 @@ def test_a_file_that_cannot_be_read_to_check_it_is_one_line(tmp_path):
 
     with pytest.raises(KDError, match=f"cannot read {tmp_path} to check it"):
         file_sha256(tmp_path)
+
+
+def test_a_sums_file_in_bsd_form_beside_weights_is_read(tmp_path):
+    """``sha256sum --tag`` writes ``SHA256 (NAME) = HEX``: such a file beside weights checks them."""
+    import subprocess
+
+    path = tmp_path / "w.pt"
+    torch.save({"fc.weight": torch.ones(2)}, path)
+    tagged = subprocess.run(["sha256sum", "--tag", path.name], cwd=tmp_path, capture_output=True, text=True).stdout
+    (tmp_path / "w.pt.sha256").write_text(tagged)
+    assert tagged.startswith("SHA256 (w.pt) = ") and checkpoint.verify(path)
+    flip(path)
+    checkpoint._verified.clear()
+    with pytest.raises(KDError, match="is damaged"):
+        checkpoint.verify(path)

@@ -27,6 +27,7 @@ import hashlib
 import os
 import pickle
 import random
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -41,6 +42,8 @@ from kd.runfolder import RunFolder
 from kd.version import __version__
 
 FORMAT_VERSION = 1
+#: a line of ``sha256sum --tag`` (BSD's form)
+BSD_LINE = re.compile(r"^SHA256 \(.*\) = ([0-9a-fA-F]{64})$")
 #: the suffix of a file's sums file: ``last.pt`` has ``last.pt.sha256``
 SUMS = ".sha256"
 #: files verified in this process, by path and identity (a run reads its checkpoint more than once)
@@ -95,7 +98,12 @@ def listed_sums(path: Union[str, Path]) -> Optional[List[str]]:
         return None
     except (OSError, UnicodeDecodeError) as exc:
         raise KDError(f"cannot read {sums} ({exc}); delete it to read {Path(path).name} unchecked") from None
-    listed = [line.split()[0].lower() for line in text.splitlines() if line.strip()]
+    listed = []
+    for line in text.splitlines():  # sha256sum's "HEX  NAME" (kd's), or its BSD form "SHA256 (NAME) = HEX"
+        tag = BSD_LINE.match(line.strip())
+        words = line.split()
+        if tag or words:
+            listed.append((tag.group(1) if tag else words[0]).lower())
     if not listed or any(len(h) != 64 or any(c not in "0123456789abcdef" for c in h) for h in listed):
         raise KDError(f"{sums} is not a list of SHA-256 sums; delete it to read {Path(path).name} unchecked")
     return listed
