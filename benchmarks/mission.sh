@@ -198,7 +198,7 @@ EOF
            cp -al "$DATA" "$DMG" && rm "$DMG/val/c000/0000.jpg" "$DMG/val/c001/0000.jpg"
            head -c 3000 "$DATA/val/c000/0000.jpg" > "$DMG/val/c000/0000.jpg"; : > "$DMG/val/c001/0000.jpg"
          fi
-         D="--data $DMG -j 15 -b 256 --no-progress --overwrite --teacher resnet101 --teacher-weights $TEACHER"
+         D="--data $DMG -j 15 -b 256 --no-progress --overwrite --teacher resnet101 --teacher-weights $TEACHER --teacher-precision float32"
          for L in gpu pil; do
            run "damaged_$L" 240 $D --loader $L --student resnet18 --opt O1 --amp-dtype float16 --epochs 1
            $PY -c "import json,sys; r=json.loads(open(sys.argv[1]).readlines()[-1]); print('    val_images', r.get('val_images'), 'val_unreadable', r.get('val_unreadable'), 'val_top1', round(r.get('val_top1', -1), 2))" \
@@ -211,10 +211,12 @@ EOF
          printf '\x5a' | dd of=/tmp/flipped.pt bs=1 seek=4000000 conv=notrunc 2>/dev/null
          $KD eval --weights /tmp/flipped.pt --data "$DMG" 2>&1 | tail -1 | sed "s/^/    flipped eval: /" | tee -a "$OUT/summary.txt"
          KD_MARK=integrity_lock $KD train $D --loader gpu --student resnet18 --opt O1 --epochs 3 --out "$RUNS/lock" \
+           --save-every-steps 5 \
            > "$OUT/lock.log" 2>&1 &
          pid=$!
-         for _ in $(seq 240); do grep -q "first step" "$OUT/lock.log" && break; sleep 0.5; done
-         $T 120 $KD train --out "$RUNS/lock" --resume --no-progress 2>&1 | tail -1 | sed "s/^/    second writer: /" | tee -a "$OUT/summary.txt"
+         for _ in $(seq 240); do [ -f "$RUNS/lock/checkpoints/last.pt.sha256" ] && break; sleep 0.5; done
+         $T 120 $KD train $D --loader gpu --student resnet18 --opt O1 --epochs 3 --out "$RUNS/lock" 2>&1 | tail -1 \
+           | sed "s/^/    second writer: /" | tee -a "$OUT/summary.txt"
          before=$(grep -l "KD_MARK=integrity_lock" /proc/[0-9]*/environ 2>/dev/null | wc -l)
          kill -9 $pid; sleep 8
          left=$(grep -l "KD_MARK=integrity_lock" /proc/[0-9]*/environ 2>/dev/null | wc -l)
