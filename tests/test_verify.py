@@ -307,11 +307,12 @@ def test_a_reader_beside_a_run_writing_its_checkpoint_never_calls_it_damaged(tmp
 
 
 def test_a_file_that_cannot_be_read_to_check_it_is_one_line(tmp_path):
-    """An I/O error while hashing (here: a folder where the file should be) is a KDError, not a traceback."""
-    from kd.checksum import file_sha256
-
-    with pytest.raises(KDError, match=f"cannot read {tmp_path} to check it"):
-        file_sha256(tmp_path)
+    """An I/O error while hashing (here: a folder where the file should be) is one line, not a traceback."""
+    path = tmp_path / "last.pt"
+    path.mkdir()
+    (tmp_path / "last.pt.sha256").write_text(f"{'0' * 64}  last.pt\n")
+    with pytest.raises(KDError, match=f"cannot read {path} to check it"):
+        checkpoint.verify(path)
 
 
 def test_a_sums_file_in_bsd_form_beside_weights_is_read(tmp_path):

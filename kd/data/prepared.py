@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 from PIL import Image
 
-from kd.checksum import file_sha256
+from kd.checksum import file_sha256, unreadable
 from kd.errors import KDError
 
 MANIFEST = "kd-prepared.json"
@@ -106,6 +106,14 @@ def sealed(manifest: Dict[str, Any]) -> Dict[str, Any]:
     return {**manifest, "contents_sha256": contents_sha256(manifest)}
 
 
+def checked_sha256(path: Path) -> str:
+    """:func:`kd.checksum.file_sha256`, an unreadable file a KDError of one line."""
+    try:
+        return file_sha256(path)
+    except OSError as exc:
+        raise KDError(unreadable(path, exc)) from None
+
+
 def damaged(root: Path, manifest: Dict[str, Any], what: str) -> KDError:
     return KDError(
         f"prepared copy {root} is damaged: {what}; prepare it again "
@@ -139,7 +147,7 @@ def check_files(root: Path, manifest: Dict[str, Any]) -> None:
         index = root / f"{split}.index.npy"
         if not index.is_file():
             raise damaged(root, manifest, f"{index.name} is missing")
-        if "index_sha256" in listing and file_sha256(index) != listing["index_sha256"]:
+        if "index_sha256" in listing and checked_sha256(index) != listing["index_sha256"]:
             raise damaged(root, manifest, f"{index.name} does not match its SHA-256 in the manifest")
         try:
             count = len(np.load(index, mmap_mode="r"))
@@ -170,7 +178,7 @@ def verify_copy(root: Path, echo=print) -> str:
                 problem = "missing"
             elif path.stat().st_size != shard["bytes"]:
                 problem = f"{path.stat().st_size:,} bytes, not {shard['bytes']:,}"
-            elif file_sha256(path) != shard["sha256"]:
+            elif checked_sha256(path) != shard["sha256"]:
                 problem = "its bytes do not match its SHA-256 in the manifest"
             if problem:
                 echo(f"{path}: DAMAGED: {problem}")
@@ -183,7 +191,7 @@ def verify_copy(root: Path, echo=print) -> str:
             problem = None
             if not path.is_file():
                 problem = "missing"
-            elif key in listing and file_sha256(path) != listing[key]:
+            elif key in listing and checked_sha256(path) != listing[key]:
                 problem = "its bytes do not match its SHA-256 in the manifest"
             if problem:
                 echo(f"{path}: DAMAGED: {problem}")

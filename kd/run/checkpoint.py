@@ -36,7 +36,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple, Union, cast
 import numpy as np
 import torch
 
-from kd.checksum import file_sha256
+from kd.checksum import file_sha256, unreadable
 from kd.errors import KDError
 from kd.runfolder import RunFolder
 from kd.version import __version__
@@ -241,7 +241,11 @@ def matches_sums(path: Path) -> Optional[bool]:
         if listed is None:
             return None
         before = path.stat()
-        if file_sha256(path) in listed:
+        try:
+            digest = file_sha256(path)
+        except OSError as exc:  # a bad sector, say: one line, not a traceback
+            raise KDError(unreadable(path, exc)) from None
+        if digest in listed:
             return True
         after = path.stat()
         if (before.st_ino, before.st_mtime_ns) == (after.st_ino, after.st_mtime_ns) and listed_sums(path) == listed:

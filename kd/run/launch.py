@@ -274,6 +274,8 @@ def launch_local(cfg, nproc: int, resume_from: Optional[Path], students=None):
         if failed and error is not None:  # a rank's error: the agent stopped the others
             raise KDError(error) from None
         if isinstance(exc, ChildFailedError) and any(Path(error_dir).glob("crash*.txt")):
+            crash = sorted(Path(error_dir).glob("crash*.txt"))[0].read_text(encoding="utf-8")
+            sys.stderr.write(crash.split("\n", 1)[-1])  # the rank's traceback, above kd's line
             raise RankFailed(*rank_failed(exc.failures, cfg, _out(cfg, students), students, error_dir)) from None
         stopped = Path(error_dir, "interrupted.txt")
         if stopped.exists():  # the workers stopped on a signal after writing their checkpoint
@@ -345,14 +347,15 @@ def worker(
 
 
 def _crashed(exc: BaseException, error_dir: str) -> SystemExit:
-    """A rank's error that is no user error of kd's: its traceback on this rank's stderr, its one
-    line for the launcher's message (:func:`rank_failed`), and exit code 1."""
+    """A rank's error that is no user error of kd's: its one line and its traceback for the
+    launcher, which shows them where this rank's error is the run's cause (:func:`rank_failed`; a
+    rank that failed because another was killed says nothing), and exit code 1."""
     import traceback
 
-    traceback.print_exception(type(exc), exc, exc.__traceback__)
     rank = Placement.from_environment(None).rank
     cause = (str(exc).strip().splitlines() or [""])[0][:300]
-    Path(error_dir, f"crash{rank:05d}.txt").write_text(f"{type(exc).__name__}: {cause}", encoding="utf-8")
+    trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    Path(error_dir, f"crash{rank:05d}.txt").write_text(f"{type(exc).__name__}: {cause}\n{trace}", encoding="utf-8")
     return SystemExit(1)
 
 
@@ -433,7 +436,7 @@ def rank_failed(failures, cfg, out: Path, students=None, error_dir: Optional[str
     else:
         what, exit_code = f"exited with code {code}", code if 0 < code < 256 else 1
         if crash is not None and crash.is_file():  # its traceback is in the log above
-            what = f"failed with {crash.read_text(encoding='utf-8')} (its traceback above)"
+            what = f"failed with {crash.read_text(encoding='utf-8').splitlines()[0]} (its traceback above)"
     restarts = (
         f"--max-restarts {cfg.max_restarts} was used up"
         if cfg.max_restarts

@@ -315,7 +315,11 @@ def verify(root: Path) -> str:
     for epoch, files in enumerate(manifest["epoch_files"]):
         for part, record in files.items():
             path = _name(root, epoch, part)
-            if file_sha256(str(path)) != record["sha256"]:
+            try:
+                digest = checksum.file_sha256(path)
+            except OSError as exc:
+                raise KDError(checksum.unreadable(path, exc)) from None
+            if digest != record["sha256"]:
                 raise KDError(f"{where} is damaged: {path.name} does not match its checksum; teach the store again")
             total += record["bytes"]
             if part in ("values", "rest"):
