@@ -188,8 +188,9 @@ def _ranks(parent: int):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("restarts", [0, 1])
-def test_a_dead_rank_takes_the_group_down_or_it_restarts(data, tmp_path, restarts):
+def test_a_dead_rank_restarts_the_group_from_its_checkpoint(data, tmp_path):
+    """--max-restarts 1: the agent restarts the group, which resumes from the last checkpoint (without
+    restarts the group goes down in one line: tests/test_orphans.py)."""
     out = tmp_path / "run"
     proc = start(
         "train",
@@ -205,22 +206,17 @@ def test_a_dead_rank_takes_the_group_down_or_it_restarts(data, tmp_path, restart
         "--out",
         out,
         "--max-restarts",
-        restarts,
+        1,
         "--epochs",
         6,
     )
     wait_for(lambda: (out / "metrics.jsonl").exists() and len(_ranks(proc.pid)) == 2, proc)
     os.kill(_ranks(proc.pid)[-1], signal.SIGKILL)
-    started = time.time()
     _, err = proc.communicate(timeout=240)
-    if restarts == 0:
-        assert proc.returncode != 0 and time.time() - started < 240, err
-        assert torch.load(out / "checkpoints" / "last.pt", weights_only=True)["epoch"] >= 1  # it survives
-    else:  # --max-restarts 1: the agent restarts the group, which resumes from the last checkpoint
-        assert proc.returncode == 0, err
-        assert "resumed from" in err
-        records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-        assert records[-1]["epoch"] == 6
+    assert proc.returncode == 0, err
+    assert "resumed from" in err
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["epoch"] == 6
 
 
 def test_keep_last_holds_at_every_moment_of_a_step_checkpoint(data, tmp_path, monkeypatch):

@@ -187,9 +187,9 @@ RESNET = ["--teacher", "resnet18", "--teacher-weights", "none", "--student", "re
 
 @pytest.fixture(scope="module")
 def long_val(tmp_path_factory):
-    """One training step an epoch (12 images, batch 12) and a validation pass of 120 images."""
+    """One training step an epoch (12 images, batch 12) and a validation pass of 75 images."""
     return make_image_folder(
-        tmp_path_factory.mktemp("long_val"), classes=3, train_per_class=4, val_per_class=40, size=(64, 64)
+        tmp_path_factory.mktemp("long_val"), classes=3, train_per_class=4, val_per_class=25, size=(64, 64)
     )
 
 
