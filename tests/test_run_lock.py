@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY_PAIR, kd_main, make_image_folder, run_kd, start_kd
+from conftest import ROOT, TINY_PAIR, kd_main, make_image_folder, start_kd
 
 from kd.errors import KDError
 from kd.runfolder import LOCK_FILE
@@ -144,13 +144,13 @@ def test_a_second_writer_is_refused_while_the_first_runs_on(data, tmp_path):
     proc = start("train", "--data", data, *TINY, "--kd-loss", "kd,dkd", "--epochs", 5, "--out", out)
     try:
         # an epoch done: --resume has its checkpoints
-        wait_for(lambda: all((out / name / "metrics.jsonl").exists() for name in ("kd", "dkd")), proc)
+        wait_for(lambda: all((out / name / "checkpoints" / "last.pt").exists() for name in ("kd", "dkd")), proc)
         for args, folder in (
             (["--out", out, "--resume"], out),
             (["--out", out / "dkd", "--resume"], out / "dkd"),
             (["--data", data, *TINY, "--kd-loss", "kd,dkd", "--out", out, "--overwrite"], out),
         ):
-            r = run_kd("train", *args, timeout=300)
+            r = kd_main("train", *args)
             assert r.returncode == 2, r.stderr
             line = one_error_line(r.stderr)
             assert f"--out {folder} is being written by another kd run (pid {proc.pid} on host" in line, line
@@ -172,7 +172,7 @@ def test_kd_teach_refuses_a_second_writer_of_its_store(data, tmp_path):
     proc = start("teach", *args, "--epochs", 50)
     try:
         wait_for(lambda: (store / "kd-soft-labels.json").exists(), proc)
-        r = run_kd("teach", *args, "--epochs", 1, timeout=300)
+        r = kd_main("teach", *args, "--epochs", 1)
         assert r.returncode == 2 and f"(pid {proc.pid} on host" in one_error_line(r.stderr), r.stderr
         assert proc.poll() is None
     finally:
@@ -208,7 +208,7 @@ def test_kill_9_in_validation_then_resume_takes_the_lock_over_and_is_exact(long_
     args = ["--data", long_val, *RESNET, "--image-size", 64, "-b", 12, "--epochs", 2, "--device", "cpu"]
     args += ["-j", 0, "--val-cache-gb", 0, "--no-progress", "--lr", "0.02", "--teacher-precision", "float32"]
     ref = tmp_path / "ref"
-    r = run_kd("train", *args, "--out", ref)
+    r = kd_main("train", *args, "--out", ref)  # (in this process: a fresh interpreter adds only its start)
     assert r.returncode == 0, r.stderr
     out = tmp_path / "run"
     proc = start("train", *args, "--out", out)
@@ -219,7 +219,7 @@ def test_kill_9_in_validation_then_resume_takes_the_lock_over_and_is_exact(long_
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 1, "the kill came after the validation"
     assert epochs_saved(out / "checkpoints" / "last.pt") == 1
     assert json.loads((out / LOCK_FILE).read_text())["pid"] == proc.pid  # left behind, its holder gone
-    r = run_kd("train", "--out", out, "--resume")
+    r = kd_main("train", "--out", out, "--resume")
     assert r.returncode == 0, r.stderr
     assert f"was locked by a run that ended without releasing it (pid {proc.pid} on host" in r.stderr
     assert not (out / LOCK_FILE).exists()
