@@ -116,11 +116,6 @@ def why_unwritable(out: Path) -> Optional[str]:
     return None
 
 
-def writable(out: Path) -> bool:
-    """Whether a folder can be made (or written) at ``out`` (:func:`why_unwritable`)."""
-    return why_unwritable(out) is None
-
-
 def write_json(path: Path, data: Any) -> None:
     """``data`` as JSON at ``path``, whole or not at all (written beside it, then renamed): a stop
     mid-write leaves the file as it was (kd prepare's and kd teach's manifests)."""

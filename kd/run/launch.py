@@ -266,17 +266,18 @@ def launch_local(cfg, nproc: int, resume_from: Optional[Path], students=None):
                 cfg, str(_out(cfg, students)), resume_from, error_dir, visible, students, os.getpid()
             )
     except (ChildFailedError, signal_exception) as exc:
-        killed = isinstance(exc, ChildFailedError) and rank_killed(exc.failures, cfg, _out(cfg, students), students)
+        out = _out(cfg, students)
+        failures = exc.failures if isinstance(exc, ChildFailedError) else None
+        killed = failures is not None and rank_killed(failures, cfg, out, students)
         if killed:  # before a stop's message: the agent stopped the other ranks because of it
             raise RankFailed(*killed) from None
         error = first_error(error_dir)
-        failed = isinstance(exc, ChildFailedError)
-        if failed and error is not None:  # a rank's error: the agent stopped the others
+        if failures is not None and error is not None:  # a rank's error: the agent stopped the others
             raise KDError(error) from None
-        if isinstance(exc, ChildFailedError) and any(Path(error_dir).glob("crash*.txt")):
-            crash = sorted(Path(error_dir).glob("crash*.txt"))[0].read_text(encoding="utf-8")
-            sys.stderr.write(crash.split("\n", 1)[-1])  # the rank's traceback, above kd's line
-            raise RankFailed(*rank_failed(exc.failures, cfg, _out(cfg, students), students, error_dir)) from None
+        crashes = sorted(Path(error_dir).glob("crash*.txt"))
+        if failures is not None and crashes:
+            sys.stderr.write(crashes[0].read_text(encoding="utf-8").split("\n", 1)[-1])  # its traceback, above
+            raise RankFailed(*rank_failed(failures, cfg, out, students, error_dir)) from None
         stopped = Path(error_dir, "interrupted.txt")
         if stopped.exists():  # the workers stopped on a signal after writing their checkpoint
             from kd.run.signals import Interrupted
@@ -285,9 +286,9 @@ def launch_local(cfg, nproc: int, resume_from: Optional[Path], students=None):
             raise Interrupted(signame, message=message) from None
         if error is not None:
             raise KDError(error) from None
-        if not isinstance(exc, ChildFailedError):  # the launcher's own signal, after the workers' last check
-            raise _stopped_launcher(exc, error_dir, cfg, _out(cfg, students), students) from None
-        raise RankFailed(*rank_failed(exc.failures, cfg, _out(cfg, students), students, error_dir)) from None
+        if failures is None:  # the launcher's own signal, after the workers' last check
+            raise _stopped_launcher(exc, error_dir, cfg, out, students) from None
+        raise RankFailed(*rank_failed(failures, cfg, out, students, error_dir)) from None
     finally:
         logging.disable(previous)
         shutil.rmtree(error_dir, ignore_errors=True)
