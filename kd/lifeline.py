@@ -15,6 +15,11 @@ process when the thread that started it ends. kd arms it
 
 The resource tracker then ends on its own: the last process holding its pipe is gone. Elsewhere
 than Linux this is a no-op.
+
+A DataLoader worker hands each batch's shared memory to its process through multiprocessing's
+resource sharer, a thread that prints any error to stderr. Where the receiving process is killed in
+the hand-over, that thread's dropped connection is not news (the launcher names the killed process);
+:func:`quiet_resource_sharer` keeps it off the user's screen.
 """
 
 from __future__ import annotations
@@ -25,7 +30,10 @@ import os
 import signal
 import sys
 import threading
-from typing import Iterator, Optional
+import traceback
+from multiprocessing import resource_sharer
+from types import TracebackType
+from typing import Iterator, Optional, Type
 
 #: prctl's option number (linux/prctl.h)
 PR_SET_PDEATHSIG = 1
@@ -80,6 +88,28 @@ def forkserver_guarded() -> Iterator[None]:
         yield
     finally:
         os.environ.pop(FORKSERVER_PARENT_ENV, None)
+
+
+def _receiver_gone(kind: Type[BaseException], trace: Optional[TracebackType]) -> bool:
+    """The error is the resource sharer's thread losing the process it was handing a descriptor to."""
+    frames = traceback.extract_tb(trace, limit=1)
+    in_sharer = bool(frames) and frames[0].filename == resource_sharer.__file__
+    return in_sharer and issubclass(kind, (ConnectionError, EOFError))
+
+
+def quiet_resource_sharer() -> None:
+    """In this process, the resource sharer's thread says nothing when its receiver dies (it
+    reports errors through ``sys.excepthook``); every other error is reported as before."""
+    shown = sys.excepthook
+    if getattr(shown, "kd_quiet_sharer", False):
+        return
+
+    def hook(kind: Type[BaseException], error: BaseException, trace: Optional[TracebackType]) -> None:
+        if not _receiver_gone(kind, trace):
+            shown(kind, error, trace)
+
+    hook.kd_quiet_sharer = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
 
 
 _arm_forkserver()

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 import signal
 import time
 import uuid
@@ -100,3 +102,29 @@ def test_kill_9_of_one_rank_leaves_no_process_and_is_one_line(data, tmp_path):
     assert re.match(r"kd: error: rank [01] of the run was killed by SIGKILL, and the run stopped; ", last), text
     resume = f"continue from its last checkpoint with: kd train --out {out} --resume"
     assert (resume in last or "it had written no checkpoint" in last) and "--max-restarts" in last, text
+
+
+def test_a_loader_worker_is_silent_when_the_process_it_serves_dies(tmp_path):
+    """A DataLoader worker hands each batch's shared memory to its training process through
+    multiprocessing's resource sharer; when that process is killed in the hand-over, the sharer's
+    thread in the worker printed a ConnectionResetError traceback above kd's one line. The worker's
+    init (kd.data.loader.seed_worker) keeps that thread quiet, and only that thread."""
+    script = tmp_path / "worker.py"
+    script.write_text(
+        "import os, socket, sys, time\n"
+        "from multiprocessing import resource_sharer\n"
+        "from kd.data.loader import seed_worker\n"
+        "seed_worker(0)\n"
+        "shared = resource_sharer.DupFd(os.open(os.devnull, os.O_RDONLY))\n"
+        "receiver = socket.socket(socket.AF_UNIX)\n"
+        "receiver.connect(resource_sharer._resource_sharer._address)\n"
+        "time.sleep(0.3)\n"  # the sharer's challenge arrives, unread: closing now resets the connection
+        "receiver.close()\n"
+        "time.sleep(0.5)\n"
+        "raise RuntimeError('an error of the worker itself still shows')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.count("Traceback") == 1 and "resource_sharer" not in proc.stderr, proc.stderr
+    assert "RuntimeError: an error of the worker itself still shows" in proc.stderr, proc.stderr

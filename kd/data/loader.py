@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 
 from kd.data.folder import ImageFolderPIL, collate
 from kd.data.sampler import SeededSampler
+from kd.lifeline import quiet_resource_sharer
 
 MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
@@ -155,7 +156,9 @@ def worker_count(cfg, num_replicas: int) -> int:
 
 def seed_worker(worker_id: int) -> None:
     """Run nicer than the training process (WORKER_NICE); seed Python's and NumPy's RNGs from
-    torch's per-worker seed (for third-party transforms)."""
+    torch's per-worker seed (for third-party transforms); say nothing when the process this worker
+    serves is killed while taking a batch (:func:`kd.lifeline.quiet_resource_sharer`)."""
+    quiet_resource_sharer()
     try:
         nice = int(os.environ.get("KD_WORKER_NICE", WORKER_NICE))
     except ValueError:  # not a number: the default
