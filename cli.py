@@ -65,6 +65,10 @@ class TrainOption(click.Option):
         return super().get_help_record(ctx)
 
 
+#: kd bench's timed runs: the steps after this many are timed, and nothing is validated
+TIMED_AFTER = click.option("--timed-after", "timed_after", type=click.IntRange(min=0), default=0, hidden=True)
+
+
 def train_options(fn):
     for spec in reversed(TRAIN_OPTIONS):
         fn = click.option(*spec.flags, spec.field, cls=TrainOption, spec=spec)(fn)
@@ -105,19 +109,21 @@ def cli(local_rank):
 )
 @click.option("--overwrite", is_flag=True, help="Replace a run already in --out.")
 @click.option("--local_rank", "--local-rank", "local_rank", type=int, default=None, hidden=True)
+@TIMED_AFTER
 # the former label weight of --kd-loss kd (ce_weight = alpha, kd_weight = 1 - alpha), with a deprecation line
 @click.option("--alpha", "alpha", type=float, default=None, hidden=True)
 @click.pass_context
-def train(ctx, recipes, sets, loss_arg, resume, overwrite, local_rank, **options):
+def train(ctx, recipes, sets, loss_arg, resume, overwrite, local_rank, timed_after, **options):
     """Distil a student from a teacher (or train one model with --no-teacher).
 
     Several students at once, from one input pipeline and one teacher forward per batch:
     --kd-loss kd,dkd,dist,lskd or --recipe A --recipe B; each gets OUT/<method or recipe>/.
     """
     from kd import config as kd_config
+    from kd.run.jobs import TrainJob
     from kd.run.launch import accept_legacy_local_rank
     from kd.run.launch import train as run_training
-    from kd.runfolder import RunFolder
+    from kd.run.students import for_command
 
     accept_legacy_local_rank(local_rank)
     given = {
@@ -128,31 +134,10 @@ def train(ctx, recipes, sets, loss_arg, resume, overwrite, local_rank, **options
     if loss_arg:
         given["loss_args"] = kd_config.parse_set([f"loss_args.{item}" for item in loss_arg])["loss_args"]
     kd_config.refuse_unused(given)
-    if _several_students(recipes, given, resume):
-        return _train_students(recipes, given, sets, resume, overwrite)
-    base = None
-    if resume:
-        out = RunFolder(given.get("out") or (Path(resume).parent.parent if resume != "last" else "runs/kd"))
-        given["out"] = str(out.root)
-        checkpoint = out.last if resume == "last" else Path(resume)
-        if not checkpoint.is_file():
-            raise KDError(
-                f"nothing to resume: {checkpoint} does not exist"
-                + (f" ({out.root} holds no run; start it without --resume)" if not out.config.is_file() else "")
-            )
-        if out.config.is_file():
-            base = kd_config.load(out.config)
-    cfg = kd_config.resolve(recipe=recipes[0] if recipes else None, options=given, sets=list(sets), base=base)
-    if resume and not overwrite:  # (both together are refused, as a contradiction, by run_training)
-        from kd.run.checkpoint import finished_epochs
-
-        done = finished_epochs(checkpoint, cfg.epochs)
-        if done is not None:
-            click.echo(f"kd: {cfg.out} already finished ({done} epochs); raise --epochs to continue", err=True)
-            return
+    students = for_command(recipes, given, sets, resume, overwrite)
     started = time.time()
-    run_training(cfg, resume=resume, overwrite=overwrite)  # cfg resolved and validated above
-    _summary([Path(cfg.out)], started)
+    if run_training(TrainJob(students, timed_after), overwrite=overwrite) is not None:
+        _summary([Path(c.out) for c in students.cfgs], started, students.names if students.grouped else ())
 
 
 def _summary(runs, started: float, names=()) -> None:
@@ -165,39 +150,6 @@ def _summary(runs, started: float, names=()) -> None:
         for i, run in enumerate(runs):
             if RunFolder(run).is_run():
                 click.echo(summary_line(run, time.time() - started, names[i] if names else ""))
-
-
-def _several_students(recipes, given, resume) -> bool:
-    from kd.run.students import is_students_folder
-
-    if len(recipes) > 1 or "," in str(given.get("kd_loss") or ""):
-        return True
-    return bool(resume) and is_students_folder(Path(given.get("out") or "runs/kd"))
-
-
-def _train_students(recipes, given, sets, resume, overwrite) -> None:
-    """``kd train`` of several students (kd.run.plan): planned from the options, or those of --out resumed."""
-    from kd.run import plan as multi
-    from kd.run.students import is_students_folder
-
-    started = time.time()
-    if not resume:
-        students = multi.plan(recipes, given, sets)
-        multi.train(students, overwrite=overwrite)
-        return _summary([Path(c.out) for c in students.cfgs], started, students.names)
-    out = Path(given.get("out") or "runs/kd")
-    if recipes or given.get("kd_loss"):  # the same command again with --resume: fine when it names the same students
-        asked = [Path(r).stem for r in recipes] if recipes else str(given["kd_loss"]).split(",")
-        held = list(multi.load(out).names) if is_students_folder(out) else []
-        if sorted(asked) != sorted(held):
-            raise KDError(
-                f"--resume continues the students --out {out} holds ({', '.join(held) or 'none'}), "
-                f"not {', '.join(asked)}; leave out --recipe and --kd-loss, or name the same ones"
-            )
-        given = {k: v for k, v in given.items() if k != "kd_loss"}
-    students = multi.resumed(out, given, sets)
-    multi.train(students, resume=resume, overwrite=overwrite)
-    _summary([Path(c.out) for c in students.cfgs], started, students.names)
 
 
 @cli.command("teach")
@@ -218,8 +170,9 @@ def _train_students(recipes, given, sets, resume, overwrite) -> None:
     "|logit| at most 256 on its probe batches), else float32 (float32 with --top-k all: replay equals the live "
     "teacher bit for bit).",
 )  # fmt: skip
+@TIMED_AFTER
 @click.pass_context
-def teach(ctx, recipe, sets, top_k, logits_dtype, **options):
+def teach(ctx, recipe, sets, top_k, logits_dtype, timed_after, **options):
     """Run the teacher once on kd train's crops and store its logits (--out STORE), for any number
     of students to train from with kd train --soft-labels STORE, without the teacher.
 
@@ -228,6 +181,7 @@ def teach(ctx, recipe, sets, top_k, logits_dtype, **options):
     extend it to more --epochs.
     """
     from kd import config as kd_config
+    from kd.run.jobs import TeachJob
     from kd.run.launch import train as run_training
 
     given = {
@@ -239,11 +193,11 @@ def teach(ctx, recipe, sets, top_k, logits_dtype, **options):
         raise KDError("kd teach needs --out STORE: the folder the teacher's outputs go to")
     if top_k != "all" and not (top_k.isdigit() and int(top_k) >= 1):
         raise KDError(f"--top-k must be a positive number or all, got {top_k!r}")
-    given.update(teach=True, soft_label_k=None if top_k == "all" else int(top_k))
+    given.update(soft_label_k=None if top_k == "all" else int(top_k))
     if ctx.get_parameter_source("logits_dtype") == ParameterSource.COMMANDLINE:  # else the recipe's, or auto
         given["soft_label_dtype"] = logits_dtype
-    cfg = kd_config.resolve(recipe=recipe, options=given, sets=list(sets))
-    run_training(cfg)
+    cfg = kd_config.resolve(recipe=recipe, options=given, sets=list(sets), teaching=True)
+    run_training(TeachJob(cfg, timed_after))
 
 
 @cli.command("eval")

@@ -6,7 +6,7 @@
     python benchmarks/beside_step.py --beside gil:0.2:0.5 -- TRAIN_ARGS
 
 TRAIN_ARGS, after ``--``, are ``kd train``'s: ``--data synthetic``, ``--out DIR`` (required),
-``--limit-train-batches`` and ``--set timing_warmup=N`` for the timed steps; the run's
+``--limit-train-batches`` and ``--timed-after N`` for the timed steps; the run's
 ``timed_img_per_s`` is the step's rate. The load, started before the run and kept up until it ends:
 
 * ``loader``: the ``--loader gpu`` training loader ``kd train`` would build over ``--data`` with

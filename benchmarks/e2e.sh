@@ -66,7 +66,7 @@ beside() {  # NAME B LOAD... -- TRAIN_ARGS...: one beside_step.py run; its JSON 
   # to a file, not a pipe: a pipe would wait for every child that inherited it (the loader's workers)
   $PY benchmarks/beside_step.py "$@" --teacher resnet101 --student resnet18 --teacher-weights none \
     --student-weights none --opt O1 --amp-dtype float16 --backend single --epochs 1 --no-progress --overwrite -b "$b" \
-    --limit-train-batches $((it + wu)) --set timing_warmup="$wu" --out "/tmp/e2e/beside/$name" \
+    --limit-train-batches $((it + wu)) --timed-after "$wu" --out "/tmp/e2e/beside/$name" \
     > "$OUT/beside_$name.json" 2> "$OUT/beside_$name.log"
   local line
   line=$(tail -1 "$OUT/beside_$name.json")

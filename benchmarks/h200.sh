@@ -38,7 +38,7 @@ for part in "$@"; do case "$part" in
             set -- $L
             KD_GPU_DECODER=$2 $T 150 $PY -X faulthandler -m cli train --data $JPEGS --teacher resnet101 --teacher-weights none \
               --student resnet18 --opt O1 --amp-dtype $3 ${4:-} -b 256 --epochs 4 --limit-val-batches 1 --loader $1 -j 15 \
-              --log-every 19 --set timing_warmup=19 --out "/tmp/kdb/e2e_$1$2$3" --overwrite --no-progress 2>&1 \
+              --log-every 19 --timed-after 19 --out "/tmp/kdb/e2e_$1$2$3" --overwrite --no-progress 2>&1 \
               | grep "^epoch\|error" | tee -a "$OUT/e2e.log"
             echo "== $L" >> "$OUT/e2e.log"; tail -1 "/tmp/kdb/e2e_$1$2$3/metrics.jsonl" | tee -a "$OUT/e2e.log"
           done ;;

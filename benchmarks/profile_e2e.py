@@ -41,7 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import backends  # noqa: E402
 from kd import config as kd_config  # noqa: E402
-from kd.run.loop import Trainer  # noqa: E402
+from kd.run.loop import Trainer
+from kd.run.students import Students  # noqa: E402
 
 
 def main() -> None:
@@ -72,7 +73,8 @@ def main() -> None:
     cfg = kd_config.resolve(options=options, sets=args.sets)
     backend = backends.get("single")(cfg)
     backend.setup()
-    trainer = Trainer(dataclasses.replace(cfg, out=tempfile.mkdtemp(prefix="kd-profile-e2e-")), backend, validate=False)
+    out = tempfile.mkdtemp(prefix="kd-profile-e2e-")
+    trainer = Trainer(Students.alone(dataclasses.replace(cfg, out=out)), backend, validate=False)
     loader = trainer.data.train
     print(loader.describe())
     trainer.lane.side.train()

@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import backends  # noqa: E402
 from kd import config as kd_config  # noqa: E402
-from kd.run.loop import Trainer  # noqa: E402
+from kd.run.loop import Trainer
+from kd.run.students import Students  # noqa: E402
 from kd.run.timing import StepTimer  # noqa: E402
 
 
@@ -53,9 +54,8 @@ def build(args, overrides):
     backend = backends.get("single")(cfg)
     backend.setup()
     timer = StepTimer(args.warmup, backend)
-    return Trainer(
-        dataclasses.replace(cfg, out=tempfile.mkdtemp(prefix="kd-profile-")), backend, hooks=[timer], validate=False
-    ), timer
+    out = tempfile.mkdtemp(prefix="kd-profile-")
+    return Trainer(Students.alone(dataclasses.replace(cfg, out=out)), backend, hooks=[timer], validate=False), timer
 
 
 def timed(fn, iters: int, warmup: int = 3) -> float:
@@ -75,10 +75,10 @@ def phases(trainer, timer, iters: int):
     prec = trainer.lane.precision
     batch = next(iter(trainer.data.train))
     images, labels = prec.input_cast(batch.images), batch.labels
-    t_logits, t_feats = trainer.lane.prepared_teacher.forward(images)
+    t_logits, t_feats = trainer.teacher.forward(images)
 
     def teacher():
-        trainer.lane.prepared_teacher.forward(images)
+        trainer.teacher.forward(images)
 
     def student():
         with prec.autocast():
@@ -118,11 +118,11 @@ KINDS = [
 
 def kernel_kinds(trainer, timer, steps: int):
     trainer.data.train.steps = steps  # the synthetic loader's length
-    trainer.lane.batch_in_epoch = 0  # phases() left the position at the end of its epoch
+    trainer.lane.state.batch_in_epoch = 0  # phases() left the position at the end of its epoch
     timer.warmup = 0
     activities = [torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
-        trainer.lane.epoch = 0
+        trainer.lane.state.epoch = 0
         trainer.train_epoch()
         torch.cuda.synchronize()
     totals, kernels = collections.Counter(), collections.Counter()

@@ -65,7 +65,6 @@ class RunConfig:
     soft_labels: Optional[str] = None  # a kd teach store read in place of the teacher's forward (kd.teacher.store)
     soft_label_k: Optional[int] = 10  # kd teach: logits kept per sample (None: every class)
     soft_label_dtype: str = "auto"  # kd teach: auto (from the teacher's logits) | float16 | float32
-    teach: bool = False  # kd teach's runs: write the store at --out instead of training
     # method
     kd_loss: str = "kd"
     ce_weight: Optional[float] = None  # None: the method's default (LOSS_OPTIONS: also loss_args keys)
@@ -118,7 +117,6 @@ class RunConfig:
     max_nonfinite_steps: int = 20
     max_restarts: int = 0  # torch elastic restarts of a multi-process group (from the last checkpoint)
     progress_bar: Optional[bool] = None  # None: only on a terminal
-    timing_warmup: int = 0  # > 0: time the steps after this many (kd bench), skip evaluation
     # recipe metadata (not options)
     recipe: Optional[str] = None
     description: Optional[str] = None
@@ -318,8 +316,10 @@ def resolve(
     options: Optional[Dict[str, Any]] = None,
     sets: Optional[List[str]] = None,
     base: Optional[RunConfig] = None,
+    teaching: bool = False,
 ) -> RunConfig:
-    """Defaults (or ``base``) < recipe < ``options`` < ``--set`` items, then validated."""
+    """Defaults (or ``base``) < recipe < ``options`` < ``--set`` items, then validated (for ``kd
+    teach``'s store where ``teaching``)."""
     cfg = base or RunConfig()
     if recipe:
         path = find_recipe(recipe)
@@ -340,7 +340,7 @@ def resolve(
         from kd.models import kd_run_model
 
         cfg = dataclasses.replace(cfg, teacher=kd_run_model(cfg.teacher_weights))  # a kd checkpoint names its model
-    return validate(cfg)
+    return validate(cfg, teaching)
 
 
 #: options that --no-teacher would leave unused, were they typed beside it
@@ -382,14 +382,15 @@ def _one_of(names) -> str:
     return f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else names[0]
 
 
-def validate(cfg: RunConfig) -> RunConfig:
-    """Checks that need no data, models or devices; returns ``cfg`` unchanged."""
+def validate(cfg: RunConfig, teaching: bool = False) -> RunConfig:
+    """Checks that need no data, models or devices (of a ``kd teach`` store where ``teaching``);
+    returns ``cfg`` unchanged."""
 
     def need(cond: bool, msg: str) -> None:
         if not cond:
             raise KDError(msg)
 
-    need(cfg.teach or cfg.student is not None, "--student is required (a torchvision model name or timm:NAME)")
+    need(teaching or cfg.student is not None, "--student is required (a torchvision model name or timm:NAME)")
     need(
         cfg.no_teacher or cfg.teacher is not None or cfg.soft_labels is not None,
         "--teacher is required (or a kd checkpoint as --teacher-weights, which names its model; "
@@ -452,10 +453,10 @@ def validate(cfg: RunConfig) -> RunConfig:
         not (cfg.soft_labels and cfg.no_teacher),
         "--soft-labels holds a teacher's outputs; it conflicts with --no-teacher",
     )
-    need(not (cfg.soft_labels and cfg.teach), "kd teach writes a store (--out); it reads none (--soft-labels)")
-    need(not (cfg.teach and cfg.no_teacher), "kd teach runs a teacher; it conflicts with --no-teacher")
+    need(not (cfg.soft_labels and teaching), "kd teach writes a store (--out); it reads none (--soft-labels)")
+    need(not (teaching and cfg.no_teacher), "kd teach runs a teacher; it conflicts with --no-teacher")
     need(
-        not (cfg.teach and cfg.limit_train_batches and cfg.data != "synthetic"),
+        not (teaching and cfg.limit_train_batches and cfg.data != "synthetic"),
         "kd teach writes whole epochs (every sample a student may meet); it takes no --limit-train-batches",
     )
     need(cfg.soft_label_k is None or cfg.soft_label_k >= 1, "--top-k must be at least 1 (or all)")
@@ -509,9 +510,14 @@ def save(cfg: RunConfig, path: Union[str, Path], notes: Sequence[str] = ()) -> N
             fh.write(f"# {note}\n")
 
 
+#: keys of configs saved by earlier versions that no run reads now (the command chooses what runs)
+RETIRED = ("teach", "timing_warmup")
+
+
 def load(path: Union[str, Path]) -> RunConfig:
-    """A saved ``config.yaml`` (as written by :func:`save`)."""
-    return apply(RunConfig(), load_yaml(path, "saved config"), str(path))
+    """A saved ``config.yaml`` (as written by :func:`save`; earlier versions' retired keys dropped)."""
+    values = {k: v for k, v in load_yaml(path, "saved config").items() if k not in RETIRED}
+    return apply(RunConfig(), values, str(path))
 
 
 def env_flag(name: str) -> bool:

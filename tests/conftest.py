@@ -189,11 +189,12 @@ def in_process_trainer(cfg, precision=None):
     import backends
     import kd.run.build
     from kd.run.loop import Trainer
+    from kd.run.students import Students
 
     backend = backends.get("single")(cfg)
     backend.setup()
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
     if precision is None:
-        return Trainer(cfg, backend)
+        return Trainer(Students.alone(cfg), backend)
     with unittest.mock.patch.object(kd.run.build, "make_precision", lambda *args, **kwargs: precision):
-        return Trainer(cfg, backend)
+        return Trainer(Students.alone(cfg), backend)

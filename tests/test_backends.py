@@ -106,7 +106,9 @@ def free_port() -> int:
 # ----------------------------------------------------------------------------- two processes
 def _run_jobs(rank: int, world: int, jobs, error_root: str):
     """One spawned process: torchrun's variables, then each job in turn."""
+    from kd.run.jobs import TrainJob
     from kd.run.launch import worker
+    from kd.run.students import Students
 
     torch.set_num_threads(1)
     os.environ.update(
@@ -123,7 +125,7 @@ def _run_jobs(rank: int, world: int, jobs, error_root: str):
             error_dir = Path(error_root, job["name"])
             error_dir.mkdir(parents=True, exist_ok=True)
             try:
-                worker(job["cfg"], job["cfg"].out, None, str(error_dir), None)
+                worker(TrainJob(Students.alone(job["cfg"])), str(error_dir), None)
             except SystemExit:
                 pass  # the error file says why; the next job gets a fresh process group
         else:
@@ -186,12 +188,13 @@ def _averager_job(job):
 def _rng_job(job):
     """The Trainer's set-up on torch_ddp, then a draw from torch's generator (the one dropout uses)."""
     from kd.run.loop import Trainer
+    from kd.run.students import Students
 
     backend = backends.get("torch_ddp")(job["cfg"])
     backend.setup()
     trainer = None
     try:
-        trainer = Trainer(job["cfg"], backend)
+        trainer = Trainer(Students.alone(job["cfg"]), backend)
         torch.save(torch.rand(8), Path(job["result"]).with_suffix(f".{backend.rank}"))
     finally:
         if trainer is not None:

@@ -16,6 +16,7 @@ from timm.data import create_transform, resolve_data_config
 import backends
 from kd import config as kd_config
 from kd.run.loop import Trainer
+from kd.run.students import Students
 
 TEACHER = "timm:test_resnet"  # timm's own test model: mean and std 0.5, bilinear, crop_pct 0.95
 
@@ -36,7 +37,7 @@ def trainer(data, out):
     )  # fmt: skip
     backend = backends.get("single")(cfg)
     backend.setup()
-    return Trainer(cfg, backend)
+    return Trainer(Students.alone(cfg), backend)
 
 
 def first_conv_inputs(model):
@@ -49,7 +50,7 @@ def first_conv_inputs(model):
 def test_a_teacher_is_fed_the_crop_normalised_its_own_way(data, tmp_path, capfd):
     t = trainer(data, tmp_path / "run")
     try:
-        teacher_in = first_conv_inputs(t.lane.prepared_teacher.module)
+        teacher_in = first_conv_inputs(t.teacher.module)
         student_in = first_conv_inputs(t.lane.side.student)
         t.data.train.set_epoch(0)
         batch = next(iter(t.data.train))
@@ -73,8 +74,8 @@ def test_the_teachers_validation_is_timms_eval_transform(data, tmp_path):
     what timm's create_transform makes of each val image, in the val order."""
     t = trainer(data, tmp_path / "val")
     try:
-        seen = first_conv_inputs(t.lane.prepared_teacher.module)
-        t.lane.prepared_teacher.validate()
+        seen = first_conv_inputs(t.teacher.module)
+        t.teacher.validate()
         got = torch.cat(seen)
     finally:
         t.close()

@@ -237,7 +237,7 @@ def test_o1_teacher_stores_the_weights_autocast_would_use(data, tmp_path):
     import copy
 
     t = trainer(tiny_cfg(data, tmp_path / "o1", opt="O1", fuse_teacher=False))
-    teacher = t.lane.teacher.teacher
+    teacher = t.teacher.module.teacher
     assert _dtypes(teacher, bn=False) == {torch.bfloat16} and _dtypes(teacher, bn=True) == {torch.float32}
     reference = copy.deepcopy(teacher).float()  # bf16 -> float32 is exact: the weights autocast casts back
     x = torch.randn(2, 3, 32, 32)
@@ -247,7 +247,7 @@ def test_o1_teacher_stores_the_weights_autocast_would_use(data, tmp_path):
 
 def test_o2_weights_bfloat16_batchnorm_float32_masters_float32(data, tmp_path):
     t = trainer(tiny_cfg(data, tmp_path / "o2", opt="O2", fuse_teacher=False))
-    student, teacher = t.lane.side.student, t.lane.teacher.teacher
+    student, teacher = t.lane.side.student, t.teacher.module.teacher
     assert _dtypes(student, bn=False) == {torch.bfloat16} and _dtypes(student, bn=True) == {torch.float32}
     assert _dtypes(teacher, bn=False) == {torch.bfloat16} and _dtypes(teacher, bn=True) == {torch.float32}
     assert all(b.dtype == torch.float32 for n, b in student.named_buffers() if "running" in n)
@@ -266,7 +266,7 @@ def test_o2_weights_bfloat16_batchnorm_float32_masters_float32(data, tmp_path):
 def test_o3_everything_bfloat16_no_masters(data, tmp_path):
     t = trainer(tiny_cfg(data, tmp_path / "o3", opt="O3", fuse_teacher=False))
     assert {p.dtype for p in t.lane.side.student.parameters()} == {torch.bfloat16}
-    teacher = t.lane.teacher.teacher  # its own precision (kd.teacher.probe): weights in bfloat16 under autocast
+    teacher = t.teacher.module.teacher  # its own precision (kd.teacher.probe): weights in bfloat16 under autocast
     assert _dtypes(teacher, bn=False) == {torch.bfloat16} and _dtypes(teacher, bn=True) == {torch.float32}
     opt_params = {id(p) for g in t.lane.optimizer.param_groups for p in g["params"]}
     assert opt_params == {id(p) for p in t.lane.side.parameters() if p.requires_grad}
@@ -473,7 +473,7 @@ def test_nonfinite_losses_stop_the_run_and_keep_the_last_good_checkpoint(data, t
         t.fit()
     t.close()
     state = last_checkpoint(Path(cfg.out))
-    assert state["epoch"] == 1 and state["global_step"] == 3 and t.lane.global_step == 5
+    assert state["epoch"] == 1 and state["global_step"] == 3 and t.lane.state.global_step == 5
     # the two NaN steps after that checkpoint reached neither the weights nor the buffers
     held = t.lane.precision.model_state(t.lane.side)
     for key, value in state["student"].items():
@@ -565,7 +565,7 @@ def test_float16_levels_on_cuda(data, tmp_path, opt):
     assert t.lane.precision.dtype == torch.float16 and "float16" in t.lane.precision.describe()
     if opt in ("O2", "O3"):
         assert t.lane.side.student.features[0][0].weight.dtype == torch.float16
-        assert t.lane.teacher.teacher.conv1.weight.dtype == torch.float16
+        assert t.teacher.module.teacher.conv1.weight.dtype == torch.float16
     if opt == "O2":
         assert t.lane.side.student.features[0][1].weight.dtype == torch.float32
         assert all(p.dtype == torch.float32 for g in t.lane.optimizer.param_groups for p in g["params"])

@@ -1,4 +1,4 @@
-"""Several students in one run (kd.run.plan): bit for bit equal to separate runs, a non-finite student
+"""Several students in one run (kd.run.students): bit for bit equal to separate runs, a non-finite student
 stopped alone, shared settings enforced, resume, and the figure of ``kd report --plot``."""
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ from torch import nn
 import kd
 from kd import config as kd_config
 from kd.errors import KDError
-from kd.run import plan as multi
+from kd.run import students as multi
+from kd.run.jobs import TrainJob
+from kd.run.launch import train as launch
 
 
 class DropNet(nn.Module):
@@ -86,7 +88,7 @@ def state(out: Path):
 def test_students_together_equal_separate_runs_bit_for_bit(data, tmp_path):
     students = multi.plan([], options(data, tmp_path / "table", kd_loss="kd,dkd"), [])
     assert students.names == ("kd", "dkd")
-    multi.train(students)
+    launch(TrainJob(students))
     for method in ("kd", "dkd"):
         kd.train(kd_config.resolve(options=options(data, tmp_path / "alone" / method, kd_loss=method)))
         together, alone = state(tmp_path / "table" / method), state(tmp_path / "alone" / method)
@@ -103,7 +105,7 @@ def test_students_together_equal_separate_runs_bit_for_bit(data, tmp_path):
     assert yaml.safe_load((tmp_path / "table" / "students.yaml").read_text()) == {"students": ["kd", "dkd"]}
 
     # --resume on the parent folder continues every student from its own last.pt
-    multi.train(multi.resumed(tmp_path / "table", {"epochs": 2}, []), resume="last")
+    kd.train({"out": str(tmp_path / "table"), "epochs": 2}, resume="last")
     for method in ("kd", "dkd"):
         records = (tmp_path / "table" / method / "metrics.jsonl").read_text().splitlines()
         assert [json.loads(line)["epoch"] for line in records] == [1, 2]
@@ -114,7 +116,7 @@ def test_a_feature_student_after_another_equals_its_separate_run(data, tmp_path,
     """A feature method's connectors are drawn from its own seed, not from where the RNG stood after
     the student that built the shared teacher."""
     layers = dict(feature_layers=["body.2"])
-    multi.train(multi.plan([], options(data, tmp_path / "table", kd_loss=methods, **layers), []))
+    launch(TrainJob(multi.plan([], options(data, tmp_path / "table", kd_loss=methods, **layers), [])))
     for method in methods.split(","):
         kd.train(kd_config.resolve(options=options(data, tmp_path / "alone" / method, kd_loss=method, **layers)))
         together, alone = state(tmp_path / "table" / method), state(tmp_path / "alone" / method)
@@ -133,12 +135,12 @@ def test_a_diverging_student_stops_alone(data, tmp_path):
     shared = {k: v for k, v in options(data, tmp_path / "table", max_nonfinite_steps=1, epochs=2).items() if k != "lr"}
     students = multi.plan([str(good), str(bad)], shared, [])
     with pytest.raises(KDError, match=r"student bad stopped: the loss was not finite .*\(completed: good\)"):
-        multi.train(students)
+        launch(TrainJob(students))
     records = [json.loads(line) for line in (tmp_path / "table" / "good" / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in records] == [1, 2]
     # --resume with more epochs continues the student that trained and leaves the stopped one stopped
     with pytest.raises(KDError, match=r"student bad stopped: the loss was not finite .*\(completed: good\)"):
-        multi.train(multi.resumed(tmp_path / "table", {"epochs": 3}, []), resume="last")
+        kd.train({"out": str(tmp_path / "table"), "epochs": 3}, resume="last")
     records = [json.loads(line) for line in (tmp_path / "table" / "good" / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in records] == [1, 2, 3]
 
@@ -270,7 +272,7 @@ def test_apex_ddp_with_several_students_takes_native_amp_where_apex_amp_is_insta
     monkeypatch.setattr(apex_amp, "ApexAmpPrecision", chosen)
     opts = options(data, tmp_path / "table", kd_loss="kd,dkd", backend="apex_ddp", nproc=1, opt="O1")
     opts.update(amp_dtype="bfloat16")
-    multi.train(multi.plan([], opts, []))
+    launch(TrainJob(multi.plan([], opts, [])))
     for name in ("kd", "dkd"):
         assert (tmp_path / "table" / name / "checkpoints" / "last.pt").is_file()
     with pytest.raises(Chosen):  # one student: apex_ddp's wish holds

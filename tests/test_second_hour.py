@@ -120,6 +120,7 @@ def test_a_recipes_compile_applies_on_cuda_only_and_says_when_it_starts(data, tm
     import backends
     from kd import config as kd_config
     from kd.run.loop import Trainer
+    from kd.run.students import Students
     from kd.run.runtime import resolve
 
     cfg = kd_config.resolve(recipe="imagenet/r34_r18_dkd", options={"data": str(data)})
@@ -134,7 +135,7 @@ def test_a_recipes_compile_applies_on_cuda_only_and_says_when_it_starts(data, tm
     cfg = kd_config.resolve(options=tiny)
     backend = backends.get("single")(cfg)
     backend.setup()
-    Trainer(cfg, backend).close()  # torch.compile is lazy: nothing compiles before a step
+    Trainer(Students.alone(cfg), backend).close()  # torch.compile is lazy: nothing compiles before a step
     assert "torch.compile (default): the first step compiles the student (a minute or more)" in capfd.readouterr().err
 
 

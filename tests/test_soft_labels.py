@@ -130,9 +130,9 @@ def test_a_store_on_synthetic_tensors_is_the_live_teacher_and_pins_the_batch(tmp
     assert manifest["samples"] == 12 and manifest["data"] == "synthetic" and manifest["loader"] == "synthetic"
     (log,) = kd_store.teaching_log(store)
     assert log["epochs"] == 1 and log["img_per_s"] > 0 and log["processes"] == 1 and log["device"] == "cpu"
-    # kd bench's timer (timing_warmup) times the teaching, not the teacher's validation after it
+    # kd bench's timer (--timed-after) times the teaching, not the teacher's validation after it
     timed = tmp_path / "timed"
-    r = kd_main("teach", *synthetic, *teacher, "--limit-val-batches", 40, "--set", "timing_warmup=1", "--out", timed)
+    r = kd_main("teach", *synthetic, *teacher, "--limit-val-batches", 40, "--timed-after", 1, "--out", timed)
     assert r.returncode == 0, r.stderr
     (log,) = kd_store.teaching_log(timed)
     assert log["timed_steps"] == 2 and 0 < log["timed_seconds"] < log["seconds"], log

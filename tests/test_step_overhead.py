@@ -18,6 +18,7 @@ import torch
 import backends
 from kd import config as kd_config
 from kd.run.loop import Trainer
+from kd.run.students import Students
 
 READS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy")
 
@@ -47,7 +48,7 @@ def tiny_trainer(out: Path, steps: int, **kw) -> Trainer:
     cfg = kd_config.resolve(options=options)
     backend = backends.get("single")(cfg)
     backend.setup()
-    return Trainer(cfg, backend)
+    return Trainer(Students.alone(cfg), backend)
 
 
 @pytest.fixture
@@ -70,7 +71,7 @@ def test_no_device_reads_per_step(tmp_path, count_reads, opt):
     for steps in (3, 9):
         trainer = tiny_trainer(tmp_path / f"{opt}_{steps}", steps, opt=opt)
         trainer.train_epoch()  # warms up lazily built state first
-        trainer.lane.batch_in_epoch = 0
+        trainer.lane.state.batch_in_epoch = 0
         before = dict(count_reads)
         trainer.train_epoch()
         reads.append({k: count_reads[k] - before[k] for k in READS})
@@ -86,7 +87,7 @@ def test_step_host_time(benchmark, tmp_path):
     loader.set_epoch(0)
     batch = next(iter(loader))
     out = benchmark(trainer.lane.step, batch)  # under pytest-xdist the benchmark is off and this runs once
-    assert trainer.lane.global_step >= 1 and out.images == len(batch)
+    assert trainer.lane.state.global_step >= 1 and out.images == len(batch)
     assert torch.isfinite(out.parts["loss"]) and not bool(out.skipped)
 
 
@@ -102,7 +103,7 @@ def test_public_step_reads_nothing_from_the_device(tmp_path, count_reads, opt):
     before = dict(count_reads)
     out = trainer.lane.step(batch)
     assert {k: count_reads[k] - before[k] for k in READS} == {k: 0 for k in READS}
-    assert trainer.lane.global_step == 2 and out.images == len(batch)
+    assert trainer.lane.state.global_step == 2 and out.images == len(batch)
     assert set(out.parts) >= {"loss", "ce", "kd"} and all(v.dim() == 0 for v in out.parts.values())
     assert out.skipped is not None and out.skipped.dim() == 0
     assert not bool(out.flags[:-1].any())  # no source was non-finite ...

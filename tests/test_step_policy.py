@@ -158,7 +158,7 @@ def test_finite_loss_with_nonfinite_gradients_stops_the_run(data, tmp_path, monk
     ):
         t.fit()
     t.close()
-    assert t.lane.global_step == 4  # stopped at the limit (step 4 of 9)
+    assert t.lane.state.global_step == 4  # stopped at the limit (step 4 of 9)
 
 
 def first_skip_and_stop(out: Path, stderr: str):
@@ -196,7 +196,7 @@ def test_no_checkpoint_holds_a_nonfinite_buffer(data, tmp_path):
     last = Path(t.lane.out) / "checkpoints" / "last.pt"
     written = last.read_bytes()
     t.lane.side.student.bn1.running_var[0] = float("nan")
-    t.lane.global_step = 7
+    t.lane.state.global_step = 7
     t.lane.save(best=True)
     t.close()
     assert last.read_bytes() == written and not (Path(t.lane.out) / "checkpoints" / "best.pt").exists()
@@ -308,6 +308,7 @@ def test_a_checkpoint_that_cannot_be_resumed_fails_before_the_data_is_read(data,
     import kd.run.loop
     from kd.errors import KDError
     from kd.run.loop import Trainer
+    from kd.run.students import Students
 
     built = []
     monkeypatch.setattr(kd.run.loop, "build_data", lambda *args: built.append(args))
@@ -318,6 +319,6 @@ def test_a_checkpoint_that_cannot_be_resumed_fails_before_the_data_is_read(data,
     backend.setup()
     handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     with pytest.raises(KDError, match="cannot load checkpoint"):
-        Trainer(cfg, backend, resume_from=broken)
+        Trainer(Students.alone(cfg, broken), backend)
     assert built == []
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == handlers  # none left installed

@@ -25,6 +25,7 @@ from kd import config as kd_config
 from kd.errors import KDError
 from kd.losses import DistillInputs, DistillLoss
 from kd.run.loop import Trainer
+from kd.run.students import Students
 
 NET = "timm:resnet10t"
 BASE = dict(
@@ -199,13 +200,13 @@ def test_nonfinite_loss_never_reaches_the_weights_and_names_its_source(data, tmp
     cfg = cfg_for(data, tmp_path / "nan", no_teacher=True, teacher=None, opt=opt, epochs=3, max_nonfinite_steps=3)
     backend = backends.get("single")(cfg)
     backend.setup()
-    t = Trainer(cfg, backend)
+    t = Trainer(Students.alone(cfg), backend)
     with pytest.raises(KDError, match=r"not finite for 3 consecutive steps .*the loss term 'kd' was not finite") as err:
         t.fit()
     t.close()
     assert "skipped" in str(err.value)
     state = torch.load(tmp_path / "nan" / "checkpoints" / "last.pt", weights_only=True)
-    assert state["global_step"] == 3 and t.lane.global_step == 6  # epoch 1, before the first bad step
+    assert state["global_step"] == 3 and t.lane.state.global_step == 6  # epoch 1, before the first bad step
     held = t.lane.precision.model_state(t.lane.side)  # the three skipped steps changed nothing since
     for key, value in state["student"].items():
         assert torch.equal(value, held[f"student.{key}"]), key
@@ -229,14 +230,14 @@ def test_a_float32_teacher_is_fed_what_it_was_probed_with(data, trained, tmp_pat
     cfg = cfg_for(data, tmp_path / opt, teacher_weights=str(trained), opt=opt, teacher_precision="float32")
     backend = backends.get("single")(cfg)
     backend.setup()
-    t = Trainer(cfg, backend)
+    t = Trainer(Students.alone(cfg), backend)
     seen = []
-    first = next(m for m in t.lane.prepared_teacher.module.modules() if isinstance(m, nn.Conv2d))
+    first = next(m for m in t.teacher.module.modules() if isinstance(m, nn.Conv2d))
     first.register_forward_pre_hook(lambda m, args: seen.append(args[0].detach().clone()))
     t.data.train.set_epoch(0)
     batch = next(iter(t.data.train))
     t.lane.side.train()
     t.lane.step(batch)
     t.close()
-    assert t.lane.prepared_teacher.dtype_name == "float32" and len(seen) == 1
+    assert t.teacher.dtype_name == "float32" and len(seen) == 1
     assert seen[0].dtype == torch.float32 and torch.equal(seen[0], batch.images)

@@ -14,6 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import kd
 from kd import config as kd_config
 from kd.run.loop import Trainer
+from kd.run.students import Students
 
 TINY = dict(image_size=32, batch_size=8, workers=0, lr=0.05, device="cpu", log_every=1, seed=0)
 
@@ -104,8 +105,8 @@ def test_teacher_is_frozen_and_unchanged(image_folder, tmp_path):
 
     backend = backends.get("single")(cfg)
     backend.setup()
-    trainer = Trainer(cfg, backend)
-    teacher = trainer.lane.teacher.teacher
+    trainer = Trainer(Students.alone(cfg), backend)
+    teacher = trainer.teacher.module.teacher
     assert not teacher.training
     assert all(not p.requires_grad for p in teacher.parameters())
     opt_params = {id(p) for g in trainer.lane.optimizer.param_groups for p in g["params"]}
@@ -134,8 +135,8 @@ def test_fused_teacher_gives_the_same_logits_and_stays_frozen(image_folder, tmp_
 
     backend = backends.get("single")(cfg)
     backend.setup()
-    trainer = Trainer(cfg, backend)
-    teacher = trainer.lane.teacher.teacher
+    trainer = Trainer(Students.alone(cfg), backend)
+    teacher = trainer.teacher.module.teacher
     assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in teacher.modules())  # all 20 folded
     assert all(not p.requires_grad for p in teacher.parameters())
     x = torch.randn(4, 3, 32, 32)

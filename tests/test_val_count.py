@@ -144,6 +144,7 @@ def _disappearing_run(tmp_path, workers: int, max_bad_images: int):
     val image after the first step: (the run's folder, the two paths); the Trainer closed after."""
     import backends
     from kd.run.loop import Trainer
+    from kd.run.students import Students
 
     data = make_image_folder(tmp_path / "data", classes=2, train_per_class=4, val_per_class=3, size=(16, 16))
     gone = [data / "train" / "class_01" / "002.jpg", data / "val" / "class_00" / "001.jpg"]
@@ -154,7 +155,7 @@ def _disappearing_run(tmp_path, workers: int, max_bad_images: int):
     cfg = kd_config.resolve(options=options)
     backend = backends.get("single")(cfg)
     backend.setup()
-    trainer = Trainer(cfg, backend, hooks=[_Deleter(gone)])
+    trainer = Trainer(Students.alone(cfg), backend, hooks=[_Deleter(gone)])
     try:
         trainer.fit()
     finally:

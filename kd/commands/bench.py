@@ -34,7 +34,7 @@ def combo_command(backend: str, opt: str, args: Dict[str, Any], out: Path, verb:
     after ``warmup`` untimed ones, models without weights."""
     synthetic = args.get("data", "synthetic") == "synthetic"
     cmd = [sys.executable, "-m", "cli", verb, "--backend", backend, "--opt", opt, "--epochs", "1"]
-    cmd += ["--out", str(out), "--no-progress", "--set", f"timing_warmup={args['warmup']}"]
+    cmd += ["--out", str(out), "--no-progress", "--timed-after", str(args["warmup"])]
     if verb == "train" or synthetic:  # kd teach labels a folder's whole epoch; synthetic tensors have none
         cmd += ["--limit-train-batches", str(args["warmup"] + args["iters"])]
     if verb == "train":

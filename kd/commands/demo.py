@@ -81,7 +81,9 @@ def _best(run: Path) -> Dict[str, float]:
 def run_demo(out: Path, epochs: Optional[int] = None, overwrite: bool = False) -> Dict[str, float]:
     """Teacher, student alone, student with KD; prints a table and returns the top-1 of each."""
     from kd.config import RunConfig, validate
+    from kd.run.jobs import TrainJob
     from kd.run.launch import train
+    from kd.run.students import Students
 
     out = Path(out)
     if out.exists() and any(out.iterdir()):
@@ -137,7 +139,7 @@ def run_demo(out: Path, epochs: Optional[int] = None, overwrite: bool = False) -
                 out=str(out / "student_kd"),
             )
         print(f"== kd demo: {name} ==", flush=True)
-        train(validate(runs[name]))
+        train(TrainJob(Students.alone(validate(runs[name]))))
         keep_best(Path(runs[name].out))
         results[name] = _best(Path(runs[name].out))
     minutes = (time.perf_counter() - started) / 60

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import List, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -37,6 +37,8 @@ class Data:
     num_val: int
     val_samples: Sequence[Tuple[str, int]] = field(default_factory=list)  # for a teacher's own val loader
     train_samples: Sequence[Tuple[str, int]] = field(default_factory=list)  # what a soft-label store is checked against
+    #: a val loader of the same samples and shard with another config's transform (a teacher's own)
+    own_val: Optional[Callable[[Any], Loader]] = None
 
     def close(self) -> None:
         for loader in (self.train, self.val):
@@ -67,7 +69,9 @@ def build(cfg, num_replicas: int, rank: int, local_batch: int, device: torch.dev
     budget = default_budget_gb(min(local, num_replicas)) if cfg.val_cache_gb is None else cfg.val_cache_gb
     if budget > 0:
         val = CachedVal(val, cfg.image_size, device, channels_last, budget * 2**30)
-    return Data(train, val, classes, len(train_samples), len(val_samples), val_samples, train_samples)
+    data = Data(train, val, classes, len(train_samples), len(val_samples), val_samples, train_samples)
+    data.own_val = lambda other: build_val(other, val_samples, num_replicas, rank, local_batch, device, channels_last)
+    return data
 
 
 def synthetic_listing(steps: int, local_batch: int, replicas: int, seed: int) -> List[Tuple[str, int]]:

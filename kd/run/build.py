@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -18,74 +18,105 @@ from kd.precision import make_precision
 from kd.precision.cpu import slow_precision_warning
 from kd.run import checkpoint
 from kd.run.features import check_layers, layer_names, tap
-from kd.run.lane import Lane
+from kd.run.lane import Lane, TrainState, stop_in_setup
+from kd.run.log import NullLogger, RunLogger
 from kd.run.optim import build_optimizer, build_scheduler
+from kd.run.runtime import resolve as resolve_runtime
 from kd.run.sides import StudentSide
-from kd.run.step import BufferGuard
 
 
 def build_lane(
-    cfg, backend, out: Path, resume_from: Optional[Path], shared, validate: bool = True, alone: bool = True
+    name: str,
+    cfg,
+    backend,
+    out: Path,
+    resumed: Optional[Tuple[Path, Dict[str, Any]]],
+    shared,
+    validate: bool = True,
+    alone: bool = True,
 ) -> Lane:
-    """One student for ``cfg`` on the set-up ``backend``, in ``out``, resumed from ``resume_from``
-    where given; ``shared`` (:class:`kd.run.loop.Shared`) brings the data, the teacher's model, the
-    stop flag and the set-up's clock; ``alone``: the run's only student. A stop signal during
-    set-up ends it at the next of a few points, every process alike, with nothing written."""
-    resumed = checkpoint.load(resume_from) if resume_from is not None else None  # (the loop checked it)
-    lane = Lane(models.with_data_configs(cfg), backend, Path(out), resume_from, shared, validate, alone)
-    cfg, dev = lane.cfg, lane.device
-    lane.stop_in_setup()
-    lane.num_classes = num_classes = cfg.num_classes or len(lane.data.classes)
-    if cfg.num_classes and cfg.data != "synthetic" and cfg.num_classes != len(lane.data.classes):
-        raise KDError(f"--num-classes {cfg.num_classes} but {cfg.data} has {len(lane.data.classes)} class folders")
+    """The student ``name`` for ``cfg`` on the set-up ``backend`` (its own fork), in ``out``, resumed
+    from the checkpoint state ``resumed`` where given (read once, by the loop); ``shared``
+    (:class:`kd.run.loop.Shared`) brings the data, the teacher's model, the stop flag and the
+    set-up's clock; ``alone``: the run's only student. A stop signal during set-up ends it at the
+    next of a few points, every process alike, with nothing written."""
+    cfg = models.with_data_configs(cfg)
+    dev = backend.device
+    runtime = resolve_runtime(cfg, dev)
+    if dev.type == "cuda":
+        torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
+    prefix = "" if alone else f"[{out.name}] "
+    logger = RunLogger(out, cfg.progress_bar, prefix) if backend.is_main else NullLogger()
+    clock, data = shared.clock, shared.data
+    stop_in_setup(shared.stop, backend)
+    num_classes = cfg.num_classes or len(data.classes)
+    if cfg.num_classes and cfg.data != "synthetic" and cfg.num_classes != len(data.classes):
+        raise KDError(f"--num-classes {cfg.num_classes} but {cfg.data} has {len(data.classes)} class folders")
 
     # apex.amp holds one model per process: beside other students, apex_ddp's wish for it gives way
-    lane.precision = make_precision(cfg, dev, prefer_apex=backend.prefers_apex_amp and alone)
-    said = [lane.precision.describe()]  # logged once set-up has succeeded: a failed start stays one line
-    warning = slow_precision_warning(cfg.opt, lane.precision.dtype, dev)
+    precision = make_precision(cfg, dev, prefer_apex=backend.prefers_apex_amp and alone)
+    said = [precision.describe()]  # logged once set-up has succeeded: a failed start stays one line
+    warning = slow_precision_warning(cfg.opt, precision.dtype, dev)
     if warning:
-        lane.logger.info(warning)
+        logger.info(warning)
     torch.manual_seed(cfg.seed)  # the same initial student on every process, and beside other students
-    student, loss, teacher, s_layers, lane.t_layers = build_models(cfg, num_classes, shared.teacher_model)
+    student, loss, teacher, s_layers, t_layers = build_models(cfg, num_classes, shared.teacher_model)
     if teacher is not None:
         shared.teacher_model = teacher  # built after this student, as its own run builds it
-    lane.needs_teacher = loss.needs_teacher  # its outputs live, or from a store (--soft-labels)
-    lane.clock.mark("models")
+    clock.mark("models")
 
     # Module.to(device, memory_format=...) is valid at run time; torch's overloads list the two apart
-    lane.side = StudentSide(student, loss, s_layers).to(dev, memory_format=lane.memory_format)  # type: ignore[call-overload]
-    lane.side = backend.prepare_model(lane.side)  # before the optimizer: sync-BN layers, parameter layout
+    side = StudentSide(student, loss, s_layers).to(dev, memory_format=runtime.memory_format)  # type: ignore[call-overload]
+    side = backend.prepare_model(side)  # before the optimizer: sync-BN layers, parameter layout
     # the loaders normalise for the (first) student; another student renormalises on the device
-    lane.renorm = models.renormaliser(getattr(lane.data.train, "norm", None), cfg.student_data)
-    lane.stop_in_setup()
-    optimizer = build_optimizer(cfg, lane.side.named_parameters(), fused_ok=lane.precision.fused_optimizer_ok)
-    lane.side, lane.optimizer = lane.precision.prepare(lane.side, optimizer)
-    lane.model = backend.wrap(lane.side)
+    renorm = models.renormaliser(getattr(data.train, "norm", None), cfg.student_data)
+    stop_in_setup(shared.stop, backend)
+    optimizer = build_optimizer(cfg, side.named_parameters(), fused_ok=precision.fused_optimizer_ok)
+    side, optimizer = precision.prepare(side, optimizer)
+    model = backend.wrap(side)
     torch.manual_seed(cfg.seed + backend.rank)  # each process its own dropout / drop-path masks
     said.append(backend.describe())  # after wrap: what the backend decided there (e.g. torch_ddp's detection)
-    forward = backend.wrap_forward(lane.side.student)
-    renorm = lane.renorm
-    lane.eval_forward = forward if renorm is None else (lambda images: forward(renorm(images)))
-    # CUDA-graph modes: each step starts a new graph generation (the last step's outputs are dead)
-    lane.graph_step = lane.runtime.cuda_graphs
-    if lane.runtime.compile:
+    forward = backend.wrap_forward(side.student)
+    eval_forward = forward if renorm is None else (lambda images: forward(renorm(images)))
+    if runtime.compile:
         said.append(
             f"torch.compile ({cfg.compile_mode}): the first step compiles the student "
             f"{'and the teacher ' if not cfg.no_teacher else ''}(a minute or more), the steps after run faster"
         )
-        lane.model = torch.compile(lane.model, mode=cfg.compile_mode)
-    lane.params = [p for p in lane.side.parameters() if p.requires_grad]
-    lane.buffers = BufferGuard(lane.side)  # put back on a skipped step
-    lane.scheduler = build_scheduler(cfg, lane.optimizer, len(lane.data.train))
-    lane.clock.mark("optimizer")  # with the precision, the backend's wrap and torch.compile's
-    lane.step_lr = lane.optimizer.param_groups[0]["lr"]  # the lr of the last step taken (logged)
+        model = torch.compile(model, mode=cfg.compile_mode)
+    scheduler = build_scheduler(cfg, optimizer, len(data.train))
+    clock.mark("optimizer")  # with the precision, the backend's wrap and torch.compile's
+    lane = Lane(
+        name=name,
+        cfg=cfg,
+        backend=backend,
+        out=out,
+        data=data,
+        stop=shared.stop,
+        clock=clock,
+        logger=logger,
+        precision=precision,
+        side=side,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        renorm=renorm,
+        eval_forward=eval_forward,
+        num_classes=num_classes,
+        needs_teacher=loss.needs_teacher,  # its outputs live, or from a store (--soft-labels)
+        t_layers=t_layers,
+        notes=[],
+        state=TrainState(),
+        validate=validate,
+    )
     if resumed is not None:
-        checkpoint.restore_run(lane, resumed)
-        lane.logger.resume_at(lane.epoch)
-        lane.logger.info(f"resumed from {resume_from} at epoch {lane.epoch + 1}")
-    lane.resumed_step = lane.global_step
+        path, state = resumed
+        checkpoint.restore_run(lane, state)
+        lane.resumed_step = lane.state.global_step
+        logger.resume_at(lane.state.epoch)
+        logger.info(f"resumed from {path} at epoch {lane.state.epoch + 1}")
     for line in said:
-        lane.logger.info(line)
+        logger.info(line)
     lane.log_data_configs()  # once set-up has succeeded: a failed start stays one line
     return lane
 

@@ -38,6 +38,7 @@ import torch
 
 from kd.checksum import file_sha256, unreadable
 from kd.errors import KDError
+from kd.run.state import TrainState
 from kd.runfolder import RunFolder
 from kd.version import __version__
 
@@ -332,35 +333,38 @@ def finished_epochs(path: Path, epochs: int) -> Optional[int]:
 
 
 # ----------------------------------------------------------------- a trainer's state
-def restore_run(t, state: dict) -> None:
-    """Put ``state`` (a :func:`run_state`) back into the trainer ``t``: weights, optimizer, schedule,
-    scaler, position, counters and this rank's generators."""
+def restore_run(lane, state: dict) -> None:
+    """Put ``state`` (a :func:`run_state`) back into ``lane``: weights, optimizer, schedule, scaler,
+    its :class:`kd.run.state.TrainState` and this rank's generators."""
     side_state = {f"student.{k}": v for k, v in state["student"].items()}
     side_state.update({f"loss.{k}": v for k, v in state.get("loss", {}).items()})
-    t.precision.load_model_state(t.side, side_state)
-    t.optimizer.load_state_dict(state["optimizer"])
-    t.scheduler.load_state_dict(state["scheduler"])
-    t.precision.load_state_dict(state.get("precision", {}))
-    t.epoch = state["epoch"]
-    t.batch_in_epoch = state.get("batch_in_epoch", 0)
-    t.global_step = state["global_step"]
-    t.best_top1 = state["best_top1"]
-    t.bad_files = set(state.get("bad_files", []))
+    lane.precision.load_model_state(lane.side, side_state)
+    lane.optimizer.load_state_dict(state["optimizer"])
+    lane.scheduler.load_state_dict(state["scheduler"])
+    lane.precision.load_state_dict(state.get("precision", {}))
     pending = state.get("pending_epoch")
-    t.pending_epoch = (pending["train"], pending["seconds"]) if pending else None
-    if state.get("meter") and t.backend.is_main:
-        t.meter.load_state_dict(state["meter"])
-    rng = state.get("rng", {}).get(str(t.backend.rank))
+    lane.state = TrainState(
+        epoch=state["epoch"],
+        batch_in_epoch=state.get("batch_in_epoch", 0),
+        global_step=state["global_step"],
+        best_top1=state["best_top1"],
+        bad_files=set(state.get("bad_files", [])),
+        pending_epoch=(pending["train"], pending["seconds"]) if pending else None,
+    )
+    if state.get("meter") and lane.backend.is_main:
+        lane.meter.load_state_dict(state["meter"])
+    rng = state.get("rng", {}).get(str(lane.backend.rank))
     if rng is not None:
         set_rng_state(rng)
 
 
-def run_state(t, rng: Optional[Dict[str, Any]] = None, meter: Optional[dict] = None) -> dict:
-    """The trainer ``t``'s full state for ``last.pt``: float32 weights, optimizer, schedule, scaler,
-    position in the epoch, counters, the run's config, and (from :func:`save_run`) every rank's
-    generators and a mid-epoch meter."""
-    side = t.precision.model_state(t.side)
+def run_state(lane, rng: Optional[Dict[str, Any]] = None, meter: Optional[dict] = None) -> dict:
+    """``lane``'s full state for ``last.pt``: float32 weights, optimizer, schedule, scaler, its
+    training state (position in the epoch, counters), the run's config, and (from
+    :func:`save_run`) every rank's generators and a mid-epoch meter."""
+    side = lane.precision.model_state(lane.side)
     student = {k[len("student.") :]: v for k, v in side.items() if k.startswith("student.")}
+    at = lane.state
     return {
         "format": FORMAT_VERSION,
         "kd_version": __version__,
@@ -368,23 +372,23 @@ def run_state(t, rng: Optional[Dict[str, Any]] = None, meter: Optional[dict] = N
         # the same tensors (stored once) where timm's load_checkpoint and most scripts look
         "state_dict": student,
         "loss": {k[len("loss.") :]: v for k, v in side.items() if k.startswith("loss.")},
-        "optimizer": t.optimizer.state_dict(),
-        "scheduler": t.scheduler.state_dict(),
-        "precision": t.precision.state_dict(),
-        "epoch": t.epoch,
-        "batch_in_epoch": t.batch_in_epoch,
-        "global_step": t.global_step,
-        "best_top1": t.best_top1,
-        "bad_images": len(t.bad_files),
-        "bad_files": sorted(t.bad_files),
+        "optimizer": lane.optimizer.state_dict(),
+        "scheduler": lane.scheduler.state_dict(),
+        "precision": lane.precision.state_dict(),
+        "epoch": at.epoch,
+        "batch_in_epoch": at.batch_in_epoch,
+        "global_step": at.global_step,
+        "best_top1": at.best_top1,
+        "bad_images": len(at.bad_files),
+        "bad_files": sorted(at.bad_files),
         # an epoch trained whose validation a stop cut short
-        "pending_epoch": {"train": t.pending_epoch[0], "seconds": t.pending_epoch[1]} if t.pending_epoch else None,
+        "pending_epoch": {"train": at.pending_epoch[0], "seconds": at.pending_epoch[1]} if at.pending_epoch else None,
         "meter": meter,
         "rng": rng or {},
-        "student_name": t.cfg.student,
-        "num_classes": t.num_classes,
-        "classes": list(t.data.classes),
-        "config": t.cfg.to_dict(),
+        "student_name": lane.cfg.student,
+        "num_classes": lane.num_classes,
+        "classes": list(lane.data.classes),
+        "config": lane.cfg.to_dict(),
     }
 
 
@@ -407,43 +411,43 @@ def nonfinite_keys(state: Dict[str, torch.Tensor]) -> list:
     return [k for k, b in zip(names, bad) if b]
 
 
-def save_run(t, best: bool, step_copy: bool = False) -> None:
+def save_run(lane, best: bool, step_copy: bool = False) -> None:
     """Checkpoint on the main process: last.pt (and best.pt, or a step_N.pt copy), atomically.
 
     A state reached through a non-finite loss is not saved, so the last good one stays.
     A failed write (disk full) keeps the previous file and stops the run with a clear error.
     """
-    t.backend.sync_buffers(t.side)
+    lane.backend.sync_buffers(lane.side)
     # every process's generators (each draws its own dropout masks), restored rank by rank, and the
     # unreadable files each met since the last check
-    gathered = t.backend.all_gather_object((rng_state(), sorted(t.new_bad_files)))
+    gathered = lane.backend.all_gather_object((rng_state(), sorted(lane.new_bad_files)))
     rng = {str(rank): state for rank, (state, _) in enumerate(gathered)}
     for _, paths in gathered:
-        t.bad_files.update(paths)
-    t.new_bad_files.clear()
+        lane.state.bad_files.update(paths)
+    lane.new_bad_files.clear()
     # a mid-epoch checkpoint holds the epoch's sums over every process; rank 0 alone restores them
-    meter = t.meter.global_state(t.backend) if t.batch_in_epoch else None
-    if t.backend.is_main and t.meter.streak.item() > 0:
-        t.logger.info("not checkpointing: the last step was skipped (not finite); the previous checkpoint stays")
-    elif t.backend.is_main:
-        run = RunFolder(t.out)
+    meter = lane.meter.global_state(lane.backend) if lane.state.batch_in_epoch else None
+    if lane.backend.is_main and lane.meter.streak.item() > 0:
+        lane.logger.info("not checkpointing: the last step was skipped (not finite); the previous checkpoint stays")
+    elif lane.backend.is_main:
+        run = RunFolder(lane.out)
         folder, path = run.checkpoints, run.last
-        state = run_state(t, rng, meter)
+        state = run_state(lane, rng, meter)
         broken = nonfinite_keys(state["student"]) + nonfinite_keys(state["loss"])
         if broken:  # never a checkpoint that cannot evaluate (the step's policy should make this impossible)
-            t.logger.info(f"not checkpointing: {', '.join(broken[:3])} not finite; the previous checkpoint stays")
-            t.backend.barrier()
+            lane.logger.info(f"not checkpointing: {', '.join(broken[:3])} not finite; the previous checkpoint stays")
+            lane.backend.barrier()
             return
         try:
-            with t.stop.critical():  # a forced stop (a second Ctrl-C) waits for the files
+            with lane.stop.critical():  # a forced stop (a second Ctrl-C) waits for the files
                 save_atomic(state, path)
                 if best:
                     copy_atomic(path, run.best)
                 if step_copy:  # the oldest go first, so a kill at any moment leaves at most --keep-last copies
                     kept = sorted(folder.glob("step_*.pt"))
-                    for old in kept[: max(0, len(kept) - (t.cfg.keep_last - 1))]:
+                    for old in kept[: max(0, len(kept) - (lane.cfg.keep_last - 1))]:
                         remove(old)
-                    copy_atomic(path, folder / f"step_{t.global_step:08d}.pt")
+                    copy_atomic(path, folder / f"step_{lane.state.global_step:08d}.pt")
         except OSError as exc:  # (save_atomic turns torch.save's short write on a full disk into one)
             todo = "free space, then " if exc.errno in (errno.ENOSPC, errno.EDQUOT) else ""
             intact = (
@@ -452,4 +456,4 @@ def save_run(t, best: bool, step_copy: bool = False) -> None:
                 else f"no checkpoint was written yet: {todo}start again"
             )
             raise KDError(f"could not write a checkpoint to {folder}: {write_failure(exc, folder)}; {intact}") from None
-    t.backend.barrier()
+    lane.backend.barrier()

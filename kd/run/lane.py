@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set
 
 import torch
 from torch import nn
@@ -19,80 +19,93 @@ from kd.data.loader import Batch
 from kd.errors import KDError, NonFinite
 from kd.run import checkpoint
 from kd.run.accuracy import unreadable_note, validate_student
-from kd.run.log import NullBar, NullLogger, RunLogger, SetupClock, first_step_record
+from kd.run.log import NullBar, SetupClock, first_step_record
 from kd.run.meter import Meter, format_record, nonfinite_flags, nonfinite_message
-from kd.run.runtime import resolve as resolve_runtime
 from kd.run.signals import Interrupted, StopFlag, in_setup
+from kd.run.state import TrainState
 from kd.run.step import LOGITS_SUM, BufferGuard, StepOutput, apply_gradients
 from kd.runfolder import RunFolder
 
-if TYPE_CHECKING:  # the run's loop prepares the teacher; a lane only holds it
+if TYPE_CHECKING:  # the run's loop builds the teacher; a lane only holds it
     from kd.teacher.frozen import Teacher
+    from kd.teacher.source import Targets
 
 
 class Lane:
-    """One student's part of a run in this process, built from its config, its fork of the set-up
-    backend, its run folder and what the run's students share (:class:`kd.run.loop.Shared`: the
-    data, the teacher's model, the stop flag). The run's loop drives :meth:`begin_epoch`,
-    :meth:`step` (with the teacher's outputs), :meth:`after_step`, :meth:`end_train_epoch` and
+    """One student's part of a run in this process, built whole by :func:`kd.run.build.build_lane`
+    from its parts: its config and run folder, its fork of the set-up backend, its precision, side
+    (the student and its loss's trainable modules), wrapped model, optimizer and schedule, and its
+    training state. The run's loop (:class:`kd.run.loop.Trainer`) drives :meth:`begin_epoch`,
+    :meth:`step` (with the teacher's targets), :meth:`after_step`, :meth:`end_train_epoch` and
     :meth:`end_epoch`.
     """
 
-    # the parts kd.run.build.build_lane gives it
-    num_classes: int
-    precision: Any  # a kd.precision Precision
-    side: nn.Module  # the student side (kd.run.sides.StudentSide), as the precision prepared it
-    model: Any  # the side as the backend wrapped it (and torch.compile, where on)
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    params: List[torch.Tensor]  # the trainable parameters
-    buffers: BufferGuard  # the side's buffers, put back on a skipped step
-    renorm: Optional[Callable[[torch.Tensor], torch.Tensor]]  # from the loaders' normalisation to its own
-    eval_forward: Callable[[torch.Tensor], Any]
-    graph_step: bool  # CUDA graphs: each step starts a new graph generation
-    needs_teacher: bool
-    t_layers: List[str]  # the teacher layers its loss taps
-    step_lr: float  # the lr of the last step taken (logged)
-    resumed_step: int  # the global step it started (or resumed) at
-
-    def __init__(self, cfg, backend, out: Path, resume_from: Optional[Path], shared, validate: bool, alone: bool):
-        """Who the student is and where it runs; :func:`kd.run.build.build_lane` gives it its parts.
-        ``validate=False`` skips the teacher's and the student's validation passes (timed benchmark
-        runs); ``alone``: the run's only student (its log lines carry no name)."""
+    def __init__(
+        self,
+        *,
+        name: str,
+        cfg,
+        backend,
+        out: Path,
+        data,
+        stop: StopFlag,
+        clock: SetupClock,
+        logger,
+        precision,
+        side: nn.Module,
+        model: Any,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        renorm: Optional[Callable[[torch.Tensor], torch.Tensor]],
+        eval_forward: Callable[[torch.Tensor], Any],
+        num_classes: int,
+        needs_teacher: bool,
+        t_layers: List[str],
+        notes: List[str],
+        state: TrainState,
+        validate: bool = True,
+    ):
+        """``side``: the student side (:class:`kd.run.sides.StudentSide`) as the precision prepared it;
+        ``model``: the side as the backend wrapped it (and torch.compile, where on); ``renorm``: from
+        the loaders' normalisation to the student's own (None where they agree); ``t_layers``: the
+        teacher layers its loss taps; ``notes``: what kd chose for the user (comments in
+        config.yaml); ``validate=False`` skips the teacher's and the student's validation passes
+        (timed benchmark runs)."""
+        self.name = name  # the student's name beside others; its run folder's name
         self.cfg = cfg
         self.backend = backend
         self.out = out
-        self.resume_from = resume_from
-        self.validates = validate
-        self.stop = shared.stop
-        self.clock: SetupClock = shared.clock  # the run's: its set-up parts
-        self.data = shared.data
+        self.data = data
+        self.stop = stop
+        self.clock = clock  # the run's: its set-up parts
+        self.logger = logger
         self.device = backend.device
-        self.runtime = resolve_runtime(cfg, self.device)
-        self.memory_format = self.runtime.memory_format
-        prefix = "" if alone else f"[{out.name}] "
-        self.logger = RunLogger(out, cfg.progress_bar, prefix) if backend.is_main else NullLogger()
-        if self.device.type == "cuda":
-            torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
-        self.name = out.name  # the student's name beside others; its run folder's name
+        self.precision = precision
+        self.side = side
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.params = [p for p in side.parameters() if p.requires_grad]
+        self.buffers = BufferGuard(side)  # the side's buffers, put back on a skipped step
+        self.renorm = renorm
+        self.eval_forward = eval_forward
+        self.num_classes = num_classes
+        self.needs_teacher = needs_teacher
+        self.t_layers = t_layers
+        self.notes = notes
+        self.state = state
+        self.validates = validate
+        self.teacher: Optional[Teacher] = None  # the live teacher it learns from (its top-1, its precision)
         self.rng: Dict[str, Any] = {}  # beside other students: its generators' state between its calls
         self.first_step: Optional[Dict[str, float]] = None  # seconds to the first step, once taken
         self.loss_terms: List[str] = []  # the loss parts besides the total, in the order of the non-finite flags
-        self.prepared_teacher: Optional[Teacher] = None
-        self.notes: List[str] = []  # what kd chose for the user, kept as comments in config.yaml
-        # where training stands, and what the loop's rules count
-        self.epoch = 0
-        self.batch_in_epoch = 0
-        self.global_step = 0
-        self.best_top1 = -1.0
+        self.resumed_step = state.global_step  # the global step it started (or resumed) at
+        self.step_lr = optimizer.param_groups[0]["lr"]  # the lr of the last step taken (logged)
         self.epoch_lr: Optional[float] = None  # the lr of this epoch's first step
-        self.bad_files: Set[str] = set()  # the unreadable files met so far, on every process
-        self.new_bad_files: Set[str] = set()  # those this process met since the last check
+        self.new_bad_files: Set[str] = set()  # the unreadable files this process met since the last check
         self.val_bad_files: Set[str] = set()  # the unreadable val files, named once (the same on every process)
         self.meter = Meter(self.device)
-        # an epoch trained whose validation a stop cut short: its training totals and seconds
-        self.pending_epoch: Optional[Tuple[Dict[str, float], float]] = None
-        self.steps_in_epoch = len(self.data.train)
+        self.steps_in_epoch = len(data.train)
         self.stop_every = min(cfg.log_every, 10)  # steps between stop checks across processes
         self.epoch_ended: Optional[float] = None
         self._bar: Any = NullBar()  # the epoch's progress bar (begin_epoch); none before the first epoch
@@ -105,18 +118,13 @@ class Lane:
         checkpoint.save_run(self, best, step_copy)
 
     # ----------------------------------------------------------------- the steps
-    def _graph_step_begin(self) -> None:
-        """Under CUDA graphs (compile_mode), a new call may overwrite the last call's outputs."""
-        if self.graph_step:
-            torch.compiler.cudagraph_mark_step_begin()
-
     def finish_pending_epoch(self) -> Optional[Dict[str, float]]:
         """After a resume: the end (validation, log, checkpoint) of an epoch whose training was done
         when a stop cut its validation short; its record, or None where there is no such epoch."""
-        if self.pending_epoch is None:
+        if self.state.pending_epoch is None:
             return None
-        train, seconds = self.pending_epoch
-        self.pending_epoch = None
+        train, seconds = self.state.pending_epoch
+        self.state.pending_epoch = None
         return self.end_epoch(train, time.perf_counter(), seconds)
 
     def end_epoch(
@@ -126,7 +134,7 @@ class Lane:
         the checkpoint; the epoch counter moves on. ``extra`` joins the record first."""
         cfg = self.cfg
         record: Dict[str, Any] = {
-            "epoch": self.epoch + 1,
+            "epoch": self.state.epoch + 1,
             **{f"train_{k}": v for k, v in train.items()},
             # the lr the epoch's first step trained at (the optimizer's holds the next step's)
             "lr": float(self.epoch_lr if self.epoch_lr is not None else self.optimizer.param_groups[0]["lr"]),
@@ -136,37 +144,37 @@ class Lane:
         }
         if self.epoch_ended is not None:  # the last epoch's checkpoint and logging, this epoch's loader start
             record["between_epochs_s"] = start - self.epoch_ended
-        if self.validates and self.epoch == 0 and self.needs_teacher and self.prepared_teacher is not None:
+        if self.validates and self.state.epoch == 0 and self.teacher is not None:
             # the teacher's top-1 after the first epoch, not before it: the first step comes sooner, and
             # its probe has checked it on a few validation batches already (kd.teacher.frozen)
-            top1 = self.prepared_teacher.validate(self.stop)
+            top1 = self.teacher.validate(self.stop)
             if top1 is None:  # stopped: as below
-                self.pending_epoch = (train, seconds)
+                self.state.pending_epoch = (train, seconds)
                 raise self.interrupt()
             record["teacher_top1"] = top1
-            self.val_bad_files.update(self.prepared_teacher.unreadable_files)  # named by the teacher's line
-        if self.validates and ((self.epoch + 1) % cfg.eval_every == 0 or self.epoch == cfg.epochs - 1):
+            self.val_bad_files.update(self.teacher.unreadable_files)  # named by the teacher's line
+        if self.validates and ((self.state.epoch + 1) % cfg.eval_every == 0 or self.state.epoch == cfg.epochs - 1):
             stop = lambda: self.stop.requested  # noqa: E731
             result = validate_student(self.side, self.eval_forward, self.data.val, self.backend, self.precision, stop)
             if result is None:  # stopped: the epoch's training is kept, a resume validates it
-                self.pending_epoch = (train, seconds)
+                self.state.pending_epoch = (train, seconds)
                 raise self.interrupt()
             val, unreadable = result
             record.update(val)
             self._unreadable_val(unreadable, int(val["val_images"]))
         if self.device.type == "cuda":
             record["gpu_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
-        best = record.get("val_top1", -1.0) > self.best_top1
-        self.best_top1 = max(self.best_top1, record.get("val_top1", -1.0))
-        record["best_top1"] = self.best_top1
+        best = record.get("val_top1", -1.0) > self.state.best_top1
+        self.state.best_top1 = max(self.state.best_top1, record.get("val_top1", -1.0))
+        record["best_top1"] = self.state.best_top1
         if self.first_step is not None:
             record.update(self.first_step)
             self.first_step = None
         self.epoch_ended = time.perf_counter()
         self.logger.epoch(record)
         self.logger.info(format_record(record, cfg.epochs))
-        self.epoch += 1
-        self.batch_in_epoch = 0
+        self.state.epoch += 1
+        self.state.batch_in_epoch = 0
         self.epoch_lr = None
         self.save(best)
         return record
@@ -184,7 +192,7 @@ class Lane:
 
     def _check_bad_images(self) -> None:
         """KDError where the distinct unreadable files (training's and validation's) pass --max-bad-images."""
-        bad = len(self.bad_files | self.val_bad_files)  # distinct files: one bad file is met every epoch
+        bad = len(self.state.bad_files | self.val_bad_files)  # distinct files: one bad file is met every epoch
         if bad > self.cfg.max_bad_images:
             raise KDError(
                 f"{bad} unreadable images, more than --max-bad-images {self.cfg.max_bad_images}; "
@@ -198,23 +206,22 @@ class Lane:
         ended_nonfinite = ((meter.streak > 0) & (meter.sources.reshape(-1)[:-1] > 0).any()).float()
         self.backend.all_reduce_sum(ended_nonfinite)
         if ended_nonfinite.item() > 0:  # a run is not done on weights that the last steps could not train
-            raise NonFinite(self._nonfinite_message(f"in its last {int(self.meter.streak.item())} step(s)", self.epoch))
+            raise NonFinite(
+                self._nonfinite_message(f"in its last {int(self.meter.streak.item())} step(s)", self.state.epoch)
+            )
         self.logger.close()
 
-    def step(self, batch: Batch, teacher_out=None) -> StepOutput:
-        """One training step on ``batch``: teacher forward (or its outputs ``teacher_out``, computed
-        once for several students), student forward and loss, and the precision's backward / sync /
-        unscale / clip / optimizer step (skipped on non-finite gradients), then the schedule. Reads
-        nothing back from the device."""
+    def step(self, batch: Batch, targets: Optional[Targets] = None) -> StepOutput:
+        """One training step on ``batch``: student forward and loss against the teacher's ``targets``
+        (:class:`kd.teacher.source.TeacherSource`; None for a student alone), and the precision's
+        backward / sync / unscale / clip / optimizer step (skipped on non-finite gradients), then the
+        schedule. Reads nothing back from the device."""
         precision = self.precision
-        self._graph_step_begin()
         images = precision.input_cast(batch.images if self.renorm is None else self.renorm(batch.images))
-        progress = self.epoch + self.batch_in_epoch / max(self.steps_in_epoch, 1)
+        progress = self.state.epoch + self.state.batch_in_epoch / max(self.steps_in_epoch, 1)
         t_logits = t_feats = None
-        if teacher_out is None and self.prepared_teacher is not None:
-            teacher_out = self.prepared_teacher.forward(batch.images)  # as probed: not the student's cast
-        if teacher_out is not None:
-            t_logits, t_feats = teacher_out[0], {k: teacher_out[1][k] for k in self.t_layers}
+        if targets is not None:
+            t_logits, t_feats = targets[0], {k: targets[1][k] for k in self.t_layers}
         self.buffers.save()
         with precision.autocast():
             parts = self.model(images, batch.labels, t_logits, t_feats, progress)
@@ -244,8 +251,8 @@ class Lane:
         if self.epoch_lr is None:
             self.epoch_lr = self.step_lr
         self.scheduler.step()
-        self.global_step += 1
-        self.batch_in_epoch += 1
+        self.state.global_step += 1
+        self.state.batch_in_epoch += 1
         return StepOutput(parts, skipped, flags, len(batch))
 
     def begin_epoch(self, steps: int) -> None:
@@ -254,8 +261,8 @@ class Lane:
         self.side.train()
         self.buffers.refresh()  # the buffers as they are now (after casts, a resume)
         self._interval = Meter(self.device)
-        self._bar = self.logger.progress(steps, f"epoch {self.epoch + 1}/{self.cfg.epochs}")
-        self._bar.update(self.batch_in_epoch)
+        self._bar = self.logger.progress(steps, f"epoch {self.state.epoch + 1}/{self.cfg.epochs}")
+        self._bar.update(self.state.batch_in_epoch)
         self._t_interval = time.perf_counter()
 
     def after_step(self, out: StepOutput, batch: Batch, asked: float, waited: float) -> bool:
@@ -265,13 +272,13 @@ class Lane:
         with torch.no_grad():
             for m in (meter, self._interval):
                 m.add(out.parts, out.images, out.skipped, out.flags)
-        self.new_bad_files.update(p for p in batch.bad if p not in self.bad_files)
+        self.new_bad_files.update(p for p in batch.bad if p not in self.state.bad_files)
         self._bar.update(1)
-        if self.first_step is None and self.global_step == self.resumed_step + 1:
+        if self.first_step is None and self.state.global_step == self.resumed_step + 1:
             self.first_step = first_step_record(self.clock, asked, waited, self.device, self.logger.info)
-        end_of_epoch = self.batch_in_epoch == self.steps_in_epoch
-        stop_check = self.stop.requested if backend.world_size == 1 else self.global_step % self.stop_every == 0
-        if self.global_step % cfg.log_every == 0 or end_of_epoch or stop_check:
+        end_of_epoch = self.state.batch_in_epoch == self.steps_in_epoch
+        stop_check = self.stop.requested if backend.world_size == 1 else self.state.global_step % self.stop_every == 0
+        if self.state.global_step % cfg.log_every == 0 or end_of_epoch or stop_check:
             # counts are summed over the processes; the streak limit is each process's own (how many
             # processes reached it, so that the limit does not shrink with their number)
             too_long = (meter.worst >= cfg.max_nonfinite_steps).float()
@@ -280,7 +287,7 @@ class Lane:
             stop_all, too_long_anywhere, new_bad_anywhere = stats.pop("_extra")
             if new_bad_anywhere > 0:  # rare: the unreadable files met for the first time, from every process
                 for paths in backend.all_gather_object(sorted(self.new_bad_files)):
-                    self.bad_files.update(paths)
+                    self.state.bad_files.update(paths)
                 self.new_bad_files.clear()
             self._log_interval(stats, time.perf_counter() - self._t_interval, self._bar)
             self._interval = Meter(self.device)
@@ -290,7 +297,7 @@ class Lane:
             self._check_bad_images()
             if stop_all > 0 and not end_of_epoch:
                 return True
-        if cfg.save_every_steps and self.global_step % cfg.save_every_steps == 0 and not end_of_epoch:
+        if cfg.save_every_steps and self.state.global_step % cfg.save_every_steps == 0 and not end_of_epoch:
             self.save(best=False, step_copy=True)
         return False
 
@@ -298,14 +305,14 @@ class Lane:
         """A stop asked for by a signal: this step's checkpoint, and the exception that says so."""
         self._bar.close()
         self.save(best=False)
-        return Interrupted(self.stop.signame or "a signal", self.global_step, self.out)
+        return Interrupted(self.stop.signame or "a signal", self.state.global_step, self.out)
 
     def end_train_epoch(self, first_wait: Optional[float]) -> Dict[str, float]:
         """The epoch's training totals over every process (a collective)."""
         self._bar.close()
         meter = self.meter
         totals = meter.reduce(self.backend)
-        totals.update(data_wait_s=meter.wait, first_batch_s=first_wait or 0.0, bad_images=len(self.bad_files))
+        totals.update(data_wait_s=meter.wait, first_batch_s=first_wait or 0.0, bad_images=len(self.state.bad_files))
         self.meter = Meter(self.device)
         self.meter.streak, self.meter.sources = meter.streak, meter.sources  # a non-finite streak spans epochs
         return totals
@@ -314,13 +321,13 @@ class Lane:
         """The error for a run whose loss stayed non-finite (a collective); ``epoch`` is 1-based."""
         sources = self.meter.sources.clone()
         self.backend.all_reduce_sum(sources)
-        teacher = (self.cfg.teacher, self.prepared_teacher.dtype_name) if self.prepared_teacher else None
+        teacher = (self.cfg.teacher, self.teacher.dtype_name) if self.teacher else None
         return nonfinite_message(
             how_long,
             sources.tolist(),
             self.loss_terms,
-            epoch or self.epoch + 1,
-            self.global_step,
+            epoch or self.state.epoch + 1,
+            self.state.global_step,
             teacher,
             RunFolder(self.out).last,
         )
@@ -329,27 +336,11 @@ class Lane:
         scale = self.precision.loss_scale()
         extra = {
             "lr": self.step_lr,  # the last step's
-            "bad_images": len(self.bad_files | self.new_bad_files),
+            "bad_images": len(self.state.bad_files | self.new_bad_files),
             **({"loss_scale": float(scale)} if scale is not None else {}),
             **({"gpu_mem_gb": torch.cuda.memory_allocated(self.device) / 2**30} if self.device.type == "cuda" else {}),
         }
-        self.logger.interval(stats, extra, elapsed, self.global_step, bar)
-
-    @property
-    def position(self) -> Tuple[int, int]:
-        """(epoch, batch in epoch) where training goes on: an epoch whose validation is pending counts as ended."""
-        if self.pending_epoch is not None:
-            return self.epoch + 1, 0
-        return self.epoch, self.batch_in_epoch
-
-    def stop_in_setup(self) -> None:
-        """:func:`stop_in_setup` with this student's stop flag and backend."""
-        stop_in_setup(self.stop, self.backend)
-
-    @property
-    def teacher(self):
-        """The frozen teacher's module (wrapped forward-only), or None."""
-        return self.prepared_teacher.module if self.prepared_teacher is not None else None
+        self.logger.interval(stats, extra, elapsed, self.state.global_step, bar)
 
     def log_data_configs(self) -> None:
         """Each model's normalisation and evaluation transform, and where it came from."""
@@ -365,8 +356,8 @@ class Lane:
                 self.logger.info(f"{role} {name}: {line}")
 
     def use_teacher(self, teacher: Teacher) -> None:
-        """The prepared teacher this student learns from (its own, or one shared with other students)."""
-        self.prepared_teacher = teacher
+        """The live teacher this student learns from (its own, or one shared with other students)."""
+        self.teacher = teacher
         self.cfg = dataclasses.replace(self.cfg, teacher_precision=teacher.dtype_name)
 
 

@@ -31,83 +31,28 @@ import sys
 import tempfile
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Dict, List, Optional, Type
+from typing import TYPE_CHECKING, Dict, Optional, Type
 
 from kd.errors import KDError
 from kd.run.placement import Placement, slurm_env
 from kd.run.signals import Interrupted, held_for_children, launcher_handlers
-from kd.runfolder import RunFolder, why_unwritable
+from kd.runfolder import RunFolder
 from kd.runlock import describe_holder, locked
 
-if TYPE_CHECKING:  # imported where used: a launcher process builds no Trainer
-    from kd.run.loop import Trainer
+if TYPE_CHECKING:  # what runs comes from the command (kd.run.jobs)
+    from kd.run.jobs import Job
 
 
-def prepare_out(cfg, resume: Optional[str], overwrite: bool) -> Optional[Path]:
-    """Check ``--out`` before any work, writing nothing; returns the checkpoint to resume from, if any.
-
-    A folder that holds a run is refused unless ``--resume`` or ``--overwrite`` is given, so
-    nothing already written is lost by mistake. Every process of a launch checks, so none waits
-    for one that refused. The folder is made (and an overwritten run removed) only once the run
-    has set up without error (:meth:`kd.runfolder.RunFolder.start`), so a failed start leaves the disk as it was.
-    """
-    out = Path(cfg.out)
-    if resume and overwrite:
-        raise KDError("--resume and --overwrite contradict each other; give one")
-    if resume:
-        path = RunFolder(out).last if resume == "last" else Path(resume)
-        if not path.is_file():
-            raise KDError(f"nothing to resume: {path} does not exist")
-        return path
-    if out.exists() and not out.is_dir():
-        raise KDError(f"--out {out} exists and is not a folder")
-    held = RunFolder(out).held()
-    if held and not overwrite:
-        raise KDError(
-            f"--out {out} already holds a run ({', '.join(held)}); "
-            f"continue it with --resume or replace it with --overwrite"
-        )
-    why = why_unwritable(out)
-    if why:
-        raise KDError(f"--out {out} cannot be written: {why}")
-    return None
-
-
-def preflight(cfg) -> None:
-    """Cheap checks of names and paths, before any process, model or loader is made."""
-    import torch
-
-    from kd import models
-    from kd.losses import LOSSES
-    from kd.version import torch_too_old
-
-    reason = torch_too_old(torch.__version__)
-    if reason:
-        raise KDError(reason)
-
-    if not cfg.teach:
-        models.check_name(cfg.student)
-        LOSSES.get("ce" if cfg.no_teacher else cfg.kd_loss)
-    if not cfg.no_teacher and not cfg.soft_labels:
-        models.check_name(cfg.teacher)
-    if cfg.soft_labels:
-        from kd.teacher.store import read_manifest
-
-        read_manifest(Path(cfg.soft_labels))  # a missing or unreadable store fails before any work
-    from kd.data.folder import check_data
-
-    check_data(cfg.data)
-
-
-def train(cfg, resume: Optional[str] = None, overwrite: bool = False, students=None):
-    """Run ``cfg`` to the end; returns the last epoch's metrics (those of the main process).
-    ``students`` (a :class:`kd.run.plan.Students`, ``cfg`` its first) trains several students at once.
+def train(job: Job, overwrite: bool = False):
+    """Run ``job`` (:mod:`kd.run.jobs`: students to train, or a store to teach) to the end; returns
+    the main process's last epoch record. A run whose resumed students have trained their epochs
+    already says so on stderr and returns an empty record.
 
     One writer per run folder: the process that launches the run (this one: kd's launcher parent,
     the one process, or rank 0 of those torchrun or srun started) holds the lock of every folder
     the run writes (:class:`kd.runlock.FolderLock`) from before any work until the run ends."""
     main = Placement.from_environment(None).rank == 0
-    with locked(_folders(cfg, students)) if main else contextlib.nullcontext() as locks:
+    with locked(job.folders()) if main else contextlib.nullcontext() as locks:
         for lock in locks or ():
             if lock.taken_over:
                 print(
@@ -116,19 +61,18 @@ def train(cfg, resume: Optional[str] = None, overwrite: bool = False, students=N
                     file=sys.stderr,
                     flush=True,
                 )
-        return _train(cfg, resume, overwrite, students)
+        finished = None if overwrite else job.finished()
+        if finished:
+            if main:
+                print(finished, file=sys.stderr, flush=True)
+            return {}
+        return _train(job, overwrite)
 
 
-def _folders(cfg, students) -> List[Path]:
-    """The folders a run writes: its --out, or several students' folder and each student's."""
-    if students is None:
-        return [Path(cfg.out)]
-    return [Path(students.out), *(Path(c.out) for c in students.cfgs)]
-
-
-def _train(cfg, resume: Optional[str], overwrite: bool, students):
+def _train(job: Job, overwrite: bool):
     import backends
 
+    cfg = job.cfg
     backend_cls = backends.get(cfg.backend)
     os.environ.update(slurm_env(os.environ))  # torchrun's variables, which torch's env:// rendezvous reads
     place = Placement.from_environment(cfg.gpus)
@@ -139,66 +83,21 @@ def _train(cfg, resume: Optional[str], overwrite: bool, students):
                 f"runs in one; use --backend torch_ddp or apex_ddp, or start one process"
             )
         _check_available(cfg, backend_cls)
-        resume_from = _preflight_all(cfg, resume, overwrite, students)
-        return run_worker(cfg, _out(cfg, students), resume_from, place, students)
+        job.check(overwrite)
+        return run_worker(job, place)
     nproc = backend_cls.num_processes(cfg)  # refuses requests that cannot be met, before any work
     _check_available(cfg, backend_cls)
-    resume_from = _preflight_all(cfg, resume, overwrite, students)
-    folders = [Path(c.out) for c in students.cfgs] + [Path(students.out)] if students is not None else [Path(cfg.out)]
-    if cfg.teach:
-        folders = []  # a store keeps the epochs it completed (kd teach continues them)
+    job.check(overwrite)
+    folders = job.unstarted()
     existed = {folder for folder in folders if folder.exists()}
     try:
         if nproc == 1:
-            return run_worker(cfg, _out(cfg, students), resume_from, place, students)
-        return launch_local(cfg, nproc, resume_from, students)
+            return run_worker(job, place)
+        return launch_local(job, nproc)
     except (Interrupted, KeyboardInterrupt):
-        if resume_from is None:  # a stop before the first checkpoint leaves the disk as it was
-            for folder in folders:
-                RunFolder(folder).discard_unstarted(keep_folder=folder in existed)
+        for folder in folders:  # a stop before the first checkpoint leaves the disk as it was
+            RunFolder(folder).discard_unstarted(keep_folder=folder in existed)
         raise
-
-
-def _out(cfg, students) -> Path:
-    return Path(students.out) if students is not None else Path(cfg.out)
-
-
-def _preflight_all(cfg, resume: Optional[str], overwrite: bool, students) -> Optional[Path]:
-    """:func:`preflight` and :func:`prepare_out` for the run, or for each of its students; for
-    ``kd teach``, the checks of its store (:func:`kd.teacher.store.check_out`)."""
-    if cfg.teach:
-        from kd.teacher.store import check_out
-
-        preflight(cfg)
-        check_out(Path(cfg.out))
-        return None
-    if students is None:
-        preflight(cfg)
-        return prepare_out(cfg, resume, overwrite)
-    for student in students.cfgs:
-        preflight(student)
-    return prepare_students_out(students, resume, overwrite)
-
-
-def prepare_students_out(students, resume: Optional[str], overwrite: bool) -> Optional[Path]:
-    """:func:`prepare_out` for every folder of ``students`` (a :class:`kd.run.loop.Students`);
-    ``students.out`` when resuming."""
-    from kd.run.students import STUDENTS_FILE, is_students_folder, stopped_students
-
-    if resume not in (None, "last"):
-        raise KDError(
-            f"--resume {resume}: several students resume from their own last.pt; give --out {students.out} --resume"
-        )
-    if not resume and not overwrite and is_students_folder(students.out):
-        raise KDError(
-            f"--out {students.out} already holds students ({STUDENTS_FILE}); "
-            f"continue them with --resume or replace them with --overwrite"
-        )
-    stopped = stopped_students(students.out) if resume else {}
-    for name, cfg in zip(students.names, students.cfgs):
-        if name not in stopped:  # a student stopped on a non-finite loss is not resumed
-            prepare_out(cfg, resume, overwrite)
-    return students.out if resume else None
 
 
 def _check_available(cfg, backend_cls) -> None:
@@ -230,7 +129,7 @@ def visible_devices(cfg, nproc: int) -> Optional[str]:
     return ",".join(ids[i] for i in indices)
 
 
-def launch_local(cfg, nproc: int, resume_from: Optional[Path], students=None):
+def launch_local(job: Job, nproc: int):
     """Start ``nproc`` workers on this machine through torch's elastic launcher; rank 0's result."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -243,6 +142,7 @@ def launch_local(cfg, nproc: int, resume_from: Optional[Path], students=None):
     except ImportError:  # pragma: no cover - older torch
         signal_exception = KeyboardInterrupt
 
+    cfg = job.cfg
     visible = visible_devices(cfg, nproc)
     error_dir = tempfile.mkdtemp(prefix="kd-launch-")
     config = LaunchConfig(
@@ -262,13 +162,10 @@ def launch_local(cfg, nproc: int, resume_from: Optional[Path], students=None):
         # the workers take a stop signal once kd's handler is in place; the agent's handlers, which
         # it leaves installed, go once it is done
         with launcher_handlers(), held_for_children():
-            results = elastic_launch(config, worker)(
-                cfg, str(_out(cfg, students)), resume_from, error_dir, visible, students, os.getpid()
-            )
+            results = elastic_launch(config, worker)(job, error_dir, visible, os.getpid())
     except (ChildFailedError, signal_exception) as exc:
-        out = _out(cfg, students)
         failures = exc.failures if isinstance(exc, ChildFailedError) else None
-        killed = failures is not None and rank_killed(failures, cfg, out, students)
+        killed = failures is not None and rank_killed(failures, job)
         if killed:  # before a stop's message: the agent stopped the other ranks because of it
             raise RankFailed(*killed) from None
         error = first_error(error_dir)
@@ -277,7 +174,7 @@ def launch_local(cfg, nproc: int, resume_from: Optional[Path], students=None):
         crashes = sorted(Path(error_dir).glob("crash*.txt"))
         if failures is not None and crashes:
             sys.stderr.write(crashes[0].read_text(encoding="utf-8").split("\n", 1)[-1])  # its traceback, above
-            raise RankFailed(*rank_failed(failures, cfg, out, students, error_dir)) from None
+            raise RankFailed(*rank_failed(failures, job, error_dir)) from None
         stopped = Path(error_dir, "interrupted.txt")
         if stopped.exists():  # the workers stopped on a signal after writing their checkpoint
             from kd.run.signals import Interrupted
@@ -287,23 +184,15 @@ def launch_local(cfg, nproc: int, resume_from: Optional[Path], students=None):
         if error is not None:
             raise KDError(error) from None
         if failures is None:  # the launcher's own signal, after the workers' last check
-            raise _stopped_launcher(exc, error_dir, cfg, out, students) from None
-        raise RankFailed(*rank_failed(failures, cfg, out, students, error_dir)) from None
+            raise _stopped_launcher(exc, error_dir, job) from None
+        raise RankFailed(*rank_failed(failures, job, error_dir)) from None
     finally:
         logging.disable(previous)
         shutil.rmtree(error_dir, ignore_errors=True)
     return results.get(0)
 
 
-def worker(
-    cfg,
-    out: str,
-    resume_from: Optional[Path],
-    error_dir: str,
-    visible: Optional[str],
-    students=None,
-    launcher: Optional[int] = None,
-):
+def worker(job: Job, error_dir: str, visible: Optional[str], launcher: Optional[int] = None):
     """The entrypoint of each process kd's launcher starts (module level, so it pickles); it dies
     with ``launcher``, the launching process (:mod:`kd.lifeline`)."""
     from kd.lifeline import die_with_parent
@@ -314,7 +203,7 @@ def worker(
     main = Placement.from_environment(None).rank == 0
     try:
         install_early(launched=True)  # first: the signals held while this process started arrive now
-        result = _worker(cfg, out, resume_from, visible, students)
+        result = _worker(job, visible)
     except Interrupted as exc:
         if main:
             Path(error_dir, "interrupted.txt").write_text(f"{exc.signame}\n{exc}", encoding="utf-8")
@@ -335,7 +224,7 @@ def worker(
     except Exception as exc:  # a bug, or an error kd does not translate (out of memory): its traceback stays
         raise _crashed(exc, error_dir) from None
     # the run is complete: what the launcher says should a stop reach it before it has the results
-    done = f"as the run ended; {out} holds it complete" if not cfg.teach else f"as kd teach ended; {out} is complete"
+    done = job.done()
     if main:
         Path(error_dir, "finished.txt").write_text(done, encoding="utf-8")
     signame = stopped_in_run()
@@ -360,10 +249,10 @@ def _crashed(exc: BaseException, error_dir: str) -> SystemExit:
     return SystemExit(1)
 
 
-def _worker(cfg, out: str, resume_from: Optional[Path], visible: Optional[str], students):
+def _worker(job: Job, visible: Optional[str]):
     if visible is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible
-    place = Placement.for_visible_gpus(visible) if visible is not None else Placement.from_environment(cfg.gpus)
+    place = Placement.for_visible_gpus(visible) if visible is not None else Placement.from_environment(job.cfg.gpus)
     if "OMP_NUM_THREADS" not in os.environ:  # share the cores instead of each process taking them all
         import torch
 
@@ -372,33 +261,19 @@ def _worker(cfg, out: str, resume_from: Optional[Path], visible: Optional[str], 
         except AttributeError:  # not on Linux
             cores = os.cpu_count() or 1
         torch.set_num_threads(max(1, cores // max(place.local_world_size, 1)))
-    if students is not None:
-        from kd.run.students import stopped_students
-
-        stopped = stopped_students(Path(out))
-        last = [RunFolder(s.out).last for n, s in zip(students.names, students.cfgs) if n not in stopped]
-    else:
-        last = [RunFolder(out).last]
-    if place.restart > 0 and all(path.is_file() for path in last):
-        # --max-restarts: the restarted group continues from the last checkpoint(s)
-        resume_from = Path(out) if students is not None else last[0]
-    return run_worker(cfg, Path(out), resume_from, place, students, signals_ready=True)
+    if place.restart > 0:  # --max-restarts: the restarted group continues from the last checkpoint(s)
+        job = job.restarted()
+    return run_worker(job, place, signals_ready=True)
 
 
-def _stopped_launcher(exc, error_dir: str, cfg, out: Path, students=None) -> Interrupted:
+def _stopped_launcher(exc, error_dir: str, job: Job) -> Interrupted:
     """The stop of a launcher that took a signal (torch's ``SignalException``) when no worker wrote
     why it stopped: a run that had ended (its workers' ``finished.txt``), or one they left as it was."""
     signame = getattr(getattr(exc, "sigval", None), "name", "") or "a signal"
     finished = Path(error_dir, "finished.txt")
     if finished.exists():
         return Interrupted(signame, message=f"stopped by {signame} {finished.read_text(encoding='utf-8')}")
-    if cfg.teach:
-        where = "run the same kd teach again to continue"
-    elif any(RunFolder(c.out).last.is_file() for c in (students.cfgs if students is not None else [cfg])):
-        where = f"continue from its last checkpoint with: kd train --out {out} --resume"
-    else:
-        where = "it had written no checkpoint; start it again"
-    return Interrupted(signame, message=f"stopped by {signame}; {where}")
+    return Interrupted(signame, message=f"stopped by {signame}; {job.how_to_continue()}")
 
 
 class RankFailed(KDError):
@@ -411,14 +286,14 @@ class RankFailed(KDError):
         self.exit_code = exit_code
 
 
-def rank_killed(failures, cfg, out: Path, students=None):
+def rank_killed(failures, job: Job):
     """The lowest rank of ``failures`` (torch's ``ProcessFailure`` by rank) that a signal killed,
     as :class:`RankFailed`'s arguments; None where none was."""
     killed = sorted(rank for rank, failure in failures.items() if failure.exitcode < 0)
-    return rank_failed({killed[0]: failures[killed[0]]}, cfg, out, students) if killed else None
+    return rank_failed({killed[0]: failures[killed[0]]}, job) if killed else None
 
 
-def rank_failed(failures, cfg, out: Path, students=None, error_dir: Optional[str] = None):
+def rank_failed(failures, job: Job, error_dir: Optional[str] = None):
     """One line and an exit code for the lowest rank of ``failures`` (:class:`RankFailed`): what
     became of it (with the error it raised, where it wrote one to ``error_dir``), and how the run
     goes on (``--resume``, ``--max-restarts``)."""
@@ -439,17 +314,11 @@ def rank_failed(failures, cfg, out: Path, students=None, error_dir: Optional[str
         if crash is not None and crash.is_file():  # its traceback is in the log above
             what = f"failed with {crash.read_text(encoding='utf-8').splitlines()[0]} (its traceback above)"
     restarts = (
-        f"--max-restarts {cfg.max_restarts} was used up"
-        if cfg.max_restarts
+        f"--max-restarts {job.cfg.max_restarts} was used up"
+        if job.cfg.max_restarts
         else "--max-restarts N restarts the group on its own"
     )
-    if cfg.teach:
-        where = "run the same kd teach again to continue"
-    elif RunFolder(out).last.is_file() or (students and any(RunFolder(c.out).last.is_file() for c in students.cfgs)):
-        where = f"continue from its last checkpoint with: kd train --out {out} --resume"
-    else:
-        where = "it had written no checkpoint; start it again"
-    return f"rank {rank} of the run {what}, and the run stopped; {where} ({restarts})", exit_code
+    return f"rank {rank} of the run {what}, and the run stopped; {job.how_to_continue()} ({restarts})", exit_code
 
 
 def first_error(error_dir: str) -> Optional[str]:
@@ -464,52 +333,28 @@ def accept_legacy_local_rank(local_rank: Optional[int]) -> None:
         os.environ.setdefault("LOCAL_RANK", str(local_rank))
 
 
-def run_worker(
-    cfg,
-    out: Path,
-    resume_from: Optional[Path] = None,
-    place: Optional[Placement] = None,
-    students=None,
-    signals_ready: bool = False,
-) -> Dict[str, float]:
-    """Everything one process does for a run, from backend set-up to teardown, where ``place`` (as the
-    launcher found it) says. ``timing_warmup`` (``kd bench``) adds the step timer and skips validation.
-    ``students``: several students at once (:mod:`kd.run.plan`), each resuming from its own last.pt
-    where ``resume_from`` is given."""
+def run_worker(job: Job, place: Optional[Placement] = None, signals_ready: bool = False) -> Dict[str, float]:
+    """Everything one process does for ``job``, from backend set-up to teardown, where ``place`` (as
+    the launcher found it) says; ``job.timed_after`` (``kd bench``) adds the step timer."""
     import backends
-    from kd.run.loop import Trainer
     from kd.run.signals import StopFlag, install_early
 
     launched = bool(place and place.launched)
     # until here a stop signal ends the process at once (kd's own workers installed that at their
     # start); from the StopFlag on it sets the flag the run checks
     restore_signals = None if signals_ready else install_early(launched)
-    backend = backends.get(cfg.backend)(cfg, place)
-    trainer: Optional[Trainer] = None
+    backend = backends.get(job.cfg.backend)(job.cfg, place)
     stop: Optional[StopFlag] = None
     hooks = []
-    if cfg.timing_warmup:
+    if job.timed_after:
         from kd.run.timing import StepTimer
 
-        hooks.append(StepTimer(cfg.timing_warmup, backend))
+        hooks.append(StepTimer(job.timed_after, backend))
     try:
         stop = StopFlag(launched)  # before the process group: a signal inside its C++ set-up only sets the flag
         backend.setup()
-        if cfg.teach:
-            from kd.run.loop import Teaching
-
-            teaching = Teaching(cfg, backend, stop, hooks)
-            try:
-                return teaching.run()
-            finally:
-                teaching.close()
-        trainer = Trainer(
-            students if students is not None else cfg, backend, resume_from, hooks=hooks, validate=not hooks, stop=stop
-        )
-        return trainer.fit()
+        return job.run(backend, stop, hooks)
     finally:
-        if trainer is not None:
-            trainer.close()
         backend.teardown()
         if stop is not None:
             stop.restore()

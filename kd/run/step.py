@@ -28,11 +28,12 @@ class StepOutput:
 
 class StepHook:
     """Called by the loop: after every step, and at each epoch's end with the epoch's record before
-    it is logged (``kd bench``'s timer is one). ``trainer`` is the :class:`kd.run.loop.Trainer`."""
+    it is logged (``kd bench``'s timer is one). ``trainer`` is the :class:`kd.run.loop.Trainer` (or
+    ``kd teach``'s :class:`kd.run.teach.Teaching`)."""
 
-    def on_teacher(self, trainer: Any, teacher: nn.Module) -> None:
-        """The frozen teacher on its device, before it is fused and its precision chosen; ``trainer``
-        is the :class:`kd.run.lane.Lane` of the first student that learns from it."""
+    def on_teacher(self, teacher: nn.Module, cfg: Any, train_loader: Any) -> None:
+        """The frozen teacher on its device, before it is fused and its precision chosen; ``cfg`` is
+        the run's config (the first student's), ``train_loader`` the run's training batches."""
 
     def on_step(self, trainer: Any, out: StepOutput) -> None:
         pass

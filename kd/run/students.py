@@ -1,41 +1,126 @@
-"""The students of a run: their names, configs and run folders, and ``OUT/students.yaml``, which
-names the students of a run of several and those a non-finite loss stopped (a resume continues
-the others)."""
+"""The students of a run, one or several, and where each starts: the one currency of a training.
+
+A run is always :class:`Students`. One student alone lives in its run folder ``OUT``; several
+(``kd train --kd-loss kd,dkd,dist,lskd`` or ``--recipe A --recipe B``, for the table a rebuttal
+asks for) live in ``OUT/<name>/`` beside ``OUT/students.yaml``, which names them and those a
+non-finite loss stopped (a resume continues the others). Each student's folder is a normal run
+folder that ``kd report``, ``kd eval`` and ``kd train --resume --out OUT/<name>`` read as any other.
+
+* Same seed, same result: each student is initialised from ``--seed`` as its own run would be,
+  and draws its dropout / drop-path masks from its own generators (swapped in around its
+  calls), so on the CPU it ends bit for bit equal to its separate run.
+* A loss that stays non-finite stops that student only (its last good checkpoint stays); the
+  others train on, and the command ends with exit code 2 naming it.
+* Backends: each student is wrapped by a :meth:`backends.base.Backend.fork` of the run's
+  backend (its own DDP module and gradient buckets); the teacher is wrapped forward-only once,
+  so under dp its outputs are computed once and scattered with the batch to every student.
+
+Resuming is decided here, once, for the command line and Python alike (:func:`for_command`):
+each student's checkpoint is named in :attr:`Students.resume`, and the engine reads each once.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import yaml
+
+from kd import config as kd_config
+from kd.errors import KDError
+from kd.runfolder import RunFolder
 
 STUDENTS_FILE = "students.yaml"
 
 
 @dataclass(frozen=True)
 class Students:
-    """The students of one run: their names, their resolved configs and their run folders. Several
-    students live in ``out/<name>/`` beside ``out/students.yaml``; one alone is its run folder."""
+    """The students of one run: their names, resolved configs and run folders, and where each
+    starts. Several students live in ``out/<name>/`` beside ``out/students.yaml``; one alone is
+    its run folder."""
 
     out: Path
     names: Tuple[str, ...]
     cfgs: Tuple[Any, ...]
+    #: each student's checkpoint to continue from (None: it starts afresh); empty for a fresh run
+    resume: Tuple[Optional[Path], ...] = ()
+    #: students a non-finite loss stopped in an earlier part of the run: name -> why (not resumed)
+    stopped: Dict[str, str] = field(default_factory=dict)
 
     @functools.cached_property  # asked at every step of the loop
     def grouped(self) -> bool:
         """Whether they live in ``out/<name>/`` beside ``out/students.yaml`` (not a plain run's folder)."""
         return Path(self.cfgs[0].out) != self.out
 
+    @property
+    def first(self):
+        """The first student's config: what the students share (data, teacher, hardware) is read here."""
+        return self.cfgs[0]
+
+    @property
+    def resuming(self) -> bool:
+        return any(path is not None for path in self.resume)
+
     def folder(self, name: str) -> Path:
         return self.out / name if self.grouped else self.out
 
+    def folders(self) -> List[Path]:
+        """Every folder the run writes: each student's, and the students' own where several."""
+        return [*(Path(c.out) for c in self.cfgs), *([self.out] if self.grouped else [])]
+
+    def checkpoint(self, name: str) -> Optional[Path]:
+        """The checkpoint ``name`` continues from, or None."""
+        return self.resume[self.names.index(name)] if self.resume else None
+
+    def training(self) -> List[Tuple[str, Any]]:
+        """(name, config) of the students that train: all but those a non-finite loss stopped."""
+        return [(n, c) for n, c in zip(self.names, self.cfgs) if n not in self.stopped]
+
     @classmethod
-    def alone(cls, cfg) -> Students:
-        """The one student of a plain ``kd train``, in ``cfg.out``."""
+    def alone(cls, cfg, resume: Optional[Path] = None) -> Students:
+        """The one student of a plain ``kd train``, in ``cfg.out``, continuing from ``resume`` where given."""
         out = Path(cfg.out)
-        return cls(out, (out.name,), (cfg,))
+        return cls(out, (out.name,), (cfg,), (resume,) if resume is not None else ())
+
+    def record(self, stopped: Dict[str, str]) -> None:
+        """Several students: ``out``/students.yaml names them and those a non-finite loss stopped."""
+        if self.grouped:
+            write_students(self.out, self.names, stopped)
+
+    def written(self) -> str:
+        """Where a stop's checkpoints went, in words."""
+        if self.grouped:
+            return f"every student's checkpoint written below {self.out}"
+        return f"checkpoint written to {RunFolder(self.out).last}"
+
+    def from_last_checkpoints(self) -> Optional[Students]:
+        """These students continuing from their own last.pt (a restarted process group), or None
+        where a student that trains has none yet."""
+        stopped = stopped_students(self.out) if self.grouped else {}
+        last = [RunFolder(c.out).last for c in self.cfgs]
+        if not all(path.is_file() for name, path in zip(self.names, last) if name not in stopped):
+            return None
+        return dataclasses.replace(self, resume=tuple(last), stopped=stopped)
+
+    def finished(self) -> Optional[str]:
+        """Where every resumed student has trained its epochs already: the line that says so (nothing
+        to do), else None. Reads only each checkpoint's header (memory-mapped)."""
+        from kd.run.checkpoint import finished_epochs
+
+        if not self.resuming:
+            return None
+        done = []
+        for name, cfg in self.training():
+            path = self.checkpoint(name)
+            epochs = finished_epochs(path, cfg.epochs) if path is not None else None
+            if epochs is None:
+                return None
+            done.append(epochs)
+        what = f"{self.out} already finished ({done[0]} epochs)" if done else f"every student of {self.out} stopped"
+        return f"kd: {what}; raise --epochs to continue"
 
 
 def is_students_folder(out: Path) -> bool:
@@ -57,3 +142,201 @@ def write_students(out: Path, names: Sequence[str], stopped: Dict[str, str]) -> 
     tmp = out / f".{STUDENTS_FILE}.tmp"
     tmp.write_text(yaml.safe_dump(content))
     tmp.replace(out / STUDENTS_FILE)
+
+
+# ----------------------------------------------------------------------------- one entry
+DEFAULT_OUT = kd_config.RunConfig.out
+
+
+def for_command(
+    recipes: Sequence[str],
+    options: Dict[str, Any],
+    sets: Sequence[str] = (),
+    resume: Optional[str] = None,
+    overwrite: bool = False,
+) -> Students:
+    """The students of ``kd train`` with these recipes, options (``--set`` items in ``sets``) and
+    ``--resume`` (None, ``"last"`` or a checkpoint's path): planned afresh, or those of ``--out``
+    continued with the options applied (a single run's config.yaml is the base its options change).
+    ``kd.train`` with a dict of options comes here too, so Python and the command line agree."""
+    if resume and overwrite:
+        raise KDError("--resume and --overwrite contradict each other; give one")
+    out = Path(options.get("out") or DEFAULT_OUT)
+    several = len(recipes) > 1 or "," in str(options.get("kd_loss") or "")
+    if several or (resume and is_students_folder(out)):
+        return _resume_students(out, recipes, options, sets, resume) if resume else plan(recipes, options, sets)
+    base = None
+    checkpoint = None
+    if resume:
+        run = RunFolder(options.get("out") or (Path(resume).parent.parent if resume != "last" else DEFAULT_OUT))
+        options = {**options, "out": str(run.root)}
+        checkpoint = checkpoint_to_resume(run.root, resume)
+        if run.config.is_file():
+            base = kd_config.load(run.config)
+    cfg = kd_config.resolve(recipe=recipes[0] if recipes else None, options=options, sets=list(sets), base=base)
+    return Students.alone(cfg, checkpoint)
+
+
+def checkpoint_to_resume(out: Path, resume: str) -> Path:
+    """The checkpoint ``--resume`` names (``"last"``: ``OUT/checkpoints/last.pt``), which must exist."""
+    run = RunFolder(out)
+    path = run.last if resume == "last" else Path(resume)
+    if not path.is_file():
+        held = "" if run.config.is_file() else f" ({run.root} holds no run; start it without --resume)"
+        raise KDError(f"nothing to resume: {path} does not exist{held}")
+    return path
+
+
+def _resume_students(out: Path, recipes: Sequence[str], options: Dict[str, Any], sets, resume: str) -> Students:
+    """The students ``--out`` holds, continued from their own last.pt with ``options`` applied; the
+    same command again with ``--resume`` is fine where it names the same students."""
+    if resume != "last":
+        raise KDError(f"--resume {resume}: several students resume from their own last.pt; give --out {out} --resume")
+    held = list(load(out).names) if is_students_folder(out) else []
+    if recipes or options.get("kd_loss"):
+        asked = [Path(r).stem for r in recipes] if recipes else str(options["kd_loss"]).split(",")
+        if sorted(asked) != sorted(held):
+            raise KDError(
+                f"--resume continues the students --out {out} holds ({', '.join(held) or 'none'}), "
+                f"not {', '.join(asked)}; leave out --recipe and --kd-loss, or name the same ones"
+            )
+        options = {k: v for k, v in options.items() if k != "kd_loss"}
+    students = resumed(out, options, sets)
+    stopped = stopped_students(out)
+    resume_from = []
+    for name, cfg in zip(students.names, students.cfgs):
+        last = RunFolder(cfg.out).last
+        if name not in stopped and not last.is_file():
+            raise KDError(f"nothing to resume: {last} does not exist")
+        resume_from.append(last)
+    if all(name in stopped for name in students.names):
+        raise KDError(f"every student of {out} stopped on a non-finite loss; nothing to resume")
+    return dataclasses.replace(students, resume=tuple(resume_from), stopped=stopped)
+
+
+# ----------------------------------------------------------------------------- planning
+#: The keys each student may set for itself; every other key is shared by the run's students.
+PER_STUDENT = (
+    "student",
+    "student_weights",
+    "student_data",
+    "kd_loss",
+    "ce_weight",
+    "label_smoothing",
+    "temperature",
+    "loss_args",
+    "feature_layers",
+    "lr",
+    "momentum",
+    "nesterov",
+    "weight_decay",
+    "wd_bn_bias",
+    "lr_schedule",
+    "lr_milestones",
+    "lr_gamma",
+    "warmup_epochs",
+    "grad_clip",
+    "fused_optimizer",
+    "eval_every",
+    "save_every_steps",
+    "keep_last",
+    "max_nonfinite_steps",
+    "recipe",
+    "description",
+    "reference",
+    "out",
+    # a student trained alone on the labels (a baseline row) needs no teacher of its own
+    "no_teacher",
+)
+TEACHER_KEYS = ("teacher", "teacher_weights", "teacher_precision", "teacher_data")
+
+
+# ----------------------------------------------------------------------------- planning
+def plan(recipes: Sequence[str], options: Dict[str, Any], sets: Sequence[str]) -> Students:
+    """The students of ``--recipe A --recipe B ...`` or ``--kd-loss a,b,...`` (not both), each
+    resolved as its own ``kd train`` would be, then checked to agree on every shared key.
+
+    With ``--kd-loss a,b`` and one recipe, the recipe's method hyper-parameters go to its own
+    method only; the others take their defaults (and what the command line gives)."""
+    methods = [m.strip() for m in str(options.get("kd_loss") or "").split(",") if m.strip()]
+    if len(recipes) > 1 and len(methods) > 1:
+        raise KDError("give several --recipe or a list of --kd-loss methods, not both")
+    if len(set(methods)) < len(methods) or len(set(recipes)) < len(recipes):
+        raise KDError("a method or recipe is named twice; each student needs its own")
+    parent = Path(options.get("out") or kd_config.RunConfig.out)
+    cfgs: List[Any] = []
+    names: List[str] = []
+    for recipe in recipes if len(recipes) > 1 else [recipes[0] if recipes else None] * len(methods):
+        method = methods[len(cfgs)] if len(methods) > 1 else None
+        cfg = kd_config.resolve(
+            recipe=recipe, options={**options, **({"kd_loss": method} if method else {})}, sets=list(sets)
+        )
+        if method and recipe:
+            cfg = _method_defaults(cfg, recipe, options, sets)
+        if method:
+            names.append(method)
+        else:
+            assert recipe is not None  # with one method or none, the students are the recipes
+            names.append(Path(recipe).stem)
+        cfgs.append(cfg)
+    if len(set(names)) < len(names):
+        raise KDError(f"two students would share a folder name ({', '.join(names)}); give recipes of different names")
+    check_shared(names, cfgs)
+    cfgs = [dataclasses.replace(cfg, out=str(parent / name)) for name, cfg in zip(names, cfgs)]
+    return Students(parent, tuple(names), tuple(cfgs))
+
+
+def _method_defaults(cfg, recipe: str, options: Dict[str, Any], sets: Sequence[str]):
+    """``cfg`` without the recipe's method hyper-parameters where the recipe was written for another method."""
+    own = kd_config.resolve(
+        recipe=recipe, options={k: v for k, v in options.items() if k != "kd_loss"}, sets=list(sets)
+    )
+    if own.kd_loss == cfg.kd_loss:
+        return cfg
+    given = set(options.get("loss_args") or {}) | set(kd_config.parse_set(list(sets)).get("loss_args", {}))
+    given |= {k for k in kd_config.LOSS_OPTIONS if options.get(k) is not None}
+    changes: Dict[str, Any] = {k: None for k in kd_config.LOSS_OPTIONS if k not in given and k not in options}
+    changes["loss_args"] = {k: v for k, v in cfg.loss_args.items() if k in given}
+    return kd_config.validate(dataclasses.replace(cfg, **changes))
+
+
+def check_shared(names: Sequence[str], cfgs: Sequence[Any]) -> None:
+    """Refuse students that disagree on a key they share (data, teacher, batch, image size, epochs,
+    seed, hardware, precision...), naming each such key and its values."""
+    teachers = [c for c in cfgs if not c.no_teacher]
+    if not teachers:
+        raise KDError("several students need a teacher to share; without one, train each with its own kd train")
+    differ = []
+    for key in kd_config.FIELDS:
+        if key in PER_STUDENT:
+            continue
+        group = [(n, c) for n, c in zip(names, cfgs) if key not in TEACHER_KEYS or not c.no_teacher]
+        values = {repr(getattr(c, key)) for _, c in group}
+        if len(values) > 1:
+            differ.append(f"{key} ({', '.join(f'{n}: {getattr(c, key)}' for n, c in group)})")
+    if differ:
+        raise KDError(
+            f"the students disagree on what they share: {'; '.join(differ)}. Students of one run share the "
+            f"data, the teacher, the batch, image size, epochs, seed, hardware and precision; each may set "
+            f"only {', '.join(k for k in PER_STUDENT if k not in ('recipe', 'description', 'out'))}"
+        )
+
+
+def load(out: Path) -> Students:
+    """The students of the run in ``out`` (its students.yaml and each student's config.yaml)."""
+    names = tuple((yaml.safe_load((Path(out) / STUDENTS_FILE).read_text()) or {}).get("students") or ())
+    cfgs = []
+    for name in names:
+        config = RunFolder(Path(out) / name).config
+        if not config.is_file():
+            raise KDError(f"{out}/{STUDENTS_FILE} names the student {name}, but {config} does not exist")
+        cfgs.append(kd_config.load(config))
+    return Students(Path(out), names, tuple(cfgs))
+
+
+def resumed(out: Path, options: Dict[str, Any], sets: Sequence[str]) -> Students:
+    """The students ``out`` holds, with the options of ``kd train --resume`` (``--epochs``, say) applied to each."""
+    students = load(out)
+    cfgs = [kd_config.resolve(options={**options, "out": cfg.out}, sets=list(sets), base=cfg) for cfg in students.cfgs]
+    check_shared(students.names, cfgs)
+    return dataclasses.replace(students, cfgs=tuple(cfgs))

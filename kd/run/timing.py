@@ -39,9 +39,9 @@ class StepTimer(StepHook):
     result goes into the epoch's record. A random-init teacher gets BatchNorm statistics first
     (:func:`calibrate_batchnorm`)."""
 
-    def on_teacher(self, trainer, teacher: nn.Module) -> None:
-        if trainer.cfg.teacher_weights == "none":
-            calibrate_batchnorm(teacher, trainer.data.train)
+    def on_teacher(self, teacher: nn.Module, cfg, train_loader) -> None:
+        if cfg.teacher_weights == "none":
+            calibrate_batchnorm(teacher, train_loader)
 
     def on_step(self, trainer, out) -> None:
         self.step(trainer.global_step, out.images)

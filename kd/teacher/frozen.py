@@ -2,18 +2,21 @@
 validation batches (:mod:`kd.teacher.probe`), wrapped forward-only by the backend, compiled where asked.
 
 One :class:`Teacher` serves one student (``kd train``) or several (``kd train --kd-loss kd,dkd``,
-:mod:`kd.run.plan`): its outputs are float32 logits and tapped features, computed without gradients,
+:mod:`kd.run.students`): its outputs are float32 logits and tapped features, computed without gradients,
 that any number of students may read.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
+from kd import models
+from kd.data.loader import val_transform
 from kd.models import teacher_preprocessing_note
 from kd.run.accuracy import evaluate
 from kd.run.sides import TeacherSide
@@ -98,6 +101,13 @@ class Teacher:
         with torch.no_grad(), self.precision.autocast():
             return self.module(self.precision.input_cast(self.renorm(images)))
 
+    def set_epoch(self, epoch: int) -> None:
+        """A live teacher's outputs do not depend on the epoch."""
+
+    def targets(self, batch) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        """:meth:`forward` on ``batch``'s images (:class:`kd.teacher.source.TeacherSource`)."""
+        return self.forward(batch.images)
+
     def _logits(self, images: torch.Tensor) -> torch.Tensor:
         if self.graph_step:  # under CUDA graphs a new call may overwrite the last call's outputs
             torch.compiler.cudagraph_mark_step_begin()
@@ -133,3 +143,37 @@ class Teacher:
         if note:
             self.log(note)
         return top1
+
+
+def build_teacher(
+    model: torch.nn.Module,
+    layers: List[str],
+    cfg,
+    backend,
+    data,
+    precision,
+    log: Callable[[str], None],
+    runtime,
+    hooks: Sequence[Any] = (),
+    notes: Optional[List[str]] = None,
+) -> Teacher:
+    """The frozen teacher ``model`` on this run's device and memory format, shown to ``hooks``, then
+    made ready (:class:`kd.teacher.frozen.Teacher`: fused, its precision chosen on the validation
+    data ``data.val`` against the student's ``precision``) with feature taps on ``layers``; what kd
+    chose goes to ``notes``. ``runtime``: the run's resolved runtime (memory format, fusion,
+    compilation: :func:`kd.run.runtime.resolve`); ``hooks``: the run's step hooks
+    (:class:`kd.run.step.StepHook`), shown the teacher before it is fused."""
+    model = model.to(backend.device, memory_format=runtime.memory_format)  # type: ignore[call-overload]  # valid at run time; torch's overloads list the two apart
+    with precision.other_model_context():  # (apex O1: its casts off, as for the teacher's forward)
+        for hook in hooks:
+            hook.on_teacher(model, cfg, data.train)
+    teacher_data = models.DataConfig.from_dict(cfg.teacher_data or {})
+    evaluation = (teacher_data.val_resize(cfg.image_size), teacher_data.interpolation)
+    val, owns_val = data.val, False
+    if data.own_val is not None and data.val_samples and evaluation != val_transform(cfg):  # its own crops
+        val = data.own_val(dataclasses.replace(cfg, val_resize=evaluation[0], val_interpolation=evaluation[1]))
+        owns_val = True
+        log(f"teacher {cfg.teacher}: validated on its own crops ({evaluation[1]}, resize {evaluation[0]})")
+    renorm = models.renormaliser(getattr(data.train, "norm", None), cfg.teacher_data)
+    notes = notes if notes is not None else []
+    return Teacher(model, layers, cfg, backend, runtime, precision, val, log, notes, renorm, owns_val)

@@ -342,9 +342,19 @@ def verify(root: Path) -> str:
 class SoftLabels:
     """A store opened for a run: the teacher's logits of a batch's samples in an epoch."""
 
-    def __init__(self, root: Path, wanted: Dict[str, Any], epochs: int, teacher: Optional[str] = None):
-        """``wanted``: the run's :func:`wanted_manifest`; ``teacher``: the run's --teacher, if given."""
+    def __init__(
+        self,
+        root: Path,
+        wanted: Dict[str, Any],
+        epochs: int,
+        teacher: Optional[str] = None,
+        device: Optional[torch.device] = None,
+    ):
+        """``wanted``: the run's :func:`wanted_manifest`; ``teacher``: the run's --teacher, if given;
+        ``device``: where :meth:`targets` puts the logits (the CPU where not given)."""
         self.root = root
+        self.device = device if device is not None else torch.device("cpu")
+        self.epoch = 0
         self.manifest = read_manifest(root)
         why = mismatch(self.manifest, wanted)
         if why is None and teacher is not None and teacher != self.manifest.get("teacher"):
@@ -405,6 +415,13 @@ class SoftLabels:
         got = {p: torch.from_numpy(np.ascontiguousarray(a[rows])) for p, a in files.items() if p != "written"}
         on = {p: (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True) for p, t in got.items()}
         return expand(on["values"], on.get("classes"), on.get("rest"), self.classes)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def targets(self, batch) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        """The stored logits of ``batch``'s samples in this epoch (:class:`kd.teacher.source.TeacherSource`)."""
+        return self.logits(self.epoch, batch.indices, self.device), {}
 
     def close(self) -> None:
         self._open = {}

@@ -1,0 +1,177 @@
+"""What each process of a launch runs, as the command chose it: students trained together
+(:class:`TrainJob`, ``kd train``) or a teacher's outputs written to a soft-label store
+(:class:`TeachJob`, ``kd teach``); ``kd bench`` times either (``timed_after``). The launcher
+(:mod:`kd.run.launch`) starts the processes and hands each the job; it never asks which it is.
+
+A job is plain data (it travels to spawned processes by pickle); what it runs is imported when it runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+from kd.errors import KDError
+from kd.run.students import STUDENTS_FILE, Students, is_students_folder
+from kd.runfolder import RunFolder, why_unwritable
+
+
+def preflight(cfg, student: bool = True) -> None:
+    """Cheap checks of names and paths, before any process, model or loader is made."""
+    import torch
+
+    from kd import models
+    from kd.data.folder import check_data
+    from kd.losses import LOSSES
+    from kd.version import torch_too_old
+
+    reason = torch_too_old(torch.__version__)
+    if reason:
+        raise KDError(reason)
+    if student:
+        models.check_name(cfg.student)
+        LOSSES.get("ce" if cfg.no_teacher else cfg.kd_loss)
+    if not cfg.no_teacher and not cfg.soft_labels:
+        models.check_name(cfg.teacher)
+    if cfg.soft_labels:
+        from kd.teacher.store import read_manifest
+
+        read_manifest(Path(cfg.soft_labels))  # a missing or unreadable store fails before any work
+    check_data(cfg.data)
+
+
+def check_out(out: Path, resuming: bool, overwrite: bool) -> None:
+    """``--out`` checked before any work, writing nothing. A folder that holds a run is refused
+    unless the run resumes or ``--overwrite`` is given, so nothing already written is lost by
+    mistake. The folder is made (and an overwritten run removed) only once the run has set up
+    without error (:meth:`kd.runfolder.RunFolder.start`), so a failed start leaves the disk as it was."""
+    if resuming:
+        return
+    if out.exists() and not out.is_dir():
+        raise KDError(f"--out {out} exists and is not a folder")
+    held = RunFolder(out).held()
+    if held and not overwrite:
+        raise KDError(
+            f"--out {out} already holds a run ({', '.join(held)}); "
+            f"continue it with --resume or replace it with --overwrite"
+        )
+    why = why_unwritable(out)
+    if why:
+        raise KDError(f"--out {out} cannot be written: {why}")
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """``kd train``: ``students`` trained together, each continuing from its checkpoint where it
+    names one; ``timed_after`` > 0 (``kd bench``): the steps after that many are timed, and
+    nothing is validated."""
+
+    students: Students
+    timed_after: int = 0
+
+    @property
+    def cfg(self):
+        """The config the launch reads (backend, devices, processes): the first student's, which all share."""
+        return self.students.first
+
+    @property
+    def out(self) -> Path:
+        return self.students.out
+
+    def folders(self) -> List[Path]:
+        """The folders the run writes (one writer each: :mod:`kd.runlock`)."""
+        return self.students.folders()
+
+    def unstarted(self) -> List[Path]:
+        """The folders a stop before the first checkpoint leaves as they were (a fresh run's)."""
+        return [] if self.students.resuming else self.folders()
+
+    def check(self, overwrite: bool) -> None:
+        """Every student's names and paths, and each folder, before any work."""
+        students = self.students
+        for _, cfg in students.training():
+            preflight(cfg)
+        if students.grouped and not students.resuming and not overwrite and is_students_folder(students.out):
+            raise KDError(
+                f"--out {students.out} already holds students ({STUDENTS_FILE}); "
+                f"continue them with --resume or replace them with --overwrite"
+            )
+        for _, cfg in students.training():
+            check_out(Path(cfg.out), students.resuming, overwrite)
+
+    def finished(self) -> Optional[str]:
+        """The line that says so where every resumed student has trained its epochs already, else None."""
+        return self.students.finished()
+
+    def restarted(self) -> TrainJob:
+        """The job of a restarted process group (``--max-restarts``): from the last checkpoints, where written."""
+        again = self.students.from_last_checkpoints()
+        return TrainJob(again, self.timed_after) if again is not None else self
+
+    def run(self, backend, stop, hooks: Sequence[Any]) -> Dict[str, float]:
+        from kd.run.loop import Trainer
+
+        trainer = Trainer(self.students, backend, hooks=hooks, validate=not self.timed_after, stop=stop)
+        try:
+            return trainer.fit()
+        finally:
+            trainer.close()
+
+    def how_to_continue(self) -> str:
+        if any(RunFolder(c.out).last.is_file() for c in self.students.cfgs):
+            return f"continue from its last checkpoint with: kd train --out {self.out} --resume"
+        return "it had written no checkpoint; start it again"
+
+    def done(self) -> str:
+        return f"as the run ended; {self.out} holds it complete"
+
+
+@dataclass(frozen=True)
+class TeachJob:
+    """``kd teach``: ``cfg.epochs`` epochs of the teacher's outputs on the run's crops written to
+    the store ``cfg.out`` (continued where it holds some); ``timed_after`` as for :class:`TrainJob`."""
+
+    cfg: Any
+    timed_after: int = 0
+
+    @property
+    def out(self) -> Path:
+        return Path(self.cfg.out)
+
+    def folders(self) -> List[Path]:
+        return [self.out]
+
+    def unstarted(self) -> List[Path]:
+        return []  # a store keeps the epochs it completed (kd teach continues them)
+
+    def check(self, overwrite: bool) -> None:
+        from kd.teacher.store import check_out as check_store
+
+        preflight(self.cfg, student=False)
+        check_store(self.out)
+
+    def finished(self) -> Optional[str]:
+        return None  # a store that holds its epochs says so itself (and validates its teacher if it had not)
+
+    def restarted(self) -> TeachJob:
+        return self  # a store continues from its complete epochs
+
+    def run(self, backend, stop, hooks: Sequence[Any]) -> Dict[str, Any]:
+        from kd.run.teach import Teaching
+
+        teaching = Teaching(self.cfg, backend, stop, hooks, validate=not self.timed_after)
+        try:
+            return teaching.run()
+        finally:
+            teaching.close()
+
+    def how_to_continue(self) -> str:
+        return "run the same kd teach again to continue"
+
+    def done(self) -> str:
+        return f"as kd teach ended; {self.out} is complete"
+
+
+#: what a launch runs
+Job = Union[TrainJob, TeachJob]
