@@ -17,11 +17,11 @@ from kd.losses import DistillLoss, build_loss, split_layers
 from kd.precision import make_precision
 from kd.precision.cpu import slow_precision_warning
 from kd.run import checkpoint
-from kd.run.features import check_layers, layer_names, tap
 from kd.run.lane import Lane
 from kd.run.optim import build_optimizer, build_scheduler
 from kd.run.sides import StudentSide
 from kd.run.step import BufferGuard
+from kd.utils.taps import check_layers, layer_names, tap
 
 
 def build_lane(

@@ -34,10 +34,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Dict, List, Optional, Type
 
 from kd.errors import KDError
-from kd.run.placement import Placement, slurm_env
-from kd.run.signals import Interrupted, held_for_children, launcher_handlers
 from kd.runfolder import RunFolder, why_unwritable
 from kd.runlock import describe_holder, locked
+from kd.utils.placement import Placement, slurm_env
+from kd.utils.signals import Interrupted, held_for_children, launcher_handlers
 
 if TYPE_CHECKING:  # imported where used: a launcher process builds no Trainer
     from kd.run.loop import Trainer
@@ -280,7 +280,7 @@ def launch_local(cfg, nproc: int, resume_from: Optional[Path], students=None):
             raise RankFailed(*rank_failed(failures, cfg, out, students, error_dir)) from None
         stopped = Path(error_dir, "interrupted.txt")
         if stopped.exists():  # the workers stopped on a signal after writing their checkpoint
-            from kd.run.signals import Interrupted
+            from kd.utils.signals import Interrupted
 
             signame, message = stopped.read_text(encoding="utf-8").split("\n", 1)
             raise Interrupted(signame, message=message) from None
@@ -307,7 +307,7 @@ def worker(
     """The entrypoint of each process kd's launcher starts (module level, so it pickles); it dies
     with ``launcher``, the launching process (:mod:`kd.lifeline`)."""
     from kd.lifeline import die_with_parent
-    from kd.run.signals import Interrupted, exit_when_stopped, install_early, stopped_in_run
+    from kd.utils.signals import Interrupted, exit_when_stopped, install_early, stopped_in_run
 
     if launcher is not None:
         die_with_parent(launcher)
@@ -478,7 +478,7 @@ def run_worker(
     where ``resume_from`` is given."""
     import backends
     from kd.run.loop import Trainer
-    from kd.run.signals import StopFlag, install_early
+    from kd.utils.signals import StopFlag, install_early
 
     launched = bool(place and place.launched)
     # until here a stop signal ends the process at once (kd's own workers installed that at their

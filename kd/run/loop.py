@@ -32,7 +32,6 @@ from kd.run.build import build_lane, seeded
 from kd.run.lane import Lane, stop_in_setup
 from kd.run.log import SetupClock, command_start
 from kd.run.runtime import resolve as resolve_runtime
-from kd.run.signals import Interrupted, StopFlag
 from kd.run.step import StepHook, StepOutput, check_batch
 from kd.run.students import Students, stopped_students, write_students
 from kd.runfolder import RunFolder, nearest_folder
@@ -40,6 +39,7 @@ from kd.teacher import store as kd_store
 from kd.teacher.frozen import Teacher
 from kd.teacher.probe import PROBE_BATCHES
 from kd.teacher.store import SoftLabels, wanted_manifest
+from kd.utils.signals import Interrupted, StopFlag
 
 
 @dataclass
