@@ -195,8 +195,17 @@ def test_nothing_but_the_cli_and_the_commands_import_the_commands():
 LAYERS: List[Tuple[str, List[str]]] = [
     (
         "the helpers",
-        ["kd.errors", "kd.checksum", "kd.runfolder", "kd.runlock", "kd.lifeline", "kd.registry", "kd.version"]
-        + ["kd.nest", "kd.utils"],
+        [
+            "kd.errors",
+            "kd.checksum",
+            "kd.runfolder",
+            "kd.runlock",
+            "kd.lifeline",
+            "kd.registry",
+            "kd.version",
+            "kd.nest",
+            "kd.utils",
+        ],
     ),
     ("the parts of a run", ["kd.models", "kd.losses", "kd.precision", "kd.data", "kd.teacher", "backends"]),
     ("the run's options", ["kd.config"]),  # checked against the registries of losses and models
