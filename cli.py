@@ -143,8 +143,8 @@ def train(ctx, recipes, sets, loss_arg, resume, overwrite, local_rank, timed_aft
 def _summary(runs, started: float, names=()) -> None:
     """One line per run on stdout, from the main process only."""
     from kd.commands.report import summary_line
-    from kd.run.placement import Placement
     from kd.runfolder import RunFolder
+    from kd.utils.placement import Placement
 
     if Placement.from_environment(None).rank == 0:
         for i, run in enumerate(runs):
@@ -556,7 +556,7 @@ def backends_cmd():
     click.echo(aligned([(name, "yes" if ok else "no", note) for name, ok, note in backends.report()]))
 
 
-#: The commands that run a run: a stop signal before it starts is one line (kd.run.signals.install_first).
+#: The commands that run a run: a stop signal before it starts is one line (kd.utils.signals.install_first).
 RUN_COMMANDS = ("train", "teach")
 
 
@@ -573,7 +573,7 @@ def _command_name(args) -> str:
 
 def main(argv=None) -> int:
     """Entry point of the ``kd`` console script: one line and exit code 2 for any user error."""
-    from kd.run.signals import Interrupted, install_first, run_ended
+    from kd.utils.signals import Interrupted, install_first, run_ended
 
     args = sys.argv[1:] if argv is None else list(argv)
     # first, before torch and the rest are imported: a stop signal from here on is one line

@@ -38,7 +38,7 @@ from torch import nn
 from backends import dist as kd_dist
 from backends.base import register
 from backends.process_group import ProcessGroupBackend
-from kd.run.placement import Placement
+from kd.utils.placement import Placement
 
 
 def apex_parallel():

@@ -15,7 +15,7 @@ actions:
 * reductions: ``all_reduce_sum(tensor)``, ``all_gather_object(obj)``, ``sync_buffers(module)``
   before evaluation and checkpoints, and ``barrier()``.
 
-A backend is made with the run's config and its :class:`~kd.run.placement.Placement` (where this
+A backend is made with the run's config and its :class:`~kd.utils.placement.Placement` (where this
 process sits, as the launcher said; read from the environment when not given). The
 multi-process backends derive from :class:`backends.process_group.ProcessGroupBackend`.
 
@@ -33,7 +33,7 @@ from torch import nn
 
 from kd.errors import KDError
 from kd.registry import Registry
-from kd.run.placement import Placement
+from kd.utils.placement import Placement
 
 BACKENDS: Registry = Registry("backend", entry_point_group="kd.backends")
 register = BACKENDS.register

@@ -1,6 +1,6 @@
 """Process-group helpers shared by the multi-process backends (torch_ddp, apex_ddp).
 
-A process learns its place from a :class:`kd.run.placement.Placement` (read from torchrun's, Slurm's
+A process learns its place from a :class:`kd.utils.placement.Placement` (read from torchrun's, Slurm's
 or kd's launcher's environment); a process nobody launched is rank 0 of 1.
 
 Several processes may share a GPU (``--gpus`` lists fewer GPUs than there are processes on the
@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kd.errors import KDError
-from kd.run.placement import Placement
+from kd.utils.placement import Placement
 
 DIST_BACKENDS = ("auto", "nccl", "gloo")
 BUCKET_BYTES = 25 * 2**20

@@ -20,7 +20,7 @@ from backends import dist as kd_dist
 from backends.base import Backend, check_gpu_indices, resolve_device
 from kd.errors import KDError
 from kd.nest import tensors
-from kd.run.placement import Placement
+from kd.utils.placement import Placement
 
 SYNC_BN_CPU = "--sync-bn needs CUDA (torch's SyncBatchNorm runs on GPUs only); drop it on the CPU"
 

@@ -3,7 +3,7 @@ verifying a prepared copy of a given size, and one epoch of a soft-label store, 
 
 A checkpoint: a dict of float32 tensors of ``--checkpoint-mb`` MB, written by ``save_atomic``
 (with its sums file) against the same write without checksums (torch.save, fsync, rename, as
-kd wrote before), then checked as a resume checks it (``checkpoint.verify``) against loading it.
+kd wrote before), then checked as a resume checks it (``checkpoint_io.verify``) against loading it.
 A prepared copy: ``kd prepare`` (raw, longer side 256) of a folder of generated 320x240 JPEGs
 sized to give about ``--copy-gb`` GB, then the check at a run's start (``open_copy``) and
 ``kd verify`` (every byte). Each timing is the median of ``--repeat``; files are read from the
@@ -33,7 +33,7 @@ from PIL import Image  # noqa: E402
 
 from kd.data.prepare import Settings, prepare  # noqa: E402
 from kd.data.prepared import open_copy, verify_copy  # noqa: E402
-from kd.run import checkpoint  # noqa: E402
+from kd.utils import checkpoint_io  # noqa: E402
 
 RAW_BYTES = 256 * 192 * 3  # a 320x240 source at --max-side 256, as raw RGB pixels
 
@@ -64,14 +64,14 @@ def checkpoint_costs(work: Path, mb: int, repeat: int) -> None:
     state = {"student": {f"layer{i}.weight": torch.randn(per) for i in range(count)}, "format": 1}
     plain, summed = work / "plain.pt", work / "last.pt"
     t_plain = median_seconds(lambda: plain_save(state, plain), repeat)
-    t_summed = median_seconds(lambda: checkpoint.save_atomic(state, summed), repeat)
+    t_summed = median_seconds(lambda: checkpoint_io.save_atomic(state, summed), repeat)
 
     def verify():
-        checkpoint._verified.clear()  # as a fresh process does
-        assert checkpoint.verify(summed) is True
+        checkpoint_io._verified.clear()  # as a fresh process does
+        assert checkpoint_io.verify(summed) is True
 
     t_verify = median_seconds(verify, repeat)
-    t_load = median_seconds(lambda: checkpoint.read(summed, "cannot load"), repeat)
+    t_load = median_seconds(lambda: checkpoint_io.read(summed, "cannot load"), repeat)
     size = summed.stat().st_size
     print(f"checkpoint {size / 2**20:.0f} MiB ({size:,} bytes), median of {repeat}:")
     print(f"  write without checksum (torch.save, fsync, rename): {t_plain:.3f} s")

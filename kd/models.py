@@ -14,7 +14,7 @@ from torch import nn
 
 from kd.errors import KDError
 from kd.registry import suggest
-from kd.run import checkpoint
+from kd.utils import checkpoint_io
 
 TIMM_PREFIX = "timm:"
 
@@ -111,7 +111,7 @@ def _pretrained_state(name: str, weights: str = "pretrained") -> Dict[str, torch
 
     cached = Path(get_dir()) / "checkpoints" / Path(member.url).name
     if cached.is_file():
-        return extract_state(checkpoint.read(cached, "cannot read weights file"), str(cached))
+        return extract_state(checkpoint_io.read(cached, "cannot read weights file"), str(cached))
     try:
         return member.get_state_dict(progress=False)
     except Exception as exc:  # no network (URLError and friends), a broken download
@@ -170,13 +170,13 @@ def load_state_file(path: str) -> Dict[str, torch.Tensor]:
     """A state dict from a file: plain, wrapped (``state_dict``/``model``/...), or a kd checkpoint.
 
     Loaded with ``weights_only=True``: a file that needs arbitrary code to unpickle is refused; a
-    file kd wrote is checked against the SHA-256 beside it first (:func:`kd.run.checkpoint.verify`).
+    file kd wrote is checked against the SHA-256 beside it first (:func:`kd.utils.checkpoint_io.verify`).
     """
     p = Path(path)
     if not p.is_file():
         raise KDError(f"weights file {path} does not exist (expected pretrained, none or a file path)")
-    checkpoint.verify(p)  # a file kd wrote: against the sum beside it
-    return extract_state(checkpoint.read(p, "cannot read weights file"), path)
+    checkpoint_io.verify(p)  # a file kd wrote: against the sum beside it
+    return extract_state(checkpoint_io.read(p, "cannot read weights file"), path)
 
 
 def extract_state(obj: Any, path: str) -> Dict[str, torch.Tensor]:
@@ -334,9 +334,9 @@ def _kd_checkpoint(weights: str) -> Optional[Dict[str, Any]]:
     """A kd checkpoint's contents (memory-mapped), or None for named weights and other files."""
     if not weights or is_named(weights) or weights == "none" or not Path(weights).is_file():
         return None
-    checkpoint.verify(weights)  # damaged: said here, not taken for a file of another kind
+    checkpoint_io.verify(weights)  # damaged: said here, not taken for a file of another kind
     try:
-        obj = checkpoint.read(weights, "cannot read weights file", mmap=True)
+        obj = checkpoint_io.read(weights, "cannot read weights file", mmap=True)
     except KDError:  # not a file kd can read: building the model says why
         return None
     return obj if isinstance(obj, dict) and "kd_version" in obj else None

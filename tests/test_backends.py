@@ -29,7 +29,7 @@ from backends.process_group import parameters_without_grad
 from kd import config as kd_config
 from kd.errors import KDError
 from kd.precision import Precision
-from kd.run.placement import Placement
+from kd.utils.placement import Placement
 
 
 # ----------------------------------------------------------------------------- tiny models
@@ -147,7 +147,7 @@ def _eval_job(job):
 def _failing_eval_job(job):
     """Rank 1's forward raises (an OOM, say) at its first batch: both ranks raise, and the next
     evaluation on the same process group is still exact (the ranks stayed in step)."""
-    from kd.run.accuracy import evaluate
+    from kd.utils.accuracy import evaluate
 
     backend = backends.get("torch_ddp")(job["cfg"])
     backend.setup()
@@ -213,7 +213,7 @@ def fixed_loader(cfg, backend):
 
 
 def evaluate_fixed(cfg, backend):
-    from kd.run.accuracy import evaluate
+    from kd.utils.accuracy import evaluate
 
     torch.manual_seed(123)
     net = TinyNet(7).eval()
@@ -462,7 +462,7 @@ def replicate_in_place(module: nn.Module) -> nn.Module:
 
 def test_feature_taps_of_data_parallel_replicas_stay_apart():
     """Replicas share their modules' hook dicts; each tap keeps the output of its own replica only."""
-    from kd.run.features import tap
+    from kd.utils.taps import tap
 
     torch.manual_seed(0)
     meet = threading.Barrier(2)

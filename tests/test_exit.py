@@ -244,7 +244,7 @@ def test_ctrl_c_during_validation_keeps_the_epoch_and_resumes_it(long_val, tmp_p
 
 
 def test_a_second_ctrl_c_waits_for_the_checkpoint_and_a_launched_process_ignores_it():
-    from kd.run.signals import StopFlag
+    from kd.utils.signals import StopFlag
 
     flag = StopFlag(launched=False)
     try:
@@ -271,7 +271,7 @@ def test_a_late_copy_of_the_signal_after_the_run_is_no_new_stop():
     """A launched worker's run has stopped on a SIGINT and put the set-up handler back; the
     launcher's forwarded copy then arrives while the process exits: ignored (it had raised there,
     a traceback in threading's shutdown)."""
-    from kd.run.signals import StopFlag, install_early
+    from kd.utils.signals import StopFlag, install_early
 
     restore = install_early(launched=True)
     try:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import kd_main, make_image_folder
 
-from kd.run import checkpoint
+from kd.utils import checkpoint_io
 
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "geteuid") or os.geteuid() != 0 or not Path("/proc/mounts").is_file(),
@@ -75,7 +75,7 @@ def test_no_room_for_a_later_checkpoint_keeps_the_last_one(data, small_disk):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
         "best.pt", "best.pt.sha256", "last.pt", "last.pt.sha256"
     ]  # fmt: skip
-    assert checkpoint.verify(out / "checkpoints" / "last.pt")  # its sums file lists it
+    assert checkpoint_io.verify(out / "checkpoints" / "last.pt")  # its sums file lists it
 
 
 def test_prepare_refuses_a_disk_without_room_before_writing(data, small_disk):

@@ -10,8 +10,8 @@ import torch
 import torchvision
 from torch import nn
 
-from kd.run.features import tap
 from kd.teacher.fuse import conv_bias_add_relu, conv_bias_relu, fuse_teacher
+from kd.utils.taps import tap
 
 
 def scrambled(name: str, seed: int = 0) -> nn.Module:

@@ -1,4 +1,5 @@
-"""No import circles among kd's own modules (kd/, backends/, cli.py), and few layers.
+"""No import circles among kd's own modules (kd/, backends/, cli.py), few layers, and layers that
+only point down (:data:`LAYERS`).
 
 Every import statement that runs counts, at the top of a module or inside a function: an import
 moved into a function to dodge a circle is still one. Imports under ``if TYPE_CHECKING:`` (for
@@ -10,7 +11,9 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
-from typing import Dict, List, Set
+from typing import Dict, List, Set, Tuple
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -184,3 +187,90 @@ def test_nothing_but_the_cli_and_the_commands_import_the_commands():
     graph = import_graph()
     users = sorted(m for m, deps in graph.items() for d in deps if d.startswith("kd.commands"))
     assert all(m == "cli" or m.startswith("kd.commands") for m in users), users
+
+
+#: kd's layers, the lowest first: a module imports modules of its own layer or of those below it,
+#: never of one above. A name is a module, or a package with its submodules (``kd`` itself is only
+#: kd/__init__.py, the ``kd.train`` of the Python API).
+LAYERS: List[Tuple[str, List[str]]] = [
+    (
+        "the helpers",
+        [
+            "kd.errors",
+            "kd.checksum",
+            "kd.runfolder",
+            "kd.runlock",
+            "kd.lifeline",
+            "kd.registry",
+            "kd.version",
+            "kd.nest",
+            "kd.utils",
+        ],
+    ),
+    ("the parts of a run", ["kd.models", "kd.losses", "kd.precision", "kd.data", "kd.teacher", "backends"]),
+    ("the run's options", ["kd.config"]),  # checked against the registries of losses and models
+    ("the engine", ["kd.run"]),
+    ("the entry points", ["kd.commands", "cli", "kd"]),
+]
+
+#: Which parts of a run import which others; any other import between two parts is refused.
+PARTS_IMPORT: Dict[str, Set[str]] = {
+    "kd.models": set(),
+    "kd.losses": set(),
+    "kd.precision": set(),
+    "kd.data": {"kd.models"},  # a model's data config (mean, std, crop)
+    "kd.teacher": {"kd.models", "kd.precision", "kd.data"},  # its own val crops (a model's eval transform)
+    "backends": {"kd.precision"},  # apex's amp beside apex's DDP
+}
+
+#: Modules that import no module of kd's.
+LEAVES = ["kd.errors", "kd.checksum", "kd.runfolder", "kd.version"]
+
+
+def place(module: str) -> Tuple[int, str]:
+    """``module``'s layer (its index in :data:`LAYERS`) and the name of the table that holds it."""
+    names = {name: i for i, (_, layer) in enumerate(LAYERS) for name in layer}
+    for name in sorted(names, key=len, reverse=True):
+        if module == name or (name != "kd" and module.startswith(name + ".")):
+            return names[name], name
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS in tests/test_imports.py")
+
+
+def layer_violations(graph: Dict[str, Set[str]]) -> List[str]:
+    """Each import of ``graph`` the layer table refuses, in words."""
+    found = []
+    for module, deps in sorted(graph.items()):
+        layer, home = place(module)
+        for dep in sorted(deps):
+            dep_layer, dep_home = place(dep)
+            if dep_layer > layer:
+                found.append(f"{module} imports {dep}, of {LAYERS[dep_layer][0]}, a layer above {LAYERS[layer][0]}")
+            elif home in PARTS_IMPORT and dep_home in PARTS_IMPORT and dep_home not in PARTS_IMPORT[home] | {home}:
+                allowed = ", ".join(sorted(PARTS_IMPORT[home])) or "no other part"
+                found.append(f"{module} imports {dep}: {home} may import {allowed}")
+    return found
+
+
+def test_the_layer_check_sees_an_import_that_points_up():
+    up = {"kd.models": {"kd.errors", "kd.run.checkpoint"}, "kd.run.checkpoint": {"kd.models"}}
+    assert layer_violations(up) == [
+        "kd.models imports kd.run.checkpoint, of the engine, a layer above the parts of a run"
+    ]
+    sideways = {"kd.losses.kd": {"kd.teacher.frozen"}, "kd.teacher.frozen": {"kd.models", "kd.utils.taps"}}
+    assert layer_violations(sideways) == ["kd.losses.kd imports kd.teacher.frozen: kd.losses may import no other part"]
+    assert place("kd") == (4, "kd") and place("kd.utils.signals") == (0, "kd.utils")
+    with pytest.raises(AssertionError, match="kd.newcomer is in no layer"):
+        place("kd.newcomer")
+
+
+def test_layers_only_point_down():
+    """The helpers, the parts of a run (data, models, losses, precision, teacher, backends), the
+    run's options, the engine (kd.run), the entry points: each imports only its own layer and those
+    below, and the parts import one another only as PARTS_IMPORT says."""
+    parts = dict(LAYERS)["the parts of a run"]
+    assert sorted(PARTS_IMPORT) == sorted(parts) and all(PARTS_IMPORT[p] <= set(parts) for p in parts)
+    graph = import_graph()
+    violations = layer_violations(graph)
+    assert not violations, "imports against the layers:\n" + "\n".join(violations)
+    for leaf in LEAVES:
+        assert not graph[leaf], f"{leaf} imports {sorted(graph[leaf])}: it is a leaf"

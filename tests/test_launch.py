@@ -305,7 +305,7 @@ def test_two_gpus_nccl(backend, data9, teacher_file, tmp_path):
 CRASHING_RANK = """
 import errno, sys
 import kd.run.launch as launch
-from kd.run.placement import Placement
+from kd.utils.placement import Placement
 
 real_worker = launch.worker
 

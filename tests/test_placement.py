@@ -1,4 +1,4 @@
-"""kd.run.placement: where a process sits, read once from torchrun's, srun's or kd's launcher's environment."""
+"""kd.utils.placement: where a process sits, read once from torchrun's, srun's or kd's launcher's environment."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from datetime import timedelta
 import pytest
 
 from kd.errors import KDError
-from kd.run import placement
-from kd.run.placement import Placement
+from kd.utils import placement
+from kd.utils.placement import Placement
 
 TORCHRUN = {
     "RANK": "3",

@@ -138,7 +138,7 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(data, tmp_path):
 
 
 def test_checkpoint_write_is_atomic(tmp_path):
-    from kd.run.checkpoint import save_atomic
+    from kd.utils.checkpoint_io import save_atomic
 
     path = tmp_path / "c.pt"
     save_atomic({"a": torch.ones(3)}, path)

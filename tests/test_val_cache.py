@@ -13,7 +13,7 @@ from kd import config as kd_config
 from kd.data import build
 from kd.data.cache import CachedVal
 from kd.data.loader import STD
-from kd.run.accuracy import evaluate
+from kd.utils.accuracy import evaluate
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.filterwarnings("ignore:The image decoding and encoding capabilities of TorchVision")

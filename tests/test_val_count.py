@@ -203,7 +203,7 @@ def test_the_gpu_loader_counts_unreadable_val_images_as_the_pil_loader(damaged, 
     from kd.data.folder import scan_split
     from kd.data.gpu import make_gpu_loader
     from kd.data.loader import make_loader
-    from kd.run.accuracy import evaluate
+    from kd.utils.accuracy import evaluate
 
     monkeypatch.setenv(gpu_mod.DECODER_ENV, decoder)
     cfg = kd_config.resolve(

@@ -18,7 +18,7 @@ from conftest import kd_main, make_image_folder
 from kd.data.prepare import Settings, prepare
 from kd.data.prepared import MANIFEST
 from kd.errors import KDError
-from kd.run import checkpoint
+from kd.utils import checkpoint_io
 
 TINY = ["--no-teacher", "--student", "resnet18", "--image-size", 32, "-b", 8, "-j", 0, "--device", "cpu"]
 
@@ -71,7 +71,7 @@ def test_every_checkpoint_has_its_sha256_beside_it_as_sha256sum_writes_it(run):
     written = sorted(p.name for p in folder.glob("*.pt"))
     assert {"last.pt", "best.pt"} <= set(written) and any(n.startswith("step_") for n in written), written
     for name in written:
-        assert checkpoint.listed_sums(folder / name) == [checkpoint.file_sha256(folder / name)]
+        assert checkpoint_io.listed_sums(folder / name) == [checkpoint_io.file_sha256(folder / name)]
     r = subprocess.run(["sha256sum", "-c", *[f"{n}.sha256" for n in written]], cwd=folder, capture_output=True)
     assert r.returncode == 0, r.stdout + r.stderr
 
@@ -98,7 +98,7 @@ def test_a_damaged_checkpoint_is_refused_by_eval_export_resume_and_either_weight
 def test_a_checkpoint_from_elsewhere_has_no_sums_and_loads_as_before(run, data, tmp_path):
     plain = tmp_path / "plain.pt"
     shutil.copyfile(run / "checkpoints" / "best.pt", plain)  # no plain.pt.sha256
-    assert checkpoint.verify(plain) is None
+    assert checkpoint_io.verify(plain) is None
     r = kd_main("eval", "--weights", plain, "--data", data, "-j", 0, "--device", "cpu")
     assert r.returncode == 0, r.stderr
 
@@ -107,7 +107,7 @@ def test_a_checkpoint_from_elsewhere_has_no_sums_and_loads_as_before(run, data, 
 def test_a_kill_between_any_two_steps_of_a_write_leaves_a_file_that_verifies(tmp_path, monkeypatch, older_kd):
     """Each of save_atomic's renames (sums with both, the file, sums with the new alone) is the place of
     a kill: before it, the file in place (old or new) must verify and load; then the next write too."""
-    import kd.run.checkpoint as ck
+    import kd.utils.checkpoint_io as ck
 
     class Killed(BaseException):
         pass
@@ -290,11 +290,11 @@ def test_kd_verify_reads_each_student_of_a_run_of_several(data, tmp_path):
 def test_a_reader_beside_a_run_writing_its_checkpoint_never_calls_it_damaged(tmp_path, monkeypatch):
     """kd verify or kd eval of last.pt while the run replaces it: the reader has read the sums file,
     the run then writes its next checkpoint whole, and the reader hashes the new file."""
-    from kd.run.checkpoint import save_atomic
+    from kd.utils.checkpoint_io import save_atomic
 
     path = tmp_path / "last.pt"
     save_atomic({"w": torch.zeros(8)}, path)
-    real, raced = checkpoint.file_sha256, []
+    real, raced = checkpoint_io.file_sha256, []
 
     def file_sha256(p):
         if not raced:  # between the reader's reading of the sums file and its hashing of the file
@@ -302,8 +302,8 @@ def test_a_reader_beside_a_run_writing_its_checkpoint_never_calls_it_damaged(tmp
             save_atomic({"w": torch.ones(8)}, path)
         return real(p)
 
-    monkeypatch.setattr(checkpoint, "file_sha256", file_sha256)
-    assert checkpoint.verify(path) and raced
+    monkeypatch.setattr(checkpoint_io, "file_sha256", file_sha256)
+    assert checkpoint_io.verify(path) and raced
 
 
 def test_a_file_that_cannot_be_read_to_check_it_is_one_line(tmp_path):
@@ -312,7 +312,7 @@ def test_a_file_that_cannot_be_read_to_check_it_is_one_line(tmp_path):
     path.mkdir()
     (tmp_path / "last.pt.sha256").write_text(f"{'0' * 64}  last.pt\n")
     with pytest.raises(KDError, match=f"cannot read {path} to check it"):
-        checkpoint.verify(path)
+        checkpoint_io.verify(path)
 
 
 def test_a_sums_file_in_bsd_form_beside_weights_is_read(tmp_path):
@@ -323,8 +323,8 @@ def test_a_sums_file_in_bsd_form_beside_weights_is_read(tmp_path):
     torch.save({"fc.weight": torch.ones(2)}, path)
     tagged = subprocess.run(["sha256sum", "--tag", path.name], cwd=tmp_path, capture_output=True, text=True).stdout
     (tmp_path / "w.pt.sha256").write_text(tagged)
-    assert tagged.startswith("SHA256 (w.pt) = ") and checkpoint.verify(path)
+    assert tagged.startswith("SHA256 (w.pt) = ") and checkpoint_io.verify(path)
     flip(path)
-    checkpoint._verified.clear()
+    checkpoint_io._verified.clear()
     with pytest.raises(KDError, match="is damaged"):
-        checkpoint.verify(path)
+        checkpoint_io.verify(path)

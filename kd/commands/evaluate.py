@@ -18,8 +18,8 @@ from kd.data.folder import scan_split
 from kd.data.loader import default_workers, make_loader
 from kd.errors import KDError
 from kd.precision import make_precision
-from kd.run.accuracy import evaluate
 from kd.run.runtime import resolve as resolve_runtime
+from kd.utils.accuracy import evaluate
 
 DEFAULT_IMAGE_SIZE = 224
 

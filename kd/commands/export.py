@@ -18,6 +18,7 @@ from kd.errors import KDError
 from kd.models import DataConfig
 from kd.run import checkpoint
 from kd.runfolder import RunFolder
+from kd.utils import checkpoint_io
 
 FORMATS = (".pt", ".pth", ".safetensors")
 
@@ -73,7 +74,7 @@ def export(run: Path, out: Path) -> Dict[str, Any]:
         save_file(weights, str(tmp), metadata={"model": str(info["model"]), "num_classes": str(info["num_classes"])})
         tmp.replace(out)
     else:
-        checkpoint.save_atomic(weights, out)
+        checkpoint_io.save_atomic(weights, out)
     out.with_suffix(".json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
     return info
 

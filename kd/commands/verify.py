@@ -14,27 +14,27 @@ from pathlib import Path
 from typing import Callable, List
 
 from kd.errors import KDError
-from kd.run import checkpoint
 from kd.runfolder import RunFolder
+from kd.utils import checkpoint_io
 
 Echo = Callable[[str], None]
 
 
 def check_file(path: Path) -> str:
     """``OK ...`` or ``DAMAGED: why`` for one checkpoint or weights file (read in full, not cached)."""
-    listed = checkpoint.listed_sums(path)
+    listed = checkpoint_io.listed_sums(path)
     if listed is None:
         try:
-            checkpoint.read(path, "cannot read", mmap=True)
+            checkpoint_io.read(path, "cannot read", mmap=True)
         except KDError as exc:
             return f"DAMAGED: {str(exc).split(': ', 1)[-1]}"
-        return f"OK (no {checkpoint.sums_file(path).name} beside it: it loads, but its bytes cannot be checked)"
+        return f"OK (no {checkpoint_io.sums_file(path).name} beside it: it loads, but its bytes cannot be checked)"
     try:
-        sound = checkpoint.matches_sums(path)
+        sound = checkpoint_io.matches_sums(path)
     except KDError as exc:  # an I/O error: a bad sector, say
         return f"DAMAGED: {str(exc).split(': ', 1)[-1]}"
     if not sound:
-        return f"DAMAGED: its bytes do not match the SHA-256 in {checkpoint.sums_file(path).name}"
+        return f"DAMAGED: its bytes do not match the SHA-256 in {checkpoint_io.sums_file(path).name}"
     return "OK"
 
 

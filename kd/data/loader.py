@@ -77,7 +77,7 @@ def mp_context(name: str):
         from multiprocessing import forkserver
 
         from kd.lifeline import forkserver_guarded
-        from kd.run.signals import ignoring_sigint
+        from kd.utils.signals import ignoring_sigint
 
         # ignoring SIGINT: a Ctrl-C while it imports torch stops the run, not it with a traceback
         with ignoring_sigint(), forkserver_guarded():

@@ -23,8 +23,8 @@ inf/NaN gradients (the step is skipped and counted), double after 2000 finite st
 
 Numerics that hold at every level:
 
-* Teacher logits enter the KD loss in float32 (the engine's TeacherSide casts them, and the
-  KD module computes its softmaxes in float32). The dark knowledge lives in the small
+* Teacher logits enter the KD loss in float32 (:class:`kd.teacher.frozen.TeacherSide` casts them,
+  and the KD module computes its softmaxes in float32). The dark knowledge lives in the small
   probabilities the teacher gives the wrong classes. A log-softmax in float16 at a low
   temperature loses them: ``logits / T`` is rounded again to ~3 significant digits (bfloat16:
   ~2), so nearby non-top classes merge, and ``exp`` of log-probabilities below about -17

@@ -17,12 +17,12 @@ from kd.losses import DistillLoss, build_loss, split_layers
 from kd.precision import make_precision
 from kd.precision.cpu import slow_precision_warning
 from kd.run import checkpoint
-from kd.run.features import check_layers, layer_names, tap
 from kd.run.lane import Lane, TrainState, stop_in_setup
 from kd.run.log import NullLogger, RunLogger
 from kd.run.optim import build_optimizer, build_scheduler
 from kd.run.runtime import resolve as resolve_runtime
 from kd.run.sides import StudentSide
+from kd.utils.taps import check_layers, layer_names, tap
 
 
 def build_lane(

@@ -18,13 +18,13 @@ from kd import models
 from kd.data.loader import Batch
 from kd.errors import KDError, NonFinite
 from kd.run import checkpoint
-from kd.run.accuracy import unreadable_note, validate_student
 from kd.run.log import NullBar, SetupClock, first_step_record
 from kd.run.meter import Meter, format_record, nonfinite_flags, nonfinite_message
-from kd.run.signals import Interrupted, StopFlag, in_setup
 from kd.run.state import TrainState
 from kd.run.step import LOGITS_SUM, BufferGuard, StepOutput, apply_gradients
 from kd.runfolder import RunFolder
+from kd.utils.accuracy import unreadable_note, validate_student
+from kd.utils.signals import Interrupted, StopFlag, in_setup
 
 if TYPE_CHECKING:  # the run's loop builds the teacher; a lane only holds it
     from kd.teacher.frozen import Teacher

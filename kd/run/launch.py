@@ -13,10 +13,10 @@ Who starts the processes, as the environment tells:
 * Slurm's ``srun`` with several tasks (one per GPU): ``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS``,
   ``SLURM_LOCALID``, ``SLURM_STEP_TASKS_PER_NODE`` and the step's node list become torchrun's
   variables (``MASTER_ADDR``/``MASTER_PORT`` from the environment when set, else the first node
-  and a port derived from the job id; :func:`kd.run.placement.slurm_env`), and kd starts no process
+  and a port derived from the job id; :func:`kd.utils.placement.slurm_env`), and kd starts no process
   of its own.
 
-Each process reads its place once, as a :class:`kd.run.placement.Placement`. A ``KDError`` in any
+Each process reads its place once, as a :class:`kd.utils.placement.Placement`. A ``KDError`` in any
 worker reaches the user as one line and exit code 2 from the parent.
 """
 
@@ -34,10 +34,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Dict, Optional, Type
 
 from kd.errors import KDError
-from kd.run.placement import Placement, slurm_env
-from kd.run.signals import Interrupted, held_for_children, launcher_handlers
 from kd.runfolder import RunFolder
 from kd.runlock import describe_holder, locked
+from kd.utils.placement import Placement, slurm_env
+from kd.utils.signals import Interrupted, held_for_children, launcher_handlers
 
 if TYPE_CHECKING:  # what runs comes from the command (kd.run.jobs)
     from kd.run.jobs import Job
@@ -177,7 +177,7 @@ def launch_local(job: Job, nproc: int):
             raise RankFailed(*rank_failed(failures, job, error_dir)) from None
         stopped = Path(error_dir, "interrupted.txt")
         if stopped.exists():  # the workers stopped on a signal after writing their checkpoint
-            from kd.run.signals import Interrupted
+            from kd.utils.signals import Interrupted
 
             signame, message = stopped.read_text(encoding="utf-8").split("\n", 1)
             raise Interrupted(signame, message=message) from None
@@ -196,7 +196,7 @@ def worker(job: Job, error_dir: str, visible: Optional[str], launcher: Optional[
     """The entrypoint of each process kd's launcher starts (module level, so it pickles); it dies
     with ``launcher``, the launching process (:mod:`kd.lifeline`)."""
     from kd.lifeline import die_with_parent
-    from kd.run.signals import Interrupted, exit_when_stopped, install_early, stopped_in_run
+    from kd.utils.signals import Interrupted, exit_when_stopped, install_early, stopped_in_run
 
     if launcher is not None:
         die_with_parent(launcher)
@@ -337,7 +337,7 @@ def run_worker(job: Job, place: Optional[Placement] = None, signals_ready: bool 
     """Everything one process does for ``job``, from backend set-up to teardown, where ``place`` (as
     the launcher found it) says; ``job.timed_after`` (``kd bench``) adds the step timer."""
     import backends
-    from kd.run.signals import StopFlag, install_early
+    from kd.utils.signals import StopFlag, install_early
 
     launched = bool(place and place.launched)
     # until here a stop signal ends the process at once (kd's own workers installed that at their

@@ -25,11 +25,11 @@ from kd.run.build import build_lane
 from kd.run.lane import Lane, stop_in_setup
 from kd.run.log import SetupClock, command_start
 from kd.run.runtime import resolve as resolve_runtime
-from kd.run.signals import Interrupted, StopFlag
 from kd.run.step import StepHook, StepOutput, check_batch
 from kd.runfolder import RunFolder
 from kd.teacher.frozen import Teacher, build_teacher
 from kd.teacher.store import SoftLabels, wanted_manifest
+from kd.utils.signals import Interrupted, StopFlag
 
 if TYPE_CHECKING:  # the run's description, built by the command
     from kd.run.students import Students
@@ -87,7 +87,7 @@ class Trainer:
         """``students``: the run (each continuing from the checkpoint it names). ``hooks`` see each
         step (with the first student's step output) and each epoch's record before it is logged
         (``kd bench``'s timer); ``validate=False`` skips the validation passes (timed benchmark
-        runs); ``stop`` the process's :class:`kd.run.signals.StopFlag` (its own where not given)."""
+        runs); ``stop`` the process's :class:`kd.utils.signals.StopFlag` (its own where not given)."""
         clock = SetupClock(command_start(default=time.time()))  # every student's first step counts from here
         clock.mark("launch")  # interpreter, imports, launcher, process group, device
         cfg = models.with_data_configs(students.first)  # the loaders normalise for the first student

@@ -1,15 +1,15 @@
-"""The two sides of a KD step as modules: the trainable student side and the frozen teacher side."""
+"""The student side of a KD step as one module (the frozen teacher's is :class:`kd.teacher.frozen.TeacherSide`)."""
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List
 
 import torch
 from torch import nn
 
 from kd.losses.base import DistillInputs
-from kd.run.features import tap
 from kd.run.step import LOGITS_SUM
+from kd.utils.taps import tap
 
 
 class StudentSide(nn.Module):
@@ -33,19 +33,3 @@ class StudentSide(nn.Module):
         parts = self.loss(DistillInputs(logits, labels, teacher_logits, feats, teacher_feats or {}, progress))
         parts[LOGITS_SUM] = logits.detach().float().sum()  # finite iff every logit is: names a non-finite loss's source
         return parts
-
-
-class TeacherSide(nn.Module):
-    """The frozen teacher: logits cast to float32 for the KD softmax, plus tapped features."""
-
-    def __init__(self, teacher: nn.Module, layers: List[str]):
-        super().__init__()
-        self.teacher = teacher
-        self.layers = layers
-
-    def forward(self, images: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-        feats: Dict[str, torch.Tensor] = {}
-        with tap(self.teacher, self.layers, feats):
-            logits = self.teacher(images)
-        feats = {k: feats[k] for k in self.layers}
-        return logits.float(), feats

@@ -23,12 +23,12 @@ from kd.run.build import seeded
 from kd.run.lane import stop_in_setup
 from kd.run.log import NullLogger, RunLogger
 from kd.run.runtime import resolve as resolve_runtime
-from kd.run.signals import Interrupted, StopFlag
 from kd.run.step import StepHook, StepOutput, check_batch
 from kd.runfolder import nearest_folder
 from kd.teacher import store as kd_store
 from kd.teacher.frozen import build_teacher
 from kd.teacher.probe import PROBE_BATCHES
+from kd.utils.signals import Interrupted, StopFlag
 
 
 class Teaching:

@@ -6,6 +6,6 @@ convolutions), and the prepared teacher itself (``frozen``: on its device, fused
 chosen, its feature taps, its forward and its validation), and ``store``: its outputs kept on
 disk by ``kd teach`` and read by ``kd train --soft-labels`` in place of its forward.
 
-May import: ``kd.models``, ``kd.precision``, ``kd.run``'s sides, accuracy and signals, and the
-top-level helpers; never ``kd.commands``.
+May import: ``kd.models``, ``kd.precision``, ``kd.data`` (its own val crops), ``kd.utils`` and the top-level helpers; never the
+engine (``kd.run``) or ``kd.commands`` (tests/test_imports.py holds the table).
 """

@@ -2,8 +2,8 @@
 validation batches (:mod:`kd.teacher.probe`), wrapped forward-only by the backend, compiled where asked.
 
 One :class:`Teacher` serves one student (``kd train``) or several (``kd train --kd-loss kd,dkd``,
-:mod:`kd.run.students`): its outputs are float32 logits and tapped features, computed without gradients,
-that any number of students may read.
+:mod:`kd.run.students`): its outputs are float32 logits and tapped features (:class:`TeacherSide`, the
+module the backend wraps), computed without gradients, that any number of students may read.
 """
 
 from __future__ import annotations
@@ -18,10 +18,26 @@ from torch import nn
 from kd import models
 from kd.data.loader import val_transform
 from kd.models import teacher_preprocessing_note
-from kd.run.accuracy import evaluate
-from kd.run.sides import TeacherSide
-from kd.run.signals import StopFlag
 from kd.teacher import probe as kd_teacher
+from kd.utils.accuracy import evaluate
+from kd.utils.signals import StopFlag
+from kd.utils.taps import tap
+
+
+class TeacherSide(nn.Module):
+    """The frozen teacher: logits cast to float32 for the KD softmax, plus tapped features."""
+
+    def __init__(self, teacher: nn.Module, layers: List[str]):
+        super().__init__()
+        self.teacher = teacher
+        self.layers = layers
+
+    def forward(self, images: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        feats: Dict[str, torch.Tensor] = {}
+        with tap(self.teacher, self.layers, feats):
+            logits = self.teacher(images)
+        feats = {k: feats[k] for k in self.layers}
+        return logits.float(), feats
 
 
 class Teacher:
