@@ -284,7 +284,7 @@ def test_a_failed_folder_start_closes_what_the_set_up_opened(data, tmp_path, mon
     real_close = Data.close
     monkeypatch.setattr(Data, "close", lambda self: (closed.append(self), real_close(self)))
 
-    def full_disk(lane):
+    def full_disk(lane, resumed):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(kd.run.loop, "start_folder", full_disk)
