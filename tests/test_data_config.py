@@ -55,7 +55,7 @@ def test_a_teacher_is_fed_the_crop_normalised_its_own_way(data, tmp_path, capfd)
         t.data.train.set_epoch(0)
         batch = next(iter(t.data.train))
         t.lane.side.train()
-        t.lane.step(batch)
+        t.step(batch)
         imagenet = (torch.tensor([0.485, 0.456, 0.406]), torch.tensor([0.229, 0.224, 0.225]))
         pixels = batch.images * imagenet[1].view(1, 3, 1, 1) + imagenet[0].view(1, 3, 1, 1)  # 0-1
         torch.testing.assert_close(student_in[-1], batch.images)

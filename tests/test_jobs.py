@@ -69,7 +69,7 @@ def test_the_students_of_a_command(data, tmp_path):
     assert alone.folders() == [tmp_path / "a"]
     several = for_command([], {**OPTIONS, "data": str(data), "out": str(tmp_path / "t"), "kd_loss": "kd,dkd"})
     assert several.names == ("kd", "dkd") and several.grouped
-    assert several.folders() == [tmp_path / "t" / "kd", tmp_path / "t" / "dkd", tmp_path / "t"]
+    assert several.folders() == [tmp_path / "t", tmp_path / "t" / "kd", tmp_path / "t" / "dkd"]
     assert [c.kd_loss for c in several.cfgs] == ["kd", "dkd"]
 
 

@@ -237,7 +237,7 @@ def test_a_float32_teacher_is_fed_what_it_was_probed_with(data, trained, tmp_pat
     t.data.train.set_epoch(0)
     batch = next(iter(t.data.train))
     t.lane.side.train()
-    t.lane.step(batch)
+    t.step(batch)
     t.close()
     assert t.teacher.dtype_name == "float32" and len(seen) == 1
     assert seen[0].dtype == torch.float32 and torch.equal(seen[0], batch.images)

@@ -46,7 +46,7 @@ if TYPE_CHECKING:  # what runs comes from the command (kd.run.jobs)
 def train(job: Job, overwrite: bool = False):
     """Run ``job`` (:mod:`kd.run.jobs`: students to train, or a store to teach) to the end; returns
     the main process's last epoch record. A run whose resumed students have trained their epochs
-    already says so on stderr and returns an empty record.
+    already says so on stderr and returns None.
 
     One writer per run folder: the process that launches the run (this one: kd's launcher parent,
     the one process, or rank 0 of those torchrun or srun started) holds the lock of every folder
@@ -65,7 +65,7 @@ def train(job: Job, overwrite: bool = False):
         if finished:
             if main:
                 print(finished, file=sys.stderr, flush=True)
-            return {}
+            return None
         return _train(job, overwrite)
 
 

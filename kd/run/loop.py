@@ -33,7 +33,7 @@ from kd.utils.signals import Interrupted, StopFlag
 
 if TYPE_CHECKING:  # the run's description, built by the command
     from kd.run.students import Students
-    from kd.teacher.source import TeacherSource
+    from kd.teacher.source import Targets, TeacherSource
 
 
 @dataclass
@@ -309,9 +309,7 @@ class Trainer:
                 if batch is None:
                     break
                 check_batch(batch, self.active[0].logger.info)
-                if self.graph_steps:  # a new CUDA graph generation before the teacher's: it keeps its outputs
-                    torch.compiler.cudagraph_mark_step_begin()
-                targets = self.source.targets(batch) if self.source is not None else None
+                targets = self.targets(batch)
                 stop = False
                 outs: List[StepOutput] = []
                 for lane in list(self.active):
@@ -337,6 +335,24 @@ class Trainer:
             close = getattr(it, "close", None)
             if close is not None:
                 close()
+
+    def targets(self, batch) -> Optional[Targets]:
+        """The teacher's targets for ``batch``, once for every student (None where no student learns
+        from a teacher). Under CUDA graphs a new graph generation begins first, so that the
+        teacher's outputs live through the students' steps."""
+        if self.graph_steps:
+            torch.compiler.cudagraph_mark_step_begin()
+        return self.source.targets(batch) if self.source is not None else None
+
+    def step(self, batch) -> List[StepOutput]:
+        """The public step: the teacher's targets for ``batch``, then one training step of each
+        student (:meth:`kd.run.lane.Lane.step`), without the loop's rules, logging or checkpoints;
+        their outputs, in the students' order."""
+        targets = self.targets(batch)
+        return [
+            self._run(lane, lambda lane=lane: lane.step(batch, targets if lane.needs_teacher else None))
+            for lane in self.active
+        ]
 
     def _interrupted(self) -> Interrupted:
         """A stop signal's end of the run, its checkpoints written: where it stopped and how to go on."""

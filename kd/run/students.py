@@ -68,8 +68,8 @@ class Students:
         return self.out / name if self.grouped else self.out
 
     def folders(self) -> List[Path]:
-        """Every folder the run writes: each student's, and the students' own where several."""
-        return [*(Path(c.out) for c in self.cfgs), *([self.out] if self.grouped else [])]
+        """Every folder the run writes: the students' own where several, and each student's."""
+        return [*([self.out] if self.grouped else []), *(Path(c.out) for c in self.cfgs)]
 
     def checkpoint(self, name: str) -> Optional[Path]:
         """The checkpoint ``name`` continues from, or None."""
