@@ -15,7 +15,7 @@ from typing import Any, Dict, Optional
 from kd import models
 from kd.config import RunConfig
 from kd.data.folder import scan_split
-from kd.data.loader import default_workers, make_loader
+from kd.data.loader import default_workers, make_pil_loader
 from kd.errors import KDError
 from kd.precision import make_precision
 from kd.run.accuracy import evaluate
@@ -160,7 +160,7 @@ def evaluate_model(
     # frozen, as kd runs a teacher
     precision = TeacherPrecision(backend.device, make_precision(cfg, backend.device).dtype)
     net = precision.prepare(net)
-    loader = make_loader(dataclasses.replace(cfg), samples, False, 1, 0, batch_size, backend.device, channels_last)
+    loader = make_pil_loader(dataclasses.replace(cfg), samples, False, 1, 0, batch_size, backend.device, channels_last)
     try:
         result = evaluate(net, loader, backend, precision)
     finally:

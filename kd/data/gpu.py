@@ -47,8 +47,8 @@ from kd.data.loader import (
     STD,
     Batch,
     DeviceLoader,
+    dataloader_and_sampler,
     left_out,
-    make_data_loader,
     normalisation,
     upload,
     val_transform,
@@ -500,7 +500,9 @@ def make_gpu_loader(
         frame_types=decoder.frame_types,
         cpu_share=share,
     )
-    loader, sampler = make_data_loader(cfg, dataset, collate_packed, train, num_replicas, rank, local_batch, device)
+    loader, sampler = dataloader_and_sampler(
+        cfg, dataset, collate_packed, train, num_replicas, rank, local_batch, device
+    )
     limit = cfg.limit_train_batches if train else cfg.limit_val_batches
     out = GpuLoader(loader, sampler, decoder.device, channels_last, limit, dataset, decoder, notes, normalisation(cfg))
     out.left_out = left_out(samples, train, rank)

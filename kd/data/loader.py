@@ -379,13 +379,13 @@ class SyntheticLoader:
             yield Batch(self.images, self.labels, indices=torch.arange(first, first + size))
 
 
-def make_loader(
+def make_pil_loader(
     cfg, samples, train: bool, num_replicas: int, rank: int, local_batch: int, device: torch.device, channels_last: bool
 ) -> DeviceLoader:
     """A PIL loader over ``samples``: shuffled and padded for training, sharded exactly for val."""
     resize, interpolation = val_transform(cfg)
     dataset = ImageFolderPIL(samples, cfg.image_size, train, resize, cfg.min_crop_scale, interpolation)
-    loader, sampler = make_data_loader(cfg, dataset, collate, train, num_replicas, rank, local_batch, device)
+    loader, sampler = dataloader_and_sampler(cfg, dataset, collate, train, num_replicas, rank, local_batch, device)
     limit = cfg.limit_train_batches if train else cfg.limit_val_batches
     out = DeviceLoader(loader, sampler, device, channels_last, limit, normalisation(cfg))
     out.left_out = left_out(samples, train, rank)
@@ -400,7 +400,7 @@ def left_out(samples, train: bool, rank: int) -> List[str]:
     return samples.left_out() if isinstance(samples, Prepared) and not train and rank == 0 else []
 
 
-def make_data_loader(
+def dataloader_and_sampler(
     cfg, dataset, collate_fn, train: bool, num_replicas: int, rank: int, local_batch: int, device: torch.device
 ):
     """The DataLoader and SeededSampler over ``dataset``, with the worker settings of the module docstring."""
