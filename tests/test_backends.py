@@ -459,7 +459,7 @@ def replicate_in_place(module: nn.Module) -> nn.Module:
 
 def test_feature_taps_of_data_parallel_replicas_stay_apart():
     """Replicas share their modules' hook dicts; each tap keeps the output of its own replica only."""
-    from kd.run.features import tap
+    from kd.run.taps import tap
 
     torch.manual_seed(0)
     meet = threading.Barrier(2)

@@ -10,7 +10,7 @@ import torch
 import torchvision
 from torch import nn
 
-from kd.run.features import tap
+from kd.run.taps import tap
 from kd.teacher.fuse import conv_bias_add_relu, conv_bias_relu, fuse_teacher
 
 

@@ -159,7 +159,7 @@ def evaluate_model(
     net = net.to(backend.device, memory_format=runtime.memory_format)  # type: ignore[call-overload]
     # frozen, as kd runs a teacher
     precision = TeacherPrecision(backend.device, make_precision(cfg, backend.device).dtype)
-    net = precision.prepare(net)
+    net = precision.convert(net)
     loader = make_pil_loader(dataclasses.replace(cfg), samples, False, 1, 0, batch_size, backend.device, channels_last)
     try:
         result = evaluate(net, loader, backend, precision)

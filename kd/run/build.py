@@ -17,11 +17,11 @@ from kd.losses import DistillLoss, build_loss, split_layers
 from kd.precision import make_precision
 from kd.precision.cpu import slow_precision_warning
 from kd.run import checkpoint
-from kd.run.features import check_layers, layer_names, tap
 from kd.run.lane import Lane
 from kd.run.optim import build_optimizer, build_scheduler
 from kd.run.sides import StudentSide
 from kd.run.step import BufferGuard
+from kd.run.taps import check_layers, layer_names, tap
 
 
 def build_lane(
@@ -54,12 +54,12 @@ def build_lane(
 
     # Module.to(device, memory_format=...) is valid at run time; torch's overloads list the two apart
     lane.side = StudentSide(student, loss, s_layers).to(dev, memory_format=lane.memory_format)  # type: ignore[call-overload]
-    lane.side = backend.prepare_model(lane.side)  # before the optimizer: sync-BN layers, parameter layout
+    lane.side = backend.convert_model(lane.side)  # before the optimizer: sync-BN layers, parameter layout
     # the loaders normalise for the (first) student; another student renormalises on the device
     lane.renorm = models.renormaliser(getattr(lane.data.train, "norm", None), cfg.student_data)
     lane.stop_in_setup()
     optimizer = build_optimizer(cfg, lane.side.named_parameters(), fused_ok=lane.precision.fused_optimizer_ok)
-    lane.side, lane.optimizer = lane.precision.prepare(lane.side, optimizer)
+    lane.side, lane.optimizer = lane.precision.convert(lane.side, optimizer)
     lane.model = backend.wrap(lane.side)
     torch.manual_seed(cfg.seed + backend.rank)  # each process its own dropout / drop-path masks
     said.append(backend.describe())  # after wrap: what the backend decided there (e.g. torch_ddp's detection)

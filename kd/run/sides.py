@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from kd.losses.base import DistillInputs
-from kd.run.features import tap
 from kd.run.step import LOGITS_SUM
+from kd.run.taps import tap
 
 
 class StudentSide(nn.Module):
