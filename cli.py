@@ -19,12 +19,14 @@ from click.core import ParameterSource
 from kd.config import AMP_DTYPES, DEVICES, FIELDS, MP_CONTEXTS, SOFT_LABEL_DTYPES, TRAIN_OPTIONS, Option
 from kd.data.registry import check_loader, loader_choices
 from kd.errors import KDError
+from kd.siblings import own
+
+#: kd's own ``cli`` (kd.siblings.own checks it: another module of this name has none)
+KD_SIBLING = True
 
 
 def _backend_names():
-    import backends
-
-    return backends.BACKENDS.names()
+    return own("backends").BACKENDS.names()
 
 
 def _loss_names():
@@ -622,8 +624,9 @@ def losses_cmd():
 @cli.command("backends")
 def backends_cmd():
     """The parallel backends, whether each can run here, and why not."""
-    import backends
     from kd.commands.table import aligned
+
+    backends = own("backends")
 
     click.echo(aligned([(name, "yes" if ok else "no", note) for name, ok, note in backends.report()]))
 
@@ -656,6 +659,8 @@ def main(argv=None) -> int:
     code = 0
     try:
         try:
+            if _command_name(args) in RUN_COMMANDS:
+                own("backends")  # which the run imports: another package's is one line here
             cli.main(args=args, prog_name="kd", standalone_mode=False)
         finally:
             run_ended()  # from here a stop is noted, not raised into the lines below

@@ -6,6 +6,9 @@ from backends import single as _single  # noqa: F401
 from backends import torch_ddp as _torch_ddp  # noqa: F401
 from backends.base import BACKENDS, Backend, register
 
+#: kd's own ``backends`` (kd.siblings.own checks it: another package of this name has none)
+KD_SIBLING = True
+
 
 def get(name: str):
     """The backend class registered as ``name`` (KDError listing the valid names on a miss)."""

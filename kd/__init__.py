@@ -13,6 +13,9 @@ def train(config, resume=None, overwrite=False):
     """Train with ``config`` (RunConfig or dict of options); returns the last epoch's metrics."""
     from kd import config as kd_config
     from kd.run.launch import train as _train
+    from kd.siblings import own
+
+    own("backends")  # which the run imports: another package's is one line here
 
     if isinstance(config, dict):
         config = kd_config.resolve(options=config)

@@ -20,6 +20,7 @@ from kd.errors import KDError
 from kd.precision import make_precision
 from kd.run.accuracy import evaluate
 from kd.run.runtime import resolve as resolve_runtime
+from kd.siblings import own
 
 DEFAULT_IMAGE_SIZE = 224
 
@@ -125,8 +126,9 @@ def evaluate_model(
     None means: from the kd checkpoint ``weights`` where it is one (see :func:`resolve`), else the
     default. The result holds the metrics, the settings used and ``settings``, a line saying so.
     """
-    import backends
     from kd.teacher.probe import TeacherPrecision
+
+    backends = own("backends")
 
     s = resolve(model, weights, image_size, val_resize, num_classes, workers)
     classes, samples = scan_split(Path(data), "val")
