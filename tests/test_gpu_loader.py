@@ -741,7 +741,7 @@ def test_decoder_choice(monkeypatch):
 
 
 def test_unknown_loader_lists_the_choices(image_folder):
-    with pytest.raises(KDError, match="choose from: auto, pil, gpu"):
+    with pytest.raises(KDError, match="choose from: auto, gpu, pil"):
         build(cfg_for(image_folder, loader="dali"), 1, 0, 8, CPU, False)
 
 
