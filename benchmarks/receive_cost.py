@@ -36,7 +36,9 @@ def main() -> None:
     options = dict(data=args.data, no_teacher=True, student="resnet18", workers=args.workers, loader="gpu")
     cfg = kd_config.resolve(options=options)
     dataset = JpegBytes(train, cfg.image_size, True)
-    loader, sampler = dataloader_and_sampler(cfg, dataset, collate_packed, True, 1, 0, args.batch_size, torch.device("cpu"))
+    loader, sampler = dataloader_and_sampler(
+        cfg, dataset, collate_packed, True, 1, 0, args.batch_size, torch.device("cpu")
+    )
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         it = iter(loader)
