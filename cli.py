@@ -11,18 +11,22 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable, Optional, Sequence
 
 import click
 from click.core import ParameterSource
 
-from kd.config import AMP_DTYPES, DEVICES, FIELDS, MP_CONTEXTS, TRAIN_OPTIONS, Option
+from kd.config import AMP_DTYPES, DEVICES, FIELDS, MP_CONTEXTS, SOFT_LABEL_DTYPES, TRAIN_OPTIONS, Option
+from kd.data.registry import check_loader, loader_choices
 from kd.errors import KDError
+from kd.siblings import own
+
+#: kd's own ``cli`` (kd.siblings.own checks it: another module of this name has none)
+KD_SIBLING = True
 
 
 def _backend_names():
-    import backends
-
-    return backends.BACKENDS.names()
+    return own("backends").BACKENDS.names()
 
 
 def _loss_names():
@@ -31,14 +35,36 @@ def _loss_names():
     return LOSSES.names()
 
 
-def _loader_names():
-    from kd.data.pipeline import LOADER_NAMES
+def _copy_formats():
+    from kd.data.prepare import TRAIN_FORMATS
 
-    return list(LOADER_NAMES)
+    return TRAIN_FORMATS
 
 
 #: The registries whose names fill a ``{names}`` in an option's help (imported when help is shown).
-REGISTRY_NAMES = {"backend": _backend_names, "kd_loss": _loss_names, "loader": _loader_names}
+REGISTRY_NAMES = {"backend": _backend_names, "kd_loss": _loss_names, "loader": loader_choices}
+
+
+class LazyChoice(click.ParamType):
+    """One of the names ``names()`` gives, read when first needed (their module may import torch,
+    which ``kd --help`` need not). ``check(value)`` refuses any other with its owner's one line
+    (a registry's, with near names); without it click says which names it takes."""
+
+    name = "choice"
+
+    def __init__(self, names: Callable[[], Sequence[str]], check: Optional[Callable[[str], object]] = None):
+        self.names = names
+        self.check = check
+
+    def get_metavar(self, param, ctx=None) -> str:
+        return f"[{'|'.join(self.names())}]"
+
+    def convert(self, value, param, ctx):
+        if self.check is not None:
+            self.check(value)
+        elif value not in self.names():
+            self.fail(f"{value!r} is not one of {', '.join(self.names())}", param, ctx)
+        return value
 
 
 class TrainOption(click.Option):
@@ -165,7 +191,7 @@ def _summary(runs, started: float, names=()) -> None:
     help="Logits kept per sample: the K largest (FKD's marginal smoothing spreads the rest) or all.",
 )
 @click.option(
-    "--logits-dtype", type=click.Choice(["auto", "float16", "float32"]), default="auto", show_default=True,
+    "--logits-dtype", type=click.Choice(SOFT_LABEL_DTYPES), default="auto", show_default=True,
     help="How the logits are stored: auto is float16 where the teacher's logits are small enough (largest "
     "|logit| at most 256 on its probe batches), else float32 (float32 with --top-k all: replay equals the live "
     "teacher bit for bit).",
@@ -239,7 +265,7 @@ def eval_cmd(model, weights, data, batch_size, image_size, val_resize, workers, 
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(["raw", "jpeg"]),
+    type=LazyChoice(_copy_formats),
     default="raw",
     show_default=True,
     help="Training images as raw RGB pixels (nothing to decode) or re-encoded baseline JPEGs (smaller).",
@@ -366,7 +392,7 @@ def report(runs, csv_path, plot_path):
 @click.option("--compile/--no-compile", default=False, show_default=True)
 @click.option(
     "--loader",
-    type=click.Choice(["auto", "pil", "gpu"]),
+    type=LazyChoice(loader_choices, check_loader),
     default=None,
     help="With --data DIR, as kd train's [auto: gpu where CUDA and a GPU JPEG decoder work].",
 )
@@ -482,7 +508,9 @@ def bench(
 @bench.command("data")
 @click.option("--data", required=True, metavar="DIR", help="ImageNet-layout folder.")
 @click.option("--split", type=click.Choice(["train", "val"]), default="train", show_default=True, help="Which split.")
-@click.option("--loader", default="auto", show_default=True, metavar="auto|pil|gpu", help="As kd train's.")
+@click.option(
+    "--loader", type=LazyChoice(loader_choices, check_loader), default="auto", show_default=True, help="As kd train's."
+)
 @click.option("--cpu-decode-share", type=float, default=None, help="--loader gpu: as kd train's [from the workers].")
 @click.option("--val-cache-gb", type=float, default=None, help="--split val: as kd train's [an eighth of memory].")
 @click.option("--workers", "-j", type=int, default=None, help="DataLoader workers [CPU cores less one].")
@@ -550,8 +578,9 @@ def losses_cmd():
 @cli.command("backends")
 def backends_cmd():
     """The parallel backends, whether each can run here, and why not."""
-    import backends
     from kd.commands.table import aligned
+
+    backends = own("backends")
 
     click.echo(aligned([(name, "yes" if ok else "no", note) for name, ok, note in backends.report()]))
 
@@ -584,6 +613,8 @@ def main(argv=None) -> int:
     code = 0
     try:
         try:
+            if _command_name(args) in RUN_COMMANDS:
+                own("backends")  # which the run imports: another package's is one line here
             cli.main(args=args, prog_name="kd", standalone_mode=False)
         finally:
             run_ended()  # from here a stop is noted, not raised into the lines below

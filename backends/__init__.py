@@ -1,23 +1,18 @@
 """Parallel backends, one module each, registered by name (``--backend NAME``)."""
 
-# isort: off
-# Registration order is the order ``--backend`` choices and ``kd backends`` list them in.
-from backends.base import BACKENDS, Backend, register
-from backends import single as _single  # noqa: F401
+from backends import apex_ddp as _apex_ddp  # noqa: F401  (each backend registers itself)
 from backends import dp as _dp  # noqa: F401
+from backends import single as _single  # noqa: F401
 from backends import torch_ddp as _torch_ddp  # noqa: F401
-from backends import apex_ddp as _apex_ddp  # noqa: F401
-# isort: on
+from backends.base import BACKENDS, Backend, register
+
+#: kd's own ``backends`` (kd.siblings.own checks it: another package of this name has none)
+KD_SIBLING = True
 
 
 def get(name: str):
     """The backend class registered as ``name`` (KDError listing the valid names on a miss)."""
     return BACKENDS.get(name)
-
-
-def available():
-    """``[(name, reason_or_None)]`` for every registered backend."""
-    return [(n, BACKENDS.get(n).unavailable()) for n in BACKENDS.names()]
 
 
 def report():
@@ -41,4 +36,4 @@ def report():
     return rows
 
 
-__all__ = ["BACKENDS", "Backend", "register", "get", "available", "report"]
+__all__ = ["BACKENDS", "Backend", "register", "get", "report"]

@@ -7,7 +7,7 @@ buckets of about 25 MB, one all_reduce per bucket. A missing gradient counts as 
 parameter that a process did not use can neither hang the run nor need
 ``find_unused_parameters``; a parameter that no process used keeps no gradient, as on one device.
 
-Real apex.parallel (25.04) is wrong for some runs; ``prepare_model`` decides, before the optimizer
+Real apex.parallel (25.04) is wrong for some runs; ``convert_model`` decides, before the optimizer
 and precision are built, and ``describe()`` says what it chose and why:
 
 * bfloat16 weights (O2/O3 with ``--amp-dtype bfloat16``): apex all-reduces half, float and double
@@ -19,7 +19,7 @@ and precision are built, and ``describe()`` says what it chose and why:
   through raw memory (``multi_tensor_scale``), which permutes those of channels_last convolution
   weights; under real apex the student's parameters stay contiguous (activations may stay
   channels_last);
-* ``--sync-bn``: apex's conversion makes new Parameters, so it runs in ``prepare_model``, before
+* ``--sync-bn``: apex's conversion makes new Parameters, so it runs in ``convert_model``, before
   the optimizer holds them.
 
 NVIDIA removed ``apex.parallel`` in May 2025 (the last tag with it is 25.05); apex is never a
@@ -154,14 +154,14 @@ class ApexDDP(ProcessGroupBackend):
             )
         return None
 
-    def prepare_model(self, model: nn.Module) -> nn.Module:
+    def convert_model(self, model: nn.Module) -> nn.Module:
         """Real apex or native (see the module docstring); then, under real apex, contiguous parameters
         and apex's SyncBatchNorm, else torch's."""
         why = self.native_reason(model) if self.impl == "apex" else None
         if why:
             self.impl = f"native: {why}"
         if self.impl != "apex":
-            return super().prepare_model(model)
+            return super().convert_model(model)
         if any(not p.is_contiguous() for p in model.parameters()):
             model = model.to(memory_format=torch.contiguous_format)
             self.layout_note = (

@@ -7,7 +7,7 @@ actions:
 * placement: ``device``; ``local_batch(global_batch)``, the per-process share of the batch;
 * data: ``data_shard()`` -> ``(num_replicas, rank)`` for the samplers;
 * models: ``fork()`` for each further trained model of a run (several students),
-  ``prepare_model(student_side)`` before the optimizer exists (layers replaced, parameter
+  ``convert_model(student_side)`` before the optimizer exists (layers replaced, parameter
   layout), ``wrap(student_side)`` for gradient sync, ``wrap_forward(module)`` for the teacher
   and evaluation (forward only, never for gradient sync);
 * the step: ``prefers_apex_amp`` (a wish the run's precision choice honours where it can),
@@ -114,7 +114,7 @@ class Backend:
         gradient buckets); only the original is torn down."""
         return copy.copy(self)
 
-    def prepare_model(self, model: nn.Module) -> nn.Module:
+    def convert_model(self, model: nn.Module) -> nn.Module:
         """Called once on the student side, on its device, before the optimizer and precision are
         built from its parameters; returns the module to build them from (layers may be replaced)."""
         return model

@@ -102,7 +102,7 @@ class ProcessGroupBackend(Backend):
         """The process group's backend, and why where it is not the usual one."""
         return f"{self.group_backend} ({self.group_note})" if self.group_note else self.group_backend
 
-    def prepare_model(self, model: nn.Module) -> nn.Module:
+    def convert_model(self, model: nn.Module) -> nn.Module:
         """``--sync-bn``: torch's SyncBatchNorm layers, made before the optimizer holds the parameters."""
         return nn.SyncBatchNorm.convert_sync_batchnorm(model) if self.cfg.sync_bn else model
 

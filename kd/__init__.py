@@ -22,7 +22,9 @@ def train(config, resume=None, overwrite=False):
     from kd.run.jobs import TrainJob
     from kd.run.launch import train as launch
     from kd.run.students import Students, checkpoint_to_resume, for_command
+    from kd.siblings import own
 
+    own("backends")  # which the run imports: another package's is one line here
     if isinstance(config, dict):
         students = for_command([], config, [], resume, overwrite)
     else:

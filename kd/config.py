@@ -8,13 +8,13 @@ Every problem found here raises :class:`~kd.errors.KDError`.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import yaml
 
+from kd.data.registry import check_loader
 from kd.errors import KDError
 from kd.registry import suggest
 
@@ -26,8 +26,10 @@ AMP_DTYPES = ("float16", "bfloat16")
 AMP_IMPLS = ("auto", "native", "apex")
 LR_SCHEDULES = ("step", "cosine", "constant")
 MP_CONTEXTS = ("fork", "forkserver", "spawn")
-#: ``--loader`` names (kd.data.pipeline.LOADERS makes the last two; auto chooses one of them)
-LOADER_NAMES = ("auto", "pil", "gpu")
+#: how kd teach stores the logits (--logits-dtype): auto chooses one of the others (kd.teacher.store)
+SOFT_LABEL_DTYPES = ("auto", "float16", "float32")
+#: val_interpolation (kd.models resizes with these)
+INTERPOLATIONS = ("bilinear", "bicubic")
 
 
 @dataclass
@@ -414,18 +416,15 @@ def validate(cfg: RunConfig, teaching: bool = False) -> RunConfig:
     )
     need(cfg.lr_schedule in LR_SCHEDULES, f"--lr-schedule must be {_one_of(LR_SCHEDULES)}, got {cfg.lr_schedule!r}")
     need(
-        cfg.val_interpolation in (None, "bilinear", "bicubic"),
-        f"val_interpolation must be bilinear or bicubic, got {cfg.val_interpolation!r}",
+        cfg.val_interpolation is None or cfg.val_interpolation in INTERPOLATIONS,
+        f"val_interpolation must be {_one_of(INTERPOLATIONS)}, got {cfg.val_interpolation!r}",
     )
     need(cfg.epochs >= 1, "--epochs must be at least 1")
     need(cfg.batch_size >= 1, "--batch-size must be at least 1")
     need(cfg.lr > 0, "--lr must be positive")
     need(0.0 < cfg.min_crop_scale <= 1.0, "--min-crop-scale must be in (0, 1]")
     need(cfg.image_size >= 8, "--image-size must be at least 8")
-    need(
-        cfg.loader in LOADER_NAMES,
-        f"unknown --loader {cfg.loader!r}{suggest(cfg.loader, LOADER_NAMES)}; choose from: {', '.join(LOADER_NAMES)}",
-    )
+    check_loader(cfg.loader)
     need(cfg.workers is None or cfg.workers >= 0, "--workers must be 0 or more")
     need(cfg.val_cache_gb is None or cfg.val_cache_gb >= 0, "--val-cache-gb must be 0 or more")
     need(
@@ -461,8 +460,8 @@ def validate(cfg: RunConfig, teaching: bool = False) -> RunConfig:
     )
     need(cfg.soft_label_k is None or cfg.soft_label_k >= 1, "--top-k must be at least 1 (or all)")
     need(
-        cfg.soft_label_dtype in ("auto", "float16", "float32"),
-        f"--logits-dtype must be auto, float16 or float32, got {cfg.soft_label_dtype!r}",
+        cfg.soft_label_dtype in SOFT_LABEL_DTYPES,
+        f"--logits-dtype must be {_one_of(SOFT_LABEL_DTYPES)}, got {cfg.soft_label_dtype!r}",
     )
     if cfg.soft_labels:
         from kd.losses import LOSSES
@@ -518,10 +517,6 @@ def load(path: Union[str, Path]) -> RunConfig:
     """A saved ``config.yaml`` (as written by :func:`save`; earlier versions' retired keys dropped)."""
     values = {k: v for k, v in load_yaml(path, "saved config").items() if k not in RETIRED}
     return apply(RunConfig(), values, str(path))
-
-
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 @dataclass(frozen=True)

@@ -125,7 +125,7 @@ CASES = {
     "unknown kd loss": (T("--kd-loss", "kdd"), "unknown KD loss"),
     "unknown loss arg": (T("--loss-arg", "gamma=2"), "no hyper-parameter gamma"),
     "unknown backend": (T("--backend", "horovod"), "unknown backend"),
-    "unknown loader": (T("--loader", "dali"), "unknown --loader 'dali'"),
+    "unknown loader": (T("--loader", "dali"), "unknown loader 'dali'"),
     "weights do not fit": (T("--teacher-weights", "{root}/wrong.pt"), "do not fit"),
     "weights missing": (T("--teacher-weights", "{root}/nope.pt"), "does not exist"),
     "weights garbage": (T("--teacher-weights", "{root}/garbage.pt"), "cannot read weights"),

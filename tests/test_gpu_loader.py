@@ -33,8 +33,7 @@ from kd.data.bytes_dataset import (
 )
 from kd.data.decoders import BASELINE_ONLY, DECODERS, CpuThread, CpuWorkers, Nvjpeg, make_decoder, pil_rgb
 from kd.data.gpu import GpuLoader, auto_cpu_share, crop_resize, make_gpu_loader
-from kd.data.loader import GPU_LOADER_HINT, MEAN, STD, make_data_loader, make_loader
-from kd.data import pipeline
+from kd.data.loader import GPU_LOADER_HINT, MEAN, STD, dataloader_and_sampler, make_pil_loader
 from kd.data.pipeline import choose_loader
 from kd.data.sampler import sample_seed
 from kd.errors import KDError
@@ -270,7 +269,7 @@ def test_pixels_match_the_pil_path(nat_folder, monkeypatch, decoder, train):
     _, train_s, val_s = scan(str(nat_folder))
     samples = train_s if train else val_s
     gpu = make_gpu_loader(cfg, samples, train, 1, 0, 8, CPU, False)
-    pil = make_loader(cfg, samples, train, 1, 0, 8, CPU, False)
+    pil = make_pil_loader(cfg, samples, train, 1, 0, 8, CPU, False)
     assert gpu.decoder.name == decoder
     for epoch in (0, 1):
         for g, p in zip(batches(gpu, epoch), batches(pil, epoch), strict=True):
@@ -373,9 +372,9 @@ def test_order_holds_when_every_crop_is_pils(nat_folder):
     cfg = cfg_for(nat_folder)
     for samples, is_train in ((val, False), (train, True)):
         dataset = JpegBytes(samples, 64, is_train, cpu_share=0.5)
-        dl, sampler = make_data_loader(cfg, dataset, collate_packed, is_train, 1, 0, 8, CPU)
+        dl, sampler = dataloader_and_sampler(cfg, dataset, collate_packed, is_train, 1, 0, 8, CPU)
         refusing = GpuLoader(dl, sampler, CPU, False, None, dataset, RefusingDecoder(CPU))
-        pil = make_loader(cfg, samples, is_train, 1, 0, 8, CPU, False)
+        pil = make_pil_loader(cfg, samples, is_train, 1, 0, 8, CPU, False)
         exact = []
         for r, p in zip(batches(refusing), batches(pil), strict=True):
             assert torch.equal(r.labels, p.labels)
@@ -481,7 +480,7 @@ def test_bad_images_are_counted_and_named(tmp_path, monkeypatch, decoder):
     _, _, val = scan(str(root))
     cfg = cfg_for(root)
     gpu = make_gpu_loader(cfg, val, False, 1, 0, 4, CPU, False)
-    pil = make_loader(cfg, val, False, 1, 0, 4, CPU, False)
+    pil = make_pil_loader(cfg, val, False, 1, 0, 4, CPU, False)
     got, ref = batches(gpu), batches(pil)
     assert {p for b in got for p in b.bad} == bad == {p for b in ref for p in b.bad}
     g = unnormalise(torch.cat([b.images for b in got if len(b)]))
@@ -507,9 +506,9 @@ def test_decoder_failures_go_through_pil(nat_folder):
     _, _, val = scan(str(nat_folder))
     cfg = cfg_for(nat_folder)
     dataset = JpegBytes(val, 64, False)
-    dl, sampler = make_data_loader(cfg, dataset, collate_packed, False, 1, 0, 8, CPU)
+    dl, sampler = dataloader_and_sampler(cfg, dataset, collate_packed, False, 1, 0, 8, CPU)
     flaky = GpuLoader(dl, sampler, CPU, False, None, dataset, FlakyDecoder(CPU))
-    pil = make_loader(cfg, val, False, 1, 0, 8, CPU, False)
+    pil = make_pil_loader(cfg, val, False, 1, 0, 8, CPU, False)
     for g, p in zip(batches(flaky), batches(pil), strict=True):
         assert sorted(g.labels.tolist()) == sorted(p.labels.tolist()) and not g.bad
         dist = (unnormalise(g.images)[:, None] - unnormalise(p.images)[None]).abs().mean(dim=(2, 3, 4))
@@ -526,10 +525,10 @@ def test_batches_name_their_samples_in_order(nat_folder, tmp_path, monkeypatch):
     _, train, _ = scan(str(nat_folder))
     cfg = cfg_for(nat_folder, cpu_decode_share=0.5, seed=3)
     dataset = JpegBytes(train, 64, True, cpu_share=0.5)
-    dl, sampler = make_data_loader(cfg, dataset, collate_packed, True, 1, 0, 8, CPU)
+    dl, sampler = dataloader_and_sampler(cfg, dataset, collate_packed, True, 1, 0, 8, CPU)
     loaders = {
         "gpu": GpuLoader(dl, sampler, CPU, False, None, dataset, FlakyDecoder(CPU)),
-        "pil": make_loader(cfg, train, True, 1, 0, 8, CPU, False),
+        "pil": make_pil_loader(cfg, train, True, 1, 0, 8, CPU, False),
     }
     for epoch in (0, 1):
         sampler.set_epoch(epoch)
@@ -546,7 +545,7 @@ def test_batches_name_their_samples_in_order(nat_folder, tmp_path, monkeypatch):
     root, bad = odd_folder(tmp_path)
     _, _, val = scan(str(root))
     for loader in (make_gpu_loader(cfg_for(root), val, False, 1, 0, 4, CPU, False),
-                   make_loader(cfg_for(root), val, False, 1, 0, 4, CPU, False)):  # fmt: skip
+                   make_pil_loader(cfg_for(root), val, False, 1, 0, 4, CPU, False)):  # fmt: skip
         got = batches(loader)
         good = [i for i, (path, _) in enumerate(val) if path not in bad]
         assert torch.cat([b.indices for b in got]).tolist() == good
@@ -582,7 +581,6 @@ def test_the_default_loader_is_auto_and_says_what_it_chose_and_why(image_folder)
     """--loader auto (the default) is the gpu loader where CUDA and a GPU JPEG decoder work, else
     pil, and its log line says which and why; on a GPU without a GPU decoder it names what failed."""
     assert kd_config.RunConfig().loader == "auto"
-    assert kd_config.LOADER_NAMES == pipeline.LOADER_NAMES == ("auto", *pipeline.LOADERS)  # one list, kept twice
     data = build(cfg_for(image_folder, loader="auto", image_size=32), 1, 0, 8, CPU, False)
     assert data.train.describe().startswith("loader pil (--loader auto: no CUDA device): PIL decode")
     # validation under auto is the PIL path's (torchvision's crops bit for bit), under gpu the device's
@@ -723,7 +721,7 @@ def test_decode_thread_errors_reach_the_consumer(image_folder):
     _, train, _ = scan(str(image_folder))
     cfg = cfg_for(image_folder)
     dataset = JpegBytes(train, 32, True)
-    dl, sampler = make_data_loader(cfg, dataset, collate_packed, True, 1, 0, 8, CPU)
+    dl, sampler = dataloader_and_sampler(cfg, dataset, collate_packed, True, 1, 0, 8, CPU)
     with pytest.raises(RuntimeError, match="decoder exploded"):
         list(GpuLoader(dl, sampler, CPU, False, None, dataset, BrokenDecoder(CPU)))
 
@@ -743,7 +741,7 @@ def test_decoder_choice(monkeypatch):
 
 
 def test_unknown_loader_lists_the_choices(image_folder):
-    with pytest.raises(KDError, match="choose from: auto, pil, gpu"):
+    with pytest.raises(KDError, match="choose from: auto, gpu, pil"):
         build(cfg_for(image_folder, loader="dali"), 1, 0, 8, CPU, False)
 
 

@@ -67,7 +67,7 @@ def _batch(rank: int, device: torch.device) -> torch.Tensor:
 
 
 def _averaged_gradients(cfg):
-    """One step's backward through the backend, as the engine runs it (prepare_model, precision,
+    """One step's backward through the backend, as the engine runs it (convert_model, precision,
     wrap, sync), on this rank's batch; and the reference: the mean of every rank's float32
     gradients, computed here on an unwrapped copy."""
     backend = backends.get(cfg.backend)(cfg)
@@ -77,9 +77,9 @@ def _averaged_gradients(cfg):
         model = tb.TinyNet(7, spare=cfg.student == "timm:kd_test_unused")
         model = model.to(backend.device, memory_format=torch.channels_last)  # kd's default on CUDA
         reference = copy.deepcopy(model)
-        model = backend.prepare_model(model)
+        model = backend.convert_model(model)
         precision = make_precision(cfg, backend.device, prefer_apex=backend.prefers_apex_amp)
-        model, _ = precision.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        model, _ = precision.convert(model, torch.optim.SGD(model.parameters(), lr=0.1))
         wrapped = backend.wrap(model)
         with precision.autocast():
             out = wrapped(precision.input_cast(_batch(backend.rank, backend.device)))

@@ -294,7 +294,7 @@ def test_loss_module_stays_float32_and_sees_float32():
     side = StudentSide(student, ConnectorLoss(), layers=["3"])
     optimizer = torch.optim.SGD(side.parameters(), lr=0.1)
     precision = MasterWeightPrecision(CPU, torch.bfloat16)
-    side, optimizer = precision.prepare(side, optimizer)
+    side, optimizer = precision.convert(side, optimizer)
     assert side.loss.proj.weight.dtype == torch.float32
     images = precision.input_cast(torch.randn(4, 3, 8, 8))
     parts = side(images, torch.tensor([0, 1, 2, 0]))
@@ -314,7 +314,7 @@ def setup_small(cls, dtype):
     model = small_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4, foreach=True)
     precision = cls(CPU, dtype)
-    model, optimizer = precision.prepare(model, optimizer)
+    model, optimizer = precision.convert(model, optimizer)
     return precision, model, optimizer
 
 
@@ -602,7 +602,7 @@ def test_fused_sgd_on_cuda_matches_foreach(data, tmp_path, opt, monkeypatch):
         model = small_model().cuda()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4, fused=fused)
         precision = cls(cuda, torch.float16)
-        model, optimizer = precision.prepare(model, optimizer)
+        model, optimizer = precision.convert(model, optimizer)
         runs.append((precision, model, optimizer))
     for seed in range(6):
         skipped = []
@@ -629,7 +629,7 @@ def test_skipped_step_on_cuda_float16():
     model = small_model().cuda()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     precision = MasterWeightPrecision(torch.device("cuda"), torch.float16)
-    model, optimizer = precision.prepare(model, optimizer)
+    model, optimizer = precision.convert(model, optimizer)
     x, y = torch.randn(8, 3, 8, 8, device="cuda"), torch.randint(0, 3, (8,), device="cuda")
     loss = nn.functional.cross_entropy(model(precision.input_cast(x)).float(), y)
     assert not bool(apply_gradients(precision, loss, optimizer, model.parameters(), lambda: None, 1.0))
@@ -673,7 +673,7 @@ torch.manual_seed(0)
 model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(144, 3)).cuda()
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 precision = ApexAmpPrecision(SimpleNamespace(opt=opt), torch.device("cuda"))
-model, optimizer = precision.prepare(model, optimizer)
+model, optimizer = precision.convert(model, optimizer)
 x, y = torch.randn(8, 3, 8, 8, device="cuda"), torch.randint(0, 3, (8,), device="cuda")
 params = [p for p in model.parameters() if p.requires_grad]
 before = [p.detach().clone() for p in params]

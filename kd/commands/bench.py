@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 from kd.commands import table
 from kd.errors import KDError
 from kd.runfolder import RunFolder
+from kd.siblings import own
 
 COLUMNS = ["backend", "opt", "methods", "s_per_20_iters", "img_per_s", "peak_mem_gb", "speedup", "impl", "note"]
 #: with --vs-synthetic, after img_per_s: the same combination on synthetic tensors, and the folder's share of it
@@ -39,8 +40,7 @@ def combo_command(backend: str, opt: str, args: Dict[str, Any], out: Path, verb:
         cmd += ["--limit-train-batches", str(args["warmup"] + args["iters"])]
     if verb == "train":
         cmd += ["--overwrite", "--student-weights", "none"]
-    import backends
-
+    backends = own("backends")
     multiprocess = backend in backends.BACKENDS and backends.get(backend).multiprocess
     keys = ["data", "batch_size", "image_size", "device", "gpus", "nproc", "amp_dtype", "workers", "loader", "compile"]
     keys += ["student", "kd_loss", "soft_labels", "no_teacher"] if verb == "train" else ["top_k"]
@@ -374,7 +374,6 @@ def bench_data(options: Dict[str, object], epochs: int, echo=print, split: str =
 def build_loaders(options: Dict[str, object]):
     """The train and val loaders ``kd train`` builds for ``options`` (a ``--data DIR`` run), without
     its models, in this one process: ``(kd.data.Data, device)``."""
-    from backends.base import resolve_device
     from kd import config as kd_config
     from kd.data import build
     from kd.run.runtime import resolve as resolve_runtime
@@ -383,7 +382,7 @@ def build_loaders(options: Dict[str, object]):
     cfg = kd_config.resolve(options={"teacher": "resnet18", "student": "resnet18", **options})
     if cfg.data == "synthetic":
         raise KDError("kd bench data needs --data DIR (an ImageNet-layout folder), not synthetic")
-    device = resolve_device(cfg)
+    device = own("backends").base.resolve_device(cfg)
     return build(cfg, 1, 0, cfg.batch_size, device, resolve_runtime(cfg, device).channels_last), device
 
 

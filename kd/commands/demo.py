@@ -22,6 +22,7 @@ from PIL import Image
 from kd.commands.table import markdown
 from kd.errors import KDError
 from kd.runfolder import RunFolder
+from kd.siblings import own
 
 TEACHER = "resnet18"
 STUDENT = "timm:resnet10t"
@@ -85,6 +86,7 @@ def run_demo(out: Path, epochs: Optional[int] = None, overwrite: bool = False) -
     from kd.run.launch import train
     from kd.run.students import Students
 
+    own("backends")  # which the runs import: another package's is one line here
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         if not overwrite:

@@ -15,10 +15,11 @@ from typing import Any, Dict, Optional
 from kd import models
 from kd.config import RunConfig
 from kd.data.folder import scan_split
-from kd.data.loader import default_workers, make_loader
+from kd.data.loader import default_workers, make_pil_loader
 from kd.errors import KDError
 from kd.precision import make_precision
 from kd.run.runtime import resolve as resolve_runtime
+from kd.siblings import own
 from kd.utils.accuracy import evaluate
 
 DEFAULT_IMAGE_SIZE = 224
@@ -125,8 +126,9 @@ def evaluate_model(
     None means: from the kd checkpoint ``weights`` where it is one (see :func:`resolve`), else the
     default. The result holds the metrics, the settings used and ``settings``, a line saying so.
     """
-    import backends
     from kd.teacher.probe import TeacherPrecision
+
+    backends = own("backends")
 
     s = resolve(model, weights, image_size, val_resize, num_classes, workers)
     classes, samples = scan_split(Path(data), "val")
@@ -159,8 +161,8 @@ def evaluate_model(
     net = net.to(backend.device, memory_format=runtime.memory_format)  # type: ignore[call-overload]
     # frozen, as kd runs a teacher
     precision = TeacherPrecision(backend.device, make_precision(cfg, backend.device).dtype)
-    net = precision.prepare(net)
-    loader = make_loader(dataclasses.replace(cfg), samples, False, 1, 0, batch_size, backend.device, channels_last)
+    net = precision.convert(net)
+    loader = make_pil_loader(dataclasses.replace(cfg), samples, False, 1, 0, batch_size, backend.device, channels_last)
     try:
         result = evaluate(net, loader, backend, precision)
     finally:

@@ -1,4 +1,5 @@
-"""Datasets, samplers and loaders (CPU-only workers; the GPU pipeline in its own module).
+"""Datasets, samplers and loaders (CPU-only workers; the GPU pipeline in its own module; the
+``--loader`` names in :mod:`kd.data.registry`).
 
 ``Batch``, ``Data`` and ``build`` load their modules when first used: a spawned loader worker
 imports ``kd.data.folder`` or ``kd.data.bytes_dataset`` through this package, and should not pay

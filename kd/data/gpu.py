@@ -47,8 +47,8 @@ from kd.data.loader import (
     STD,
     Batch,
     DeviceLoader,
+    dataloader_and_sampler,
     left_out,
-    make_data_loader,
     normalisation,
     upload,
     val_transform,
@@ -144,12 +144,12 @@ class _CudaStages:
         return event
 
     @contextmanager
-    def preparing(self, after):
+    def cropping(self, after):
         with torch.cuda.stream(self.prep):
             self.prep.wait_event(after)
             yield
 
-    def prepared(self):
+    def cropped(self):
         event = torch.cuda.Event()
         event.record(self.prep)
         return event
@@ -178,10 +178,10 @@ class _HostStages:
     def decoded(self):
         return None
 
-    def preparing(self, after):
+    def cropping(self, after):
         return nullcontext()
 
-    def prepared(self):
+    def cropped(self):
         return None
 
     def hand_over(self, tensors, event) -> None:
@@ -352,7 +352,7 @@ class GpuLoader(DeviceLoader):
                     item = feeder.get()
                     if item is not None:
                         t0 = time.perf_counter()
-                        staged = self._prepare(item, stages)
+                        staged = self._crop(item, stages)
                         self.stage_times["prep"] += time.perf_counter() - t0
                         retire.append((staged[4], item))
                 if pending is not None:
@@ -390,7 +390,7 @@ class GpuLoader(DeviceLoader):
                     indices.append(int(host["index"][i]))
         return _Decoded(host, images, fallback, labels, positions, indices, bad, stages.decoded())
 
-    def _prepare(self, item: _Decoded, stages):
+    def _crop(self, item: _Decoded, stages):
         """Main-thread work for one batch, enqueued on the prep stream: crop, flip, normalise, and
         the samples back in the sampler's order (PIL crops came apart from the device's)."""
         host, dev = item.host, self.device
@@ -408,13 +408,13 @@ class GpuLoader(DeviceLoader):
         done_labels = [host["pil_labels"], torch.tensor(item.fallback_labels, dtype=torch.long)]
         done_positions = [host["pil_positions"], torch.tensor(item.fallback_positions, dtype=torch.long)]
         where = torch.cat([positions, *done_positions])  # each sample's place in the batch
-        with stages.preparing(item.event):
+        with stages.cropping(item.event):
             done = upload(finished[0] if len(finished) == 1 else torch.cat(finished), dev) if finished else None
             crop = self._fused if self.kernel_missing is None else self._separate
             images = crop(crops, done, boxes, flips, where)
             order = where.argsort()
             label_dev = upload(torch.cat([labels, *done_labels])[order], dev)
-            event = stages.prepared()
+            event = stages.cropped()
         indices = torch.cat([samples, host["pil_index"], torch.tensor(item.fallback_index, dtype=torch.long)])[order]
         return images, label_dev, item.bad, indices, event
 
@@ -483,9 +483,18 @@ def decoder_choice() -> str:
 
 
 def make_gpu_loader(
-    cfg, samples, train: bool, num_replicas: int, rank: int, local_batch: int, device: torch.device, channels_last: bool
+    cfg,
+    samples,
+    train: bool,
+    num_replicas: int,
+    rank: int,
+    local_batch: int,
+    device: torch.device,
+    channels_last: bool,
+    every_sample: bool = False,
 ) -> GpuLoader:
-    """A ``--loader gpu`` loader over ``samples``, sampled exactly as the PIL loader."""
+    """A ``--loader gpu`` loader over ``samples``, sampled exactly as the PIL loader (``every_sample``
+    as there)."""
     decoder, notes = shared_decoder(device, decoder_choice())
     share = cfg.cpu_decode_share
     if share is None:
@@ -500,7 +509,9 @@ def make_gpu_loader(
         frame_types=decoder.frame_types,
         cpu_share=share,
     )
-    loader, sampler = make_data_loader(cfg, dataset, collate_packed, train, num_replicas, rank, local_batch, device)
+    loader, sampler = dataloader_and_sampler(
+        cfg, dataset, collate_packed, train, num_replicas, rank, local_batch, device, every_sample
+    )
     limit = cfg.limit_train_batches if train else cfg.limit_val_batches
     out = GpuLoader(loader, sampler, decoder.device, channels_last, limit, dataset, decoder, notes, normalisation(cfg))
     out.left_out = left_out(samples, train, rank)

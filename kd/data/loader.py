@@ -379,13 +379,24 @@ class SyntheticLoader:
             yield Batch(self.images, self.labels, indices=torch.arange(first, first + size))
 
 
-def make_loader(
-    cfg, samples, train: bool, num_replicas: int, rank: int, local_batch: int, device: torch.device, channels_last: bool
+def make_pil_loader(
+    cfg,
+    samples,
+    train: bool,
+    num_replicas: int,
+    rank: int,
+    local_batch: int,
+    device: torch.device,
+    channels_last: bool,
+    every_sample: bool = False,
 ) -> DeviceLoader:
-    """A PIL loader over ``samples``: shuffled and padded for training, sharded exactly for val."""
+    """A PIL loader over ``samples``: shuffled and padded for training, sharded exactly for val;
+    ``every_sample``: a training loader keeps its last short batch (kd teach's store)."""
     resize, interpolation = val_transform(cfg)
     dataset = ImageFolderPIL(samples, cfg.image_size, train, resize, cfg.min_crop_scale, interpolation)
-    loader, sampler = make_data_loader(cfg, dataset, collate, train, num_replicas, rank, local_batch, device)
+    loader, sampler = dataloader_and_sampler(
+        cfg, dataset, collate, train, num_replicas, rank, local_batch, device, every_sample
+    )
     limit = cfg.limit_train_batches if train else cfg.limit_val_batches
     out = DeviceLoader(loader, sampler, device, channels_last, limit, normalisation(cfg))
     out.left_out = left_out(samples, train, rank)
@@ -400,10 +411,19 @@ def left_out(samples, train: bool, rank: int) -> List[str]:
     return samples.left_out() if isinstance(samples, Prepared) and not train and rank == 0 else []
 
 
-def make_data_loader(
-    cfg, dataset, collate_fn, train: bool, num_replicas: int, rank: int, local_batch: int, device: torch.device
+def dataloader_and_sampler(
+    cfg,
+    dataset,
+    collate_fn,
+    train: bool,
+    num_replicas: int,
+    rank: int,
+    local_batch: int,
+    device: torch.device,
+    every_sample: bool = False,
 ):
-    """The DataLoader and SeededSampler over ``dataset``, with the worker settings of the module docstring."""
+    """The DataLoader and SeededSampler over ``dataset``, with the worker settings of the module
+    docstring; training drops a last short batch unless ``every_sample``."""
     sampler = SeededSampler(len(dataset), num_replicas, rank, shuffle=train, seed=cfg.seed, pad=train)
     workers = worker_count(cfg, num_replicas)
     # its own generator, with workers or without: iterating never draws from the training's (dropout) generators
@@ -418,7 +438,7 @@ def make_data_loader(
         )
     # training drops a last short batch; kd teach keeps it (its store needs every sample, whatever
     # batch size and processes the students train with)
-    drop_last = train and not getattr(cfg, "teach", False) and len(sampler) >= local_batch
+    drop_last = train and not every_sample and len(sampler) >= local_batch
     loader = DataLoader(
         dataset,
         batch_size=local_batch,

@@ -1,9 +1,9 @@
 """The input pipeline of one process: train and val loaders for ``--data`` and ``--loader``.
 
-``pil`` is :mod:`kd.data.loader`, ``gpu`` is :mod:`kd.data.gpu` (which builds on the PIL
-loader's pieces), and ``auto`` (the default) is the gpu loader wherever CUDA and a GPU JPEG
-decoder work, else pil (:func:`choose_loader`); ``--data synthetic`` makes random batches on
-the device.
+The loaders are registered by name in :mod:`kd.data.registry`: ``pil`` is
+:mod:`kd.data.loader`, ``gpu`` is :mod:`kd.data.gpu` (which builds on the PIL loader's pieces),
+and ``auto`` (the default) is the gpu loader wherever CUDA and a GPU JPEG decoder work, else pil
+(:func:`choose_loader`); ``--data synthetic`` makes random batches on the device.
 """
 
 from __future__ import annotations
@@ -17,13 +17,9 @@ import torch
 from kd.data.cache import CachedVal, default_budget_gb
 from kd.data.folder import scan
 from kd.data.gpu import decoder_choice, make_gpu_loader, shared_decoder
-from kd.data.loader import Loader, SyntheticLoader, make_loader, val_transform
-from kd.errors import KDError
-from kd.registry import suggest
+from kd.data.loader import Loader, SyntheticLoader, make_pil_loader, val_transform
+from kd.data.registry import AUTO_LOADER, LOADERS, check_loader
 
-#: ``--loader`` names and the function that makes each one's loader (``auto`` chooses one of them).
-LOADERS = {"pil": make_loader, "gpu": make_gpu_loader}
-LOADER_NAMES = ("auto", *LOADERS)  # also kd.config's (which validates --loader without importing this)
 SYNTHETIC_CLASSES = 1000
 SYNTHETIC_STEPS = 100
 
@@ -45,8 +41,17 @@ class Data:
             loader.close()
 
 
-def build(cfg, num_replicas: int, rank: int, local_batch: int, device: torch.device, channels_last: bool) -> Data:
-    """Train and val loaders for this process: its shard of the data, ``local_batch`` per step."""
+def build(
+    cfg,
+    num_replicas: int,
+    rank: int,
+    local_batch: int,
+    device: torch.device,
+    channels_last: bool,
+    every_sample: bool = False,
+) -> Data:
+    """Train and val loaders for this process: its shard of the data, ``local_batch`` per step;
+    ``every_sample``: the training batches hold every sample, a last short batch too (kd teach)."""
     if cfg.data == "synthetic":
         n = cfg.num_classes or SYNTHETIC_CLASSES
         steps = cfg.limit_train_batches or SYNTHETIC_STEPS
@@ -60,7 +65,8 @@ def build(cfg, num_replicas: int, rank: int, local_batch: int, device: torch.dev
         return Data(train, val, [str(i) for i in range(n)], len(listing), 0, train_samples=listing)
     name, why = choose_loader(cfg.loader, device)
     classes, train_samples, val_samples = scan(cfg.data)
-    train = LOADERS[name](cfg, train_samples, True, num_replicas, rank, local_batch, device, channels_last)
+    make = LOADERS.get(name)
+    train = make(cfg, train_samples, True, num_replicas, rank, local_batch, device, channels_last, every_sample)
     train.why = why
     describe = getattr(train_samples, "describe", None)  # a prepared copy says what it holds
     train.source = describe() if describe is not None else ""
@@ -88,11 +94,7 @@ def choose_loader(choice: str, device: torch.device) -> Tuple[str, str]:
     it fed the KD step 77 % of the synthetic rate against the PIL loader's 31 % (docs/benchmarks.md).
     Without either it is the PIL loader, which needs nothing but the CPU.
     """
-    if choice not in LOADER_NAMES:
-        raise KDError(
-            f"unknown --loader {choice!r}{suggest(choice, LOADER_NAMES)}; choose from: {', '.join(LOADER_NAMES)}"
-        )
-    if choice != "auto":
+    if check_loader(choice) != AUTO_LOADER:
         return choice, ""  # the user's choice needs no reason
     if device.type != "cuda":
         return "pil", "--loader auto: no CUDA device"
@@ -109,5 +111,5 @@ def build_val(cfg, samples, num_replicas: int, rank: int, local_batch: int, devi
     transform is bilinear (its crops within rounding of those); a bicubic evaluation (most timm
     models) always goes through the PIL path, as the device resizes bilinearly only."""
     on_device = cfg.loader == "gpu" and val_transform(cfg)[1] == "bilinear"
-    make = LOADERS["gpu"] if on_device else make_loader
+    make = make_gpu_loader if on_device else make_pil_loader
     return make(cfg, samples, False, num_replicas, rank, local_batch, device, channels_last)

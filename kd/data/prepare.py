@@ -49,6 +49,10 @@ SPLITS = ("train", "val")
 ESTIMATE_SAMPLES = 64
 
 
+#: ``kd prepare --format``: training images as raw RGB pixels or as re-encoded baseline JPEGs
+TRAIN_FORMATS = ("raw", "jpeg")
+
+
 @dataclass(frozen=True)
 class Settings:
     """What a copy's training images become; validation images are always kept as they are."""
@@ -59,8 +63,8 @@ class Settings:
     shard_images: int = 1024
 
     def check(self) -> None:
-        if self.format not in ("raw", "jpeg"):
-            raise KDError(f"--format must be raw or jpeg, got {self.format!r}")
+        if self.format not in TRAIN_FORMATS:
+            raise KDError(f"--format must be {' or '.join(TRAIN_FORMATS)}, got {self.format!r}")
         if self.max_side < 32:
             raise KDError(f"--max-side must be at least 32, got {self.max_side}")
         if not 1 <= self.quality <= 100:

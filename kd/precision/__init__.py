@@ -1,9 +1,11 @@
 """Opt levels as apex users know them, on native torch.amp (or on real apex.amp, see below).
 
-One precision object per run owns everything about reduced precision: the autocast context,
-casting of the models and inputs, master weights, the loss scaler and the step sequence
-(scale, backward, gradient sync, unscale, clip, step, update, zero). Nothing else calls
-``autocast`` or ``scaler.*``.
+One precision object per student owns the mechanics of reduced precision: the autocast context,
+casting of the model and inputs, master weights, the loss scaler, and the pieces of an update
+(scaled backward, unscale with a non-finite flag, optimizer step, scale update, zero). The
+engine's step (:func:`kd.run.step.apply_gradients`) calls those pieces in order, clips, and
+decides whether a step is skipped; nothing outside this package touches a scaler. The frozen
+teacher's autocast is its own precision's (:mod:`kd.teacher.probe`).
 
 | level | student | loss scaling (float16) |
 |---|---|---|

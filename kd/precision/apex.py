@@ -8,7 +8,7 @@ is 25.05. The native opt levels in :mod:`kd.precision.native` mean the same O0-O
 What kd asks of apex.amp, per level:
 
 * ``amp.initialize(models, optimizer, opt_level=..., loss_scale="dynamic" at O1/O2)``, once,
-  in ``prepare()`` (after the optimizer is built, before the backend wraps the model). The
+  in ``convert()`` (after the optimizer is built, before the backend wraps the model). The
   models handed to apex are the student side without its KD loss module, which stays float32
   with its inputs cast up (as in the native levels), so the KD softmax never runs in float16.
 * the teacher: it has its own precision (:mod:`kd.teacher.probe`) on torch.autocast; at O1 apex's
@@ -133,7 +133,7 @@ class ApexAmpPrecision(MasterStateMixin, Precision):
     def input_cast(self, images: torch.Tensor) -> torch.Tensor:
         return images.to(self.dtype) if self.opt in ("O2", "O3") else images
 
-    def prepare(self, model, optimizer):
+    def convert(self, model, optimizer):
         losses = keep_losses_float32(model)
         models = [m for m in model.children() if m not in losses] if losses else [model]
         kwargs = {"loss_scale": "dynamic"} if self.opt in ("O1", "O2") else {}

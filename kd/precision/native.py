@@ -112,9 +112,11 @@ def step_unless(optimizer: torch.optim.Optimizer, found: torch.Tensor) -> None:
 class Precision:
     """O0 and the base class: float32, no scaler. Subclasses override what their level changes.
 
-    The engine calls ``prepare(model, optimizer)`` once the optimizer is built and before the
+    The engine calls ``convert(model, optimizer)`` once the optimizer is built and before the
     backend wraps the model; per batch ``input_cast(images)``, the student's forward inside
-    ``autocast()``, then ``step(...)``. The teacher runs inside ``other_model_context()``.
+    ``autocast()``, then the pieces of an update (``backward``, ``unscale``, ``optimizer_step``,
+    ``update``, ``finish``) through :func:`kd.run.step.apply_gradients`. The teacher's forward
+    runs inside ``other_model_context()``.
     """
 
     opt = "O0"
@@ -147,8 +149,10 @@ class Precision:
         """Context for the forward of a model this precision does not own (the frozen teacher)."""
         return contextlib.nullcontext()
 
-    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Tuple[nn.Module, torch.optim.Optimizer]:
-        """Called once, after the optimizer is built and before the backend wraps the model."""
+    def convert(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Tuple[nn.Module, torch.optim.Optimizer]:
+        """``model`` and ``optimizer`` in this precision (weights cast, master weights in the
+        optimizer, where the level has them); called once, after the optimizer is built and before
+        the backend wraps the model."""
         return model, optimizer
 
     def input_cast(self, images: torch.Tensor) -> torch.Tensor:
@@ -266,7 +270,7 @@ class CastPrecision(Precision):
         bn = ", BatchNorm float32" if self.keep_batchnorm_fp32 else ""
         return [f"{dtype_name(self.dtype)} weights{bn}"]
 
-    def prepare(self, model, optimizer):
+    def convert(self, model, optimizer):
         keep_losses_float32(model)
         cast_module(model, self.dtype, self.keep_batchnorm_fp32)
         return model, optimizer
@@ -297,7 +301,7 @@ class MasterStateMixin:
 class MasterWeightPrecision(MasterStateMixin, CastPrecision):
     """O2: reduced-precision model weights (BatchNorm float32) with float32 master weights.
 
-    ``prepare`` makes a float32 copy of every parameter it casts and puts the copies in the
+    ``convert`` makes a float32 copy of every parameter it casts and puts the copies in the
     optimizer's param groups in place of the model's parameters, so the optimizer (and its
     momentum buffers) works in float32. Each step copies the model's gradients into the
     masters' ``.grad`` as float32, unscales and checks them (float16), clips the masters,
@@ -319,7 +323,7 @@ class MasterWeightPrecision(MasterStateMixin, CastPrecision):
     def details(self) -> List[str]:
         return super().details() + ["float32 master weights"]
 
-    def prepare(self, model, optimizer):
+    def convert(self, model, optimizer):
         keep_losses_float32(model)
         float_before = {id(p) for p in model.parameters() if p.dtype == torch.float32}
         masters = {id(p): p.detach().clone() for p in model.parameters() if id(p) in float_before}

@@ -67,12 +67,12 @@ def build_lane(
 
     # Module.to(device, memory_format=...) is valid at run time; torch's overloads list the two apart
     side = StudentSide(student, loss, s_layers).to(dev, memory_format=runtime.memory_format)  # type: ignore[call-overload]
-    side = backend.prepare_model(side)  # before the optimizer: sync-BN layers, parameter layout
+    side = backend.convert_model(side)  # before the optimizer: sync-BN layers, parameter layout
     # the loaders normalise for the (first) student; another student renormalises on the device
     renorm = models.renormaliser(getattr(data.train, "norm", None), cfg.student_data)
     stop_in_setup(shared.stop, backend)
     optimizer = build_optimizer(cfg, side.named_parameters(), fused_ok=precision.fused_optimizer_ok)
-    side, optimizer = precision.prepare(side, optimizer)
+    side, optimizer = precision.convert(side, optimizer)
     model = backend.wrap(side)
     torch.manual_seed(cfg.seed + backend.rank)  # each process its own dropout / drop-path masks
     said.append(backend.describe())  # after wrap: what the backend decided there (e.g. torch_ddp's detection)

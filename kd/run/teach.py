@@ -57,13 +57,14 @@ class Teaching:
             if cfg.student_data is None:  # no student: the loaders normalise as the teacher wants
                 cfg = dataclasses.replace(cfg, student_data=cfg.teacher_data)
             self.cfg = cfg
-            self.data = build_data(
+            self.data = build_data(  # every sample's row: a last short batch too
                 cfg,
                 num_replicas,
                 rank,
                 backend.local_batch(cfg.batch_size),
                 backend.device,
                 resolve_runtime(cfg, backend.device).channels_last,
+                every_sample=True,
             )
             classes = cfg.num_classes or len(self.data.classes)
             if backend.placement.world_size > backend.placement.local_world_size:

@@ -1,4 +1,4 @@
-"""The frozen teacher of a run, prepared once: on its device, fused, its precision chosen on a few
+"""The frozen teacher of a run, set up once: on its device, fused, its precision chosen on a few
 validation batches (:mod:`kd.teacher.probe`), wrapped forward-only by the backend, compiled where asked.
 
 One :class:`Teacher` serves one student (``kd train``) or several (``kd train --kd-loss kd,dkd``,
@@ -75,7 +75,7 @@ class Teacher:
         self.renorm = renorm if renorm is not None else (lambda images: images)
         self.log = log
         self.graph_step = runtime.cuda_graphs
-        self.precision: kd_teacher.TeacherPrecision  # set by choose() below, which kd_teacher.prepare always calls
+        self.precision: kd_teacher.TeacherPrecision  # set by choose() below (fuse_and_choose always calls it)
 
         def choose(candidate: nn.Module) -> nn.Module:
             def probe(m, p):
@@ -103,7 +103,7 @@ class Teacher:
             return chosen
 
         memory_format = runtime.memory_format
-        model = kd_teacher.prepare(model, self.layers, runtime.fuse_teacher, memory_format, choose, log)
+        model = kd_teacher.fuse_and_choose(model, self.layers, runtime.fuse_teacher, memory_format, choose, log)
         self.module = backend.wrap_forward(TeacherSide(model, self.layers))
         if runtime.compile:
             self.module = torch.compile(self.module, mode=cfg.compile_mode)

@@ -59,7 +59,7 @@ def store_weights(teacher: nn.Module, dtype: torch.dtype) -> nn.Module:
 
 
 class TeacherPrecision:
-    """How the frozen teacher runs: ``prepare`` its weights once, then each forward inside
+    """How the frozen teacher runs: ``convert`` its weights once, then each forward inside
     ``autocast()`` on ``input_cast(images)``.
 
     ``outer`` is a context the student's precision needs around any other model's forward
@@ -77,7 +77,8 @@ class TeacherPrecision:
     def reduced(self) -> bool:
         return self.dtype != torch.float32
 
-    def prepare(self, teacher: nn.Module) -> nn.Module:
+    def convert(self, teacher: nn.Module) -> nn.Module:
+        """``teacher`` with its convolution and linear weights stored in this dtype (in place); as it is in float32."""
         return store_weights(teacher, self.dtype) if self.reduced else teacher
 
     @contextlib.contextmanager
@@ -135,7 +136,7 @@ def choose(
     outer: Callable[[], ContextManager] = contextlib.nullcontext,
     seconds: Optional[Dict[str, float]] = None,
 ) -> Tuple[TeacherPrecision, nn.Module, str]:
-    """The teacher's precision, its prepared model, and a log line saying what was chosen and why.
+    """The teacher's precision, its model converted to it, and a log line saying what was chosen and why.
 
     ``teacher`` is the float32 model (left as it is); ``run(model, precision)`` evaluates it on
     the probe batches of every process and returns summed ``top1``, ``nonfinite`` and ``count``.
@@ -161,7 +162,7 @@ def choose(
     tried: List[str] = []
     for dtype in fallbacks(start, device) if not explicit else [start]:
         precision = TeacherPrecision(device, dtype, outer)
-        model = precision.prepare(copy.deepcopy(teacher)) if precision.reduced else teacher
+        model = precision.convert(copy.deepcopy(teacher)) if precision.reduced else teacher
         probe = probe_in(dtype, model)
         # float32 as the reference only: cuDNN's heuristics, not timed trials of shapes no step will run
         problem = _problem(probe, lambda: probe_in(torch.float32, teacher, autotune=False))
@@ -214,7 +215,7 @@ def _problem(probe: Probe, float32: Callable[[], Probe]) -> Optional[str]:
     return None
 
 
-def prepare(
+def fuse_and_choose(
     teacher: nn.Module,
     layers: List[str],
     fuse: bool,

@@ -1,0 +1,34 @@
+"""The loaders ``--loader`` chooses from, registered by name.
+
+Each name is registered as the function that makes its loader, imported when first used:
+configuration and the command line know the names without importing torch, and a spawned loader
+worker never imports torchvision or the GPU pipeline through here.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, List
+
+from kd.registry import Registry
+
+if TYPE_CHECKING:
+    from kd.data.loader import DeviceLoader
+
+#: ``--loader NAME``: ``make(cfg, samples, train, num_replicas, rank, local_batch, device,
+#: channels_last, every_sample=False)`` for each name, returning a :class:`kd.data.loader.DeviceLoader`
+#: (or a subclass); ``every_sample``: training keeps its last short batch (kd teach's store).
+LOADERS: Registry[Callable[..., DeviceLoader]] = Registry("loader")
+LOADERS.register_lazy("pil", "kd.data.loader:make_pil_loader")
+LOADERS.register_lazy("gpu", "kd.data.gpu:make_gpu_loader")
+#: ``--loader auto``: one of the registered loaders, chosen for the device (kd.data.pipeline.choose_loader)
+AUTO_LOADER = "auto"
+
+
+def loader_choices() -> List[str]:
+    """What ``--loader`` accepts: auto and every registered loader."""
+    return [AUTO_LOADER, *LOADERS.names()]
+
+
+def check_loader(name: str) -> str:
+    """``name`` where ``--loader`` accepts it, else a KDError naming the near names and every choice."""
+    return LOADERS.check(name, also=(AUTO_LOADER,))
