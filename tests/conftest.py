@@ -48,7 +48,7 @@ THREADS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
 if THREADS == 1:
     os.environ["OMP_NUM_THREADS"] = "1"
     # Loader workers at kd's default nice +10 would wait behind another test's training on the
-    # same cores, a contention no real run has (test_workers checks the default itself).
+    # same cores, a contention no real run has (test_loader checks the default itself).
     os.environ.setdefault("KD_WORKER_NICE", "0")
 
 

@@ -27,7 +27,7 @@ START_METHOD_BACKENDS = ["single", "torch_ddp"]
 )
 def test_two_workers_under_every_backend_and_start_method(data, tmp_path, backend, context):
     """fork and forkserver (Linux; kd's default); spawn, where every worker imports torch, in
-    tests/test_workers_spawn.py (its own file, so that pytest -n runs the two on two workers)."""
+    tests/test_loader_spawn.py (its own file, so that pytest -n runs the two on two workers)."""
     train_two_epochs_with_two_workers(data, tmp_path, backend, context)
 
 

@@ -190,7 +190,7 @@ def _ranks(parent: int):
 @pytest.mark.slow
 def test_a_dead_rank_restarts_the_group_from_its_checkpoint(data, tmp_path):
     """--max-restarts 1: the agent restarts the group, which resumes from the last checkpoint (without
-    restarts the group goes down in one line: tests/test_orphans.py)."""
+    restarts the group goes down in one line: tests/test_lifeline.py)."""
     out = tmp_path / "run"
     proc = start(
         "train",
