@@ -11,30 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import kd_main, make_image_folder, run_kd, start_kd
+from conftest import cli_options, kd_main, make_image_folder, run_kd, start_kd
 
-ARGS = [
-    "--teacher",
-    "resnet18",
-    "--teacher-weights",
-    "none",
-    "--student",
-    "resnet18",
-    "--image-size",
-    "32",
-    "-b",
-    "4",
-    "--epochs",
-    "3",
-    "--device",
-    "cpu",
-    "--lr",
-    "0.02",
-    "--log-every",
-    "1",
-    "-T",
-    "2",
-]
+ARGS = cli_options(teacher="resnet18", teacher_weights="none", student="resnet18", image_size=32, batch_size=4)
+ARGS += cli_options(epochs=3, device="cpu", lr=0.02, log_every=1, temperature=2)
 
 
 @pytest.fixture(scope="module")

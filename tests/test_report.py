@@ -1,27 +1,17 @@
-"""A newcomer's second hour (issue 34): a run ends with a line saying where its result is, --resume
-says when there is nothing to do, a kd checkpoint names the teacher's model."""
+"""kd report (kd.commands.report): the table over runs and folders of runs, durations a person reads,
+CSV, the figure (and what is said without matplotlib), and the line each kd train ends with."""
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import pytest
+import yaml
 from conftest import kd_main, make_image_folder
 
-TINY = ["--image-size", 32, "-b", 8, "-j", 0, "--device", "cpu", "--epochs", 1, "--no-progress"]
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return make_image_folder(tmp_path_factory.mktemp("second_hour"))
-
-
-@pytest.fixture(scope="module")
-def teacher_run(data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("teacher") / "run"
-    r = kd_main("train", "--data", data, "--no-teacher", "--student", "timm:resnet10t", *TINY, "--out", out)
-    assert r.returncode == 0, r.stderr
-    return r, out
+from kd.errors import KDError
 
 
 def test_a_run_ends_with_where_its_result_is(teacher_run):
@@ -35,72 +25,57 @@ def test_a_run_ends_with_where_its_result_is(teacher_run):
     ), r.stdout
 
 
-def test_several_students_end_with_a_line_each(data, tmp_path):
-    out = tmp_path / "table"
-    args = ["--teacher", "timm:resnet10t", "--teacher-weights", "none", "--student", "timm:resnet10t"]
-    r = kd_main("train", "--data", data, *args, "--kd-loss", "kd,dkd", *TINY, "--limit-train-batches", 1, "--out", out)
-    assert r.returncode == 0, r.stderr
-    lines = r.stdout.strip().splitlines()[-2:]
-    assert lines[0].startswith("[kd] done: best top-1 ") and lines[0].endswith(
-        f"{out / 'kd' / 'checkpoints' / 'best.pt'}"
+def _fake_run(folder: Path, top1: float, seconds: float) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "config.yaml").write_text("kd_loss: kd\nteacher: resnet34\nstudent: resnet18\nepochs: 1\n")
+    (folder / "metrics.jsonl").write_text(
+        json.dumps({"epoch": 1, "val_top1": top1, "val_top5": 99.0, "seconds": seconds}) + "\n"
     )
-    assert lines[1].startswith("[dkd] done: best top-1 ") and str(out / "dkd") in lines[1]
+    (folder / "checkpoints").mkdir()
+    return folder
 
 
-def test_resume_where_nothing_was_run_says_so(tmp_path):
-    r = kd_main("train", "--out", tmp_path / "empty", "--resume")
-    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-        f"kd: error: nothing to resume: {tmp_path / 'empty' / 'checkpoints' / 'last.pt'} does not exist "
-        f"({tmp_path / 'empty'} holds no run; start it without --resume)"
-    ], r.stderr
+def test_duration_a_person_reads():
+    from kd.commands.report import duration
+
+    seconds = (0, 42, 270, 720, 3.4 * 3600, 30 * 3600)
+    assert [duration(s) for s in seconds] == ["0s", "42s", "4.5m", "12m", "3.4h", "30.0h"]
 
 
-def test_resume_of_a_finished_run_says_how_to_continue(teacher_run):
-    _, out = teacher_run
-    r = kd_main("train", "--out", out, "--resume")
-    assert r.returncode == 0 and r.stderr.strip().splitlines() == [
-        f"kd: {out} already finished (1 epochs); raise --epochs to continue"
-    ], r.stderr
-    assert r.stdout == ""
-
-
-def test_a_kd_checkpoint_as_teacher_names_its_model(data, teacher_run, tmp_path):
-    _, teacher = teacher_run
-    ckpt = teacher / "checkpoints" / "best.pt"
-    r = kd_main(
-        "train", "--data", data, "--teacher-weights", ckpt, "--student", "resnet18", *TINY, "--out", tmp_path / "s"
-    )
+def test_report_a_folder_of_runs(tmp_path):
+    runs = tmp_path / "demo"
+    _fake_run(runs / "teacher", 97.1, 125.0)
+    _fake_run(runs / "student_kd", 95.3, 720.0)
+    make_image_folder(runs / "data", classes=2, train_per_class=1, val_per_class=1)
+    (runs / "notes.txt").write_text("a file beside the runs")
+    r = kd_main("report", runs)
     assert r.returncode == 0, r.stderr
-    assert "teacher timm:resnet10t: runs in" in r.stderr
-    r = kd_main("train", "--data", data, "--student", "resnet18", *TINY, "--out", tmp_path / "t")
-    assert r.returncode == 2 and "--teacher is required" in r.stderr
+    body = [line for line in r.stdout.splitlines() if line.startswith(f"| {runs}")]
+    assert len(body) == 2, r.stdout
+    assert "| 97.1 |" in r.stdout and "| 2.1m |" in r.stdout and "| 12m |" in r.stdout, r.stdout
+    assert "data" in r.stderr and "skipped" in r.stderr, r.stderr
+    r = kd_main("report", *sorted(runs.iterdir()))  # the shell's runs/demo/*
+    assert r.returncode == 0, r.stderr
+    assert len([line for line in r.stdout.splitlines() if line.startswith(f"| {runs}")]) == 2
+    assert "skipped" in r.stderr and "notes.txt" in r.stderr
 
 
-def test_a_broken_weights_file_is_named_for_what_it_is(data, tmp_path):
-    """One complete sentence: random bytes are no PyTorch file (not an unpickling matter), a cut
-    archive is damaged, a pickle of objects is refused for what it holds."""
-    import os
-    import pickle
+def test_report_without_any_run_is_an_error(tmp_path):
+    from kd.commands.report import report
 
-    import torch
+    make_image_folder(tmp_path / "data", classes=2, train_per_class=1, val_per_class=1)
+    with pytest.raises(KDError, match="no kd run"):
+        report([tmp_path / "data"])
+    with pytest.raises(KDError, match="does not exist"):
+        report([tmp_path / "nowhere"])
 
-    (tmp_path / "random.pt").write_bytes(os.urandom(4096).replace(b"PK", b"pk").lstrip(b"\x80") or b"x")
-    torch.save({"w": torch.ones(8)}, tmp_path / "whole.pt")
-    (tmp_path / "cut.pt").write_bytes((tmp_path / "whole.pt").read_bytes()[:300])
-    with open(tmp_path / "objects.pt", "wb") as fh:
-        pickle.dump({"w": torch.nn.Linear(2, 2)}, fh, protocol=2)
-    expected = {
-        "random.pt": "it is not a PyTorch file (torch.save writes a zip archive or a pickle, and this file is neither)",
-        "cut.pt": "the PyTorch archive is damaged or truncated (RuntimeError); copy or save it again",
-        "objects.pt": "it is a pickle of Python objects other than tensors, which would need code to be unpickled, "
-        "and kd refuses that (weights_only=True); save the model's state_dict() with torch.save instead",
-    }
-    for name, why in expected.items():
-        path = tmp_path / name
-        r = kd_main("train", "--data", data, "--teacher", "resnet18", "--teacher-weights", path, "--student", "resnet18",
-                    *TINY, "--out", tmp_path / "out")  # fmt: skip
-        lines = [line for line in r.stderr.splitlines() if "Warning" not in line and not line.startswith("  ")]
-        assert r.returncode == 2 and lines[-1] == f"kd: error: cannot read weights file {path}: {why}", r.stderr
+
+def test_report_csv_keeps_seconds(tmp_path):
+    from kd.commands.report import report, to_csv
+
+    rows = report([_fake_run(tmp_path / "a", 60.0, 90.0)])
+    text = to_csv(rows)
+    assert text.splitlines()[0].endswith(",wall_s") and text.splitlines()[1].endswith(",90.0"), text
 
 
 def test_report_calls_a_run_without_teacher_by_its_method_ce(teacher_run):
@@ -109,34 +84,6 @@ def test_report_calls_a_run_without_teacher_by_its_method_ce(teacher_run):
     assert r.returncode == 0 and f"| {out} | ce | - | timm:resnet10t |" in r.stdout, r.stdout
     r = kd_main("recipes", "list")
     assert "| imagenet/baseline_r18 | - | resnet18 | ce |" in r.stdout, r.stdout
-
-
-def test_a_recipes_compile_applies_on_cuda_only_and_says_when_it_starts(data, tmp_path, capfd):
-    """Recipes ask for torch.compile on CUDA (``compile: auto``): on the CPU it cost a silent minute
-    for little gain. Asked for (--compile), it is used anywhere, and the log says the first step compiles."""
-
-    import torch
-
-    import backends
-    from kd import config as kd_config
-    from kd.run.loop import Trainer
-    from kd.run.students import Students
-    from kd.run.runtime import resolve
-
-    cfg = kd_config.resolve(recipe="imagenet/r34_r18_dkd", options={"data": str(data)})
-    assert cfg.compile is None
-    assert not resolve(cfg, torch.device("cpu")).compile and resolve(cfg, torch.device("cuda")).compile
-    forced = kd_config.resolve(recipe="imagenet/r34_r18_dkd", options={"data": str(data), "compile": True})
-    assert resolve(forced, torch.device("cpu")).compile
-    tiny = dict(
-        data=str(data), out=str(tmp_path / "c"), no_teacher=True, student="resnet18", image_size=32, batch_size=8,
-        workers=0, device="cpu", compile=True, progress_bar=False,
-    )  # fmt: skip
-    cfg = kd_config.resolve(options=tiny)
-    backend = backends.get("single")(cfg)
-    backend.setup()
-    Trainer(Students.alone(cfg), backend).close()  # torch.compile is lazy: nothing compiles before a step
-    assert "torch.compile (default): the first step compiles the student (a minute or more)" in capfd.readouterr().err
 
 
 def test_figures_are_part_of_the_plain_install():
@@ -182,3 +129,37 @@ def test_report_without_matplotlib_prints_the_table_first(teacher_run, tmp_path,
         "kd: error: matplotlib is not installed, and kd draws its figures with it: pip install matplotlib "
         "(a dependency of kd: pip install -e . in this clone installs it too)"
     ]
+
+
+def test_report_plot_draws_the_runs(tmp_path):
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    for name, ref in (("kd", 71.03), ("dkd", 71.7)):
+        run = tmp_path / "table" / name
+        run.mkdir(parents=True)
+        (run / "config.yaml").write_text(yaml.safe_dump({"kd_loss": name, "reference": {"top1": ref}}))
+        (run / "metrics.jsonl").write_text(
+            "".join(
+                json.dumps({"epoch": e, "val_top1": 60 + e, "val_top5": 90, "train_loss": 3 - e}) + "\n"
+                for e in (1, 2, 3)
+            )
+        )
+    from cli import main
+
+    assert main(["report", str(tmp_path / "table"), "--plot", str(tmp_path / "fig.png")]) == 0
+    with Image.open(tmp_path / "fig.png") as image:
+        assert image.size[0] > 100 and image.size[1] > 100
+
+
+def test_missing_matplotlib_is_said_not_skipped(tmp_path, no_matplotlib):
+    from kd.commands import bench
+    from kd.commands.report import plot
+
+    with pytest.raises(KDError, match=r"matplotlib.*pip install"):
+        plot([], tmp_path / "fig.png")
+    notes = []
+    row = {**{c: "-" for c in bench.COLUMNS}, "backend": "single", "opt": "O0", "img_per_s": 10.0}
+    bench.write_outputs([row], tmp_path, "single O0", notes.append)
+    assert any("matplotlib" in note and "bench.png" in note for note in notes)
+    assert (tmp_path / "bench.csv").is_file()

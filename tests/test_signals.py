@@ -19,27 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, make_image_folder, run_kd
+from conftest import ROOT, TINY_PAIR, make_image_folder, run_kd
 
-TINY = [
-    "--teacher",
-    "timm:resnet10t",
-    "--teacher-weights",
-    "none",
-    "--student",
-    "timm:resnet10t",
-    "--image-size",
-    "32",
-    "-b",
-    "4",
-    "--log-every",
-    "1",
-    "--loader",
-    "gpu",
-    "-j",
-    "2",
-    "--no-progress",
-]
+TINY = [*TINY_PAIR, "--log-every", "1", "--loader", "gpu", "-j", "2", "--no-progress"]
 
 
 @pytest.fixture(scope="module")
