@@ -1,4 +1,5 @@
-"""Preemption, kills and non-finite losses lose nothing: exact mid-epoch resume, intact checkpoints."""
+"""A run's checkpoints (kd.run.checkpoint): preemption, kills and non-finite losses lose nothing, with an
+exact mid-epoch resume and intact checkpoints."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""DataLoader workers are safe under every backend and start method; the naive KD pattern is not."""
+"""DataLoader workers (kd.data.loader) are safe under every backend and start method; the naive KD pattern
+is not."""
 
 from __future__ import annotations
 

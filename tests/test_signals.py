@@ -1,4 +1,4 @@
-"""Every stop exits promptly and leaves nothing running: no worker process, no decode thread.
+"""Every stop exits promptly and leaves nothing running (kd.utils.signals): no worker process, no decode thread.
 
 Real ``kd train`` processes with DataLoader workers and the GPU loader's decode thread (which
 runs on the CPU too); each process kd starts inherits a marker in its environment, and after

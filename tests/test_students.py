@@ -74,7 +74,7 @@ TINY = dict(
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     return make_image_folder(
-        tmp_path_factory.mktemp("rebuttal"), classes=3, train_per_class=4, val_per_class=2, size=(20, 16)
+        tmp_path_factory.mktemp("students"), classes=3, train_per_class=4, val_per_class=2, size=(20, 16)
     )
 
 
