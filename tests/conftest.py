@@ -48,7 +48,7 @@ THREADS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
 if THREADS == 1:
     os.environ["OMP_NUM_THREADS"] = "1"
     # Loader workers at kd's default nice +10 would wait behind another test's training on the
-    # same cores, a contention no real run has (test_workers checks the default itself).
+    # same cores, a contention no real run has (test_loader checks the default itself).
     os.environ.setdefault("KD_WORKER_NICE", "0")
 
 
@@ -71,6 +71,47 @@ def image_folder(tmp_path_factory) -> Path:
 #: a tiny teacher and student pair (timm's resnet10t at 32 px, batch 4) for runs in real processes
 TINY_PAIR = ["--teacher", "timm:resnet10t", "--teacher-weights", "none", "--student", "timm:resnet10t"]
 TINY_PAIR += ["--image-size", "32", "-b", "4"]
+
+#: a tiny run on the CPU, as options of the run config: resnet18 (random weights) teaching resnet18,
+#: 32 px crops, batch 8, no loader workers, one epoch (:func:`train_args`, :func:`tiny_config`)
+TINY_RUN = dict(teacher="resnet18", teacher_weights="none", student="resnet18", image_size=32, batch_size=8)
+TINY_RUN.update(workers=0, device="cpu", epochs=1)
+
+
+def _tiny(options: dict) -> dict:
+    """:data:`TINY_RUN` with ``options`` over it; under ``no_teacher`` without its teacher."""
+    base = dict(TINY_RUN)
+    if options.get("no_teacher"):
+        del base["teacher"], base["teacher_weights"]
+    return {**base, **options}
+
+
+def cli_options(**options) -> list:
+    """Command-line options from keywords named as kd's long options with ``_`` for ``-``
+    (``batch_size=8``: ``--batch-size 8``); True gives the bare flag (``no_progress=True``:
+    ``--no-progress``), None leaves the option out."""
+    args = []
+    for key, value in options.items():
+        if value is not None:
+            flag = "--" + key.replace("_", "-")
+            args += [flag] if value is True else [flag, str(value)]
+    return args
+
+
+def train_args(data, out, *extra, **options) -> list:
+    """The arguments of ``kd train`` for a tiny run of ``data`` into ``out``: the options of
+    :data:`TINY_RUN` with ``options`` over them (see :func:`cli_options`; ``teacher=None`` leaves
+    the teacher to ``--teacher-weights``, ``no_teacher=True`` trains the student alone), then
+    ``extra`` as given."""
+    return ["train", "--data", str(data), *cli_options(**_tiny(options)), *map(str, extra), "--out", str(out)]
+
+
+def tiny_config(data, out, **options):
+    """The resolved run config (:func:`kd.config.resolve`) of a tiny run of ``data`` into ``out``:
+    the options of :data:`TINY_RUN` with ``options`` over them (``no_teacher=True``: the student alone)."""
+    from kd import config as kd_config
+
+    return kd_config.resolve(options={**_tiny(options), "data": str(data), "out": str(out)})
 
 
 def start_kd(*args) -> subprocess.Popen:
@@ -158,6 +199,28 @@ def kd_main(*args, env=None, threads=None) -> subprocess.CompletedProcess:
         os.environ.update(environ)
         torch.set_num_threads(before)
     return subprocess.CompletedProcess(["kd", *argv], code, out, err)
+
+
+def one_error_line(r) -> str:
+    """The one ``kd: error:`` line of a run that failed as a user error should (exit code 2, no
+    traceback; warnings aside)."""
+    lines = [line for line in r.stderr.splitlines() if line.strip() and "Warning" not in line]
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert "Traceback" not in r.stderr, r.stderr
+    assert len(lines) == 1 and lines[0].startswith("kd: error: "), r.stderr
+    return lines[0]
+
+
+@pytest.fixture(scope="session")
+def teacher_run(image_folder, tmp_path_factory):
+    """One finished ``kd train`` of timm's resnet10t alone (one epoch of :func:`image_folder` at
+    32 px, val resize 32), in this process: (its result, its folder). Tests only read it: a teacher
+    for other runs, a run to evaluate, report or resume."""
+    out = tmp_path_factory.mktemp("teacher") / "run"
+    options = dict(no_teacher=True, student="timm:resnet10t", val_resize=32, no_progress=True)
+    r = kd_main(*train_args(image_folder, out, **options))
+    assert r.returncode == 0, r.stderr
+    return r, out
 
 
 @pytest.fixture(autouse=True)

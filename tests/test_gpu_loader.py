@@ -12,7 +12,7 @@ from typing import List
 import numpy as np
 import pytest
 import torch
-from conftest import kd_main, run_kd
+from conftest import kd_main, run_kd, train_args
 from PIL import Image
 from torchvision.transforms import RandomResizedCrop
 
@@ -753,31 +753,7 @@ def test_val_box_is_the_pil_resize_and_centre_crop():
 
 
 def test_cli_train_with_gpu_loader(image_folder, tmp_path):
-    r = kd_main(
-        "train",
-        "--data",
-        image_folder,
-        "--teacher",
-        "resnet18",
-        "--teacher-weights",
-        "none",
-        "--student",
-        "resnet18",
-        "--image-size",
-        32,
-        "-b",
-        8,
-        "--workers",
-        2,
-        "--epochs",
-        1,
-        "--device",
-        "cpu",
-        "--loader",
-        "gpu",
-        "--out",
-        tmp_path / "run",
-    )
+    r = kd_main(*train_args(image_folder, tmp_path / "run", workers=2, loader="gpu"))
     assert r.returncode == 0, r.stderr
     assert "loader gpu" in r.stderr and "decoder cpu" in r.stderr, r.stderr
     assert (tmp_path / "run" / "metrics.jsonl").is_file()
@@ -844,30 +820,6 @@ def test_cuda_loader_matches_the_cpu_path(nat_folder, monkeypatch, train):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cli_train_with_gpu_loader_on_cuda(image_folder, tmp_path):
-    r = run_kd(
-        "train",
-        "--data",
-        image_folder,
-        "--teacher",
-        "resnet18",
-        "--teacher-weights",
-        "none",
-        "--student",
-        "resnet18",
-        "--image-size",
-        32,
-        "-b",
-        8,
-        "--workers",
-        2,
-        "--epochs",
-        1,
-        "--device",
-        "cuda",
-        "--loader",
-        "gpu",
-        "--out",
-        tmp_path / "run",
-    )
+    r = run_kd(*train_args(image_folder, tmp_path / "run", workers=2, device="cuda", loader="gpu"))
     assert r.returncode == 0, r.stderr
     assert "loader gpu" in r.stderr and "side CUDA streams" in r.stderr, r.stderr

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 
 import numpy as np
 import pytest
 import torch
+from conftest import ROOT
 
 from kd.errors import KDError
 from kd.losses import LOSSES, DistillInputs, build_loss, split_layers
@@ -466,6 +468,22 @@ def test_every_registered_loss_has_test_settings():
     untested = sorted(set(LOSSES.names()) - set(SETTINGS))
     assert not untested, f"registered KD losses without an entry in SETTINGS: {untested}"
     assert not set(SETTINGS) - set(LOSSES.names())
+
+
+def test_readme_method_table_lists_every_hyper_parameter():
+    from kd.losses import LOSSES
+
+    rows = {}
+    for line in (ROOT / "README.md").read_text().splitlines():
+        m = re.match(r"\| `(\w+)` \| [^|]+ \| ([^|]+) \|$", line)
+        if m:
+            rows[m.group(1)] = m.group(2)
+    for name in LOSSES.names():
+        assert name in rows, f"README's method table has no row for {name}"
+        for key, default in LOSSES.get(name).defaults.items():
+            m = re.search(rf"\b{key} ([0-9.e+-]+)", rows[name])
+            assert m, f"README: {name} does not list {key} ({rows[name]})"
+            assert float(m.group(1)) == pytest.approx(float(default)), (name, key)
 
 
 def prepared(name, args, dtype=torch.float32, num_classes=10, batch=4):

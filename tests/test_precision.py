@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, in_process_trainer, kd_main, make_image_folder, run_kd
+from conftest import ROOT, in_process_trainer, kd_main, make_image_folder, run_kd, tiny_config
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 
@@ -105,23 +105,9 @@ def runs(data, tmp_path_factory):
 
 
 def tiny_cfg(data, out, **kw):
-    opts = dict(
-        data=str(data),
-        out=str(out),
-        teacher="resnet18",
-        teacher_weights="none",
-        student="mobilenet_v3_small",
-        image_size=32,
-        batch_size=8,
-        workers=0,
-        lr=0.03,
-        lr_schedule="constant",
-        device="cpu",
-        log_every=1,
-        epochs=1,
+    return tiny_config(
+        data, out, **{"student": "mobilenet_v3_small", "lr": 0.03, "lr_schedule": "constant", "log_every": 1, **kw}
     )
-    opts.update(kw)
-    return kd_config.resolve(options=opts)
 
 
 def trainer(cfg, precision=None) -> Trainer:
@@ -553,6 +539,46 @@ def test_o0_is_plain_float32():
     p = make_precision(kd_config.RunConfig(), CPU)
     assert type(p) is Precision and p.dtype == torch.float32 and p.scaler is None
     assert float(p.loss_scale()) == 1.0
+
+
+def test_slow_precision_warning_names_what_to_do():
+    from kd.precision.cpu import slow_precision_warning
+
+    cpu = torch.device("cpu")
+    avx2 = {"sse4_2", "avx", "avx2", "fma"}
+    warning = slow_precision_warning("O1", torch.bfloat16, cpu, flags=avx2)
+    assert warning and "--opt O0" in warning and "bfloat16" in warning and "AMX" in warning, warning
+    assert "\n" not in warning and "20-35x" in warning
+    avx512 = avx2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+    warning = slow_precision_warning("O1", torch.bfloat16, cpu, flags=avx512)
+    assert warning and "1.7x" in warning and "--opt O0" in warning, warning
+    assert slow_precision_warning("O2", torch.bfloat16, cpu, flags=avx512 | {"avx512_bf16"}) is None
+    assert slow_precision_warning("O1", torch.bfloat16, cpu, flags=avx2 | {"amx_bf16", "amx_tile"}) is None
+    assert slow_precision_warning("O1", torch.bfloat16, cpu, flags={"fp", "asimd", "bf16"}) is None  # Arm with BF16
+    assert slow_precision_warning("O0", torch.float32, cpu, flags=avx2) is None
+    assert slow_precision_warning("O1", torch.bfloat16, torch.device("cuda", 0), flags=avx2) is None
+    assert slow_precision_warning("O1", torch.bfloat16, cpu, flags=set()) is None  # flags unknown: no guess
+
+
+def test_cpu_flags_of_this_machine():
+    from kd.precision.cpu import cpu_flags
+
+    if not Path("/proc/cpuinfo").is_file():
+        pytest.skip("no /proc/cpuinfo: kd reads no flags here")
+    flags = cpu_flags()
+    assert flags and all(f == f.lower() and " " not in f for f in flags)
+
+
+def test_precision_line_without_apex_closes_its_parentheses():
+    import importlib.util
+
+    from kd.config import RunConfig
+    from kd.precision import make_precision
+
+    if importlib.util.find_spec("apex"):
+        pytest.skip("apex is installed: its reason differs")
+    line = make_precision(RunConfig(opt="O1"), torch.device("cpu"), prefer_apex=True).describe()
+    assert line.count("(") == line.count(")"), line
 
 
 # ----------------------------------------------------------------------------- CUDA (float16) and real apex

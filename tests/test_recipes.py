@@ -151,6 +151,16 @@ def test_recipes_cli_and_report(tmp_path):
     assert r.returncode == 2 and "does not exist" in r.stderr
 
 
+def test_recipes_list_prints_dash_and_the_papers_decimals():
+    from kd.commands.recipes import table
+
+    rows = {line.split(" | ")[0][2:]: line for line in table().splitlines()[2:]}
+    assert rows["imagenet/r101_r18_kd"].endswith("| - |"), rows["imagenet/r101_r18_kd"]
+    assert rows["imagenet/r34_r18_dkd"].endswith("| 71.70 |")
+    assert rows["imagenet/r50_mv1_kd"].endswith("| 70.50 |")
+    assert "None" not in table()
+
+
 # ---------------------------------------------------------------- KD hyper-parameter names
 
 # What each recipe said before the names were made consistent (issue 16): the loss keys only.

@@ -13,12 +13,11 @@ from typing import Dict, List
 
 import pytest
 import torch
-from conftest import in_process_trainer, make_image_folder, run_kd
+from conftest import in_process_trainer, make_image_folder, run_kd, tiny_config
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 
 import kd.run.build
-from kd import config as kd_config
 from kd.errors import NonFinite
 from kd.losses import DistillInputs, DistillLoss
 from kd.precision import MasterWeightPrecision
@@ -31,22 +30,7 @@ def data(tmp_path_factory) -> Path:
 
 
 def tiny_cfg(data, out, **kw):
-    opts = dict(
-        data=str(data),
-        out=str(out),
-        no_teacher=True,
-        student="resnet18",
-        image_size=32,
-        batch_size=8,
-        workers=0,
-        lr=0.05,
-        lr_schedule="constant",
-        device="cpu",
-        log_every=1,
-        epochs=1,
-    )
-    opts.update(kw)
-    return kd_config.resolve(options=opts)
+    return tiny_config(data, out, **{"no_teacher": True, "lr": 0.05, "lr_schedule": "constant", "log_every": 1, **kw})
 
 
 trainer = in_process_trainer

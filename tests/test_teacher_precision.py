@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import kd_main, make_image_folder
+from conftest import kd_main, make_image_folder, train_args
 from torch import nn
 
 import backends
@@ -74,33 +74,7 @@ def with_bias(trained: Path, bias: float, folder: Path) -> Path:
 def test_overflowing_teacher_falls_back_to_float32_and_trains(data, trained, tmp_path):
     weights = with_bias(trained, 3.40e38, tmp_path)
     out = tmp_path / "o1"
-    r = kd_main(
-        "train",
-        "--data",
-        data,
-        "--teacher",
-        NET,
-        "--teacher-weights",
-        weights,
-        "--student",
-        NET,
-        "--image-size",
-        32,
-        "-b",
-        8,
-        "-j",
-        0,
-        "--device",
-        "cpu",
-        "--opt",
-        "O1",
-        "--epochs",
-        2,
-        "--lr",
-        0.05,
-        "--out",
-        out,
-    )
+    r = kd_main(*train_args(data, out, teacher=NET, teacher_weights=weights, student=NET, opt="O1", epochs=2, lr=0.05))
     assert r.returncode == 0, r.stderr
     assert "runs in float32 (auto:" in r.stderr and "bfloat16 was refused: non-finite logits" in r.stderr, r.stderr
     # where the start went: the refused probe and the chosen one, each with its seconds
@@ -127,31 +101,8 @@ def test_a_healthy_teacher_keeps_the_run_precision(data, trained, tmp_path):
 
 def test_explicit_precision_that_fails_is_one_line_exit_2(data, trained, tmp_path):
     weights = with_bias(trained, 3.40e38, tmp_path)
-    r = kd_main(
-        "train",
-        "--data",
-        data,
-        "--teacher",
-        NET,
-        "--teacher-weights",
-        weights,
-        "--student",
-        NET,
-        "--image-size",
-        32,
-        "-b",
-        8,
-        "-j",
-        0,
-        "--device",
-        "cpu",
-        "--opt",
-        "O1",
-        "--teacher-precision",
-        "bfloat16",
-        "--out",
-        tmp_path / "x",
-    )
+    pair = dict(teacher=NET, teacher_weights=weights, student=NET)
+    r = kd_main(*train_args(data, tmp_path / "x", **pair, opt="O1", teacher_precision="bfloat16", epochs=None))
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     lines = [line for line in r.stderr.splitlines() if line.startswith("kd: error:")]
     assert len(lines) == 1 and "teacher timm:resnet10t cannot run in bfloat16" in lines[0]

@@ -8,59 +8,22 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import kd_main, run_kd
+from conftest import kd_main, run_kd, tiny_config, train_args
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import kd
-from kd import config as kd_config
 from kd.run.loop import Trainer
 from kd.run.students import Students
 
-TINY = dict(image_size=32, batch_size=8, workers=0, lr=0.05, device="cpu", log_every=1, seed=0)
-
 
 def tiny_cfg(data, out, **kw):
-    opts = dict(
-        TINY,
-        data=str(data),
-        out=str(out),
-        teacher="resnet18",
-        teacher_weights="none",
-        student="resnet18",
-        epochs=2,
-        temperature=2.0,
-    )
-    opts.update(kw)
-    return kd_config.resolve(options=opts)
+    options = dict(teacher_weights="none", lr=0.05, log_every=1, seed=0, epochs=2, temperature=2.0)
+    return tiny_config(data, out, **{**options, **kw})
 
 
 def test_cli_run_writes_metrics_tensorboard_checkpoints(image_folder, tmp_path):
     out = tmp_path / "run"
-    r = run_kd(
-        "train",
-        "--data",
-        image_folder,
-        "--teacher",
-        "resnet18",
-        "--teacher-weights",
-        "none",
-        "--student",
-        "resnet18",
-        "--image-size",
-        32,
-        "-b",
-        8,
-        "-j",
-        0,
-        "--epochs",
-        2,
-        "--device",
-        "cpu",
-        "--log-every",
-        1,
-        "--out",
-        out,
-    )
+    r = run_kd(*train_args(image_folder, out, epochs=2, log_every=1))
     assert r.returncode == 0, r.stderr
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [rec["epoch"] for rec in records] == [1, 2]
@@ -209,6 +172,16 @@ def test_kd_checkpoint_as_teacher_weights(image_folder, tmp_path):
     )
 
 
+def test_a_kd_checkpoint_as_teacher_names_its_model(image_folder, teacher_run, tmp_path):
+    _, teacher = teacher_run
+    ckpt = teacher / "checkpoints" / "best.pt"
+    r = kd_main(*train_args(image_folder, tmp_path / "s", teacher=None, teacher_weights=ckpt, no_progress=True))
+    assert r.returncode == 0, r.stderr
+    assert "teacher timm:resnet10t: runs in" in r.stderr
+    r = kd_main(*train_args(image_folder, tmp_path / "t", teacher=None, teacher_weights=None, no_progress=True))
+    assert r.returncode == 2 and "--teacher is required" in r.stderr
+
+
 @pytest.mark.slow
 def test_demo_runs_through_kd_train(tmp_path):
     r = kd_main("demo", "--out", tmp_path / "demo", "--epochs", 1)
@@ -231,31 +204,9 @@ def test_demo_runs_through_kd_train(tmp_path):
 @pytest.mark.slow
 def test_compiled_run_trains_like_the_eager_one(image_folder, tmp_path):
     """--compile (torch.compile of teacher and student; inductor's C++ backend on the CPU)."""
-    common = (
-        "train",
-        "--data",
-        image_folder,
-        "--teacher",
-        "resnet18",
-        "--teacher-weights",
-        "none",
-        "--student",
-        "resnet18",
-        "--image-size",
-        32,
-        "-b",
-        8,
-        "-j",
-        0,
-        "--epochs",
-        1,
-        "--device",
-        "cpu",
-        "--no-progress",
-    )
     runs = {}
     for name, extra, runner in (("eager", (), kd_main), ("compiled", ("--compile",), run_kd)):  # compiled apart
-        r = runner(*common, *extra, "--out", tmp_path / name)
+        r = runner(*train_args(image_folder, tmp_path / name, *extra, no_progress=True))
         assert r.returncode == 0, r.stderr
         runs[name] = json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[-1])
     assert runs["compiled"]["train_loss"] == pytest.approx(runs["eager"]["train_loss"], rel=1e-3)

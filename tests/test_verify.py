@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import kd_main, make_image_folder
+from conftest import kd_main, make_image_folder, train_args
 
 from kd.data.prepare import Settings, prepare
 from kd.data.prepared import MANIFEST
@@ -172,6 +172,29 @@ def test_a_file_kd_cannot_read_is_named_by_eval_resume_and_teacher_weights(run, 
         one_line(r, expected)
         assert str(bad) in r.stderr and "--model NAME is required" not in r.stderr, r.stderr
     assert not (tmp_path / "student" / "checkpoints").exists()
+
+
+def test_a_broken_weights_file_is_named_for_what_it_is(data, tmp_path):
+    """One complete sentence: random bytes are no PyTorch file (not an unpickling matter), a cut
+    archive is damaged, a pickle of objects is refused for what it holds."""
+    import pickle
+
+    (tmp_path / "random.pt").write_bytes(os.urandom(4096).replace(b"PK", b"pk").lstrip(b"\x80") or b"x")
+    torch.save({"w": torch.ones(8)}, tmp_path / "whole.pt")
+    (tmp_path / "cut.pt").write_bytes((tmp_path / "whole.pt").read_bytes()[:300])
+    with open(tmp_path / "objects.pt", "wb") as fh:
+        pickle.dump({"w": torch.nn.Linear(2, 2)}, fh, protocol=2)
+    expected = {
+        "random.pt": "it is not a PyTorch file (torch.save writes a zip archive or a pickle, and this file is neither)",
+        "cut.pt": "the PyTorch archive is damaged or truncated (RuntimeError); copy or save it again",
+        "objects.pt": "it is a pickle of Python objects other than tensors, which would need code to be unpickled, "
+        "and kd refuses that (weights_only=True); save the model's state_dict() with torch.save instead",
+    }
+    for name, why in expected.items():
+        path = tmp_path / name
+        r = kd_main(*train_args(data, tmp_path / "out", teacher_weights=path, no_progress=True))
+        lines = [line for line in r.stderr.splitlines() if "Warning" not in line and not line.startswith("  ")]
+        assert r.returncode == 2 and lines[-1] == f"kd: error: cannot read weights file {path}: {why}", r.stderr
 
 
 def test_kd_verify_names_each_checkpoint_of_a_run_and_each_damaged_one(run, tmp_path):

@@ -1,5 +1,5 @@
-"""An accuracy over the whole validation set: unreadable val images count as errors, are named,
-count under --max-bad-images, and every accuracy says how many images it is over (issue 44)."""
+"""An accuracy over the whole validation set (kd.utils.accuracy): unreadable val images count as
+errors, are named, count under --max-bad-images, and every accuracy says how many images it is over."""
 
 from __future__ import annotations
 

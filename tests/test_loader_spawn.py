@@ -1,11 +1,11 @@
 """DataLoader workers under the spawn start method (macOS's and Windows' default), where every
-worker imports torch: the companion of test_workers.py's fork and forkserver runs."""
+worker imports torch: the companion of test_loader.py's fork and forkserver runs."""
 
 from __future__ import annotations
 
 import pytest
 from conftest import make_image_folder
-from test_workers import START_METHOD_BACKENDS, train_two_epochs_with_two_workers
+from test_loader import START_METHOD_BACKENDS, train_two_epochs_with_two_workers
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""Preemption, kills and non-finite losses lose nothing: exact mid-epoch resume, intact checkpoints."""
+"""A run's checkpoints (kd.run.checkpoint): preemption, kills and non-finite losses lose nothing, with an
+exact mid-epoch resume and intact checkpoints."""
 
 from __future__ import annotations
 
@@ -11,30 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import kd_main, make_image_folder, run_kd, start_kd
+from conftest import cli_options, kd_main, make_image_folder, run_kd, start_kd
 
-ARGS = [
-    "--teacher",
-    "resnet18",
-    "--teacher-weights",
-    "none",
-    "--student",
-    "resnet18",
-    "--image-size",
-    "32",
-    "-b",
-    "4",
-    "--epochs",
-    "3",
-    "--device",
-    "cpu",
-    "--lr",
-    "0.02",
-    "--log-every",
-    "1",
-    "-T",
-    "2",
-]
+ARGS = cli_options(teacher="resnet18", teacher_weights="none", student="resnet18", image_size=32, batch_size=4)
+ARGS += cli_options(epochs=3, device="cpu", lr=0.02, log_every=1, temperature=2)
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +171,7 @@ def _ranks(parent: int):
 @pytest.mark.slow
 def test_a_dead_rank_restarts_the_group_from_its_checkpoint(data, tmp_path):
     """--max-restarts 1: the agent restarts the group, which resumes from the last checkpoint (without
-    restarts the group goes down in one line: tests/test_orphans.py)."""
+    restarts the group goes down in one line: tests/test_lifeline.py)."""
     out = tmp_path / "run"
     proc = start(
         "train",

@@ -1,4 +1,5 @@
-"""DataLoader workers are safe under every backend and start method; the naive KD pattern is not."""
+"""DataLoader workers (kd.data.loader) are safe under every backend and start method; the naive KD pattern
+is not."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import multiprocessing
 
 import pytest
 import torch
-from conftest import kd_main, make_image_folder, run_kd
+from conftest import kd_main, make_image_folder, run_kd, train_args
 from torch.utils.data import DataLoader, Dataset
 
 
@@ -27,7 +28,7 @@ START_METHOD_BACKENDS = ["single", "torch_ddp"]
 )
 def test_two_workers_under_every_backend_and_start_method(data, tmp_path, backend, context):
     """fork and forkserver (Linux; kd's default); spawn, where every worker imports torch, in
-    tests/test_workers_spawn.py (its own file, so that pytest -n runs the two on two workers)."""
+    tests/test_loader_spawn.py (its own file, so that pytest -n runs the two on two workers)."""
     train_two_epochs_with_two_workers(data, tmp_path, backend, context)
 
 
@@ -35,34 +36,8 @@ def train_two_epochs_with_two_workers(data, tmp_path, backend: str, context: str
     """``kd train -j 2 --mp-context CONTEXT --backend BACKEND`` (two processes for torch_ddp and
     apex_ddp) for two epochs: no worker error, both epochs logged."""
     procs = [] if backend == "single" else ["--nproc", "2"]
-    r = run_kd(
-        "train",
-        "--data",
-        data,
-        "--teacher",
-        "resnet18",
-        "--teacher-weights",
-        "none",
-        "--student",
-        "resnet18",
-        "--image-size",
-        "32",
-        "-b",
-        "4",
-        "--epochs",
-        "2",
-        "--device",
-        "cpu",
-        "-j",
-        "2",
-        "--mp-context",
-        context,
-        "--backend",
-        backend,
-        *procs,
-        "--out",
-        tmp_path / "run",
-    )
+    options = dict(batch_size=4, epochs=2, workers=2, mp_context=context, backend=backend)
+    r = run_kd(*train_args(data, tmp_path / "run", *procs, **options))
     assert r.returncode == 0, r.stderr
     for bad in ("can only test a child process", "can only join a child process", "Traceback", "daemonic"):
         assert bad not in r.stderr, r.stderr
@@ -125,36 +100,14 @@ def test_corrupt_image_is_skipped_named_and_counted(tmp_path):
     data = make_image_folder(tmp_path / "data", classes=2, train_per_class=6, val_per_class=2)
     broken = data / "train" / "class_00" / "001.jpg"
     broken.write_bytes(broken.read_bytes()[:40])  # truncated JPEG
-    args = [
-        "train",
-        "--data",
-        data,
-        "--teacher",
-        "resnet18",
-        "--teacher-weights",
-        "none",
-        "--student",
-        "resnet18",
-        "--image-size",
-        "32",
-        "-b",
-        "4",
-        "--epochs",
-        "1",
-        "--device",
-        "cpu",
-        "-j",
-        "2",
-        "--log-every",
-        "1",
-    ]
-    r = kd_main(*args, "--out", tmp_path / "ok")
+    options = dict(batch_size=4, workers=2, log_every=1)
+    r = kd_main(*train_args(data, tmp_path / "ok", **options))
     assert r.returncode == 0, r.stderr
     assert f"skipped unreadable image {broken}" in r.stderr
     events = EventAccumulator(str(tmp_path / "ok" / "tb"))
     events.Reload()
     assert events.Scalars("train/bad_images")[-1].value == 1
-    r = kd_main(*args, "--max-bad-images", "0", "--out", tmp_path / "strict")
+    r = kd_main(*train_args(data, tmp_path / "strict", max_bad_images=0, **options))
     assert r.returncode == 2 and "more than --max-bad-images 0" in r.stderr, r.stderr
 
 

@@ -1,7 +1,7 @@
 """A kill -9 leaves no process behind, and a killed rank is one line (kd.lifeline, kd.run.launch).
 
 Real ``kd train`` processes with DataLoader workers started through the forkserver; every process
-kd starts inherits a marker in its environment (test_exit's helpers), and /proc is searched for it.
+kd starts inherits a marker in its environment (test_signals' helpers), and /proc is searched for it.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import TINY_PAIR, make_image_folder
-from test_exit import marked_processes, start, wait_line
+from test_signals import marked_processes, start, wait_line
 
 TINY = [*TINY_PAIR, "--log-every", "1", "--no-progress", "--device", "cpu", "--epochs", "50"]
 

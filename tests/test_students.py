@@ -1,5 +1,6 @@
 """Several students in one run (kd.run.students): bit for bit equal to separate runs, a non-finite student
-stopped alone, shared settings enforced, resume, and the figure of ``kd report --plot``."""
+stopped alone, shared settings enforced, a line each at the end; resume, and what it says where there
+is nothing to resume."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import make_image_folder
+from conftest import kd_main, make_image_folder, train_args
 from torch import nn
 
 import kd
@@ -73,7 +74,7 @@ TINY = dict(
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     return make_image_folder(
-        tmp_path_factory.mktemp("rebuttal"), classes=3, train_per_class=4, val_per_class=2, size=(20, 16)
+        tmp_path_factory.mktemp("students"), classes=3, train_per_class=4, val_per_class=2, size=(20, 16)
     )
 
 
@@ -162,74 +163,11 @@ def test_a_recipe_for_one_method_gives_the_others_their_defaults(data, tmp_path)
     assert "kd_weight" not in cfgs["dkd"].loss_args and cfgs["dkd"].batch_size == 4
 
 
-def test_report_plot_draws_the_runs(tmp_path):
-    pytest.importorskip("matplotlib")
-    from PIL import Image
-
-    for name, ref in (("kd", 71.03), ("dkd", 71.7)):
-        run = tmp_path / "table" / name
-        run.mkdir(parents=True)
-        (run / "config.yaml").write_text(yaml.safe_dump({"kd_loss": name, "reference": {"top1": ref}}))
-        (run / "metrics.jsonl").write_text(
-            "".join(
-                json.dumps({"epoch": e, "val_top1": 60 + e, "val_top5": 90, "train_loss": 3 - e}) + "\n"
-                for e in (1, 2, 3)
-            )
-        )
-    from cli import main
-
-    assert main(["report", str(tmp_path / "table"), "--plot", str(tmp_path / "fig.png")]) == 0
-    with Image.open(tmp_path / "fig.png") as image:
-        assert image.size[0] > 100 and image.size[1] > 100
-
-
-def test_missing_matplotlib_is_said_not_skipped(tmp_path, no_matplotlib):
-    from kd.commands import bench
-    from kd.commands.report import plot
-
-    with pytest.raises(KDError, match=r"matplotlib.*pip install"):
-        plot([], tmp_path / "fig.png")
-    notes = []
-    row = {**{c: "-" for c in bench.COLUMNS}, "backend": "single", "opt": "O0", "img_per_s": 10.0}
-    bench.write_outputs([row], tmp_path, "single O0", notes.append)
-    assert any("matplotlib" in note and "bench.png" in note for note in notes)
-    assert (tmp_path / "bench.csv").is_file()
-
-
 def test_the_command_line_trains_a_table_and_resumes_it(data, tmp_path):
-    from conftest import kd_main
-
     out = tmp_path / "table"
-    args = [
-        "train",
-        "--data",
-        data,
-        "--teacher",
-        "timm:kd_drop_net",
-        "--teacher-weights",
-        "none",
-        "--student",
-        "timm:kd_drop_net",
-        "--kd-loss",
-        "kd,dkd",
-        "--image-size",
-        "16",
-        "-b",
-        "4",
-        "-j",
-        "0",
-        "--device",
-        "cpu",
-        "--epochs",
-        "1",
-        "--limit-train-batches",
-        "2",
-        "--limit-val-batches",
-        "1",
-        "--no-progress",
-        "--out",
-        out,
-    ]
+    net = "timm:kd_drop_net"
+    options = dict(teacher=net, student=net, kd_loss="kd,dkd", image_size=16, batch_size=4, limit_train_batches=2)
+    args = train_args(data, out, limit_val_batches=1, no_progress=True, **options)
     r = kd_main(*args)
     assert r.returncode == 0, r.stderr
     assert "[kd] epoch 1/1" in r.stderr and "[dkd] epoch 1/1" in r.stderr
@@ -254,6 +192,35 @@ def test_the_command_line_trains_a_table_and_resumes_it(data, tmp_path):
     assert r.returncode == 0, r.stderr
     for name in ("kd", "dkd"):
         assert [json.loads(line)["epoch"] for line in (out / name / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+def test_several_students_end_with_a_line_each(image_folder, tmp_path):
+    out = tmp_path / "table"
+    args = dict(teacher="timm:resnet10t", student="timm:resnet10t", kd_loss="kd,dkd", limit_train_batches=1)
+    r = kd_main(*train_args(image_folder, out, **args, no_progress=True))
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()[-2:]
+    assert lines[0].startswith("[kd] done: best top-1 ") and lines[0].endswith(
+        f"{out / 'kd' / 'checkpoints' / 'best.pt'}"
+    )
+    assert lines[1].startswith("[dkd] done: best top-1 ") and str(out / "dkd") in lines[1]
+
+
+def test_resume_where_nothing_was_run_says_so(tmp_path):
+    r = kd_main("train", "--out", tmp_path / "empty", "--resume")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"kd: error: nothing to resume: {tmp_path / 'empty' / 'checkpoints' / 'last.pt'} does not exist "
+        f"({tmp_path / 'empty'} holds no run; start it without --resume)"
+    ], r.stderr
+
+
+def test_resume_of_a_finished_run_says_how_to_continue(teacher_run):
+    _, out = teacher_run
+    r = kd_main("train", "--out", out, "--resume")
+    assert r.returncode == 0 and r.stderr.strip().splitlines() == [
+        f"kd: {out} already finished (1 epochs); raise --epochs to continue"
+    ], r.stderr
+    assert r.stdout == ""
 
 
 def test_apex_ddp_with_several_students_takes_native_amp_where_apex_amp_is_installed(data, tmp_path, monkeypatch):

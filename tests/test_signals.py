@@ -1,4 +1,4 @@
-"""Every stop exits promptly and leaves nothing running: no worker process, no decode thread.
+"""Every stop exits promptly and leaves nothing running (kd.utils.signals): no worker process, no decode thread.
 
 Real ``kd train`` processes with DataLoader workers and the GPU loader's decode thread (which
 runs on the CPU too); each process kd starts inherits a marker in its environment, and after
@@ -19,27 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, make_image_folder, run_kd
+from conftest import ROOT, TINY_PAIR, make_image_folder, run_kd
 
-TINY = [
-    "--teacher",
-    "timm:resnet10t",
-    "--teacher-weights",
-    "none",
-    "--student",
-    "timm:resnet10t",
-    "--image-size",
-    "32",
-    "-b",
-    "4",
-    "--log-every",
-    "1",
-    "--loader",
-    "gpu",
-    "-j",
-    "2",
-    "--no-progress",
-]
+TINY = [*TINY_PAIR, "--log-every", "1", "--loader", "gpu", "-j", "2", "--no-progress"]
 
 
 @pytest.fixture(scope="module")

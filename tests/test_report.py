@@ -1,0 +1,165 @@
+"""kd report (kd.commands.report): the table over runs and folders of runs, durations a person reads,
+CSV, the figure (and what is said without matplotlib), and the line each kd train ends with."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import kd_main, make_image_folder
+
+from kd.errors import KDError
+
+
+def test_a_run_ends_with_where_its_result_is(teacher_run):
+    r, out = teacher_run
+    line = r.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(
+        rf"done: best top-1 \d+\.\d\d at epoch 1, last top-1 \d+\.\d\d at epoch 1 \(\d+ val images, 0 unreadable\), "
+        rf"\d+s; run {re.escape(str(out))}, "
+        rf"best checkpoint {re.escape(str(out / 'checkpoints' / 'best.pt'))}",
+        line,
+    ), r.stdout
+
+
+def _fake_run(folder: Path, top1: float, seconds: float) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "config.yaml").write_text("kd_loss: kd\nteacher: resnet34\nstudent: resnet18\nepochs: 1\n")
+    (folder / "metrics.jsonl").write_text(
+        json.dumps({"epoch": 1, "val_top1": top1, "val_top5": 99.0, "seconds": seconds}) + "\n"
+    )
+    (folder / "checkpoints").mkdir()
+    return folder
+
+
+def test_duration_a_person_reads():
+    from kd.commands.report import duration
+
+    seconds = (0, 42, 270, 720, 3.4 * 3600, 30 * 3600)
+    assert [duration(s) for s in seconds] == ["0s", "42s", "4.5m", "12m", "3.4h", "30.0h"]
+
+
+def test_report_a_folder_of_runs(tmp_path):
+    runs = tmp_path / "demo"
+    _fake_run(runs / "teacher", 97.1, 125.0)
+    _fake_run(runs / "student_kd", 95.3, 720.0)
+    make_image_folder(runs / "data", classes=2, train_per_class=1, val_per_class=1)
+    (runs / "notes.txt").write_text("a file beside the runs")
+    r = kd_main("report", runs)
+    assert r.returncode == 0, r.stderr
+    body = [line for line in r.stdout.splitlines() if line.startswith(f"| {runs}")]
+    assert len(body) == 2, r.stdout
+    assert "| 97.1 |" in r.stdout and "| 2.1m |" in r.stdout and "| 12m |" in r.stdout, r.stdout
+    assert "data" in r.stderr and "skipped" in r.stderr, r.stderr
+    r = kd_main("report", *sorted(runs.iterdir()))  # the shell's runs/demo/*
+    assert r.returncode == 0, r.stderr
+    assert len([line for line in r.stdout.splitlines() if line.startswith(f"| {runs}")]) == 2
+    assert "skipped" in r.stderr and "notes.txt" in r.stderr
+
+
+def test_report_without_any_run_is_an_error(tmp_path):
+    from kd.commands.report import report
+
+    make_image_folder(tmp_path / "data", classes=2, train_per_class=1, val_per_class=1)
+    with pytest.raises(KDError, match="no kd run"):
+        report([tmp_path / "data"])
+    with pytest.raises(KDError, match="does not exist"):
+        report([tmp_path / "nowhere"])
+
+
+def test_report_csv_keeps_seconds(tmp_path):
+    from kd.commands.report import report, to_csv
+
+    rows = report([_fake_run(tmp_path / "a", 60.0, 90.0)])
+    text = to_csv(rows)
+    assert text.splitlines()[0].endswith(",wall_s") and text.splitlines()[1].endswith(",90.0"), text
+
+
+def test_report_calls_a_run_without_teacher_by_its_method_ce(teacher_run):
+    _, out = teacher_run
+    r = kd_main("report", out)
+    assert r.returncode == 0 and f"| {out} | ce | - | timm:resnet10t |" in r.stdout, r.stdout
+    r = kd_main("recipes", "list")
+    assert "| imagenet/baseline_r18 | - | resnet18 | ce |" in r.stdout, r.stdout
+
+
+def test_figures_are_part_of_the_plain_install():
+    import configparser
+
+    from conftest import ROOT
+
+    setup = configparser.ConfigParser()
+    setup.read(ROOT / "setup.cfg")
+    assert "matplotlib>=3.5" in setup["options"]["install_requires"].split()
+
+
+def test_report_plot_tells_runs_apart_and_draws_what_its_title_says(tmp_path, monkeypatch):
+    """Two runs named kd in two folders get labels a/kd and b/kd (the legend had shown kd twice);
+    without a recipe reference the title does not promise dashed lines."""
+    import json
+
+    import matplotlib.pyplot as plt
+
+    from kd.commands import report
+
+    runs = []
+    for parent in ("a", "b"):
+        run = tmp_path / parent / "kd"
+        run.mkdir(parents=True)
+        (run / "config.yaml").write_text("kd_loss: kd\n")
+        rows = [{"epoch": e, "val_top1": 50 + e, "val_top5": 90, "train_loss": 2 - e / 3} for e in (1, 2)]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        runs.append(run)
+    figures = []
+    monkeypatch.setattr(plt, "close", lambda fig=None: figures.append(fig))
+    report.plot(runs, tmp_path / "fig.png")
+    top1 = figures[-1].axes[0]
+    assert [t.get_text() for t in top1.get_legend().get_texts()] == ["a/kd", "b/kd"]
+    assert top1.get_title() == "validation top-1"
+
+
+def test_report_without_matplotlib_prints_the_table_first(teacher_run, tmp_path, no_matplotlib):
+    _, out = teacher_run
+    r = kd_main("report", out, "--plot", tmp_path / "fig.png")
+    assert r.returncode == 2 and f"| {out} | ce |" in r.stdout, (r.stdout, r.stderr)
+    assert r.stderr.strip().splitlines() == [
+        "kd: error: matplotlib is not installed, and kd draws its figures with it: pip install matplotlib "
+        "(a dependency of kd: pip install -e . in this clone installs it too)"
+    ]
+
+
+def test_report_plot_draws_the_runs(tmp_path):
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    for name, ref in (("kd", 71.03), ("dkd", 71.7)):
+        run = tmp_path / "table" / name
+        run.mkdir(parents=True)
+        (run / "config.yaml").write_text(yaml.safe_dump({"kd_loss": name, "reference": {"top1": ref}}))
+        (run / "metrics.jsonl").write_text(
+            "".join(
+                json.dumps({"epoch": e, "val_top1": 60 + e, "val_top5": 90, "train_loss": 3 - e}) + "\n"
+                for e in (1, 2, 3)
+            )
+        )
+    from cli import main
+
+    assert main(["report", str(tmp_path / "table"), "--plot", str(tmp_path / "fig.png")]) == 0
+    with Image.open(tmp_path / "fig.png") as image:
+        assert image.size[0] > 100 and image.size[1] > 100
+
+
+def test_missing_matplotlib_is_said_not_skipped(tmp_path, no_matplotlib):
+    from kd.commands import bench
+    from kd.commands.report import plot
+
+    with pytest.raises(KDError, match=r"matplotlib.*pip install"):
+        plot([], tmp_path / "fig.png")
+    notes = []
+    row = {**{c: "-" for c in bench.COLUMNS}, "backend": "single", "opt": "O0", "img_per_s": 10.0}
+    bench.write_outputs([row], tmp_path, "single O0", notes.append)
+    assert any("matplotlib" in note and "bench.png" in note for note in notes)
+    assert (tmp_path / "bench.csv").is_file()
