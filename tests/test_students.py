@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import kd_main, make_image_folder, train_args
+from conftest import TINY_RUN, kd_main, make_image_folder, train_args
 from torch import nn
 
 import kd
@@ -19,6 +19,7 @@ from kd.errors import KDError
 from kd.run import students as multi
 from kd.run.jobs import TrainJob
 from kd.run.launch import train as launch
+from kd.run.students import for_command
 
 
 class DropNet(nn.Module):
@@ -244,3 +245,46 @@ def test_apex_ddp_with_several_students_takes_native_amp_where_apex_amp_is_insta
         assert (tmp_path / "table" / name / "checkpoints" / "last.pt").is_file()
     with pytest.raises(Chosen):  # one student: apex_ddp's wish holds
         kd.train(kd_config.resolve(options={**opts, "kd_loss": "kd", "out": str(tmp_path / "alone")}))
+
+
+#: one tiny student alone, two steps an epoch (the resolution of a command's students)
+ALONE = {**TINY_RUN, "limit_train_batches": 2, "progress_bar": False}
+
+
+def epochs(out: Path):
+    return [json.loads(line)["epoch"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_kd_train_resumes_from_python_as_the_command_line_does(data, tmp_path, capsys):
+    """The dict of options of a resume is applied to the run's saved config (no data or models
+    given again), as ``kd train --out OUT --resume --epochs 2`` does; a finished run says so and
+    trains nothing."""
+    out = tmp_path / "run"
+    kd.train({**ALONE, "data": str(data), "out": str(out), "epochs": 1})
+    record = kd.train({"out": str(out), "epochs": 2}, resume="last")
+    assert record["epoch"] == 2 and epochs(out) == [1, 2]
+    capsys.readouterr()
+    assert kd.train({"out": str(out), "epochs": 2}, resume="last") == {}
+    assert capsys.readouterr().err.strip() == f"kd: {out} already finished (2 epochs); raise --epochs to continue"
+    r = kd_main("train", "--out", out, "--resume", "--epochs", 3)
+    assert r.returncode == 0, r.stderr
+    assert epochs(out) == [1, 2, 3]
+
+
+def test_resume_and_overwrite_contradict_from_python_too(data, tmp_path):
+    with pytest.raises(KDError, match="--resume and --overwrite contradict each other"):
+        kd.train({**ALONE, "data": str(data), "out": str(tmp_path / "r")}, resume="last", overwrite=True)
+    with pytest.raises(KDError, match="nothing to resume: .* does not exist"):
+        kd.train({**ALONE, "data": str(data), "out": str(tmp_path / "r")}, resume="last")
+
+
+def test_the_students_of_a_command(data, tmp_path):
+    """One student alone is its run folder; a comma list of methods plans one student each below
+    --out; each names the checkpoint it continues from only when resuming."""
+    alone = for_command([], {**ALONE, "data": str(data), "out": str(tmp_path / "a")})
+    assert alone.names == ("a",) and not alone.grouped and not alone.resuming
+    assert alone.folders() == [tmp_path / "a"]
+    several = for_command([], {**ALONE, "data": str(data), "out": str(tmp_path / "t"), "kd_loss": "kd,dkd"})
+    assert several.names == ("kd", "dkd") and several.grouped
+    assert several.folders() == [tmp_path / "t", tmp_path / "t" / "kd", tmp_path / "t" / "dkd"]
+    assert [c.kd_loss for c in several.cfgs] == ["kd", "dkd"]
