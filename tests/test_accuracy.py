@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import kd_main, make_image_folder, run_kd
+from conftest import HANG_GUARD, kd_main, make_image_folder, run_kd
 
 from kd import config as kd_config
 from kd.errors import KDError
@@ -103,7 +103,7 @@ def test_two_processes_count_as_one(damaged, tmp_path):
         *["train", "--data", damaged, *ARGS, "-j", 0, "--epochs", 1, "--out", out],
         *["--backend", "torch_ddp", "--nproc", 2],
         env={"OMP_NUM_THREADS": "1"},
-        timeout=300,
+        timeout=HANG_GUARD,
     )
     assert r.returncode == 0, r.stderr
     (rec,) = records(out)

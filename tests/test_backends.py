@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as tmp
-from conftest import make_image_folder
+from conftest import HANG_GUARD, make_image_folder
 from torch import nn
 
 import backends
@@ -444,7 +444,7 @@ class _Meet(nn.Module):
         self.barrier = barrier
 
     def forward(self, x):
-        self.barrier.wait(timeout=60)
+        self.barrier.wait(timeout=HANG_GUARD)
         return x
 
 

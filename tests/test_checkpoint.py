@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import cli_options, kd_main, make_image_folder, run_kd, start_kd
+from conftest import HANG_GUARD, cli_options, kd_main, make_image_folder, run_kd, start_kd
 
 ARGS = cli_options(teacher="resnet18", teacher_weights="none", student="resnet18", image_size=32, batch_size=4)
 ARGS += cli_options(epochs=3, device="cpu", lr=0.02, log_every=1, temperature=2)
@@ -26,7 +26,7 @@ def data(tmp_path_factory):
 start = start_kd
 
 
-def wait_for(pred, proc, timeout=300):
+def wait_for(pred, proc, timeout=HANG_GUARD):
     deadline = time.time() + timeout
     while not pred():
         assert proc.poll() is None, proc.communicate()
@@ -67,7 +67,7 @@ def test_sigterm_mid_epoch_then_resume_is_exact(data, reference, tmp_path):
     proc = start("train", "--data", data, *ARGS, "-j", 2, "--out", out)
     wait_for(lambda: (out / "metrics.jsonl").exists(), proc)  # epoch 1 done: now in epoch 2
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=300)
+    _, err = proc.communicate(timeout=HANG_GUARD)
     assert proc.returncode == 143, err
     assert "stopped by SIGTERM" in err and f"kd train --out {out} --resume" in err
     state = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
@@ -144,7 +144,7 @@ def test_sigterm_under_torch_ddp_then_resume_is_exact(data, tmp_path):
     proc = start("train", "--data", data, *ARGS, *ddp, "-j", "2", "--out", out)
     wait_for(lambda: (out / "metrics.jsonl").exists(), proc)
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=300)
+    _, err = proc.communicate(timeout=HANG_GUARD)
     assert proc.returncode == 143, err
     assert "stopped by SIGTERM" in err and "--resume" in err
     state = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
@@ -193,7 +193,7 @@ def test_a_dead_rank_restarts_the_group_from_its_checkpoint(data, tmp_path):
     )
     wait_for(lambda: (out / "metrics.jsonl").exists() and len(_ranks(proc.pid)) == 2, proc)
     os.kill(_ranks(proc.pid)[-1], signal.SIGKILL)
-    _, err = proc.communicate(timeout=240)
+    _, err = proc.communicate(timeout=HANG_GUARD)
     assert proc.returncode == 0, err
     assert "resumed from" in err
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import kd_main
+from conftest import HANG_GUARD, kd_main
 
 from kd import config as kd_config
 from kd.data.registry import LOADERS, check_loader, loader_choices
@@ -67,7 +67,7 @@ def test_the_loaders_names_are_known_without_torch():
         "import sys, cli; from kd import config; from kd.data.registry import check_loader, loader_choices; "
         "check_loader('gpu'); print(loader_choices(), 'torch' in sys.modules)"
     )
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=HANG_GUARD)
     assert r.stdout.split("]")[-1].strip() == "False", r.stdout + r.stderr
 
 

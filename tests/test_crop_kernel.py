@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import HANG_GUARD
 import torch
 
 from kd.data import crop_kernel
@@ -94,7 +95,7 @@ def _interpreted(call: str) -> float:
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(TESTS), str(TESTS.parent)]))
     env.pop(crop_kernel.CROP_ENV, None)
     code = f"import test_crop_kernel as t; print(t.{call})"
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=HANG_GUARD)
     assert r.returncode == 0, r.stderr[-3000:]
     return float(r.stdout.strip().splitlines()[-1])
 

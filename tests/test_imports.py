@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Dict, List, Set, Tuple
 
 import pytest
+from conftest import HANG_GUARD
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -148,7 +149,7 @@ def test_a_training_run_imports_only_what_it_uses(tmp_path):
     args += ["--student", "resnet18", "--device", "cpu", "--epochs", "1", "--limit-train-batches", "1"]
     args += ["--limit-val-batches", "1", "-b", "2", "--image-size", "32", "--out", str(tmp_path / "run")]
     r = subprocess.run(
-        [sys.executable, "-c", IMPORTS_OF_A_RUN, *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", IMPORTS_OF_A_RUN, *args], cwd=ROOT, capture_output=True, text=True, timeout=HANG_GUARD
     )
     assert r.returncode == 0, r.stderr
     imported = set(json.loads(r.stdout.strip().splitlines()[-1]))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, kd_main, make_image_folder, run_kd
+from conftest import HANG_GUARD, ROOT, kd_main, make_image_folder, run_kd
 
 STUDENT = "timm:test_convnext"  # LayerNorm, no BatchNorm: N processes equal one
 
@@ -155,7 +155,7 @@ def test_error_inside_a_worker_is_one_line_and_exit_2(data9, teacher_file, tmp_p
 
 
 # ----------------------------------------------------------------------------- torchrun, legacy launch, srun
-def _run_module(args, env=None, timeout=600):
+def _run_module(args, env=None, timeout=HANG_GUARD):
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", *map(str, args)], env=full_env, capture_output=True, text=True, timeout=timeout
@@ -223,7 +223,7 @@ def test_started_by_srun_apex_ddp_with_loader_workers_two_students(data9, teache
         )
         for rank in (0, 1)
     ]
-    results = [(p.wait(timeout=600), *p.communicate()) for p in procs]
+    results = [(p.wait(timeout=HANG_GUARD), *p.communicate()) for p in procs]
     assert [rc for rc, _, _ in results] == [0, 0], results[0][2][-2000:] + results[1][2][-2000:]
     main_log, other_log = results[0][2], results[1][2]
     assert "backend apex_ddp: 2 process(es) over gloo, rank 0" in main_log
@@ -250,7 +250,7 @@ def test_started_by_srun_every_task_refuses_a_used_out_at_once(data9, teacher_fi
         for rank in (0, 1)
     ]
     try:
-        results = [p.communicate(timeout=60) for p in procs]  # liveness, not speed
+        results = [p.communicate(timeout=HANG_GUARD) for p in procs]  # liveness, not speed
     finally:
         for p in procs:
             if p.poll() is None:

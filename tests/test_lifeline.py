@@ -16,7 +16,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import TINY_PAIR, make_image_folder
+from conftest import HANG_GUARD, TINY_PAIR, make_image_folder
 from test_signals import marked_processes, start, wait_line
 
 TINY = [*TINY_PAIR, "--log-every", "1", "--no-progress", "--device", "cpu", "--epochs", "50"]
@@ -42,7 +42,7 @@ def parent(pid: int) -> int:
     return int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
 
 
-def wait_for_processes(proc, marker: str, forked: int, timeout: float = 120) -> None:
+def wait_for_processes(proc, marker: str, forked: int, timeout: float = HANG_GUARD) -> None:
     """Until ``forked`` processes of the forkserver (the servers and their loader workers) run."""
     deadline = time.time() + timeout
     while sum("forkserver" in cmdline(pid) for pid in marked_processes(marker)) < forked:
@@ -50,7 +50,7 @@ def wait_for_processes(proc, marker: str, forked: int, timeout: float = 120) -> 
         time.sleep(0.2)
 
 
-def assert_none_left(marker: str, within: float = 30.0) -> None:
+def assert_none_left(marker: str, within: float = HANG_GUARD) -> None:
     deadline = time.time() + within
     while marked_processes(marker) and time.time() < deadline:
         time.sleep(0.2)
@@ -66,7 +66,7 @@ def assert_none_left(marker: str, within: float = 30.0) -> None:
 def killed(proc) -> None:
     """kill -9 of ``proc``; not reading its output, which a process left behind would keep open."""
     proc.kill()
-    proc.wait(timeout=60)
+    proc.wait(timeout=HANG_GUARD)
     proc.stdout.close()
 
 
@@ -94,7 +94,7 @@ def test_kill_9_of_one_rank_leaves_no_process_and_is_one_line(data, tmp_path):
     ranks = sorted(pid for pid in marked_processes(marker) if parent(pid) == proc.pid and "spawn_main" in cmdline(pid))
     assert len(ranks) == 2, ranks
     os.kill(ranks[-1], signal.SIGKILL)
-    text, _ = proc.communicate(timeout=240)
+    text, _ = proc.communicate(timeout=HANG_GUARD)
     assert_none_left(marker)
     assert proc.returncode == 137, text
     assert "Traceback" not in text and "ChildFailedError" not in text and "leaked" not in text, text
@@ -124,7 +124,7 @@ def test_a_loader_worker_is_silent_when_the_process_it_serves_dies(tmp_path):
         "raise RuntimeError('an error of the worker itself still shows')\n"
     )
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=HANG_GUARD)
     assert proc.returncode == 1, proc.stderr
     assert proc.stderr.count("Traceback") == 1 and "resource_sharer" not in proc.stderr, proc.stderr
     assert "RuntimeError: an error of the worker itself still shows" in proc.stderr, proc.stderr

@@ -7,7 +7,7 @@ import multiprocessing
 
 import pytest
 import torch
-from conftest import kd_main, make_image_folder, run_kd, train_args
+from conftest import HANG_GUARD, kd_main, make_image_folder, run_kd, train_args
 from torch.utils.data import DataLoader, Dataset
 
 
@@ -146,7 +146,7 @@ def test_a_spawned_worker_imports_only_what_it_reads_images_with(data, tmp_path)
         capture_output=True,
         text=True,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
-        timeout=120,
+        timeout=HANG_GUARD,
     )
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == [], r.stdout

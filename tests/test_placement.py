@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
+from conftest import HANG_GUARD
 
 from kd.errors import KDError
 from kd.utils import placement
@@ -46,7 +47,7 @@ def test_torchrun_variables():
         master_port=29500,
         restart=2,
         agent_store=True,
-        timeout=timedelta(seconds=120),
+        timeout=timedelta(seconds=HANG_GUARD),
     )
     legacy = Placement.from_environment(None, {"WORLD_SIZE": "2", "LOCAL_RANK": "1"})  # --local_rank, no RANK
     assert (legacy.rank, legacy.local_world_size, legacy.master_addr, legacy.restart) == (1, 2, None, 0)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, in_process_trainer, kd_main, make_image_folder, run_kd, tiny_config
+from conftest import HANG_GUARD, ROOT, in_process_trainer, kd_main, make_image_folder, run_kd, tiny_config
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 
@@ -725,7 +725,7 @@ def test_real_apex_skips_nonfinite_gradients_at_every_level(opt):
         capture_output=True,
         text=True,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
-        timeout=300,
+        timeout=HANG_GUARD,
     )
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["True", "True", "True", "True"], (r.stdout, r.stderr)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY_PAIR, kd_main, make_image_folder, start_kd
+from conftest import HANG_GUARD, ROOT, TINY_PAIR, kd_main, make_image_folder, start_kd
 
 from kd.errors import KDError
 from kd.runfolder import LOCK_FILE
@@ -34,7 +34,7 @@ def data(tmp_path_factory):
 start = start_kd
 
 
-def wait_for(pred, proc, timeout=300, poll=0.05):
+def wait_for(pred, proc, timeout=HANG_GUARD, poll=0.05):
     deadline = time.time() + timeout
     while not pred():
         assert proc.poll() is None, proc.communicate()
@@ -155,7 +155,7 @@ def test_a_second_writer_is_refused_while_the_first_runs_on(data, tmp_path):
             line = one_error_line(r.stderr)
             assert f"--out {folder} is being written by another kd run (pid {proc.pid} on host" in line, line
             assert proc.poll() is None, "the first run ended before the second writer was tried"
-        _, err = proc.communicate(timeout=300)
+        _, err = proc.communicate(timeout=HANG_GUARD)
     finally:
         proc.kill()
     assert proc.returncode == 0, err
@@ -177,7 +177,7 @@ def test_kd_teach_refuses_a_second_writer_of_its_store(data, tmp_path):
         assert proc.poll() is None
     finally:
         proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=300)
+        proc.communicate(timeout=HANG_GUARD)
     assert proc.returncode == 143 and not (store / LOCK_FILE).exists()
 
 

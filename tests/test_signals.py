@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY_PAIR, make_image_folder, run_kd
+from conftest import HANG_GUARD, ROOT, TINY_PAIR, make_image_folder, run_kd
 
 TINY = [*TINY_PAIR, "--log-every", "1", "--loader", "gpu", "-j", "2", "--no-progress"]
 
@@ -61,7 +61,7 @@ def start(marker: str, *args, group: bool = False, command: str = "train"):
     )
 
 
-def wait_line(proc, text: str, timeout: float = 300) -> str:
+def wait_line(proc, text: str, timeout: float = HANG_GUARD) -> str:
     seen = []
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -81,7 +81,7 @@ def assert_gone(proc, marker: str, grace: float = 60.0) -> str:
     except subprocess.TimeoutExpired:
         proc.kill()
         raise AssertionError(f"kd did not exit within {grace:.0f} s of the stop")
-    deadline = time.time() + 20  # the workers' own exit after their parent's
+    deadline = time.time() + HANG_GUARD  # the workers' own exit after their parent's
     while marked_processes(marker) and time.time() < deadline:
         time.sleep(0.2)
     assert not marked_processes(marker), "processes left running after kd exited"
@@ -137,7 +137,7 @@ def test_kd_teach_stops_promptly_and_continues(data, tmp_path):
     assert 1 <= done < 50
     assert not (store / f"epoch-{done + 1:03d}.values.npy").exists()
     more = [a if a != 50 else done + 1 for a in args]
-    r = run_kd("teach", *more, timeout=300)
+    r = run_kd("teach", *more, timeout=HANG_GUARD)
     assert r.returncode == 0 and f"continuing at epoch {done + 1}" in r.stderr, r.stderr
     assert (store / f"epoch-{done + 1:03d}.values.npy").exists() and not list(store.glob("*.partial.npy"))
 
@@ -296,7 +296,7 @@ def test_sigterm_while_torch_is_imported_is_one_line(data, tmp_path):
     marker = uuid.uuid4().hex
     out = tmp_path / "run"
     proc = start(marker, "--data", data, "--device", "cpu", *TINY, "--out", out)
-    deadline = time.time() + 120
+    deadline = time.time() + HANG_GUARD
     while time.time() < deadline and proc.poll() is None:
         if "libtorch" in Path(f"/proc/{proc.pid}/maps").read_text():  # torch's import has begun
             break
