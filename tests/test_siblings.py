@@ -26,7 +26,12 @@ def kd_from(folder: Path, *args: str, path: str = "") -> subprocess.CompletedPro
     """``kd ARGS`` started in ``folder``, which comes first on sys.path, with kd from this checkout."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (path, str(ROOT)) if p)}
     return subprocess.run(
-        [sys.executable, "-c", CONSOLE_SCRIPT, *args], cwd=folder, env=env, capture_output=True, text=True, timeout=HANG_GUARD
+        [sys.executable, "-c", CONSOLE_SCRIPT, *args],
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD,
     )
 
 
