@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import HANG_GUARD
 import torch
+from conftest import HANG_GUARD
 
 from kd.data import crop_kernel
 from kd.data import gpu as gpu_mod
@@ -100,10 +100,12 @@ def _interpreted(call: str) -> float:
     return float(r.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # Triton's interpreter in a fresh interpreter
 def test_kernel_is_roi_aligns_crop_flip_and_normalisation():
     assert _interpreted("compare_kernel('cpu')") < 1e-4
 
 
+@pytest.mark.slow  # Triton's interpreter in a fresh interpreter, over a loader's batches
 def test_loader_batches_with_the_kernel_are_the_roi_align_paths(nat_folder):
     assert _interpreted(f"compare_loaders({str(nat_folder)!r}, 'cpu')") < 1e-4
 

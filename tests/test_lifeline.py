@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
-import signal
 import time
 import uuid
 from pathlib import Path

@@ -5,7 +5,6 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
-from conftest import HANG_GUARD
 
 from kd.errors import KDError
 from kd.utils import placement
@@ -47,7 +46,7 @@ def test_torchrun_variables():
         master_port=29500,
         restart=2,
         agent_store=True,
-        timeout=timedelta(seconds=HANG_GUARD),
+        timeout=timedelta(seconds=120),
     )
     legacy = Placement.from_environment(None, {"WORLD_SIZE": "2", "LOCAL_RANK": "1"})  # --local_rank, no RANK
     assert (legacy.rank, legacy.local_world_size, legacy.master_addr, legacy.restart) == (1, 2, None, 0)
