@@ -626,7 +626,7 @@ class BrokenDecoder(CpuThread):
 
 
 def test_stage_times_account_for_every_batch(nat_folder, monkeypatch):
-    """GpuLoader.stage_times (what profile_e2e.py prints): the decode thread's waits and decodes,
+    """GpuLoader.stage_times (what profile_epoch.py prints): the decode thread's waits and decodes,
     and the main thread's prep, for every batch of the epoch."""
     from kd.data.folder import scan
 

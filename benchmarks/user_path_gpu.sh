@@ -5,7 +5,7 @@
 # under each backend, a teacher made to overflow float16, and stops (a non-finite loss, SIGTERM)
 # with apex where it is installed. Every run reports its exit code, wall time, first-step time,
 # teacher precision, losses and skipped steps.
-# Usage: bash benchmarks/mission.sh PART...  (PART: data | teacher | backends | together | overflow | stops | ctrlc | field |
+# Usage: bash benchmarks/user_path_gpu.sh PART...  (PART: data | teacher | backends | together | overflow | stops | ctrlc | field |
 #        apex | fast | resolution | store | integrity)
 # fast: the command as typed (kd's defaults) beside the best flags known and prepared copies, each as a share of
 #       the synthetic step, and the first step's breakdown; resolution: a short run on the folder and on a copy.
@@ -133,7 +133,7 @@ EOF
            for moment in "backend:0" "first step done:3"; do
              rm -rf "$RUNS/ctrlc_$b"
              printf "ctrlc_%s at '%s': " "$b" "$moment" | tee -a "$OUT/summary.txt"
-             $T 200 $PY benchmarks/ctrl_c.py "${moment%%:*}" "${moment##*:}" -- train $COMMON --teacher resnet101 \
+             $T 200 $PY benchmarks/ctrl_c_stop.py "${moment%%:*}" "${moment##*:}" -- train $COMMON --teacher resnet101 \
                --teacher-weights "$TEACHER" --student resnet18 --backend $b --nproc 2 --gpus 0 --opt O1 --epochs 3 \
                --out "$RUNS/ctrlc_$b" 2>&1 | tail -1 | tee -a "$OUT/summary.txt"
            done

@@ -1,9 +1,9 @@
 """kd's step on synthetic tensors, alone or with a load running beside it in the same process.
 
-    python benchmarks/beside_step.py --beside loader --data DIR --rate 8500 -- TRAIN_ARGS
-    python benchmarks/beside_step.py --beside none -- TRAIN_ARGS
-    python benchmarks/beside_step.py --beside burn:15 -- TRAIN_ARGS
-    python benchmarks/beside_step.py --beside gil:0.2:0.5 -- TRAIN_ARGS
+    python benchmarks/step_beside_loader.py --beside loader --data DIR --rate 8500 -- TRAIN_ARGS
+    python benchmarks/step_beside_loader.py --beside none -- TRAIN_ARGS
+    python benchmarks/step_beside_loader.py --beside burn:15 -- TRAIN_ARGS
+    python benchmarks/step_beside_loader.py --beside gil:0.2:0.5 -- TRAIN_ARGS
 
 TRAIN_ARGS, after ``--``, are ``kd train``'s: ``--data synthetic``, ``--out DIR`` (required),
 ``--limit-train-batches`` and ``--timed-after N`` for the timed steps; the run's

@@ -2,7 +2,7 @@
 time of the receiving thread per batch, with the workers' queue already full (so only the
 hand-over is timed), and how many tensors (shared-memory file descriptors) each batch carries.
 
-    python benchmarks/receive_cost.py --data DIR [-j 2] [-b 128] [--batches 4]
+    python benchmarks/archive/receive_cost.py --data DIR [-j 2] [-b 128] [--batches 4]
 
 Runs on the CPU (no pinning thread): the same hand-over the pinning thread does on a GPU machine.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
 from kd import config as kd_config  # noqa: E402
 from kd.data.bytes_dataset import JpegBytes, collate_packed  # noqa: E402

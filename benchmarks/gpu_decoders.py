@@ -1,6 +1,6 @@
 """JPEG decode alone on the GPU: nvImageCodec backend choices and torchvision's nvJPEG.
 
-    python benchmarks/bench_decoders.py --data /tmp/jpegs      # the folder bench_loader.py writes
+    python benchmarks/gpu_decoders.py --data /tmp/jpegs      # the folder loader_stages.py writes
 
 Decodes the first ``--images`` train JPEGs in batches of ``--batch-size`` (after two warm-up
 batches) and prints images/s and the mean absolute difference from PIL's pixels over 16
@@ -80,7 +80,7 @@ def main() -> None:
     args = ap.parse_args()
     files = sorted(args.data.glob("train/*/*.jpg"))[: args.images]
     if not files:
-        raise SystemExit(f"no JPEGs under {args.data}/train/ (write them with benchmarks/bench_loader.py)")
+        raise SystemExit(f"no JPEGs under {args.data}/train/ (write them with benchmarks/loader_stages.py)")
     blobs = [f.read_bytes() for f in files]
     count = len(blobs) - len(blobs) % args.batch_size or len(blobs)
     ref = [pil_rgb(b) for b in blobs[:16]]

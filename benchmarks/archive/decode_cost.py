@@ -1,7 +1,7 @@
 """What torchvision's nvJPEG call costs the calling thread per file, alone on the GPU or beside a step.
 
-    python benchmarks/decode_cost.py /tmp/in1k/train
-    python benchmarks/decode_cost.py /tmp/in1k/train --beside-step
+    python benchmarks/archive/decode_cost.py /tmp/in1k/train
+    python benchmarks/archive/decode_cost.py /tmp/in1k/train --beside-step
 
 Reads the baseline JPEGs under the folder (the files ``--loader gpu`` sends to the device
 decoder) and times ``torchvision.io.decode_jpeg(list, device='cuda')`` calls on random samples
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torchvision.io import ImageReadMode, decode_jpeg
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
 from kd.data.bytes_dataset import jpeg_size  # noqa: E402
 from kd.data.decoders import BASELINE_ONLY  # noqa: E402

@@ -2,7 +2,7 @@
 warm epoch, then ``--steps`` steps with the time spent waiting for batches and in
 :meth:`Trainer.step` measured apart.
 
-    python benchmarks/profile_e2e.py --data /tmp/in1k [--loader gpu] [-j 15] [--set KEY=VALUE ...]
+    python benchmarks/profile_epoch.py --data /tmp/in1k [--loader gpu] [-j 15] [--set KEY=VALUE ...]
         [--cprofile] [--kernels TRACE.json]
 
 Prints the milliseconds per step of: waiting for the loader and the step's host side, and the

@@ -3,7 +3,7 @@
 # kd demo's digits (a resnet18 teacher on every labelled digit, timm:resnet10t students on 20 per
 # class, 60 epochs, Hinton KD T 4, 0.5/0.5), then the same student from stores of every logit and
 # of the top 3 and top 1 (FKD's marginal smoothing for the rest), each taught once.
-# Usage: bash benchmarks/soft_labels_cpu.sh   (OUT=/tmp/kd-soft; about 5 minutes on 2 cores)
+# Usage: bash benchmarks/soft_label_topk_cpu.sh   (OUT=/tmp/kd-soft; about 5 minutes on 2 cores)
 set -euo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/kd-soft}

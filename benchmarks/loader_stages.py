@@ -1,7 +1,7 @@
 """Images/s of ``--loader pil`` and ``--loader gpu`` alone, per stage, and feeding a KD step.
 
-    python benchmarks/bench_loader.py --data /tmp/jpegs --images 5000            # loaders alone
-    python benchmarks/bench_loader.py --data /tmp/jpegs --images 5000 --e2e      # + r101 -> r18 bf16 step
+    python benchmarks/loader_stages.py --data /tmp/jpegs --images 5000            # loaders alone
+    python benchmarks/loader_stages.py --data /tmp/jpegs --images 5000 --e2e      # + r101 -> r18 bf16 step
 
 ``--data DIR`` is used as it is when it holds ``train/`` and ``val/``; otherwise ``--images``
 synthetic 500x375 JPEGs (quality 90, about 42 KB, like ImageNet's) are written there first.

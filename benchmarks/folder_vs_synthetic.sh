@@ -2,7 +2,7 @@
 # End to end against the step alone, on an ImageNet-like JPEG folder (the checks behind the
 # "End to end" section of docs/benchmarks.md): `kd bench` on synthetic tensors and on the folder
 # with the same settings, side by side, and a few epochs of `kd train` for the per-epoch costs.
-# Usage: bash benchmarks/e2e.sh PART...
+# Usage: bash benchmarks/folder_vs_synthetic.sh PART...
 #   data      50,000 train + 5,000 val JPEGs in 1,000 classes ($DATA): ImageNet-like sizes (most 500 px
 #             on the long side, 20 % portrait, 10 % between 200 and 1,600 px), 2 % grayscale,
 #             0.5 % CMYK, 5 % progressive, quality 70-95
@@ -16,7 +16,7 @@
 #   beside    batch 256 and 128 ($BESIDE_BATCHES): the step on synthetic tensors alone, on the folder, and with the loader
 #             running beside it, its batches dropped (kd's auto share and share 0 taken at most at 95 % of the
 #             step's rate, share 1 as fast as it goes), with 15 busy processes and with Python bursts in a
-#             thread (benchmarks/beside_step.py)
+#             thread (benchmarks/step_beside_loader.py)
 # The folder runs of eager, b128 and compiled use --cpu-decode-share $SHARE where set (else kd's auto share).
 # Every ratio goes to $OUT/summary.txt. Timed steps: $ITERS (120) after $WARMUP (30) at batch 256, twice
 # as many at 128; they must fit in one epoch (a smaller folder needs fewer).
@@ -60,11 +60,11 @@ batch() {  # B ITERS WARMUP ARGS...: the pair at batch B (ARGS: more kd bench op
 b256() { batch 256 "$IT" "$WU" "$@"; }
 b128() { batch 128 $((2 * IT)) $((2 * WU)) "$@"; }
 
-beside() {  # NAME B LOAD... -- TRAIN_ARGS...: one beside_step.py run; its JSON line to the summary, the
+beside() {  # NAME B LOAD... -- TRAIN_ARGS...: one step_beside_loader.py run; its JSON line to the summary, the
   # step's images/s to stdout (nothing where the run failed)
   local name=$1 b=$2 it=$((IT * 256 / $2)) wu=$((WU * 256 / $2)); shift 2
   # to a file, not a pipe: a pipe would wait for every child that inherited it (the loader's workers)
-  $PY benchmarks/beside_step.py "$@" --teacher resnet101 --student resnet18 --teacher-weights none \
+  $PY benchmarks/step_beside_loader.py "$@" --teacher resnet101 --student resnet18 --teacher-weights none \
     --student-weights none --opt O1 --amp-dtype float16 --backend single --epochs 1 --no-progress --overwrite -b "$b" \
     --limit-train-batches $((it + wu)) --timed-after "$wu" --out "/tmp/e2e/beside/$name" \
     > "$OUT/beside_$name.json" 2> "$OUT/beside_$name.log"

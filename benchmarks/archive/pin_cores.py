@@ -2,7 +2,7 @@
 on the last RESERVED cores (whole physical cores where the machine shows hyper-threads), the
 workers (and any process they start) on the others.
 
-    python benchmarks/pin_cores.py 3 -- python -m cli bench ... --data DIR --loader gpu -j 15
+    python benchmarks/archive/pin_cores.py 3 -- python -m cli bench ... --data DIR --loader gpu -j 15
 
 Tells whether the training process's threads (the step, the GPU loader's decode thread, the
 pinning thread) lose time to the workers on shared cores. A worker is a descendant process

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks behind docs/benchmarks.md, as run on one H200.
-# Usage: bash benchmarks/h200.sh PART...   (PART: env | tests | profile | step | compile | graphs | host |
+# Usage: bash benchmarks/gpu_suite.sh PART...   (PART: env | tests | profile | step | compile | graphs | host |
 #        backends | apex | jpegs | data | decoders | loader | stages); logs go to $OUT.
 # nvImageCodec rows need its wheels installed first (nvidia-nvimgcodec-cu13, nvidia-nvjpeg).
 set -uo pipefail
@@ -27,13 +27,13 @@ for part in "$@"; do case "$part" in
         $PY -m cli backends 2>&1 | tee -a "$OUT/apex.log"
         $B --backends apex_ddp --opt O1,O2 --gpus 0 --out "/tmp/kdb/apex" 2>&1 | tee -a "$OUT/apex.log"
         $PY -m pytest -m gpu -q -rs -k apex tests 2>&1 | tail -5 | tee -a "$OUT/apex.log" ;;
-  jpegs) $PY benchmarks/bench_loader.py --data $JPEGS --images 5000 --no-pil --decoders "" 2>&1 | head -3 | tee "$OUT/jpegs.log" ;;
+  jpegs) $PY benchmarks/loader_stages.py --data $JPEGS --images 5000 --no-pil --decoders "" 2>&1 | head -3 | tee "$OUT/jpegs.log" ;;
   data) for args in "--loader pil -j 15" "--loader pil -j 4" "--loader pil -j 15 --mp-context fork" "--loader gpu -j 8"; do
           echo "== kd bench data $args" | tee -a "$OUT/data.log"
           $T 90 $PY -X faulthandler -m cli bench data --data $JPEGS --epochs 2 $args 2>&1 | tail -25 | tee -a "$OUT/data.log"
         done ;;
-  stages) $T 300 $PY -X faulthandler benchmarks/bench_loader.py --data $JPEGS --images 5000 --e2e 2>&1 | tee "$OUT/stages.log" ;;
-  decoders) $T 120 $PY benchmarks/bench_decoders.py --data $JPEGS 2>&1 | grep -v Warn | tee "$OUT/decoders.log" ;;
+  stages) $T 300 $PY -X faulthandler benchmarks/loader_stages.py --data $JPEGS --images 5000 --e2e 2>&1 | tee "$OUT/stages.log" ;;
+  decoders) $T 120 $PY benchmarks/gpu_decoders.py --data $JPEGS 2>&1 | grep -v Warn | tee "$OUT/decoders.log" ;;
   loader) for L in "pil auto bfloat16" "gpu nvjpeg bfloat16" "gpu nvimgcodec bfloat16" "gpu nvjpeg float16 --compile"; do
             set -- $L
             KD_GPU_DECODER=$2 $T 150 $PY -X faulthandler -m cli train --data $JPEGS --teacher resnet101 --teacher-weights none \

@@ -1,9 +1,9 @@
 """Which thread of a process runs, and in what, from py-spy samples (``--threads``, raw format).
 
-    python benchmarks/profile_e2e.py --data DIR --steps 190 --set cpu_decode_share=0.1 & PID=$!
+    python benchmarks/profile_epoch.py --data DIR --steps 190 --set cpu_decode_share=0.1 & PID=$!
     # once it prints "epoch 0", during the profiled epoch:
     py-spy record --pid $PID --threads -r 250 -d 3 --nonblocking --format raw -o /tmp/active.txt 2> /tmp/active.err
-    python benchmarks/spy_threads.py /tmp/active.txt /tmp/active.err
+    python benchmarks/archive/spy_threads.py /tmp/active.txt /tmp/active.err
 
 Prints each thread's share of the samples and the most sampled pairs of (innermost kd frame,
 innermost frame) per thread. With py-spy's ``--gil`` the samples are those of the thread

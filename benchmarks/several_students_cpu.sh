@@ -6,7 +6,7 @@
 #   together: one kd train --kd-loss kd,dkd,lskd (one teacher forward per batch for the three);
 #   store:    kd teach once (every logit: 10 classes), then three kd train --soft-labels runs.
 # Each command's wall time (set-up included) and each student's best and last top-1.
-# Usage: bash benchmarks/three_ways_cpu.sh   (OUT=/tmp/kd-ways; about 8 minutes on 2 cores)
+# Usage: bash benchmarks/several_students_cpu.sh   (OUT=/tmp/kd-ways; about 8 minutes on 2 cores)
 set -euo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/kd-ways}

@@ -6,7 +6,7 @@ after the start when TEXT is empty, and prints one JSON line: the exit code, the
 signal to the exit, whether any traceback was printed, the last line printed, and what the run
 folder (--out) holds.
 
-    python benchmarks/ctrl_c.py "first step done" 0.5 -- train --data DIR ... --out RUN
+    python benchmarks/ctrl_c_stop.py "first step done" 0.5 -- train --data DIR ... --out RUN
 """
 
 from __future__ import annotations
