@@ -246,7 +246,7 @@ class Loader(Protocol):
 #: What the PIL loader's log line adds on a GPU, where the CPU's decoding bounds the run.
 GPU_LOADER_HINT = (
     "on a GPU, --loader gpu decodes the JPEGs there and is usually faster "
-    "(one H200, 16 cores: about 2,500 images/s against 6,300-7,900; README: Input pipeline)"
+    "(one H200, 16 cores: about 2,500 images/s against 6,300-7,900; docs/input-pipeline.md)"
 )
 
 
