@@ -161,8 +161,11 @@ def train(ctx, recipes, sets, loss_arg, resume, overwrite, local_rank, timed_aft
         given["loss_args"] = kd_config.parse_set([f"loss_args.{item}" for item in loss_arg])["loss_args"]
     kd_config.refuse_unused(given)
     students = for_command(recipes, given, sets, resume, overwrite)
+    job = TrainJob(students, timed_after)
+    job.check_early(overwrite)  # a mistaken path is answered before torch is imported
+    own("backends")  # which the run imports: another package's is one line here
     started = time.time()
-    if run_training(TrainJob(students, timed_after), overwrite=overwrite) is not None:
+    if run_training(job, overwrite=overwrite) is not None:
         _summary([Path(c.out) for c in students.cfgs], started, students.names if students.grouped else ())
 
 
@@ -223,7 +226,10 @@ def teach(ctx, recipe, sets, top_k, logits_dtype, timed_after, **options):
     if ctx.get_parameter_source("logits_dtype") == ParameterSource.COMMANDLINE:  # else the recipe's, or auto
         given["soft_label_dtype"] = logits_dtype
     cfg = kd_config.resolve(recipe=recipe, options=given, sets=list(sets), teaching=True)
-    run_training(TeachJob(cfg, timed_after))
+    job = TeachJob(cfg, timed_after)
+    job.check_early(overwrite=False)  # a mistaken path is answered before torch is imported
+    own("backends")  # which the run imports: another package's is one line here
+    run_training(job)
 
 
 @cli.command("eval")
@@ -613,8 +619,6 @@ def main(argv=None) -> int:
     code = 0
     try:
         try:
-            if _command_name(args) in RUN_COMMANDS:
-                own("backends")  # which the run imports: another package's is one line here
             cli.main(args=args, prog_name="kd", standalone_mode=False)
         finally:
             run_ended()  # from here a stop is noted, not raised into the lines below

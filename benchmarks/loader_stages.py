@@ -36,7 +36,7 @@ from kd.data import crop_kernel as kd_crop_kernel  # noqa: E402
 from kd.data import gpu as gpu_loader  # noqa: E402
 from kd.data.bytes_dataset import unpacked  # noqa: E402
 from kd.data.decoders import DECODERS, device_lengths  # noqa: E402
-from kd.data.folder import scan  # noqa: E402
+from kd.data.layout import scan  # noqa: E402
 from kd.data.loader import make_pil_loader  # noqa: E402
 
 

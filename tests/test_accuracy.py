@@ -200,8 +200,8 @@ def test_the_gpu_loader_counts_unreadable_val_images_as_the_pil_loader(damaged, 
 
     import backends
     from kd.data import gpu as gpu_mod
-    from kd.data.folder import scan_split
     from kd.data.gpu import make_gpu_loader
+    from kd.data.layout import scan_split
     from kd.data.loader import make_pil_loader
     from kd.utils.accuracy import evaluate
 

@@ -204,7 +204,7 @@ def _rng_job(job):
 
 
 def fixed_loader(cfg, backend):
-    from kd.data.folder import scan_split
+    from kd.data.layout import scan_split
     from kd.data.loader import make_pil_loader
 
     _, samples = scan_split(Path(cfg.data), "val")

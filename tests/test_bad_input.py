@@ -8,11 +8,13 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import kd_main, make_image_folder, run_kd
+from conftest import ROOT, kd_main, make_image_folder, run_kd
 
 BASE = ["--image-size", "32", "-b", "8", "-j", "0", "--epochs", "1", "--device", "cpu"]
 
@@ -31,6 +33,9 @@ def world(tmp_path_factory):
     (root / "empty" / "val").mkdir(parents=True)
     mismatch = make_image_folder(root / "mismatch", classes=3)
     (mismatch / "val" / "class_02").rename(mismatch / "val" / "other")
+    oneempty = make_image_folder(root / "oneempty", classes=2)
+    (oneempty / "train" / "class_02").mkdir()
+    (oneempty / "val" / "class_02").mkdir()
     noimg = root / "noimg"
     for split in ("train", "val"):
         (noimg / split / "a").mkdir(parents=True)
@@ -101,6 +106,7 @@ CASES = {
     "empty data": (T(data="empty"), "no class folders"),
     "no images": (T(data="noimg"), "no images"),
     "class mismatch": (T(data="mismatch"), "different classes"),
+    "an empty class": (T(data="oneempty"), "class folders with no image"),
     "missing student": (
         ["train", "--data", "{root}/data", "--teacher", "resnet18", "--out", "{root}/new"],
         "--student is required",
@@ -196,3 +202,28 @@ def check(world, name, runner):
     assert snapshot(world) == before, "an existing file changed"
     assert not (world / "new").exists(), "a failed start left its --out folder behind"
     assert not Path("/tmp/kd-pwned").exists()
+
+
+#: the mistakes kd answers before torch is imported: paths, and options that contradict each other
+BEFORE_TORCH = ["missing data", "empty data", "no images", "class mismatch", "an empty class", "out holds a run"]
+BEFORE_TORCH += ["out under a file", "no-teacher with a teacher", "zero epochs", "unknown recipe key", "gpus on cpu"]
+
+#: cli.main in a fresh interpreter; then whether torch was imported, on stdout
+MAIN_THEN_TORCH = (
+    "import sys, cli; code = cli.main(sys.argv[1:]); print('torch' in sys.modules, end=''); sys.exit(code)"
+)
+
+
+@pytest.mark.parametrize("name", BEFORE_TORCH)
+def test_a_mistaken_path_or_option_is_answered_before_torch_is_imported(world, name):
+    args, expected = CASES[name]
+    r = subprocess.run(
+        [sys.executable, "-c", MAIN_THEN_TORCH, *[a.format(root=world) for a in args]],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 2 and r.stderr.startswith("kd: error: ") and len(r.stderr.splitlines()) == 1, r.stderr
+    assert expected.lower() in r.stderr.lower(), r.stderr
+    assert r.stdout == "False", "torch was imported before the mistake was answered"

@@ -62,7 +62,7 @@ def compare_loaders(data: str, device: str) -> float:
     flips, the sampler's order; returns the largest difference."""
     from test_gpu_loader import cfg_for
 
-    from kd.data.folder import scan
+    from kd.data.layout import scan
 
     _, train, _ = scan(data)
     dev = torch.device(device)

@@ -17,7 +17,7 @@ def _without_images(folder: Path) -> None:
 
 
 def test_scan_names_class_folders_without_images(tmp_path):
-    from kd.data.folder import scan
+    from kd.data.layout import scan
 
     data = make_image_folder(tmp_path / "d", classes=3, train_per_class=2, val_per_class=1)
     for split in ("train", "val"):
@@ -30,7 +30,7 @@ def test_scan_names_class_folders_without_images(tmp_path):
 
 
 def test_scan_names_an_empty_train_class_with_val_images(tmp_path):
-    from kd.data.folder import scan
+    from kd.data.layout import scan
 
     data = make_image_folder(tmp_path / "d", classes=3, train_per_class=2, val_per_class=1)
     _without_images(data / "train" / "class_01")

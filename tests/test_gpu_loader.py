@@ -168,7 +168,8 @@ def test_crop_distribution_matches_torchvision(height, width):
 
 def test_boxes_and_flips_are_the_pil_paths(nat_folder):
     """Same sample seed -> same crop and flip as ImageFolderPIL (the same generator calls)."""
-    from kd.data.folder import random_resized_crop_params, scan
+    from kd.data.folder import random_resized_crop_params
+    from kd.data.layout import scan
 
     _, train, _ = scan(str(nat_folder))
     dataset = JpegBytes(train, 64, True)
@@ -264,7 +265,7 @@ def test_large_jpegs_are_decoded_reduced_and_still_give_torchvisions_crops(tmp_p
 def test_pixels_match_the_pil_path(nat_folder, monkeypatch, decoder, train):
     monkeypatch.setenv(gpu_mod.DECODER_ENV, decoder)
     cfg = cfg_for(nat_folder)
-    from kd.data.folder import scan
+    from kd.data.layout import scan
 
     _, train_s, val_s = scan(str(nat_folder))
     samples = train_s if train else val_s
@@ -287,7 +288,7 @@ def test_a_share_of_the_images_is_decoded_by_the_workers_in_the_batchs_order(nat
     share arrives as finished crops."""
     from torchvision.io import decode_jpeg
 
-    from kd.data.folder import scan
+    from kd.data.layout import scan
 
     _, train, val = scan(str(nat_folder))
     dataset = JpegBytes(train, 64, True, cpu_share=0.5)
@@ -366,7 +367,7 @@ class RefusingDecoder(CpuThread):
 def test_order_holds_when_every_crop_is_pils(nat_folder):
     """Validation: worker crops (the share) and decode-thread fallbacks, no device crop; training:
     the workers' regions, cropped on the device, and the fallbacks. Still the sampler's order."""
-    from kd.data.folder import scan
+    from kd.data.layout import scan
 
     _, train, val = scan(str(nat_folder))
     cfg = cfg_for(nat_folder)
@@ -388,7 +389,7 @@ def test_a_batch_crosses_from_a_worker_as_one_tensor(nat_folder):
     """Each tensor a worker returns costs the receiving thread a handshake with the worker (about
     1 ms; 12 of them per batch held it 13-19 ms a batch): the device samples' bytes and the PIL
     crops travel as one tensor, and the receiving side gets them back apart."""
-    from kd.data.folder import scan
+    from kd.data.layout import scan
 
     _, train, val = scan(str(nat_folder))
     dataset = JpegBytes(train, 64, True, cpu_share=0.5)
@@ -427,7 +428,7 @@ def _packed_in_shared_memory(samples):
 def test_a_worker_packs_its_batch_straight_into_shared_memory(nat_folder):
     """A tensor a worker sends that is not in shared memory is copied there first: the packed batch
     (megabytes of bitstreams and crops) is written there by the collate itself."""
-    from kd.data.folder import scan
+    from kd.data.layout import scan
 
     _, train, _ = scan(str(nat_folder))
     dataset = JpegBytes(train, 64, True, cpu_share=0.5)
@@ -475,7 +476,7 @@ def odd_folder(root: Path):
 def test_bad_images_are_counted_and_named(tmp_path, monkeypatch, decoder):
     monkeypatch.setenv(gpu_mod.DECODER_ENV, decoder)
     root, bad = odd_folder(tmp_path)
-    from kd.data.folder import scan
+    from kd.data.layout import scan
 
     _, _, val = scan(str(root))
     cfg = cfg_for(root)
@@ -501,7 +502,7 @@ class FlakyDecoder(CpuThread):
 
 
 def test_decoder_failures_go_through_pil(nat_folder):
-    from kd.data.folder import scan
+    from kd.data.layout import scan
 
     _, _, val = scan(str(nat_folder))
     cfg = cfg_for(nat_folder)
@@ -519,7 +520,7 @@ def test_batches_name_their_samples_in_order(nat_folder, tmp_path, monkeypatch):
     """Each batch carries its samples' dataset indices in its own order, on both loaders, with a
     share decoded by the workers, the decoder's failures finished by PIL, and unreadable files
     left out: what a store of the teacher's outputs per sample is looked up by."""
-    from kd.data.folder import scan
+    from kd.data.layout import scan
 
     monkeypatch.setenv(gpu_mod.DECODER_ENV, "cpu-thread")
     _, train, _ = scan(str(nat_folder))
@@ -628,7 +629,7 @@ class BrokenDecoder(CpuThread):
 def test_stage_times_account_for_every_batch(nat_folder, monkeypatch):
     """GpuLoader.stage_times (what profile_epoch.py prints): the decode thread's waits and decodes,
     and the main thread's prep, for every batch of the epoch."""
-    from kd.data.folder import scan
+    from kd.data.layout import scan
 
     monkeypatch.setenv(gpu_mod.DECODER_ENV, "cpu-thread")
     _, train_s, _ = scan(str(nat_folder))
@@ -679,7 +680,7 @@ def test_the_loader_never_waits_for_the_device(nat_folder, monkeypatch):
     (or an op whose output size depends on one) would make the host wait for the GPU once per
     batch. Everything the loader puts on its device is marked, and so is all computed from it."""
     from kd.data import loader as loader_mod
-    from kd.data.folder import scan
+    from kd.data.layout import scan
 
     monkeypatch.setattr(gpu_mod, "upload", lambda t, device: loader_mod.upload(t, device).as_subclass(OnDevice))
     decode = CpuThread.decode
@@ -716,7 +717,7 @@ def test_the_loader_never_waits_for_the_device(nat_folder, monkeypatch):
 
 
 def test_decode_thread_errors_reach_the_consumer(image_folder):
-    from kd.data.folder import scan
+    from kd.data.layout import scan
 
     _, train, _ = scan(str(image_folder))
     cfg = cfg_for(image_folder)
@@ -793,7 +794,7 @@ def test_device_decoders_match_pil(name):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("train", [False, True])
 def test_cuda_loader_matches_the_cpu_path(nat_folder, monkeypatch, train):
-    from kd.data.folder import scan
+    from kd.data.layout import scan
 
     _, train_s, val_s = scan(str(nat_folder))
     samples = train_s if train else val_s

@@ -132,7 +132,8 @@ def test_a_spawned_worker_imports_only_what_it_reads_images_with(data, tmp_path)
     from conftest import ROOT
 
     from kd.data.bytes_dataset import JpegBytes, collate_packed
-    from kd.data.folder import ImageFolderPIL, collate, scan
+    from kd.data.folder import ImageFolderPIL, collate
+    from kd.data.layout import scan
     from kd.data.loader import seed_worker
 
     _, train, _ = scan(str(data))

@@ -17,7 +17,7 @@ from PIL import Image
 
 from kd import config as kd_config
 from kd.data import build
-from kd.data.folder import scan
+from kd.data.layout import scan
 from kd.data.prepare import Settings, prepare, reduced_size
 from kd.data.prepared import MANIFEST, RAW, Prepared
 from kd.errors import KDError

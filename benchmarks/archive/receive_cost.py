@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
 from kd import config as kd_config  # noqa: E402
 from kd.data.bytes_dataset import JpegBytes, collate_packed  # noqa: E402
-from kd.data.folder import scan  # noqa: E402
+from kd.data.layout import scan  # noqa: E402
 from kd.data.loader import dataloader_and_sampler  # noqa: E402
 
 

@@ -127,7 +127,7 @@ def bench(
     top_k = str(args.get("top_k") or "10")
     if vs_store and top_k != "all" and not (top_k.isdigit() and int(top_k) >= 1):
         raise KDError(f"--top-k must be a positive number or all, got {top_k!r}")
-    from kd.data.folder import check_data
+    from kd.data.layout import check_data
 
     check_data(str(args.get("data", "synthetic")))  # once here, not as the same note in every row
     out = Path(out or tempfile.mkdtemp(prefix="kd-bench-"))

@@ -14,7 +14,7 @@ from typing import Any, Dict, Optional
 
 from kd import models
 from kd.config import RunConfig
-from kd.data.folder import scan_split
+from kd.data.layout import scan_split
 from kd.data.loader import default_workers, make_pil_loader
 from kd.errors import KDError
 from kd.precision import make_precision

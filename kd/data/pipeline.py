@@ -15,8 +15,8 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 
 from kd.data.cache import CachedVal, default_budget_gb
-from kd.data.folder import scan
 from kd.data.gpu import decoder_choice, make_gpu_loader, shared_decoder
+from kd.data.layout import scan
 from kd.data.loader import Loader, SyntheticLoader, make_pil_loader, val_transform
 from kd.data.registry import AUTO_LOADER, LOADERS, check_loader
 

@@ -30,7 +30,7 @@ import numpy as np
 from PIL import Image
 
 from kd.checksum import file_sha256
-from kd.data.folder import scan
+from kd.data.layout import scan
 from kd.data.prepared import (
     FORMAT_VERSION,
     FORMATS,

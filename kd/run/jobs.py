@@ -18,11 +18,12 @@ from kd.runfolder import RunFolder, why_unwritable
 
 
 def preflight(cfg, student: bool = True) -> None:
-    """Cheap checks of names and paths, before any process, model or loader is made."""
+    """The checks of names that need torch and the model libraries (torch's version, the models,
+    the KD method, a soft-label store), before any process, model or loader is made; the paths
+    that need none come first (:func:`check_inputs`)."""
     import torch
 
     from kd import models
-    from kd.data.folder import check_data
     from kd.losses import LOSSES
     from kd.version import torch_too_old
 
@@ -38,6 +39,12 @@ def preflight(cfg, student: bool = True) -> None:
         from kd.teacher.store import read_manifest
 
         read_manifest(Path(cfg.soft_labels))  # a missing or unreadable store fails before any work
+
+
+def check_inputs(cfg) -> None:
+    """The checks that need no torch, made before it is imported: the data folder's layout."""
+    from kd.data.layout import check_data
+
     check_data(cfg.data)
 
 
@@ -87,11 +94,23 @@ class TrainJob:
         """The folders a stop before the first checkpoint leaves as they were (a fresh run's)."""
         return [] if self.students.resuming else self.folders()
 
+    def check_early(self, overwrite: bool) -> None:
+        """Before torch is imported: a fresh run's data folders and the folders it writes (a
+        resumed run's, once its checkpoints said it has epochs left to train: :meth:`check`)."""
+        if not self.students.resuming:
+            self.check_paths(overwrite)
+
     def check(self, overwrite: bool) -> None:
         """Every student's names and paths, and each folder, before any work."""
+        for _, cfg in self.students.training():
+            preflight(cfg)
+        self.check_paths(overwrite)
+
+    def check_paths(self, overwrite: bool) -> None:
+        """Each student's data folder, and each folder the run writes."""
         students = self.students
         for _, cfg in students.training():
-            preflight(cfg)
+            check_inputs(cfg)
         if students.grouped and not students.resuming and not overwrite and is_students_folder(students.out):
             raise KDError(
                 f"--out {students.out} already holds students ({STUDENTS_FILE}); "
@@ -145,10 +164,15 @@ class TeachJob:
     def unstarted(self) -> List[Path]:
         return []  # a store keeps the epochs it completed (kd teach continues them)
 
+    def check_early(self, overwrite: bool) -> None:
+        """Before torch is imported: the data folder."""
+        check_inputs(self.cfg)
+
     def check(self, overwrite: bool) -> None:
         from kd.teacher.store import check_out as check_store
 
         preflight(self.cfg, student=False)
+        check_inputs(self.cfg)
         check_store(self.out)
 
     def finished(self) -> Optional[str]:
