@@ -359,9 +359,12 @@ def recipes_show(name):
     help="Also draw val top-1 (paper references dashed) and train loss per epoch (needs matplotlib).",
 )
 def report(runs, csv_path, plot_path):
-    """Several runs' results as one table: best/last top-1/top-5, reference, difference, wall time.
+    """Several runs' results as one table: best/last top-1/top-5, reference, difference, times.
 
     RUNS are run folders or folders of runs (kd report runs/demo); what is not a run is skipped with a note.
+    wall_time: from the kd command's start to the run's end, every resumed part added (start-up and
+    validation included); train_time: the epochs' training seconds only. A run of an older kd has no
+    wall_time (-).
     """
     from kd.commands.report import markdown, plot, to_csv
     from kd.commands.report import report as collect
