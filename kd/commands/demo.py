@@ -121,7 +121,7 @@ def run_demo(out: Path, epochs: Optional[int] = None, overwrite: bool = False) -
     try:
         return _run_demo(out, epochs, overwrite)
     except Interrupted as exc:  # a stop's own line names kd train; the demo continues as a whole
-        done = str(exc).split("; continue with:")[0]
+        done = str(exc).split("; continue with:")[0].replace("nothing was written", "the finished runs are kept")
         raise Interrupted(exc.signame, message=f"{done}; continue with: {continue_with(out, epochs)}") from None
 
 
