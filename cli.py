@@ -16,6 +16,7 @@ from typing import Callable, Optional, Sequence
 import click
 from click.core import ParameterSource
 
+from kd.commands import demo as kd_demo
 from kd.config import AMP_DTYPES, DEVICES, FIELDS, MP_CONTEXTS, SOFT_LABEL_DTYPES, TRAIN_OPTIONS, Option
 from kd.data.registry import check_loader, loader_choices
 from kd.errors import KDError
@@ -323,10 +324,18 @@ def verify_cmd(path):
 
 @cli.command()
 @click.option("--out", "-o", default="runs/demo", show_default=True, metavar="DIR", help="Where the demo runs go.")
-@click.option("--epochs", type=int, default=None, help="Epochs of every run [teacher 20, students 6].")
-@click.option("--overwrite", is_flag=True, help="Replace an earlier demo in --out.")
+@click.option(
+    "--epochs",
+    type=int,
+    default=None,
+    help=f"Epochs of every run [teacher {kd_demo.TEACHER_EPOCHS}, students {kd_demo.STUDENT_EPOCHS}].",
+)
+@click.option("--overwrite", is_flag=True, help="Start over, replacing what --out holds.")
 def demo(out, epochs, overwrite):
-    """A real KD experiment on scikit-learn's bundled digits, offline, on the CPU."""
+    """A real KD experiment on scikit-learn's bundled digits, offline, on the CPU.
+
+    Stopped (Ctrl-C), it continues where it stopped when run again with the same options.
+    """
     from kd.commands.demo import run_demo
 
     run_demo(Path(out), epochs=epochs, overwrite=overwrite)
@@ -365,9 +374,12 @@ def recipes_show(name):
     help="Also draw val top-1 (paper references dashed) and train loss per epoch (needs matplotlib).",
 )
 def report(runs, csv_path, plot_path):
-    """Several runs' results as one table: best/last top-1/top-5, reference, difference, wall time.
+    """Several runs' results as one table: best/last top-1/top-5, reference, difference, times.
 
     RUNS are run folders or folders of runs (kd report runs/demo); what is not a run is skipped with a note.
+    wall_time: from the kd command's start to the run's end, every resumed part added (start-up and
+    validation included); train_time: the epochs' training seconds only. A run of an older kd has no
+    wall_time (-).
     """
     from kd.commands.report import markdown, plot, to_csv
     from kd.commands.report import report as collect
@@ -592,7 +604,7 @@ def backends_cmd():
 
 
 #: The commands that run a run: a stop signal before it starts is one line (kd.utils.signals.install_first).
-RUN_COMMANDS = ("train", "teach")
+RUN_COMMANDS = ("train", "teach", "demo")
 
 
 def _command_name(args) -> str:

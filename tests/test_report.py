@@ -4,12 +4,17 @@ CSV, the figure (and what is said without matplotlib), and the line each kd trai
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import kd_main, make_image_folder
+from conftest import ROOT, kd_main, make_image_folder, run_kd, train_args
 
 from kd.errors import KDError
 
@@ -23,6 +28,68 @@ def test_a_run_ends_with_where_its_result_is(teacher_run):
         rf"best checkpoint {re.escape(str(out / 'checkpoints' / 'best.pt'))}",
         line,
     ), r.stdout
+
+
+def _wall(run: Path):
+    """(the parts of ``run``'s wall.jsonl, the seconds of its epochs' training in metrics.jsonl)."""
+    parts = [json.loads(line) for line in (run / "wall.jsonl").read_text().splitlines()]
+    epochs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return parts, sum(r["seconds"] for r in epochs)
+
+
+def test_a_run_times_its_whole_command(teacher_run, image_folder):
+    """wall.jsonl times the run from the command's start to its end: more than its epochs' training;
+    a command refused on its folder adds no part."""
+    _, out = teacher_run
+    parts, train = _wall(out)
+    assert [p["ended"] for p in parts] == ["finished"] and parts[0]["seconds"] > train > 0, parts
+    r = kd_main(*train_args(image_folder, out, no_teacher=True, student="timm:resnet10t"))
+    assert r.returncode == 2 and "already holds a run" in r.stderr, r.stderr
+    assert _wall(out)[0] == parts
+    r = kd_main("report", out, "--csv", out.parent / "report.csv")
+    header = next(line for line in r.stdout.splitlines() if line.startswith("| run"))
+    assert header.endswith("| wall_time | train_time |"), r.stdout
+    row = next(csv_row for csv_row in (out.parent / "report.csv").read_text().splitlines()[1:])
+    wall_s, train_s = map(float, row.split(",")[-2:])
+    assert wall_s == round(parts[0]["seconds"], 1) and train_s == round(train, 1), row
+
+
+@pytest.mark.slow
+def test_a_stopped_and_resumed_run_reports_both_parts(tmp_path):
+    """Stopped by SIGTERM, then resumed: the report's wall time is the two commands' time (each from
+    its process's start), not the epochs' seconds; the resumed run's last line says both."""
+    data = make_image_folder(tmp_path / "data", classes=3, train_per_class=24, val_per_class=2)
+    out = tmp_path / "run"
+    args = train_args(data, out, no_teacher=True, student="timm:resnet10t", batch_size=4, epochs=2)
+    args += ["--log-every", "1", "--no-progress"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    t0 = time.time()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cli", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if "first step done" in line:
+            proc.send_signal(signal.SIGTERM)
+            break
+    rest, _ = proc.communicate(timeout=600)
+    first = time.time() - t0
+    assert proc.returncode == 143, "".join(seen) + rest
+    t0 = time.time()
+    r = run_kd("train", "--out", out, "--resume", "--no-progress")
+    second = time.time() - t0
+    assert r.returncode == 0, r.stderr
+    parts, train = _wall(out)
+    assert [p["ended"] for p in parts] == ["SIGTERM", "finished"], parts
+    assert parts[0]["seconds"] <= first and parts[1]["seconds"] <= second, (parts, first, second)
+    wall = sum(p["seconds"] for p in parts)
+    assert wall > train, (wall, train)
+    assert re.search(r", \d+(\.\d)?[sm] \(\d+(\.\d)?[sm] in all, 2 parts\); run ", r.stdout), r.stdout
+    from kd.commands.report import report
+
+    rows = report([out])
+    assert rows[0]["wall_s"] == round(wall, 1) and rows[0]["train_s"] == round(train, 1), rows
 
 
 def _fake_run(folder: Path, top1: float, seconds: float) -> Path:
@@ -52,8 +119,9 @@ def test_report_a_folder_of_runs(tmp_path):
     assert r.returncode == 0, r.stderr
     body = [line for line in r.stdout.splitlines() if line.startswith(f"| {runs}")]
     assert len(body) == 2, r.stdout
-    assert "| 97.1 |" in r.stdout and "| 2.1m |" in r.stdout and "| 12m |" in r.stdout, r.stdout
+    assert "| 97.1 |" in r.stdout and "| - | 2.1m |" in r.stdout and "| - | 12m |" in r.stdout, r.stdout
     assert "data" in r.stderr and "skipped" in r.stderr, r.stderr
+    assert f"{runs / 'teacher'}: wall_time -, no wall.jsonl (a run of an older kd)" in r.stderr, r.stderr
     r = kd_main("report", *sorted(runs.iterdir()))  # the shell's runs/demo/*
     assert r.returncode == 0, r.stderr
     assert len([line for line in r.stdout.splitlines() if line.startswith(f"| {runs}")]) == 2
@@ -75,7 +143,10 @@ def test_report_csv_keeps_seconds(tmp_path):
 
     rows = report([_fake_run(tmp_path / "a", 60.0, 90.0)])
     text = to_csv(rows)
-    assert text.splitlines()[0].endswith(",wall_s") and text.splitlines()[1].endswith(",90.0"), text
+    assert text.splitlines()[0].endswith(",wall_s,train_s") and text.splitlines()[1].endswith(",,90.0"), text
+    (tmp_path / "a" / "wall.jsonl").write_text(json.dumps({"started": 0.0, "seconds": 100.0, "ended": "finished"}))
+    text = to_csv(report([tmp_path / "a"]))
+    assert text.splitlines()[1].endswith(",100.0,90.0"), text
 
 
 def test_report_calls_a_run_without_teacher_by_its_method_ce(teacher_run):

@@ -6,6 +6,9 @@ the package), written out as an ImageNet-layout JPEG folder. Three runs go throu
 that sees only a few labelled digits of each class, alone and distilled from the teacher. With
 few labels the teacher's soft targets carry what the labels cannot, so KD's gain is large and
 stable (seed 0: 85.6 alone, 93.3 with KD; seed 1: 86.2 and 93.1; the teacher 96.9).
+
+``OUT/demo.json`` says the folder is a demo's, of which epochs, and which runs finished: ``kd demo``
+again keeps those, resumes a stopped one from its last checkpoint and starts the rest.
 """
 
 from __future__ import annotations
@@ -15,9 +18,6 @@ import shutil
 import time
 from pathlib import Path
 from typing import Any, Dict, Optional
-
-import numpy as np
-from PIL import Image
 
 from kd.commands.table import markdown
 from kd.errors import KDError
@@ -30,10 +30,15 @@ IMAGE_SIZE = 32
 TEACHER_EPOCHS = 20  # a well-trained teacher on every labelled training digit ...
 STUDENT_EPOCHS = 60  # ... and students that see few of them (the epochs are short)
 STUDENT_PER_CLASS = 20  # labelled training digits per class the students see
+RUNS = ("teacher", "student", "student_kd")
+DEMO_FILE = "demo.json"  # in OUT: the demo's epochs and its finished runs
 
 
 def write_digits(root: Path, size: int = IMAGE_SIZE, val_fraction: float = 0.25, seed: int = 0) -> Path:
     """sklearn's digits as ``root/{train,val}/<digit>/*.jpg`` (stratified split, fixed seed)."""
+    import numpy as np
+    from PIL import Image
+
     try:
         from sklearn.datasets import load_digits
     except ImportError:
@@ -79,22 +84,59 @@ def _best(run: Path) -> Dict[str, float]:
     return max(records, key=lambda r: r.get("val_top1", -1))
 
 
+def demo_state(out: Path, epochs: Optional[int], overwrite: bool) -> Dict[str, Any]:
+    """What ``out`` holds of a demo of ``epochs``: its epochs and finished runs, empty where there
+    is none yet (or ``overwrite`` removed it); a folder that holds something else is refused."""
+    marker = out / DEMO_FILE
+    if overwrite and out.exists():
+        shutil.rmtree(out)
+    elif marker.is_file():
+        state = json.loads(marker.read_text(encoding="utf-8"))
+        if state.get("epochs") != epochs:
+            given = f" --epochs {state['epochs']}" if state.get("epochs") else ""
+            raise KDError(
+                f"{out} holds a demo of other epochs; continue it with kd demo --out {out}{given}, "
+                f"or pass --overwrite to start over"
+            )
+        return state
+    elif out.exists() and any(out.iterdir()):
+        raise KDError(f"{out} is not empty and holds no kd demo; pass --overwrite to replace it, or --out DIR")
+    out.mkdir(parents=True, exist_ok=True)
+    state = {"epochs": epochs, "finished": []}
+    marker.write_text(json.dumps(state), encoding="utf-8")
+    return state
+
+
+def continue_with(out: Path, epochs: Optional[int]) -> str:
+    """The command that continues the demo in ``out``."""
+    return f"kd demo --out {out}" + (f" --epochs {epochs}" if epochs else "")
+
+
 def run_demo(out: Path, epochs: Optional[int] = None, overwrite: bool = False) -> Dict[str, float]:
-    """Teacher, student alone, student with KD; prints a table and returns the top-1 of each."""
+    """Teacher, student alone, student with KD; prints a table and returns the top-1 of each. A demo
+    already in ``out`` continues: its finished runs are kept, a stopped one resumes."""
+    from kd.utils.signals import Interrupted
+
+    out = Path(out)
+    try:
+        return _run_demo(out, epochs, overwrite)
+    except Interrupted as exc:  # a stop's own line names kd train; the demo continues as a whole
+        done = str(exc).split("; continue with:")[0].replace("nothing was written", "the finished runs are kept")
+        raise Interrupted(exc.signame, message=f"{done}; continue with: {continue_with(out, epochs)}") from None
+
+
+def _run_demo(out: Path, epochs: Optional[int], overwrite: bool) -> Dict[str, float]:
     from kd.config import RunConfig, validate
     from kd.run.jobs import TrainJob
     from kd.run.launch import train
     from kd.run.students import Students
+    from kd.utils.signals import before_next_run
 
     own("backends")  # which the runs import: another package's is one line here
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise KDError(f"{out} is not empty; pass --overwrite to replace the earlier demo, or --out DIR")
-        shutil.rmtree(out)
+    state = demo_state(out, epochs, overwrite)
     teacher_epochs = epochs or TEACHER_EPOCHS
     student_epochs = epochs or STUDENT_EPOCHS
-    data = write_digits(out / "data")
+    data = write_digits(out / "data")  # the same files again where a demo continues
     few = few_labels(data, out / f"data_{STUDENT_PER_CLASS}_per_class", STUDENT_PER_CLASS)
     common: Dict[str, Any] = dict(
         image_size=IMAGE_SIZE,
@@ -125,7 +167,7 @@ def run_demo(out: Path, epochs: Optional[int] = None, overwrite: bool = False) -
     }
     started = time.perf_counter()
     results = {}
-    for name in ("teacher", "student", "student_kd"):
+    for name in RUNS:
         if name == "student_kd":
             runs[name] = RunConfig(
                 **common,
@@ -140,10 +182,16 @@ def run_demo(out: Path, epochs: Optional[int] = None, overwrite: bool = False) -
                 loss_args={"kd_weight": 0.5},
                 out=str(out / "student_kd"),
             )
-        print(f"== kd demo: {name} ==", flush=True)
-        train(TrainJob(Students.alone(validate(runs[name]))))
-        keep_best(Path(runs[name].out))
-        results[name] = _best(Path(runs[name].out))
+        run = RunFolder(runs[name].out)
+        if name not in state["finished"]:
+            before_next_run()
+            stopped = run.last if run.last.is_file() else None  # else nothing of it is kept: it starts over
+            print(f"== kd demo: {name}{' (continued)' if stopped else ''} ==", flush=True)
+            train(TrainJob(Students.alone(validate(runs[name]), stopped)), overwrite=stopped is None)
+            keep_best(run.root)
+            state["finished"].append(name)
+            (out / DEMO_FILE).write_text(json.dumps(state), encoding="utf-8")
+        results[name] = _best(run.root)
     minutes = (time.perf_counter() - started) / 60
     n_train = sum(1 for _ in (data / "train").rglob("*.jpg"))
     rows = [

@@ -1,6 +1,9 @@
 """``kd report OUT...``: several runs' metrics.jsonl as one table (markdown and CSV).
 
-A path is a run folder (it holds ``metrics.jsonl``) or a folder of runs, searched below.
+A path is a run folder (it holds ``metrics.jsonl``) or a folder of runs, searched below. Two
+times: ``wall_time``, from the ``kd`` command's start to the run's end with every resumed part
+added (start-up, probes and validation included: what the run cost), and ``train_time``, the
+epochs' training seconds only.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import yaml
 
 from kd.commands import table
 from kd.errors import KDError
+from kd.run.log import wall_parts
 from kd.runfolder import RunFolder
 
 COLUMNS = [
@@ -31,9 +35,10 @@ COLUMNS = [
     "val_images",
     "reference_top1",
     "diff",
-    "wall",
+    "wall_time",
+    "train_time",
 ]
-CSV_COLUMNS = COLUMNS[:-1] + ["wall_s"]  # seconds for programs, as the markdown's "12m" is for people
+CSV_COLUMNS = COLUMNS[:-2] + ["wall_s", "train_s"]  # seconds for programs, as the markdown's "12m" is for people
 
 
 def duration(seconds: float) -> str:
@@ -63,7 +68,9 @@ def collect(run: Path) -> Dict[str, object]:
     if folder.config.is_file():
         cfg = yaml.safe_load(folder.config.read_text()) or {}
     best = max(evals, key=lambda r: r["val_top1"])
-    wall = sum(r.get("seconds", 0.0) for r in records)
+    train = sum(r.get("seconds", 0.0) for r in records)
+    parts = wall_parts(run)
+    wall = sum(part["seconds"] for part in parts) if parts else None  # None: a run of a kd that did not time it
     last = evals[-1]
     ref, why = paper_reference(cfg, records)
     stored = " (stored)" if cfg.get("soft_labels") else ""  # its outputs from a kd teach store
@@ -80,9 +87,12 @@ def collect(run: Path) -> Dict[str, object]:
         "val_images": images_over(last),
         "reference_top1": ref if ref is not None else "-",
         "diff": round(best["val_top1"] - ref, 2) if ref is not None else "-",
-        "wall": duration(wall),
-        "wall_s": round(wall, 1),
+        "wall_time": duration(wall) if wall is not None else "-",
+        "train_time": duration(train),
+        "wall_s": round(wall, 1) if wall is not None else "",
+        "train_s": round(train, 1),
         "_no_reference": why,
+        "_no_wall": None if parts else "no wall.jsonl (a run of an older kd): its wall time is not known",
     }
 
 
@@ -103,8 +113,8 @@ def val_count(record: Dict[str, Any]) -> str:
 
 
 def summary_line(run: Path, seconds: float, name: str = "") -> str:
-    """The line ``kd train`` ends with: best and last top-1, the wall time, the run folder and the
-    best checkpoint (what a user opens next)."""
+    """The line ``kd train`` ends with: best and last top-1, the wall time (of a resumed run: this
+    part's, and the run's in all), the run folder and the best checkpoint (what a user opens next)."""
     folder = RunFolder(run)
     records = [json.loads(line) for line in folder.metrics.read_text().splitlines() if line.strip()]
     evals = [r for r in records if "val_top1" in r]
@@ -114,9 +124,14 @@ def summary_line(run: Path, seconds: float, name: str = "") -> str:
         return f"{prefix}done: {epochs} in {duration(seconds)}; run {run}"
     best, last = max(evals, key=lambda r: r["val_top1"]), evals[-1]
     checkpoint = folder.best if folder.best.is_file() else folder.last
+    parts = wall_parts(run)
+    if len(parts) > 1:  # a resumed run: this part's time, and the run's
+        took = f"{duration(seconds)} ({duration(sum(p['seconds'] for p in parts))} in all, {len(parts)} parts)"
+    else:
+        took = duration(seconds)
     return (
         f"{prefix}done: best top-1 {best['val_top1']:.2f} at epoch {best['epoch']}, last top-1 "
-        f"{last['val_top1']:.2f} at epoch {last['epoch']}{val_count(last)}, {duration(seconds)}; "
+        f"{last['val_top1']:.2f} at epoch {last['epoch']}{val_count(last)}, {took}; "
         f"run {run}, best checkpoint {checkpoint}"
     )
 
@@ -199,6 +214,9 @@ def report(runs: Sequence[Path], note: Optional[Callable[[str], None]] = None) -
         why = row.pop("_no_reference")
         if why:
             skipped.append(f"{run}: no paper reference shown, {why}")
+        no_wall = row.pop("_no_wall")
+        if no_wall:
+            skipped.append(f"{run}: wall_time -, {no_wall}; train_time is its epochs' training seconds")
         rows.append(row)
     if not rows:
         reasons = "; ".join(s[len("skipped ") :] for s in skipped[:3]) or "no path given"

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Dict, Optional, Type
 
 from kd.errors import KDError
+from kd.run.log import wall_clock
 from kd.runfolder import RunFolder
 from kd.runlock import describe_holder, locked
 from kd.utils.placement import Placement, slurm_env
@@ -66,7 +67,8 @@ def train(job: Job, overwrite: bool = False):
             if main:
                 print(finished, file=sys.stderr, flush=True)
             return None
-        return _train(job, overwrite)
+        with wall_clock(job.folders() if main else ()):
+            return _train(job, overwrite)
 
 
 def _train(job: Job, overwrite: bool):

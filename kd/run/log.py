@@ -5,12 +5,13 @@ Other processes get a :class:`NullLogger`: quiet by design, nothing patched.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, Iterator, List, Optional, Sequence
 
 from kd.runfolder import RunFolder
 
@@ -48,6 +49,49 @@ def command_start(default: float) -> float:
 def mark_command_start() -> None:
     """Called first by the CLI: the command starts when its process did (interpreter start included)."""
     os.environ[START_ENV] = repr(time.time() - process_age())
+
+
+@contextlib.contextmanager
+def wall_clock(folders: Sequence[Path]) -> Iterator[None]:
+    """Around one part of a run, in the process that launched it: when it ends (finished, stopped by
+    a signal, failed) each of ``folders`` that holds the run gets a line in its ``wall.jsonl``, timed from
+    the ``kd`` command's start. The command's start is this part's only: a later run of the same
+    process (``kd demo``'s) starts when it is called. Each line: when the part started, its seconds
+    from the command's start to the run's end, how it ended; ``kd report``'s wall time is their sum."""
+    entered = time.time()
+    started = float(os.environ.get(START_ENV, "") or entered)
+    ended = "error"
+    try:
+        yield
+        ended = "finished"
+    except BaseException as exc:
+        ended = getattr(exc, "signame", None) or ("SIGINT" if isinstance(exc, KeyboardInterrupt) else "error")
+        raise
+    finally:
+        os.environ.pop(START_ENV, None)
+        line = json.dumps({"started": started, "seconds": time.time() - started, "ended": ended}) + "\n"
+        for folder in folders:
+            run = RunFolder(folder)
+            if wrote(run, since=entered) and (run.metrics.is_file() or run.last.exists()):  # a run it kept
+                with open(run.wall, "a", encoding="utf-8") as fh:
+                    fh.write(line)
+
+
+def wrote(run: RunFolder, since: float) -> bool:
+    """Whether a run wrote ``run``'s config.yaml since ``since`` (every run does once its set-up has
+    succeeded, a resumed one too): not so where it was refused before any work."""
+    try:
+        return run.config.stat().st_mtime >= since - 1.0  # file systems that keep whole seconds
+    except OSError:
+        return False
+
+
+def wall_parts(run: Path) -> List[Dict[str, float]]:
+    """The parts of ``run`` (:func:`wall_clock`'s lines), in order; empty for a run of an older kd."""
+    path = RunFolder(run).wall
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 class SetupClock:

@@ -149,6 +149,17 @@ def launcher_handlers() -> Iterator[None]:
         run_ended()
 
 
+def before_next_run() -> None:
+    """In a command of several runs (``kd demo``), before the next one: a stop from now on ends the
+    command as before its first run, and one noted since the last run ended ends it now."""
+    if not _command:
+        return
+    _command["phase"] = "before"
+    if "signame" in _command:
+        signame = _command["signame"]
+        raise Interrupted(signame, message=f"stopped by {signame} between runs; the finished runs are kept")
+
+
 def install_early(launched: bool) -> Callable[[], None]:
     """At the start of a run's process, until a :class:`StopFlag` takes over (the run has set up,
     written nothing yet): a stop signal ends the process's set-up at once (:func:`in_setup`); a
