@@ -96,8 +96,8 @@ class Teacher:
                 seconds=seconds,
             )
             log(line)
-            # where a slow start goes: each probe's validation batches (and cuDNN's autotuning of them)
-            log(f"teacher {cfg.teacher}: probes " + ", ".join(f"{name} {t:.1f} s" for name, t in seconds.items()))
+            if seconds:  # where a slow start goes: each probe's validation batches (and cuDNN's autotuning)
+                log(f"teacher {cfg.teacher}: probes " + ", ".join(f"{name} {t:.1f} s" for name, t in seconds.items()))
             if cfg.teacher_precision == "auto":
                 notes.append(line)
             return chosen

@@ -19,6 +19,9 @@ would use, and compares it with float32:
 * an explicit ``float16``, ``bfloat16`` or ``float32`` runs as given, or stops with one line
   naming the teacher and what to do;
 * a teacher whose logits are not finite even in float32 stops the run: its weights are broken.
+* where float32 is the only choice on the CPU (O0, or ``float32`` given) nothing is probed: the
+  log says so, and a teacher with non-finite weights stops the run (on a GPU the probe still
+  runs, once: it also checks that the fused teacher runs there).
 
 Every process of a run takes part in the probe (the counts are summed), so all choose alike.
 """
@@ -149,6 +152,20 @@ def choose(
         start = DTYPES[setting]
         if start == torch.bfloat16 and not bf16_supported(device):
             raise KDError("--teacher-precision bfloat16: this GPU has no bfloat16; use float16 or float32")
+    candidates = fallbacks(start, device) if not explicit else [start]
+    # nothing to choose: no probe, the weights checked instead (a GPU's probe also tests that the
+    # fused teacher runs there, and costs about a second)
+    if candidates == [torch.float32] and device.type == "cpu":
+        broken = nonfinite_weights(teacher)
+        if broken:
+            raise KDError(
+                f"teacher {name} has non-finite weights ({', '.join(broken[:3])}): its weights are broken; "
+                f"check --teacher-weights"
+            )
+        how = "as given" if explicit else "auto: the only precision at O0 on the CPU"
+        precision = TeacherPrecision(device, torch.float32, outer)
+        line = f"teacher {name}: runs in {precision.describe()} ({how}; not probed: nothing to choose)"
+        return precision, teacher, line
     probes: Dict[torch.dtype, Probe] = {}
 
     def probe_in(dtype: torch.dtype, model: nn.Module, autotune: bool = True) -> Probe:
@@ -160,7 +177,7 @@ def choose(
         return probes[dtype]
 
     tried: List[str] = []
-    for dtype in fallbacks(start, device) if not explicit else [start]:
+    for dtype in candidates:
         precision = TeacherPrecision(device, dtype, outer)
         model = precision.convert(copy.deepcopy(teacher)) if precision.reduced else teacher
         probe = probe_in(dtype, model)
@@ -183,6 +200,11 @@ def choose(
         tried.append(f"{dtype_name(dtype)} was refused: {problem}")
         del model
     raise AssertionError("float32 ends the fallbacks")  # pragma: no cover
+
+
+def nonfinite_weights(model: nn.Module) -> List[str]:
+    """The names of ``model``'s floating parameters and buffers that hold inf or NaN."""
+    return [k for k, v in model.state_dict().items() if v.is_floating_point() and not torch.isfinite(v).all()]
 
 
 @contextlib.contextmanager
