@@ -54,6 +54,19 @@ def test_a_run_times_its_whole_command(teacher_run, image_folder):
     assert wall_s == round(parts[0]["seconds"], 1) and train_s == round(train, 1), row
 
 
+def test_a_wall_time_that_cannot_be_written_is_said_and_the_run_stands(image_folder, tmp_path):
+    """A wall.jsonl that cannot be appended to (a full disk, here a folder in its place) is one
+    line on stderr; the run's own outcome stays (it was a traceback over a finished run)."""
+    out = tmp_path / "run"
+    r = kd_main(*train_args(image_folder, out, no_teacher=True, student="timm:resnet10t"))
+    assert r.returncode == 0, r.stderr
+    (out / "wall.jsonl").unlink()
+    (out / "wall.jsonl").mkdir()
+    r = kd_main("train", "--out", out, "--resume", "--epochs", 2)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert f"kd: this part's wall time is not in {out / 'wall.jsonl'}: Is a directory" in r.stderr, r.stderr
+
+
 @pytest.mark.slow
 def test_a_stopped_and_resumed_run_reports_both_parts(tmp_path):
     """Stopped by SIGTERM, then resumed: the report's wall time is the two commands' time (each from

@@ -73,8 +73,12 @@ def wall_clock(folders: Sequence[Path]) -> Iterator[None]:
         for folder in folders:
             run = RunFolder(folder)
             if wrote(run, since=entered) and (run.metrics.is_file() or run.last.exists()):  # a run it kept
-                with open(run.wall, "a", encoding="utf-8") as fh:
-                    fh.write(line)
+                try:
+                    with open(run.wall, "a", encoding="utf-8") as fh:
+                        fh.write(line)
+                except OSError as exc:  # (a full disk): said, and the run's own outcome stays the error shown
+                    why = exc.strerror or exc
+                    print(f"kd: this part's wall time is not in {run.wall}: {why}", file=sys.stderr, flush=True)
 
 
 def wrote(run: RunFolder, since: float) -> bool:
