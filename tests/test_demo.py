@@ -68,6 +68,9 @@ def test_a_stopped_demo_continues_where_it_stopped(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "== kd demo: teacher" not in r.stdout and "== kd demo: student_kd ==" in r.stdout, r.stdout
     assert "KD's gain over the student alone: " in r.stdout and "| teacher resnet18" in r.stdout, r.stdout
+    assert "student timm:resnet10t with KD from the teacher, the same 200" in r.stdout, r.stdout
+    for name in ("teacher", "student", "student_kd"):
+        assert (out / name / "metrics.jsonl").is_file()
     assert (out / "teacher" / "metrics.jsonl").read_text() == teacher
     for name in demo.RUNS:
         assert (out / name / "checkpoints" / "best.pt").is_file()

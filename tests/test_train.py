@@ -183,25 +183,6 @@ def test_a_kd_checkpoint_as_teacher_names_its_model(image_folder, teacher_run, t
 
 
 @pytest.mark.slow
-def test_demo_runs_through_kd_train(tmp_path):
-    r = kd_main("demo", "--out", tmp_path / "demo", "--epochs", 1)
-    assert r.returncode == 0, r.stderr
-    assert "student timm:resnet10t with KD from the teacher, the same 200" in r.stdout
-    assert "KD's gain over the student alone: " in r.stdout
-    for name in ("teacher", "student", "student_kd"):
-        assert (tmp_path / "demo" / name / "metrics.jsonl").is_file()
-        assert list((tmp_path / "demo" / name / "tb").iterdir())
-        # what a user opens, not twice the checkpoints
-        assert (tmp_path / "demo" / name / "checkpoints" / "best.pt").is_file()
-        assert not (tmp_path / "demo" / name / "checkpoints" / "last.pt").exists()
-    few = tmp_path / "demo" / "data_20_per_class"  # the students' labelled digits, 20 of each class
-    assert sorted(len(list(d.iterdir())) for d in (few / "train").iterdir()) == [20] * 10
-    assert sum(1 for _ in (few / "val").rglob("*.jpg")) == sum(
-        1 for _ in (tmp_path / "demo" / "data" / "val").rglob("*.jpg")
-    )
-
-
-@pytest.mark.slow
 def test_compiled_run_trains_like_the_eager_one(image_folder, tmp_path):
     """--compile (torch.compile of teacher and student; inductor's C++ backend on the CPU)."""
     runs = {}
