@@ -57,6 +57,8 @@ class Teaching:
             if cfg.student_data is None:  # no student: the loaders normalise as the teacher wants
                 cfg = dataclasses.replace(cfg, student_data=cfg.teacher_data)
             self.cfg = cfg
+            if backend.device.type == "cuda":  # as a student's run sets it (kd.run.build)
+                torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
             self.data = build_data(  # every sample's row: a last short batch too
                 cfg,
                 num_replicas,
