@@ -100,7 +100,7 @@ def main() -> None:
             t0 = time.perf_counter()
             batch = next(it)
             t1 = time.perf_counter()
-            trainer.step(batch)[0]
+            trainer.step(batch)
             t2 = time.perf_counter()
             wait += t1 - t0
             step_host += t2 - t1
