@@ -608,7 +608,12 @@ TRAIN_OPTIONS = (
     Option("warmup_epochs", ("--warmup-epochs",), "Linear LR warm-up."),
     Option("grad_clip", ("--grad-clip",), "Clip the gradient norm to this value."),
     Option("image_size", ("--image-size",), "Train crop and val crop size."),
-    Option("val_resize", ("--val-resize",), "Val short-side resize.", note="image-size * 256/224"),
+    Option(
+        "val_resize",
+        ("--val-resize",),
+        "Val short-side resize.",
+        note="from the student's data config (its weights' resize to crop ratio), else image-size * 256/224",
+    ),
     Option("min_crop_scale", ("--min-crop-scale",), "Smallest crop area of RandomResizedCrop."),
     Option(
         "loader",
