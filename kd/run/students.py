@@ -192,26 +192,25 @@ def _resume_students(out: Path, recipes: Sequence[str], options: Dict[str, Any],
     same command again with ``--resume`` is fine where it names the same students."""
     if resume != "last":
         raise KDError(f"--resume {resume}: several students resume from their own last.pt; give --out {out} --resume")
-    held = list(load(out).names) if is_students_folder(out) else []
+    held = load(out) if is_students_folder(out) else None
     if recipes or options.get("kd_loss"):
         asked = [Path(r).stem for r in recipes] if recipes else str(options["kd_loss"]).split(",")
-        if sorted(asked) != sorted(held):
+        names = list(held.names) if held is not None else []
+        if sorted(asked) != sorted(names):
             raise KDError(
-                f"--resume continues the students --out {out} holds ({', '.join(held) or 'none'}), "
+                f"--resume continues the students --out {out} holds ({', '.join(names) or 'none'}), "
                 f"not {', '.join(asked)}; leave out --recipe and --kd-loss, or name the same ones"
             )
         options = {k: v for k, v in options.items() if k != "kd_loss"}
-    students = resumed(out, options, sets)
-    stopped = stopped_students(out)
-    resume_from = []
-    for name, cfg in zip(students.names, students.cfgs):
-        last = RunFolder(cfg.out).last
-        if name not in stopped and not last.is_file():
-            raise KDError(f"nothing to resume: {last} does not exist")
-        resume_from.append(last)
-    if all(name in stopped for name in students.names):
+    students = resumed(out, options, sets, held)
+    continued = students.from_last_checkpoints()
+    if continued is None:  # a student that trains has no last.pt
+        stopped = stopped_students(out)
+        lasts = [RunFolder(c.out).last for n, c in zip(students.names, students.cfgs) if n not in stopped]
+        raise KDError(f"nothing to resume: {next(last for last in lasts if not last.is_file())} does not exist")
+    if not continued.training():
         raise KDError(f"every student of {out} stopped on a non-finite loss; nothing to resume")
-    return dataclasses.replace(students, resume=tuple(resume_from), stopped=stopped)
+    return continued
 
 
 # ----------------------------------------------------------------------------- planning
@@ -334,9 +333,10 @@ def load(out: Path) -> Students:
     return Students(Path(out), names, tuple(cfgs))
 
 
-def resumed(out: Path, options: Dict[str, Any], sets: Sequence[str]) -> Students:
-    """The students ``out`` holds, with the options of ``kd train --resume`` (``--epochs``, say) applied to each."""
-    students = load(out)
+def resumed(out: Path, options: Dict[str, Any], sets: Sequence[str], held: Optional[Students] = None) -> Students:
+    """The students ``out`` holds (``held``, where already loaded), with the options of ``kd train
+    --resume`` (``--epochs``, say) applied to each."""
+    students = held if held is not None else load(out)
     cfgs = [kd_config.resolve(options={**options, "out": cfg.out}, sets=list(sets), base=cfg) for cfg in students.cfgs]
     check_shared(students.names, cfgs)
     return dataclasses.replace(students, cfgs=tuple(cfgs))
