@@ -12,7 +12,7 @@ actions:
   and evaluation (forward only, never for gradient sync);
 * the step: ``prefers_apex_amp`` (a wish the run's precision choice honours where it can),
   ``sync_gradients(model)`` runs after backward (a no-op where the wrapper syncs during backward);
-* reductions: ``all_reduce_sum(tensor)``, ``all_gather_object(obj)``, ``sync_buffers(module)``
+* reductions: ``all_reduce_sum(tensor)``, ``all_gather(tensor)``, ``all_gather_object(obj)``, ``sync_buffers(module)``
   before evaluation and checkpoints, and ``barrier()``.
 
 A backend is made with the run's config and its :class:`~kd.utils.placement.Placement` (where this
@@ -139,6 +139,11 @@ class Backend:
     def all_gather_object(self, obj) -> list:
         """``obj`` of every process, in rank order (a collective)."""
         return [obj]
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every process's ``tensor`` concatenated along dim 0, in rank order (a collective; the
+        tensors may differ in their first dimension)."""
+        return tensor
 
     def sync_buffers(self, module: nn.Module) -> None:
         """Give every process the same buffers (BatchNorm statistics), those the checkpoint holds;

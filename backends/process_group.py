@@ -129,6 +129,19 @@ class ProcessGroupBackend(Backend):
         dist.all_gather_object(gathered, obj)
         return gathered
 
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return tensor
+        sizes = torch.zeros(self.world_size, dtype=torch.long, device=tensor.device)
+        sizes[self.rank] = tensor.shape[0]
+        dist.all_reduce(sizes)
+        most = int(sizes.max())
+        padded = tensor.new_zeros((most, *tensor.shape[1:]))
+        padded[: tensor.shape[0]] = tensor
+        parts = [torch.empty_like(padded) for _ in range(self.world_size)]
+        dist.all_gather(parts, padded.contiguous())
+        return torch.cat([part[: int(n)] for part, n in zip(parts, sizes)])
+
     def sync_buffers(self, module: nn.Module) -> None:
         """Rank 0's buffers on every process, broadcast rather than averaged: the checkpoint holds
         rank 0's, so evaluation scores the saved model; it is what torch DDP's forward does at each

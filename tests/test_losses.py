@@ -461,6 +461,11 @@ SETTINGS = {
     "lskd": {"args": {"temperature": 3.0, "kd_weight": 9.0}, "kd_only": {"ce_weight": 0.0}},
     "fitnet": {"features": FEATS_SAME, "args": {"kd_weight": 1.0}, "kd_only": {"ce_weight": 0.0}},
     "at": {"features": FEATS_PAIRS, "args": {"p": 4.0, "at_weight": 500.0}, "kd_only": {"ce_weight": 0.0}},
+    "crd": {
+        "features": {"student": {"fc<1": (4, 8)}, "teacher": {"fc<1": (4, 12)}},
+        "args": {"feat_dim": 16, "negatives": 30, "temperature": 0.1, "momentum": 0.9, "crd_weight": 1.0},
+        "kd_only": {"ce_weight": 0.0},
+    },
 }
 
 
@@ -502,7 +507,11 @@ def prepared(name, args, dtype=torch.float32, num_classes=10, batch=4):
             {k: torch.Size(v) for k, v in spec["teacher"].items()},
         )
     labels_ = torch.randint(0, num_classes, (batch,), generator=g)
-    return loss, DistillInputs(student, labels_, teacher, s_feats, t_feats, progress=2.0)
+    indices = None
+    if loss.uses_samples:  # a training set of 5 samples per class, the batch its first samples
+        loss.setup_samples(torch.arange(5 * num_classes) % num_classes, 0, lambda t: t)
+        indices = torch.arange(batch)
+    return loss, DistillInputs(student, labels_, teacher, s_feats, t_feats, progress=2.0, indices=indices)
 
 
 @pytest.mark.parametrize("name", sorted(SETTINGS))

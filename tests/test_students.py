@@ -113,17 +113,17 @@ def test_students_together_equal_separate_runs_bit_for_bit(data, tmp_path):
         assert [json.loads(line)["epoch"] for line in records] == [1, 2]
 
 
-@pytest.mark.parametrize("methods", ["kd,fitnet", "kd,at"])
+@pytest.mark.parametrize("methods", ["kd,fitnet", "kd,at", "kd,crd"])
 def test_a_feature_student_after_another_equals_its_separate_run(data, tmp_path, methods):
-    """A feature method's connectors are drawn from its own seed, not from where the RNG stood after
-    the student that built the shared teacher."""
-    layers = dict(feature_layers=["body.2"])
+    """A feature method's connectors (and CRD's memory) are drawn from its own seed, not from where the
+    RNG stood after the student that built the shared teacher."""
+    layers = {} if "crd" in methods else dict(feature_layers=["body.2"])
     launch(TrainJob(multi.plan([], options(data, tmp_path / "table", kd_loss=methods, **layers), [])))
     for method in methods.split(","):
         kd.train(kd_config.resolve(options=options(data, tmp_path / "alone" / method, kd_loss=method, **layers)))
         together, alone = state(tmp_path / "table" / method), state(tmp_path / "alone" / method)
         assert together["global_step"] == alone["global_step"] == 3
-        assert alone["loss"] or method != "fitnet"  # fitnet's connectors are in the checkpoint
+        assert alone["loss"] or method not in ("fitnet", "crd")  # connectors (and CRD's memory) are in the checkpoint
         for part in ("student", "loss"):
             assert together[part].keys() == alone[part].keys()
             for key, value in alone[part].items():

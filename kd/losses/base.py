@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Dict, List, Optional, Tuple
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +52,11 @@ class DistillInputs:
     student_feats: Dict[str, torch.Tensor] = field(default_factory=dict)
     teacher_feats: Dict[str, torch.Tensor] = field(default_factory=dict)
     progress: float = 0.0
+    #: the samples' indices in the training set (int64, on the loss's device), for methods with
+    #: ``uses_samples``; None otherwise
+    indices: Optional[torch.Tensor] = None
+    #: the optimizer step this batch trains (counted from 0 over the whole run)
+    step: int = 0
 
 
 def kd_divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -83,6 +88,13 @@ class DistillLoss(nn.Module):
     calls :meth:`setup_features` once with the feature shapes, before the optimizer is
     built, so connectors created there are trained, checkpointed and all-reduced with the
     student. Their parameters belong to the student side and are dropped on export.
+
+    ``tap_point = "pre_relu"`` taps each named stage before its final ReLU (OFD, ReviewKD);
+    ``uses_pooled`` adds the pooled feature (the classifier's input, (N, C)) as the last entry of
+    both feature dicts; ``reads_teacher_norms`` has :meth:`setup_teacher` called with the teacher's
+    BatchNorm before each tapped stage's ReLU (OFD's margin). ``uses_samples`` methods (CRD) see each
+    sample's index in the training set (:attr:`DistillInputs.indices`): :meth:`setup_samples` gets
+    every training sample's class first, and :meth:`after_step` runs after each optimizer step.
     """
 
     #: computed in float32 at every opt level: the precisions keep its parameters and inputs float32
@@ -93,6 +105,10 @@ class DistillLoss(nn.Module):
     renamed: ClassVar[Dict[str, str]] = {}
     uses_features: ClassVar[bool] = False
     needs_teacher: ClassVar[bool] = True
+    tap_point: ClassVar[str] = "output"
+    uses_pooled: ClassVar[bool] = False
+    reads_teacher_norms: ClassVar[bool] = False
+    uses_samples: ClassVar[bool] = False
     name: ClassVar[str] = ""
 
     def __init_subclass__(cls, **kwargs: Any):
@@ -146,6 +162,19 @@ class DistillLoss(nn.Module):
 
     def setup_features(self, student_shapes: Dict[str, torch.Size], teacher_shapes: Dict[str, torch.Size]) -> None:
         """Create connectors once the feature shapes are known (feature methods override this)."""
+
+    def setup_teacher(self, norms: Dict[str, Tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """(weight, bias) of the teacher's BatchNorm before each tapped stage's final ReLU, by teacher
+        feature key, float32 copies (``reads_teacher_norms`` methods override this)."""
+
+    def setup_samples(self, labels: torch.Tensor, seed: int, gather: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Every training sample's class (int64, dataset order), the run's seed and ``gather(t)``, which
+        concatenates ``t`` over every process of the run in rank order (a collective), once before
+        training (``uses_samples`` methods override this)."""
+
+    def after_step(self) -> None:
+        """Runs on the loss after each optimizer step, on every process (``uses_samples`` methods
+        override this)."""
 
     def label_term(self, x: DistillInputs) -> torch.Tensor:
         """Cross-entropy of the student on the labels (indices or probabilities), in float32."""

@@ -22,7 +22,7 @@ from kd.run.log import NullLogger, RunLogger
 from kd.run.optim import build_optimizer, build_scheduler
 from kd.run.runtime import resolve as resolve_runtime
 from kd.run.sides import StudentSide
-from kd.utils.taps import check_layers, layer_names, tap
+from kd.utils.taps import check_layers, layer_names, pooled_key, pre_relu_key, tap
 
 
 def build_lane(
@@ -68,6 +68,9 @@ def build_lane(
     # Module.to(device, memory_format=...) is valid at run time; torch's overloads list the two apart
     side = StudentSide(student, loss, s_layers).to(dev, memory_format=runtime.memory_format)  # type: ignore[call-overload]
     side = backend.convert_model(side)  # before the optimizer: sync-BN layers, parameter layout
+    if loss.uses_samples:  # CRD's memory: one row per training sample, classes to draw negatives from
+        labels = torch.tensor([label for _, label in data.train_samples], dtype=torch.long)
+        loss.setup_samples(labels, cfg.seed, backend.all_gather)
     # the loaders normalise for the (first) student; another student renormalises on the device
     renorm = models.renormaliser(getattr(data.train, "norm", None), cfg.student_data)
     stop_in_setup(shared.stop, backend)
@@ -124,8 +127,10 @@ def build_lane(
 def setup_feature_layers(
     loss: DistillLoss, student: nn.Module, teacher: Optional[nn.Module], cfg
 ) -> Tuple[List[str], List[str]]:
-    """(student layers, teacher layers) to tap for a feature method (``--feature-layers`` or the
-    method's default); builds the loss's connectors from a dry run. Empty for logit methods."""
+    """(student tap keys, teacher tap keys) of a feature method (:mod:`kd.utils.taps`: the layers
+    of ``--feature-layers`` or the method's default, before their ReLU for a ``pre_relu`` method,
+    then the pooled feature where it uses it); builds the loss's connectors from a dry run and gives
+    a ``reads_teacher_norms`` method the teacher's BatchNorms. Empty for logit methods."""
     if not loss.uses_features:
         return [], []
     assert teacher is not None  # a feature method needs a teacher (needs_teacher), so build_models made one
@@ -133,18 +138,42 @@ def setup_feature_layers(
     s_layers, t_layers = split_layers(specs)
     check_layers(student, s_layers, f"student {cfg.student}")
     check_layers(teacher, t_layers, f"teacher {cfg.teacher}")
-    probe = torch.zeros(2, 3, cfg.image_size, cfg.image_size)
+    probe = torch.randn(2, 3, cfg.image_size, cfg.image_size, generator=torch.Generator().manual_seed(0))
+    keys, norms = [], {}
+    for model, layers, role in ((student, s_layers, f"student {cfg.student}"), (teacher, t_layers, f"teacher {cfg.teacher}")):
+        side = list(layers)
+        if loss.tap_point == "pre_relu":
+            found = [pre_relu_key(model, layer, probe, loss.name, role) for layer in layers]
+            side = [key for key, _ in found]
+            norms = {key: norm for key, norm in found}
+        if loss.uses_pooled:
+            side.append(pooled_key(model, loss.name, role))
+        keys.append(side)
     shapes = []
-    for model, layers in ((student, s_layers), (teacher, t_layers)):
+    for model, side in zip((student, teacher), keys):
         was_training = model.training
         model.eval()
         feats: Dict[str, torch.Tensor] = {}
-        with torch.no_grad(), tap(model, layers, feats):
+        with torch.no_grad(), tap(model, side, feats):
             model(probe)
         model.train(was_training)
-        shapes.append({k: feats[k].shape for k in layers})
+        shapes.append({k: feats[k].shape for k in side})
     loss.setup_features(*shapes)
-    return s_layers, t_layers
+    if loss.reads_teacher_norms:
+        loss.setup_teacher(teacher_norms(teacher, norms, loss.name, f"teacher {cfg.teacher}"))
+    return keys[0], keys[1]
+
+
+def teacher_norms(teacher: nn.Module, norms: Dict[str, Optional[str]], method: str, role: str):
+    """float32 (weight, bias) of the BatchNorm named for each tap key; KDError where one has none."""
+    modules = dict(teacher.named_modules())
+    out = {}
+    for key, name in norms.items():
+        bn = modules.get(name) if name else None
+        if bn is None or getattr(bn, "weight", None) is None:
+            raise KDError(f"KD loss {method!r} needs the BatchNorm before {role}'s ReLU at {key!r}; there is none")
+        out[key] = (bn.weight.detach().float().clone(), bn.bias.detach().float().clone())
+    return out
 
 
 def build_models(cfg, num_classes: int, teacher: Optional[nn.Module] = None):

@@ -222,9 +222,13 @@ class Lane:
         t_logits = t_feats = None
         if targets is not None:
             t_logits, t_feats = targets[0], {k: targets[1][k] for k in self.t_layers}
+        indices = None
+        if self.side.loss.uses_samples:
+            assert batch.indices is not None  # every training loader names its samples
+            indices = batch.indices.to(images.device, non_blocking=True)
         self.buffers.save()
         with precision.autocast():
-            parts = self.model(images, batch.labels, t_logits, t_feats, progress)
+            parts = self.model(images, batch.labels, t_logits, t_feats, progress, indices, self.state.global_step)
         parts = {k: v.float().mean() for k, v in parts.items()}
         self.loss_terms = self.loss_terms or sorted(k for k in parts if k not in ("loss", LOGITS_SUM))
         buffers_finite = self.buffers.check()
@@ -251,6 +255,7 @@ class Lane:
         if self.epoch_lr is None:
             self.epoch_lr = self.step_lr
         self.scheduler.step()
+        self.side.loss.after_step()
         self.state.global_step += 1
         self.state.batch_in_epoch += 1
         return StepOutput(parts, skipped, flags, len(batch))

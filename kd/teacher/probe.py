@@ -41,6 +41,7 @@ from kd.errors import KDError
 from kd.precision import DTYPES as REDUCED
 from kd.precision import dtype_name
 from kd.teacher.fuse import fuse_teacher
+from kd.utils.taps import kept_whole
 
 DTYPES = {**REDUCED, "float32": torch.float32}
 PROBE_BATCHES = 2  # validation batches per process
@@ -251,7 +252,7 @@ def fuse_and_choose(
     ``log`` says why. Tapped ``layers`` are kept whole."""
     if fuse:
         start = time.perf_counter()
-        fused, note = fuse_teacher(copy.deepcopy(teacher), keep=layers)
+        fused, note = fuse_teacher(copy.deepcopy(teacher), keep=[kept_whole(key) for key in layers])
         note += f" ({time.perf_counter() - start:.1f} s)"
         try:
             chosen = choose(fused.to(memory_format=memory_format))

@@ -1,19 +1,31 @@
-"""Feature taps: intermediate outputs through forward hooks, without changing model code.
+"""Feature taps: intermediate tensors through hooks, without changing model code.
+
+A tap key names what is kept:
+
+* ``NAME``: the output of submodule ``NAME`` (``layer3``);
+* ``NAME<K``: the input of the K-th call of submodule ``NAME`` in one forward (``layer1.1.relu<2``,
+  the pre-ReLU sum of a torchvision BasicBlock, whose one ReLU module runs twice; ``fc<1``, the
+  pooled feature the classifier reads). An input that an in-place module then overwrites is cloned.
+
+:func:`pre_relu_key` and :func:`pooled_key` find these keys for a model from one forward.
 
 Hooks are registered for the duration of one forward call on the module that runs it.
 DataParallel replicas copy each module's ``__dict__`` shallowly, so they share its hook dict: a
-replica's hook fires for every replica's module, and keeps the output of its own module only.
+replica's hook fires for every replica's module, and keeps what its own module saw only.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from kd.errors import KDError
+
+#: activation modules whose input is a stage's pre-activation output
+ACTIVATIONS = (nn.ReLU, nn.ReLU6)
 
 
 def layer_names(model: nn.Module) -> List[str]:
@@ -28,23 +40,128 @@ def check_layers(model: nn.Module, layers: List[str], role: str) -> None:
         raise KDError(f"{role} has no module {missing[0]!r} for --feature-layers; top-level modules: {', '.join(tops)}")
 
 
+def split_key(key: str) -> Tuple[str, int]:
+    """(module name, call): call 0 for the module's output, K >= 1 for the input of its K-th call."""
+    name, sep, call = key.partition("<")
+    if not sep:
+        return name, 0
+    if not call.isdigit() or int(call) < 1:
+        raise ValueError(f"bad tap key {key!r}")
+    return name, int(call)
+
+
+def kept_whole(key: str) -> str:
+    """The module that must run as it is for ``key`` to see its tensor (model rewrites such as the
+    teacher's fusion leave it alone): the module itself, or for an input tap the module's parent,
+    whose own ops (a residual sum) make that input."""
+    name, call = split_key(key)
+    return name.rpartition(".")[0] or name if call else name
+
+
 @contextlib.contextmanager
-def tap(model: nn.Module, layers: List[str], store: Dict[str, torch.Tensor]):
-    """Within the block, the outputs of ``model``'s submodules ``layers`` land in ``store``."""
-    if not layers:
+def tap(model: nn.Module, keys: List[str], store: Dict[str, torch.Tensor]):
+    """Within the block, the tensors ``keys`` of one forward of ``model`` land in ``store``."""
+    if not keys:
         yield store
         return
     modules = dict(model.named_modules())
     handles = []
-    for layer in layers:
+    for key in keys:
+        name, call = split_key(key)
+        mine = modules[name]
+        if call == 0:
 
-        def hook(module, _inputs, output, layer=layer, mine=modules[layer]):
-            if module is mine:
-                store[layer] = output
+            def hook(module, _inputs, output, key=key, mine=mine):
+                if module is mine:
+                    store[key] = output
 
-        handles.append(modules[layer].register_forward_hook(hook))
+            handles.append(mine.register_forward_hook(hook))
+        else:
+            calls = [0]
+
+            def pre_hook(module, inputs, key=key, mine=mine, call=call, calls=calls):
+                if module is mine:
+                    calls[0] += 1
+                    if calls[0] == call:
+                        x = inputs[0]
+                        store[key] = x.clone() if getattr(module, "inplace", False) else x
+
+            handles.append(mine.register_forward_pre_hook(pre_hook))
     try:
         yield store
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _call_log(model: nn.Module, under: str, probe: torch.Tensor):
+    """Every module call under ``under`` in one eval forward of ``probe``: (order, name, k-th call,
+    module, output), entered order; and ``under``'s output."""
+    modules = [(n, m) for n, m in model.named_modules() if n == under or n.startswith(under + ".")]
+    log: List[list] = []
+    counts: Dict[str, int] = {}
+    handles = []
+    for name, module in modules:
+
+        def pre(module, _inputs, name=name):
+            counts[name] = counts.get(name, 0) + 1
+            log.append([len(log), name, counts[name], module, None])
+
+        def post(module, _inputs, output, name=name):
+            for entry in reversed(log):
+                if entry[1] == name and entry[4] is None:
+                    entry[4] = output
+                    break
+
+        handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(probe)
+    finally:
+        model.train(was_training)
+        for handle in handles:
+            handle.remove()
+    stage_out = next(entry[4] for entry in log if entry[1] == under)
+    return log, stage_out
+
+
+def pre_relu_key(
+    model: nn.Module, stage: str, probe: torch.Tensor, method: str, role: str
+) -> Tuple[str, Optional[str]]:
+    """(the tap key of ``stage``'s output before its final ReLU, the BatchNorm that feeds that sum).
+
+    Found from one forward: the last activation module called inside ``stage`` whose output is the
+    stage's output gives the key ``name<K`` (its input at that call); a stage that ends without an
+    activation (a linear bottleneck) is pre-activation already and gives ``stage``. The BatchNorm is
+    the last one entered before that activation (None where there is none). KDError where the
+    stage's output is all >= 0 but made by no activation module kd can hook (a functional ReLU)."""
+    log, out = _call_log(model, stage, probe)
+    final = None
+    for entry in log:
+        if isinstance(entry[3], ACTIVATIONS) and entry[4] is out:
+            final = entry
+    if final is None:
+        if bool((out >= 0).all()):
+            raise KDError(
+                f"KD loss {method!r} distils pre-ReLU features, but {role}'s {stage!r} applies its last "
+                "ReLU where kd cannot tap it (not an nn.ReLU module); choose other stages with --feature-layers"
+            )
+        return stage, None
+    norms = [e for e in log if e[0] < final[0] and isinstance(e[3], nn.modules.batchnorm._BatchNorm)]
+    return f"{final[1]}<{final[2]}", (norms[-1][1] if norms else None)
+
+
+def pooled_key(model: nn.Module, method: str, role: str) -> str:
+    """The tap key of the pooled feature: the input of the classifier (timm's ``get_classifier()``,
+    torchvision's ``fc``, ``classifier`` or ``heads``)."""
+    names = {id(m): n for n, m in model.named_modules() if n}
+    getter = getattr(model, "get_classifier", None)
+    head = getter() if callable(getter) else None
+    if head is None or id(head) not in names:
+        head = next((getattr(model, n) for n in ("fc", "classifier", "heads", "head") if hasattr(model, n)), None)
+    if not isinstance(head, nn.Module) or id(head) not in names:
+        raise KDError(f"KD loss {method!r} needs the pooled feature, but {role} has no classifier module kd knows")
+    return f"{names[id(head)]}<1"
+
