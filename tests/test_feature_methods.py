@@ -1,0 +1,59 @@
+"""The feature methods that need more than module outputs, through the engine as a user runs them:
+pre-ReLU stages and pooled features tapped on real models, CRD's memory over an epoch, several
+processes and a resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import kd_main, run_kd, tiny_config, train_args
+
+import kd
+
+NEW_METHODS = ["crd"]
+#: a few negatives: CRD's 16,384 would be drawn from the same 16 samples again and again here
+SMALL = {"crd": {"negatives": 64}}
+
+
+def checkpoint(out):
+    return torch.load(out / "checkpoints" / "last.pt", weights_only=True)
+
+
+@pytest.mark.parametrize("method", NEW_METHODS)
+def test_a_resumed_run_equals_the_uninterrupted_one(image_folder, tmp_path, method):
+    args = dict(kd_loss=method, lr_schedule="constant", loss_args=SMALL.get(method, {}))
+    kd.train(tiny_config(image_folder, tmp_path / "full", epochs=2, **args))
+    kd.train(tiny_config(image_folder, tmp_path / "part", epochs=1, **args))
+    r = kd_main("train", "--out", tmp_path / "part", "--resume", "--epochs", 2)
+    assert r.returncode == 0, r.stderr
+    a, b = checkpoint(tmp_path / "full"), checkpoint(tmp_path / "part")
+    assert a["global_step"] == b["global_step"] == 6
+    for part in ("student", "loss"):
+        assert a[part].keys() == b[part].keys() and a[part]
+        for key, value in a[part].items():
+            assert torch.equal(value, b[part][key]), (part, key)
+    records = [json.loads(x) for x in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["train_skipped_steps"] == 0 for r in records), records
+    assert records[-1][f"train_{method}"] > 0
+
+
+def test_crd_memory_takes_every_process_samples(image_folder, tmp_path):
+    """Two processes of one epoch: every training sample's row in rank 0's memory (the checkpoint's)
+    moved, the half rank 1 trained included; each row is a unit vector, and Z was set."""
+    out = tmp_path / "run"
+    r = run_kd(*train_args(image_folder, out, "--backend", "torch_ddp", "--nproc", 2, "--loss-arg", "negatives=64", kd_loss="crd"))
+    assert r.returncode == 0, r.stderr
+    state = checkpoint(out)["loss"]["_extra_state"]
+    n = 3 * 8  # image_folder: 3 classes of 8 training images
+    memory, z = state[:-2].view(2, n, 128), state[-2:]
+    assert torch.isfinite(z).all() and (z > 0).all()
+    torch.testing.assert_close(memory.norm(dim=2), torch.ones(2, n))
+
+
+def test_soft_labels_refuse_crd(tmp_path):
+    r = kd_main(
+        "train", "--data", "synthetic", "--student", "resnet18", "--kd-loss", "crd", "--soft-labels", tmp_path, "--out", tmp_path / "o"
+    )
+    assert r.returncode == 2 and "--kd-loss crd needs the teacher's features" in r.stderr, r.stderr
