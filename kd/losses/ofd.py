@@ -1,0 +1,148 @@
+"""Heo et al. 2019, "A Comprehensive Overhaul of Feature Distillation" (ICCV), https://arxiv.org/abs/1904.01866."""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from kd.errors import KDError
+from kd.losses.base import DistillInputs, DistillLoss, register
+from kd.losses.features import check_maps, default_stage_layers, feature_pairs, pool_to_common
+
+# below this probability of a negative pre-ReLU value the expectation is replaced by -3 std
+_TINY_NEGATIVE_PROBABILITY = 0.001
+
+
+def relu_margins(weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """The margin of each channel from the BatchNorm (weight, bias) before a ReLU, in float32.
+
+    The BatchNorm output x is taken as N(bias, weight^2); the margin is E[x | x < 0] =
+    bias - |weight| * pdf(z) / cdf(z) with z = -bias / |weight|, or -3 |weight| where
+    cdf(z) <= 0.001. Computed in float64 and rounded to float32, as the official code does
+    (Python floats into a FloatTensor). A zero weight gives the limit: bias when bias < 0, else 0.
+    """
+    std = weight.detach().double().abs()
+    mean = bias.detach().double()
+    z = -mean / std
+    negative = torch.special.ndtr(z)
+    expected = -std * torch.exp(-z * z / 2) / math.sqrt(2 * math.pi) / negative + mean
+    return torch.where(negative > _TINY_NEGATIVE_PROBABILITY, expected, -3 * std).float()
+
+
+def partial_l2(student: torch.Tensor, teacher: torch.Tensor, margin: torch.Tensor) -> torch.Tensor:
+    """Sum over all elements of (s - t')^2, t' = max(t, margin), except where s <= t' <= 0.
+
+    ``margin`` is one value per channel. Where the teacher's value is negative the student
+    need only stay below it: the teacher's ReLU would zero both.
+    """
+    target = torch.max(teacher, margin.to(teacher.dtype).view(1, -1, 1, 1))
+    kept = (student > target) | (target > 0)
+    return torch.where(kept, (student - target).pow(2), torch.zeros_like(student)).sum()
+
+
+class Connector(nn.Module):
+    """1x1 convolution + BatchNorm from the student's channels to the teacher's, initialised as the
+    official code does: convolution weights from N(0, 2 / out_channels), BatchNorm weight 1, bias 0."""
+
+    def __init__(self, in_channels: int, out_channels: int):
+        super().__init__()
+        self.conv = nn.Conv2d(in_channels, out_channels, kernel_size=1, bias=False)
+        self.bn = nn.BatchNorm2d(out_channels)
+        nn.init.normal_(self.conv.weight, 0.0, math.sqrt(2.0 / out_channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.conv(x.to(self.conv.weight.dtype)))
+
+
+def _at_least_float32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+@register("ofd")
+class OverhaulDistillation(DistillLoss):
+    """OFD: ``ce_weight * CE + ofd_weight * sum_i 2^-(n-1-i) partial_l2(connector_i(f_s), f_t) / N``.
+
+    The features are the pre-ReLU stage outputs of both models (``tap_point``), by default the
+    four stages at strides 4-32, as in the official ImageNet code; the last stage weighs 1, each
+    earlier one half the next. The teacher's map is clamped below by the margin of its channel
+    (:func:`relu_margins`, from the teacher's BatchNorm before the stage's final ReLU, given to
+    :meth:`setup_teacher`), and the partial L2 distance (:func:`partial_l2`) is summed over
+    batch, channels and positions and divided by the batch size N. For a ResNet stage, whose
+    pre-ReLU output is the last block's BatchNorm plus the shortcut, the official code takes the
+    margin from that BatchNorm alone. Both the official code and mdistiller run the teacher with
+    batch statistics (train mode) while distilling.
+
+    Connectors (:class:`Connector`, initialised as the official code does) are trained with the
+    student. The official code needs equal spatial sizes; where they differ the larger map is
+    average-pooled to the smaller after the connector.
+
+    ``ofd_weight`` = 1e-4 is the official ImageNet setting (``CE + loss.sum() / batch / 10000``;
+    its CIFAR-100 code divides by 1000). mdistiller's ``OFD.LOSS.FEAT_WEIGHT`` is the same weight
+    (1e-4 in ``configs/imagenet/r50_mv1/ofd.yaml``, 1e-3 by default), but it distils only the
+    last three stages (weights 1/4, 1/2, 1) and pools the teacher's map to the student's size.
+    """
+
+    uses_features = True
+    #: the engine taps each stage's output before its final ReLU, on both sides
+    tap_point: ClassVar[str] = "pre_relu"
+    defaults = {"ce_weight": 1.0, "ofd_weight": 1e-4}
+
+    margins: Optional[torch.Tensor]
+
+    def __init__(self, num_classes: int, **hparams):
+        super().__init__(num_classes, **hparams)
+        self.connectors = nn.ModuleList()
+        self.pairs: List[Tuple[str, str]] = []
+        self.channels: List[int] = []  # the teacher's, per pair
+        # recomputed from the teacher at every start, so not in the checkpoint
+        self.register_buffer("margins", None, persistent=False)
+
+    @classmethod
+    def default_layers(cls, student_layers: List[str], teacher_layers: List[str]) -> List[str]:
+        return default_stage_layers(cls.name, student_layers, teacher_layers, stages=(0, 1, 2, 3))
+
+    def setup_features(self, student_shapes: Dict[str, torch.Size], teacher_shapes: Dict[str, torch.Size]) -> None:
+        self.pairs = feature_pairs(self.name, student_shapes, teacher_shapes)
+        for s, t in self.pairs:
+            check_maps(self.name, s, student_shapes[s])
+            check_maps(self.name, t, teacher_shapes[t])
+        self.connectors = nn.ModuleList(Connector(student_shapes[s][1], teacher_shapes[t][1]) for s, t in self.pairs)
+        self.channels = [int(teacher_shapes[t][1]) for _, t in self.pairs]
+
+    def setup_teacher(self, norms: Dict[str, Tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The margins from the (weight, bias) of the teacher's BatchNorm before each stage's final ReLU."""
+        teacher = [t for _, t in self.pairs]
+        if sorted(norms) != sorted(teacher):
+            raise KDError(
+                f"KD loss 'ofd' needs the teacher's BatchNorm of the layers {', '.join(teacher) or 'none'}; "
+                f"got {', '.join(norms) or 'none'}"
+            )
+        margins = []
+        for t, channels in zip(teacher, self.channels):
+            weight, bias = norms[t]
+            if weight.shape != (channels,) or bias.shape != (channels,):
+                raise KDError(
+                    f"KD loss 'ofd': the BatchNorm before the ReLU of teacher layer {t!r} has "
+                    f"{tuple(weight.shape)} weights, the layer {channels} channels"
+                )
+            margins.append(relu_margins(weight, bias))
+        self.margins = torch.cat(margins).to(next(self.connectors.parameters()).device)
+
+    def distill(self, x: DistillInputs):
+        pairs = feature_pairs(self.name, x.student_feats, x.teacher_feats)
+        if len(pairs) != len(self.connectors):
+            raise KDError(f"KD loss 'ofd' was set up for {len(self.connectors)} layer pair(s), got {len(pairs)}")
+        if self.margins is None:
+            raise KDError("KD loss 'ofd' needs the teacher's BatchNorm before each distilled ReLU; none was given")
+        margins = self.margins.split(self.channels)
+        stages = []
+        for connector, margin, (s, t) in zip(self.connectors, margins, pairs):
+            student = _at_least_float32(connector(x.student_feats[s]))
+            teacher = _at_least_float32(x.teacher_feats[t].detach())
+            stages.append(partial_l2(*pool_to_common(student, teacher), margin))
+        n = len(stages)
+        ofd = sum(loss / 2 ** (n - 1 - i) for i, loss in enumerate(stages)) / x.student_feats[pairs[0][0]].shape[0]
+        return self.hparams["ofd_weight"] * ofd, {"ofd": ofd}
