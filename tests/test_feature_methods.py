@@ -8,11 +8,12 @@ import json
 
 import pytest
 import torch
+import yaml
 from conftest import kd_main, run_kd, tiny_config, train_args
 
 import kd
 
-NEW_METHODS = ["crd"]
+NEW_METHODS = ["crd", "ofd", "reviewkd"]
 #: a few negatives: CRD's 16,384 would be drawn from the same 16 samples again and again here
 SMALL = {"crd": {"negatives": 64}}
 
@@ -57,3 +58,25 @@ def test_soft_labels_refuse_crd(tmp_path):
         "train", "--data", "synthetic", "--student", "resnet18", "--kd-loss", "crd", "--soft-labels", tmp_path, "--out", tmp_path / "o"
     )
     assert r.returncode == 2 and "--kd-loss crd needs the teacher's features" in r.stderr, r.stderr
+
+
+def test_the_new_methods_beside_others_equal_their_separate_runs(image_folder, tmp_path):
+    """One teacher forward with the union of every student's taps (pre-ReLU stages, pooled features),
+    each student bit for bit its own run."""
+    recipes = []
+    for method in ["kd", "dkd", *NEW_METHODS]:
+        recipe = tmp_path / f"{method}.yaml"
+        recipe.write_text(yaml.safe_dump({"kd_loss": method, "loss_args": SMALL.get(method, {})}))
+        recipes += ["--recipe", recipe]
+    r = kd_main(*train_args(image_folder, tmp_path / "table", *recipes, limit_train_batches=2))
+    assert r.returncode == 0, r.stderr
+    for method in ["dkd", *NEW_METHODS]:
+        recipe = tmp_path / f"{method}.yaml"
+        r = kd_main(*train_args(image_folder, tmp_path / method, "--recipe", recipe, limit_train_batches=2))
+        assert r.returncode == 0, r.stderr
+        together, alone = checkpoint(tmp_path / "table" / method), checkpoint(tmp_path / method)
+        assert together["global_step"] == alone["global_step"] == 2
+        for part in ("student", "loss"):
+            assert together[part].keys() == alone[part].keys()
+            for key, value in alone[part].items():
+                assert torch.equal(together[part][key], value), (method, part, key)

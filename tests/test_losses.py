@@ -445,6 +445,24 @@ FEATS_PAIRS = {
     "teacher": {"layer1": (4, 12, 4, 4), "layer2": (4, 14, 2, 2)},
 }
 
+# stage maps then the pooled feature (N, C), as the engine hands them to methods with uses_pooled
+FEATS_REVIEW = {
+    "student": {
+        "features.3": (4, 6, 8, 8),
+        "features.6": (4, 10, 4, 4),
+        "features.13": (4, 12, 2, 2),
+        "features.17": (4, 14, 1, 1),
+        "classifier<1": (4, 14),
+    },
+    "teacher": {
+        "layer1": (4, 8, 8, 8),
+        "layer2": (4, 12, 4, 4),
+        "layer3": (4, 16, 2, 2),
+        "layer4": (4, 20, 1, 1),
+        "fc<1": (4, 20),
+    },
+}
+
 # one entry per registered loss: hyper-parameters to try, the features it needs, and the
 # arguments that leave only its distillation term
 SETTINGS = {
@@ -461,6 +479,12 @@ SETTINGS = {
     "lskd": {"args": {"temperature": 3.0, "kd_weight": 9.0}, "kd_only": {"ce_weight": 0.0}},
     "fitnet": {"features": FEATS_SAME, "args": {"kd_weight": 1.0}, "kd_only": {"ce_weight": 0.0}},
     "at": {"features": FEATS_PAIRS, "args": {"p": 4.0, "at_weight": 500.0}, "kd_only": {"ce_weight": 0.0}},
+    "ofd": {"features": FEATS_PAIRS, "teacher_norms": True, "args": {"ofd_weight": 1e-3}, "kd_only": {"ce_weight": 0.0}},
+    "reviewkd": {
+        "features": FEATS_REVIEW,
+        "args": {"reviewkd_weight": 8.0, "mid_channels": 8, "warmup": 4.0},
+        "kd_only": {"ce_weight": 0.0},
+    },
     "crd": {
         "features": {"student": {"fc<1": (4, 8)}, "teacher": {"fc<1": (4, 12)}},
         "args": {"feat_dim": 16, "negatives": 30, "temperature": 0.1, "momentum": 0.9, "crd_weight": 1.0},
@@ -505,6 +529,10 @@ def prepared(name, args, dtype=torch.float32, num_classes=10, batch=4):
         loss.setup_features(
             {k: torch.Size(v) for k, v in spec["student"].items()},
             {k: torch.Size(v) for k, v in spec["teacher"].items()},
+        )
+    if setting.get("teacher_norms"):
+        loss.setup_teacher(
+            {k: (torch.linspace(0.5, 1.5, v[1]), torch.linspace(-1.0, 1.0, v[1])) for k, v in spec["teacher"].items()}
         )
     labels_ = torch.randint(0, num_classes, (batch,), generator=g)
     indices = None

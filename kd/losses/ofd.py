@@ -88,6 +88,7 @@ class OverhaulDistillation(DistillLoss):
     uses_features = True
     #: the engine taps each stage's output before its final ReLU, on both sides
     tap_point: ClassVar[str] = "pre_relu"
+    reads_teacher_norms: ClassVar[bool] = True
     defaults = {"ce_weight": 1.0, "ofd_weight": 1e-4}
 
     margins: Optional[torch.Tensor]

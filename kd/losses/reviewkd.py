@@ -13,7 +13,6 @@ from kd.errors import KDError
 from kd.losses.base import DistillInputs, DistillLoss, register
 from kd.losses.features import check_maps, default_stage_layers, feature_pairs
 
-POOLED = "pooled"
 
 # The sides of the pooled maps that the hierarchical context loss compares besides the full map.
 CONTEXT_SIZES = (4, 2, 1)
@@ -117,14 +116,12 @@ def as_levels(feats: Mapping[str, torch.Tensor]) -> List[torch.Tensor]:
 def check_levels(method: str, shapes: Mapping[str, Sequence[int]]) -> None:
     """KDError unless ``shapes`` are stage maps (N, C, H, W) followed by the pooled feature (N, C)."""
     names = list(shapes)
-    if len(names) < 2 or names[-1] != POOLED:
-        raise KDError(
-            f"KD loss {method!r} needs stage feature maps followed by the pooled feature {POOLED!r}; got {names}"
-        )
+    if len(names) < 2:
+        raise KDError(f"KD loss {method!r} needs stage feature maps followed by the pooled feature; got {names}")
     for name in names[:-1]:
         check_maps(method, name, shapes[name])
-    if len(shapes[POOLED]) != 2:
-        raise KDError(f"KD loss {method!r} needs the pooled feature as (N, C), got shape {tuple(shapes[POOLED])}")
+    if len(shapes[names[-1]]) != 2:
+        raise KDError(f"KD loss {method!r} needs the pooled feature as (N, C), got shape {tuple(shapes[names[-1]])}")
 
 
 @register("reviewkd")
@@ -132,8 +129,7 @@ class ReviewKD(DistillLoss):
     """ReviewKD: ``ce_weight * CE + ramp * reviewkd_weight * hcl(ABF chain(student levels), teacher levels)``.
 
     The levels are the pre-ReLU stage outputs (the four stages by default) and the pooled
-    feature (the classifier's input) of each side; the engine appends the pooled one under
-    ``"pooled"``. A chain of :class:`ABF`, one per level, runs from the pooled level to the
+    feature (the classifier's input) of each side; the engine appends the pooled one last. A chain of :class:`ABF`, one per level, runs from the pooled level to the
     shallowest stage, each level fusing the student's map with the residual of the deeper ones;
     its outputs have the teacher's channels and size and are compared with the teacher's levels
     by :func:`hcl`. The chain's parameters are kept in its running order (``abfs.0`` is the
