@@ -373,7 +373,16 @@ def recipes_show(name):
     metavar="FILE.png",
     help="Also draw val top-1 (paper references dashed) and train loss per epoch (needs matplotlib).",
 )
-def report(runs, csv_path, plot_path):
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["runs", "markdown", "latex"]),
+    default="runs",
+    show_default=True,
+    help="runs: one row per run with every column; markdown or latex: the paper's table of each teacher and "
+    "student pair (teacher, student alone, each method: top-1, top-5, paper top-1, difference).",
+)
+def report(runs, csv_path, plot_path, fmt):
     """Several runs' results as one table: best/last top-1/top-5, reference, difference, times.
 
     RUNS are run folders or folders of runs (kd report runs/demo); what is not a run is skipped with a note.
@@ -381,11 +390,16 @@ def report(runs, csv_path, plot_path):
     validation included); train_time: the epochs' training seconds only. A run of an older kd has no
     wall_time (-).
     """
+    from kd.commands import paper
     from kd.commands.report import markdown, plot, to_csv
     from kd.commands.report import report as collect
 
-    rows = collect(runs, note=lambda line: click.echo(f"kd report: {line}", err=True))
-    click.echo(markdown(rows))
+    note = lambda line: click.echo(f"kd report: {line}", err=True)  # noqa: E731
+    rows = collect(runs, note=note)
+    if fmt == "runs":
+        click.echo(markdown(rows))
+    else:
+        click.echo(paper.markdown(rows, note) if fmt == "markdown" else paper.latex(rows, note))
     if csv_path:
         csv_path.write_text(to_csv(rows))
     if plot_path:  # the table is out first: a missing matplotlib costs only the figure

@@ -44,7 +44,11 @@ def test_crd_memory_takes_every_process_samples(image_folder, tmp_path):
     """Two processes of one epoch: every training sample's row in rank 0's memory (the checkpoint's)
     moved, the half rank 1 trained included; each row is a unit vector, and Z was set."""
     out = tmp_path / "run"
-    r = run_kd(*train_args(image_folder, out, "--backend", "torch_ddp", "--nproc", 2, "--loss-arg", "negatives=64", kd_loss="crd"))
+    r = run_kd(
+        *train_args(
+            image_folder, out, "--backend", "torch_ddp", "--nproc", 2, "--loss-arg", "negatives=64", kd_loss="crd"
+        )
+    )
     assert r.returncode == 0, r.stderr
     state = checkpoint(out)["loss"]["_extra_state"]
     n = 3 * 8  # image_folder: 3 classes of 8 training images
@@ -55,7 +59,17 @@ def test_crd_memory_takes_every_process_samples(image_folder, tmp_path):
 
 def test_soft_labels_refuse_crd(tmp_path):
     r = kd_main(
-        "train", "--data", "synthetic", "--student", "resnet18", "--kd-loss", "crd", "--soft-labels", tmp_path, "--out", tmp_path / "o"
+        "train",
+        "--data",
+        "synthetic",
+        "--student",
+        "resnet18",
+        "--kd-loss",
+        "crd",
+        "--soft-labels",
+        tmp_path,
+        "--out",
+        tmp_path / "o",
     )
     assert r.returncode == 2 and "--kd-loss crd needs the teacher's features" in r.stderr, r.stderr
 

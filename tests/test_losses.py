@@ -479,7 +479,12 @@ SETTINGS = {
     "lskd": {"args": {"temperature": 3.0, "kd_weight": 9.0}, "kd_only": {"ce_weight": 0.0}},
     "fitnet": {"features": FEATS_SAME, "args": {"kd_weight": 1.0}, "kd_only": {"ce_weight": 0.0}},
     "at": {"features": FEATS_PAIRS, "args": {"p": 4.0, "at_weight": 500.0}, "kd_only": {"ce_weight": 0.0}},
-    "ofd": {"features": FEATS_PAIRS, "teacher_norms": True, "args": {"ofd_weight": 1e-3}, "kd_only": {"ce_weight": 0.0}},
+    "ofd": {
+        "features": FEATS_PAIRS,
+        "teacher_norms": True,
+        "args": {"ofd_weight": 1e-3},
+        "kd_only": {"ce_weight": 0.0},
+    },
     "reviewkd": {
         "features": FEATS_REVIEW,
         "args": {"reviewkd_weight": 8.0, "mid_channels": 8, "warmup": 4.0},

@@ -247,3 +247,68 @@ def test_missing_matplotlib_is_said_not_skipped(tmp_path, no_matplotlib):
     bench.write_outputs([row], tmp_path, "single O0", notes.append)
     assert any("matplotlib" in note and "bench.png" in note for note in notes)
     assert (tmp_path / "bench.csv").is_file()
+
+
+def _table_run(root: Path, recipe: str, top1: float, options=None, teacher=None, images=1_281_167) -> Path:
+    """A run folder as kd writes it for ``recipe``: config.yaml and two evaluated epochs of ``images``
+    training images, the first with the teacher's measured accuracy ``teacher`` (top-1, top-5)."""
+    from kd import config as kd_config
+
+    out = root / recipe.split("/")[-1]
+    out.mkdir(parents=True)
+    kd_config.save(kd_config.resolve(recipe=recipe, options=options or {}), out / "config.yaml")
+    first = {"epoch": 1, "train_images": images, "val_top1": top1 - 5, "val_top5": top1 + 15, "seconds": 60}
+    if teacher:
+        first.update(teacher_top1=teacher[0], teacher_top5=teacher[1])
+    last = {"epoch": 2, "train_images": images, "val_top1": top1, "val_top5": top1 + 19.5, "seconds": 60}
+    (out / "metrics.jsonl").write_text(json.dumps(first) + "\n" + json.dumps(last) + "\n")
+    return out
+
+
+def test_report_prints_the_papers_table_in_markdown_and_latex(tmp_path):
+    """Teacher, student alone, then the methods in the papers' order, with top-1, top-5 and the
+    published top-1 (torchvision's for the teacher) where each run was that setting on ImageNet."""
+    teacher = (73.3, 91.4)
+    _table_run(tmp_path, "imagenet/r34_r18_dkd", 71.5, teacher=teacher)
+    _table_run(tmp_path, "imagenet/r34_r18_crd", 71.0, teacher=teacher)
+    _table_run(tmp_path, "imagenet/r34_r18_kd", 70.9, teacher=teacher)
+    _table_run(tmp_path, "imagenet/baseline_r18", 69.6)
+    r = kd_main("report", tmp_path, "--format", "markdown")
+    assert r.returncode == 0, r.stderr
+    lines = [line for line in r.stdout.splitlines() if line.startswith("| ")]
+    assert lines == [
+        "| method | top-1 | top-5 | paper top-1 | diff |",
+        "| teacher (resnet34) | 73.30 | 91.40 | 73.31 | -0.01 |",
+        "| student alone (resnet18) | 69.60 | 89.10 | 69.76 | -0.16 |",
+        "| KD | 70.90 | 90.40 | 71.03 | -0.13 |",
+        "| CRD | 71.00 | 90.50 | 71.17 | -0.17 |",
+        "| DKD | 71.50 | 91.00 | 71.70 | -0.20 |",
+    ], r.stdout
+    assert r.stdout.startswith("resnet34 -> resnet18\n")
+    r = kd_main("report", tmp_path, "--format", "latex")
+    assert r.returncode == 0, r.stderr
+    body = r.stdout.splitlines()
+    assert body[1:5] == [
+        r"\begin{tabular}{lrrrr}",
+        r"\toprule",
+        r"Method & Top-1 & Top-5 & Paper top-1 & $\Delta$ \\",
+        r"\midrule",
+    ]
+    assert body[5:9] == [
+        r"teacher (resnet34) & 73.30 & 91.40 & 73.31 & -0.01 \\",
+        r"student alone (resnet18) & 69.60 & 89.10 & 69.76 & -0.16 \\",
+        r"\midrule",
+        r"KD & 70.90 & 90.40 & 71.03 & -0.13 \\",
+    ], r.stdout
+    assert body[-2:] == [r"\bottomrule", r"\end{tabular}"]
+
+
+def test_the_papers_table_of_a_small_folder_has_no_references(tmp_path):
+    """Runs on a few images are not the published setting: no reference, and no baseline row without a
+    student-alone run (said on stderr)."""
+    _table_run(tmp_path, "imagenet/r34_r18_ofd", 40.0, teacher=(50.0, 80.0), images=1200)
+    r = kd_main("report", tmp_path, "--format", "markdown")
+    assert r.returncode == 0, r.stderr
+    rows = [line for line in r.stdout.splitlines() if line.startswith("| ")][1:]
+    assert rows == ["| teacher (resnet34) | 50.00 | 80.00 | - | - |", "| OFD | 40.00 | 59.50 | - | - |"], r.stdout
+    assert "no run of resnet18 alone among the runs" in r.stderr

@@ -92,6 +92,11 @@ def collect(run: Path) -> Dict[str, object]:
         "wall_s": round(wall, 1) if wall is not None else "",
         "train_s": round(train, 1),
         "_no_reference": why,
+        # for the paper's table (kd.commands.paper): the teacher's accuracy as this run measured it
+        "_teacher_top1": records[0].get("teacher_top1"),
+        "_teacher_top5": records[0].get("teacher_top5"),
+        "_teacher_weights": cfg.get("teacher_weights"),
+        "_imagenet": bool(records) and records[0].get("train_images", 0) >= 0.99 * IMAGENET_TRAIN_IMAGES,
         "_no_wall": None if parts else "no wall.jsonl (a run of an older kd): its wall time is not known",
     }
 

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kd.errors import KDError
@@ -106,7 +105,9 @@ class CRD(DistillLoss):
 
     def setup_features(self, student_shapes: Dict[str, torch.Size], teacher_shapes: Dict[str, torch.Size]) -> None:
         if len(student_shapes) != 1 or len(teacher_shapes) != 1:
-            raise KDError("KD loss 'crd' distils the pooled features (the classifiers' inputs) only; leave out --feature-layers")
+            raise KDError(
+                "KD loss 'crd' distils the pooled features (the classifiers' inputs) only; leave out --feature-layers"
+            )
         (s_shape,), (t_shape,) = student_shapes.values(), teacher_shapes.values()
         dim = int(self.hparams["feat_dim"])
         self.embed_student = Embed(math.prod(s_shape[1:]), dim)
@@ -116,7 +117,9 @@ class CRD(DistillLoss):
         n = labels.numel()
         counts = torch.bincount(labels)
         if n == 0 or int(counts.max()) == n:
-            raise KDError("KD loss 'crd' contrasts samples of other classes: the training data needs two classes or more")
+            raise KDError(
+                "KD loss 'crd' contrasts samples of other classes: the training data needs two classes or more"
+            )
         dim = int(self.hparams["feat_dim"])
         stdv = 1.0 / math.sqrt(dim / 3)
         generator = torch.Generator().manual_seed(seed)

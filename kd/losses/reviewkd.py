@@ -13,7 +13,6 @@ from kd.errors import KDError
 from kd.losses.base import DistillInputs, DistillLoss, register
 from kd.losses.features import check_maps, default_stage_layers, feature_pairs
 
-
 # The sides of the pooled maps that the hierarchical context loss compares besides the full map.
 CONTEXT_SIZES = (4, 2, 1)
 
@@ -129,8 +128,8 @@ class ReviewKD(DistillLoss):
     """ReviewKD: ``ce_weight * CE + ramp * reviewkd_weight * hcl(ABF chain(student levels), teacher levels)``.
 
     The levels are the pre-ReLU stage outputs (the four stages by default) and the pooled
-    feature (the classifier's input) of each side; the engine appends the pooled one last. A chain of :class:`ABF`, one per level, runs from the pooled level to the
-    shallowest stage, each level fusing the student's map with the residual of the deeper ones;
+    feature (the classifier's input) of each side; the engine appends the pooled one last. A
+    chain of :class:`ABF`, one per level, runs from the pooled level to the shallowest stage, each level fusing the student's map with the residual of the deeper ones;
     its outputs have the teacher's channels and size and are compared with the teacher's levels
     by :func:`hcl`. The chain's parameters are kept in its running order (``abfs.0`` is the
     pooled level), as the official code keeps them.

@@ -140,7 +140,10 @@ def setup_feature_layers(
     check_layers(teacher, t_layers, f"teacher {cfg.teacher}")
     probe = torch.randn(2, 3, cfg.image_size, cfg.image_size, generator=torch.Generator().manual_seed(0))
     keys, norms = [], {}
-    for model, layers, role in ((student, s_layers, f"student {cfg.student}"), (teacher, t_layers, f"teacher {cfg.teacher}")):
+    for model, layers, role in (
+        (student, s_layers, f"student {cfg.student}"),
+        (teacher, t_layers, f"teacher {cfg.teacher}"),
+    ):
         side = list(layers)
         if loss.tap_point == "pre_relu":
             found = [pre_relu_key(model, layer, probe, loss.name, role) for layer in layers]

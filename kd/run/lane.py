@@ -17,6 +17,7 @@ from torch import nn
 from kd import models
 from kd.data.loader import Batch
 from kd.errors import KDError, NonFinite
+from kd.losses.base import DistillLoss
 from kd.run import checkpoint
 from kd.run.log import NullBar, SetupClock, first_step_record
 from kd.run.meter import Meter, format_record, nonfinite_flags, nonfinite_message
@@ -82,6 +83,7 @@ class Lane:
         self.device = backend.device
         self.precision = precision
         self.side = side
+        self.loss: DistillLoss = side.loss  # type: ignore[assignment]  # a StudentSide's
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -152,6 +154,7 @@ class Lane:
                 self.state.pending_epoch = (train, seconds)
                 raise self.interrupt()
             record["teacher_top1"] = top1
+            record["teacher_top5"] = self.teacher.top5
             self.val_bad_files.update(self.teacher.unreadable_files)  # named by the teacher's line
         if self.validates and ((self.state.epoch + 1) % cfg.eval_every == 0 or self.state.epoch == cfg.epochs - 1):
             stop = lambda: self.stop.requested  # noqa: E731
@@ -223,7 +226,7 @@ class Lane:
         if targets is not None:
             t_logits, t_feats = targets[0], {k: targets[1][k] for k in self.t_layers}
         indices = None
-        if self.side.loss.uses_samples:
+        if self.loss.uses_samples:
             assert batch.indices is not None  # every training loader names its samples
             indices = batch.indices.to(images.device, non_blocking=True)
         self.buffers.save()
@@ -255,7 +258,7 @@ class Lane:
         if self.epoch_lr is None:
             self.epoch_lr = self.step_lr
         self.scheduler.step()
-        self.side.loss.after_step()
+        self.loss.after_step()
         self.state.global_step += 1
         self.state.batch_in_epoch += 1
         return StepOutput(parts, skipped, flags, len(batch))

@@ -26,12 +26,21 @@ class StudentSide(nn.Module):
         self.layers = layers
 
     def forward(
-        self, images, labels, teacher_logits=None, teacher_feats=None, progress: float = 0.0, indices=None, step: int = 0
+        self,
+        images,
+        labels,
+        teacher_logits=None,
+        teacher_feats=None,
+        progress: float = 0.0,
+        indices=None,
+        step: int = 0,
     ):
         feats: Dict[str, torch.Tensor] = {}
         with tap(self.student, self.layers, feats):
             logits = self.student(images)
         feats = {k: feats[k] for k in self.layers}  # spec order: the losses pair by position
-        parts = self.loss(DistillInputs(logits, labels, teacher_logits, feats, teacher_feats or {}, progress, indices, step))
+        parts = self.loss(
+            DistillInputs(logits, labels, teacher_logits, feats, teacher_feats or {}, progress, indices, step)
+        )
         parts[LOGITS_SUM] = logits.detach().float().sum()  # finite iff every logit is: names a non-finite loss's source
         return parts

@@ -71,6 +71,7 @@ class Teacher:
         self.val = val
         self.owns_val = owns_val
         self.top1: Optional[float] = None  # its val top-1 once measured (validate)
+        self.top5: Optional[float] = None
         self.unreadable_files: List[str] = []  # the val files its validation could not read (counted as errors)
         self.renorm = renorm if renorm is not None else (lambda images: images)
         self.log = log
@@ -136,8 +137,8 @@ class Teacher:
             self.owns_val = False
 
     def validate(self, stop: Optional[StopFlag] = None) -> Optional[float]:
-        """Top-1 on the val split, logged with the teacher's precision (and a preprocessing note);
-        measured once (several students ask for it), None in every process where ``stop`` ended
+        """Top-1 on the val split (top-5 in :attr:`top5`), logged with the teacher's precision (and a
+        preprocessing note); measured once (several students ask for it), None in every process where ``stop`` ended
         the pass."""
         if self.top1 is not None:
             return self.top1
@@ -148,6 +149,7 @@ class Teacher:
             return None
         self.close()  # its own val loader is needed for nothing more
         self.top1 = top1 = val["top1"]
+        self.top5 = val["top5"]
         self.unreadable_files = val["unreadable_files"]
         for path in self.unreadable_files:
             self.log(f"unreadable val image {path}")

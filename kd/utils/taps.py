@@ -164,4 +164,3 @@ def pooled_key(model: nn.Module, method: str, role: str) -> str:
     if not isinstance(head, nn.Module) or id(head) not in names:
         raise KDError(f"KD loss {method!r} needs the pooled feature, but {role} has no classifier module kd knows")
     return f"{names[id(head)]}<1"
-

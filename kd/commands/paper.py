@@ -1,0 +1,122 @@
+"""``kd report --format markdown|latex``: the table a paper prints from kd runs, one per teacher and
+student pair: the teacher, the student alone, then each method, with top-1, top-5 and, where the run
+was the published setting on ImageNet, the paper's top-1 and the difference to it."""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from kd.commands import table
+
+#: the order of the rows of the papers' ImageNet tables, then the later methods
+ORDER = ["kd", "at", "fitnet", "ofd", "crd", "reviewkd", "dkd", "dist", "lskd"]
+#: how papers print each method's name
+TITLES = {
+    "kd": "KD", "at": "AT", "fitnet": "FitNet", "ofd": "OFD", "crd": "CRD", "reviewkd": "ReviewKD",
+    "dkd": "DKD", "dist": "DIST", "lskd": "KD + LS",
+}  # fmt: skip
+FORMATS = ("markdown", "latex")
+HEADER = ["method", "top-1", "top-5", "paper top-1", "diff"]
+
+
+def published(model: str, weights: str) -> Optional[Tuple[float, float]]:
+    """(top-1, top-5) that torchvision publishes for ``model`` with ``weights`` (``pretrained``,
+    ``torchvision:TAG``), None for other weights (a file, timm's: no number ships with them)."""
+    if model.startswith("timm:") or not (weights == "pretrained" or weights.startswith("torchvision:")):
+        return None
+    try:
+        from torchvision.models import get_model_weights
+
+        enum = get_model_weights(model)
+        entry = enum.DEFAULT if weights == "pretrained" else enum[weights.split(":", 1)[1]]
+        metrics = entry.meta["_metrics"]["ImageNet-1K"]
+        return float(metrics["acc@1"]), float(metrics["acc@5"])
+    except (KeyError, ValueError):
+        return None
+
+
+def _number(value: object) -> str:
+    return "-" if value in (None, "-", "") else f"{float(value):.2f}"  # type: ignore[arg-type]
+
+
+def _diff(value: object) -> str:
+    return "-" if value in (None, "-", "") else f"{float(value):+.2f}"  # type: ignore[arg-type]
+
+
+def pair_rows(rows: Sequence[Dict[str, object]], note: Callable[[str], None]) -> Dict[Tuple[str, str], List[List[str]]]:
+    """The rows of each (teacher, student) table: [name, top-1, top-5, paper top-1, diff]."""
+    pairs: Dict[Tuple[str, str], List[Dict[str, object]]] = {}
+    alone: Dict[str, Dict[str, object]] = {}
+    for row in rows:
+        if row["method"] == "ce":
+            alone.setdefault(str(row["student"]), row)
+        else:
+            pairs.setdefault((str(row["teacher"]), str(row["student"])), []).append(row)
+    tables = {}
+    for (teacher, student), runs in pairs.items():
+        lines = []
+        first = runs[0]
+        if first.get("_teacher_top1") is not None:
+            ref = published(teacher, str(first.get("_teacher_weights"))) if first.get("_imagenet") else None
+            top1 = float(first["_teacher_top1"])  # type: ignore[arg-type]
+            lines.append(
+                [f"teacher ({teacher})", _number(top1), _number(first.get("_teacher_top5")),
+                 _number(ref[0] if ref else None), _diff(top1 - ref[0] if ref else None)]
+            )  # fmt: skip
+        base = alone.get(student)
+        if base is not None:
+            lines.append([f"student alone ({student})", _number(base["best_top1"]), _number(base["best_top5"]),
+                          _number(base["reference_top1"]), _diff(base["diff"])])  # fmt: skip
+        else:
+            note(f"no run of {student} alone among the runs: train one with --no-teacher for the table's baseline row")
+        rank = {name: i for i, name in enumerate(ORDER)}
+        for row in sorted(runs, key=lambda r: (rank.get(str(r["method"]), len(ORDER)), str(r["method"]))):
+            method = str(row["method"])
+            lines.append([TITLES.get(method, method), _number(row["best_top1"]), _number(row["best_top5"]),
+                          _number(row["reference_top1"]), _diff(row["diff"])])  # fmt: skip
+        tables[(teacher, student)] = lines
+    return tables
+
+
+def markdown(rows: Sequence[Dict[str, object]], note: Callable[[str], None]) -> str:
+    out = []
+    for (teacher, student), lines in pair_rows(rows, note).items():
+        out.append(f"{teacher} -> {student}\n\n" + table.markdown([dict(zip(HEADER, line)) for line in lines], HEADER))
+    return "\n\n".join(out)
+
+
+def _tex(text: str) -> str:
+    for char, escaped in (("\\", r"\textbackslash{}"), ("_", r"\_"), ("&", r"\&"), ("%", r"\%"), ("#", r"\#")):
+        text = text.replace(char, escaped)
+    return text
+
+
+def latex(rows: Sequence[Dict[str, object]], note: Callable[[str], None]) -> str:
+    """One booktabs tabular per pair (``\\usepackage{booktabs}``)."""
+    out = []
+    for (teacher, student), lines in pair_rows(rows, note).items():
+        body = []
+        for i, line in enumerate(lines):
+            if (
+                i
+                and lines[i - 1][0].startswith(("teacher", "student alone"))
+                and not line[0].startswith("student alone")
+            ):
+                body.append(r"\midrule")
+            body.append(" & ".join(_tex(cell) for cell in line) + r" \\")
+        out.append(
+            "\n".join(
+                [
+                    f"% {_tex(teacher)} -> {_tex(student)}: top-1 / top-5 (%) of the best epoch; "
+                    "the paper's top-1 where the run was its setting",
+                    r"\begin{tabular}{lrrrr}",
+                    r"\toprule",
+                    r"Method & Top-1 & Top-5 & Paper top-1 & $\Delta$ \\",
+                    r"\midrule",
+                    *body,
+                    r"\bottomrule",
+                    r"\end{tabular}",
+                ]
+            )
+        )
+    return "\n\n".join(out)
