@@ -127,12 +127,13 @@ def check_levels(method: str, shapes: Mapping[str, Sequence[int]]) -> None:
 class ReviewKD(DistillLoss):
     """ReviewKD: ``ce_weight * CE + ramp * reviewkd_weight * hcl(ABF chain(student levels), teacher levels)``.
 
-    The levels are the pre-ReLU stage outputs (the four stages by default) and the pooled
-    feature (the classifier's input) of each side; the engine appends the pooled one last. A
-    chain of :class:`ABF`, one per level, runs from the pooled level to the shallowest stage,
-    each level fusing the student's map with the residual of the deeper ones; its outputs have
-    the teacher's channels and size and are compared with the teacher's levels by :func:`hcl`. The chain's parameters are kept in its running order (``abfs.0`` is the
-    pooled level), as the official code keeps them.
+    The levels are the pre-ReLU stage outputs (the four stages by default) and the pooled feature
+    (the classifier's input) of each side; the engine appends the pooled one last. A chain of
+    :class:`ABF`, one per level, runs from the pooled level to the shallowest stage, each level
+    fusing the student's map with the residual of the deeper ones; its outputs have the teacher's
+    channels and size and are compared with the teacher's levels by :func:`hcl`. The chain's
+    parameters are kept in its running order (``abfs.0`` is the pooled level), as the official code
+    keeps them.
 
     Defaults are the official ImageNet code's (dvlab-research/ReviewKD ``ImageNet/``, ResNet-34
     -> ResNet-18): weight 1, 512 mid channels, no warm-up; its ResNet-50 -> MobileNet setting is
