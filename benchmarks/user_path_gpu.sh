@@ -9,6 +9,8 @@
 #        apex | fast | resolution | store | integrity)
 # fast: the command as typed (kd's defaults) beside the best flags known and prepared copies, each as a share of
 #       the synthetic step, and the first step's breakdown; resolution: a short run on the folder and on a copy.
+# teacher34, table: a resnet34 teacher trained by kd, then the six rows of the papers' R34 -> R18 table as one command.
+# methods: OFD, CRD and ReviewKD under each backend and opt level, CRD over two ranks, and kd bench --methods.
 # together: four students (kd, dkd, dist, lskd) from one teacher forward, under each of TOGETHER_BACKENDS.
 # integrity: unreadable val images counted under both loaders, a second writer, kill -9, checksums, a float32 store.
 # store: kd bench --vs-store (synthetic, then the folder), then three students three ways: separate runs, together,
@@ -240,5 +242,32 @@ PYEOF
           run "apexamp_single" 240 $COMMON --teacher resnet101 --teacher-weights "$TEACHER" --student resnet18 \
             --amp-impl apex --opt $opt --gpus 0 --epochs 2 --lr 0.2
         done ;;
+  teacher34) run teacher34 300 $COMMON --no-teacher --student resnet34 --opt O1 --amp-dtype bfloat16 \
+               --epochs ${TEACHER_EPOCHS:-5} --lr 0.2 --lr-schedule cosine --warmup-epochs 1 ;;
+  table) # the six rows of the 2022-24 papers' ImageNet tables (KD, AT, OFD, CRD, ReviewKD, DKD) for R34 -> R18, from one
+         # teacher forward, with the student alone beside them; then kd report's paper table
+         T34=$RUNS/teacher34/checkpoints/best.pt E=${TABLE_EPOCHS:-8}
+         start=$(date +%s%N)
+         $T 420 $KD train $COMMON --teacher resnet34 --teacher-weights "$T34" --student resnet18 \
+           --kd-loss kd,at,ofd,crd,reviewkd,dkd --opt O1 --amp-dtype float16 --epochs $E --lr 0.2 \
+           --out "$RUNS/table" > "$OUT/table.log" 2>&1
+         rc=$? secs="$(( ($(date +%s%N) - start) / 1000000 ))e-3"
+         for m in kd at ofd crd reviewkd dkd; do report "table/$m" $rc "$secs"; done
+         grep -h "first step\|^kd:\|error\|stopped\|^done\|\] done" "$OUT/table.log" | head -12 | sed "s/^/    /" | tee -a "$OUT/summary.txt"
+         run table_alone 240 $COMMON --no-teacher --student resnet18 --opt O1 --amp-dtype float16 --epochs $E --lr 0.2
+         $KD report "$RUNS/table" "$RUNS/table_alone" --format markdown 2>&1 | tee -a "$OUT/summary.txt"
+         $KD report "$RUNS/table" "$RUNS/table_alone" --format latex > "$OUT/table.tex" 2>&1 ;;
+  methods) # the feature methods under each backend and opt level (one epoch each), two ranks on GPU 0, and their steps timed
+         T34=$RUNS/teacher34/checkpoints/best.pt
+         for combo in "single O1" "dp O1" "torch_ddp O1" "apex_ddp O1" "apex_ddp O2" "single O3"; do
+           set -- $combo
+           run "methods_$1_$2" 240 $COMMON --teacher resnet34 --teacher-weights "$T34" --student resnet18 --backend $1 \
+             --kd-loss ofd,crd,reviewkd --opt $2 --amp-dtype float16 --gpus 0 --epochs 1 --lr 0.2
+           for m in ofd crd reviewkd; do report "methods_$1_$2/$m" - 0; done
+         done
+         run methods_ddp2 300 $COMMON --teacher resnet34 --teacher-weights "$T34" --student resnet18 --backend torch_ddp \
+           --nproc 2 --kd-loss crd --opt O1 --gpus 0 --epochs 1 --lr 0.2
+         $T 400 $PY -m cli bench --teacher resnet34 --student resnet18 --backends single --opt O1 --amp-dtype float16 -b 256 \
+           --methods kd,at,ofd,crd,reviewkd,dkd 2>&1 | tail -14 | tee -a "$OUT/summary.txt" ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac; done
