@@ -61,7 +61,7 @@ def build(
         val: Loader = SyntheticLoader(
             local_batch, cfg.image_size, n, cfg.limit_val_batches or 2, device, channels_last, cfg.seed + 999
         )
-        listing = synthetic_listing(steps, local_batch, num_replicas, cfg.seed)
+        listing = synthetic_listing(steps, local_batch, num_replicas, cfg.seed, n)
         return Data(train, val, [str(i) for i in range(n)], len(listing), 0, train_samples=listing)
     name, why = choose_loader(cfg.loader, device)
     classes, train_samples, val_samples = scan(cfg.data)
@@ -80,11 +80,13 @@ def build(
     return data
 
 
-def synthetic_listing(steps: int, local_batch: int, replicas: int, seed: int) -> List[Tuple[str, int]]:
+def synthetic_listing(steps: int, local_batch: int, replicas: int, seed: int, classes: int) -> List[Tuple[str, int]]:
     """The training "listing" of synthetic tensors, which a soft-label store pins as a folder's: its
-    samples depend on the seed, the batch per process and the processes (:class:`SyntheticLoader`)."""
+    samples depend on the seed, the batch per process and the processes (:class:`SyntheticLoader`).
+    Their classes (``i % classes``) stand in for the tensors' random labels where a method draws
+    samples by class (CRD's negatives)."""
     where = f"synthetic-seed{seed}-{replicas}x{local_batch}"
-    return [(f"{where}/{i}", 0) for i in range(steps * local_batch * replicas)]
+    return [(f"{where}/{i}", i % classes) for i in range(steps * local_batch * replicas)]
 
 
 def choose_loader(choice: str, device: torch.device) -> Tuple[str, str]:
