@@ -103,3 +103,20 @@ def test_crd_trains_on_synthetic_tensors(tmp_path):
     r = kd_main(*train_args("synthetic", tmp_path / "run", "--loss-arg", "negatives=64", kd_loss="crd",
                             limit_train_batches=2, **options))  # fmt: skip
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.slow
+def test_crd_over_two_processes_equals_one_process_of_the_same_global_batch(image_folder, tmp_path):
+    """A student without batch statistics (ConvNeXt's LayerNorms), so that what two processes train
+    can equal one process: the same global batches, the negatives, Z and every memory update."""
+    options = dict(student="timm:convnext_atto", kd_loss="crd", lr_schedule="constant", workers=0)
+    small = ("--loss-arg", "negatives=64")
+    r = run_kd(*train_args(image_folder, tmp_path / "one", *small, **options))
+    assert r.returncode == 0, r.stderr
+    r = run_kd(*train_args(image_folder, tmp_path / "two", *small, "--backend", "torch_ddp", "--nproc", 2, **options))
+    assert r.returncode == 0, r.stderr
+    one, two = checkpoint(tmp_path / "one"), checkpoint(tmp_path / "two")
+    assert one["global_step"] == two["global_step"] == 3
+    for part in ("student", "loss"):
+        for key, value in one[part].items():
+            torch.testing.assert_close(two[part][key], value, rtol=1e-4, atol=1e-5, msg=f"{part} {key}")
