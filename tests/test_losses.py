@@ -477,6 +477,7 @@ SETTINGS = {
         "kd_only": {"ce_weight": 0.0},
     },
     "lskd": {"args": {"temperature": 3.0, "kd_weight": 9.0}, "kd_only": {"ce_weight": 0.0}},
+    "nkd": {"args": {"non_target_weight": 1.0, "temperature": 4.0}, "kd_only": {"ce_weight": 0.0}},
     "fitnet": {"features": FEATS_SAME, "args": {"kd_weight": 1.0}, "kd_only": {"ce_weight": 0.0}},
     "at": {"features": FEATS_PAIRS, "args": {"p": 4.0, "at_weight": 500.0}, "kd_only": {"ce_weight": 0.0}},
     "ofd": {
