@@ -17,8 +17,9 @@ NAMES = recipes.names()
 def test_expected_recipes_exist():
     for method in ("kd", "dkd", "dist", "lskd", "at", "crd", "ofd", "reviewkd"):
         assert f"imagenet/r34_r18_{method}" in NAMES
-    for method in ("crd", "ofd", "reviewkd"):
+    for method in ("crd", "ofd", "reviewkd", "nkd"):
         assert f"imagenet/r50_mv1_{method}" in NAMES
+    assert "imagenet/r34_r18_nkd" in NAMES
     for name in ("imagenet/r50_mv1_kd", "imagenet/r50_mv1_dkd", "imagenet/r101_r18_kd", "imagenet/baseline_r18"):
         assert name in NAMES
 
@@ -90,6 +91,14 @@ PUBLISHED = {
         MDISTILLER, teacher="resnet34", student="resnet18", kd_loss="ofd", batch_size=256, lr=0.1,
         nesterov=True, lr_milestones=[29, 59, 89], top1=70.81, loss={"ce_weight": 1.0, "ofd_weight": 1e-4},
         feature_layers=["layer1", "layer2", "layer3", "layer4"],
+    ),
+    "imagenet/r34_r18_nkd": dict(  # yzd-v/cls_KD@1e5d48f res34_distill_res18_img.py and its mmcls bases
+        MDISTILLER, teacher="resnet34", student="resnet18", kd_loss="nkd", batch_size=256, lr=0.1, top1=71.96,
+        loss={"ce_weight": 1.0, "non_target_weight": 1.5, "temperature": 1.0},
+    ),
+    "imagenet/r50_mv1_nkd": dict(  # yzd-v/cls_KD@1e5d48f res50_distill_mv1_img.py: clip at norm 5
+        MDISTILLER, teacher="resnet50", student="timm:mobilenetv1_100", kd_loss="nkd", batch_size=256, lr=0.1,
+        grad_clip=5.0, top1=72.58, loss={"ce_weight": 1.0, "non_target_weight": 1.5, "temperature": 1.0},
     ),
     "imagenet/baseline_r18": dict(  # pytorch/vision references/classification/train.py@017e9b9 defaults
         student="resnet18", no_teacher=True, batch_size=256, lr=0.1, epochs=90, lr_schedule="step",
@@ -232,7 +241,7 @@ def loss_outputs(cfg):
 
 
 #: methods added after the renaming: their recipes never had other names
-NAMED_SINCE = {"crd", "ofd", "reviewkd"}
+NAMED_SINCE = {"crd", "ofd", "reviewkd", "nkd"}
 
 
 def test_every_kd_recipe_has_its_former_settings_listed():
