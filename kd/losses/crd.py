@@ -138,11 +138,13 @@ class CRD(DistillLoss):
     def n_data(self) -> int:
         return int(self.shared["labels"].numel())
 
-    def _on(self, device: torch.device) -> None:
-        """The banks and class index on ``device`` (moved there once)."""
-        for key in ("memory", "labels", "order", "counts", "starts"):
-            if self.shared[key].device != device:
+    def _on(self, device: torch.device) -> torch.device:
+        """The device of the banks and class index: moved from the CPU to ``device`` at the first step,
+        then kept there (DataParallel's replicas on other GPUs read from it)."""
+        if self.shared["memory"].device.type == "cpu" and device.type != "cpu":
+            for key in ("memory", "labels", "order", "counts", "starts"):
                 self.shared[key] = self.shared[key].to(device)
+        return self.shared["memory"].device
 
     def contrast_indices(self, indices: torch.Tensor, step: int) -> torch.Tensor:
         """(B, 1 + negatives): each sample's own index, then indices of samples of other classes, drawn
@@ -168,12 +170,13 @@ class CRD(DistillLoss):
             dtype = self.embed_student.linear.weight.dtype  # float32 (float64 in tests)
             v_s = self.embed_student(f_s.to(dtype))
             v_t = self.embed_teacher(f_t.detach().to(dtype))
-            self._on(v_s.device)
+            home = self._on(v_s.device)
             memory = self.shared["memory"]
-            contrast = self.contrast_indices(x.indices, x.step)
+            contrast = self.contrast_indices(x.indices.to(home), x.step)
             # each embedding against the other model's bank (rows read before this step's update)
-            out_s = torch.exp(torch.bmm(memory[1][contrast], v_s[:, :, None])[:, :, 0] / h["temperature"])
-            out_t = torch.exp(torch.bmm(memory[0][contrast], v_t[:, :, None])[:, :, 0] / h["temperature"])
+            rows_t, rows_s = memory[1][contrast].to(v_s.device), memory[0][contrast].to(v_s.device)
+            out_s = torch.exp(torch.bmm(rows_t, v_s[:, :, None])[:, :, 0] / h["temperature"])
+            out_t = torch.exp(torch.bmm(rows_s, v_t[:, :, None])[:, :, 0] / h["temperature"])
             z = self._normaliser(out_s.detach(), out_t.detach())
             s_loss = contrast_loss(out_s / z[0], self.n_data)
             t_loss = contrast_loss(out_t / z[1], self.n_data)
