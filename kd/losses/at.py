@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kd.losses.base import DistillInputs, DistillLoss, register
-from kd.losses.features import check_maps, default_stage_layers, feature_pairs, pool_to_common
+from kd.losses.features import default_stage_layers, feature_pairs, map_pairs, pool_to_common
 
 
 def attention_map(feat: torch.Tensor, p: float) -> torch.Tensor:
@@ -48,9 +48,7 @@ class AttentionTransfer(DistillLoss):
         return default_stage_layers(cls.name, student_layers, teacher_layers, stages=(0, 1, 2, 3))
 
     def setup_features(self, student_shapes: Dict[str, torch.Size], teacher_shapes: Dict[str, torch.Size]) -> None:
-        for s, t in feature_pairs(self.name, student_shapes, teacher_shapes):
-            check_maps(self.name, s, student_shapes[s])
-            check_maps(self.name, t, teacher_shapes[t])
+        map_pairs(self.name, student_shapes, teacher_shapes)
 
     def distill(self, x: DistillInputs):
         h = self.hparams

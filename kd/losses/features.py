@@ -112,6 +112,17 @@ def feature_pairs(method: str, student: Mapping[str, object], teacher: Mapping[s
     return list(zip(student, teacher))
 
 
+def map_pairs(
+    method: str, student: Mapping[str, Sequence[int]], teacher: Mapping[str, Sequence[int]]
+) -> List[Tuple[str, str]]:
+    """:func:`feature_pairs` of two shape dicts, each shape checked to be a batch of feature maps."""
+    pairs = feature_pairs(method, student, teacher)
+    for s, t in pairs:
+        check_maps(method, s, student[s])
+        check_maps(method, t, teacher[t])
+    return pairs
+
+
 def check_maps(method: str, name: str, shape: Sequence[int]) -> None:
     """KDError unless ``shape`` is that of a batch of feature maps (N, C, H, W)."""
     if len(shape) != 4:

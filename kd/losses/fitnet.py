@@ -10,7 +10,7 @@ from torch import nn
 
 from kd.errors import KDError
 from kd.losses.base import DistillInputs, DistillLoss, kd_divergence, register
-from kd.losses.features import check_maps, default_stage_layers, feature_pairs, pool_to_common
+from kd.losses.features import default_stage_layers, feature_pairs, map_pairs, pool_to_common
 
 
 class Connector(nn.Module):
@@ -61,10 +61,7 @@ class FitNet(DistillLoss):
         return default_stage_layers(cls.name, student_layers, teacher_layers, stages=(2,))
 
     def setup_features(self, student_shapes: Dict[str, torch.Size], teacher_shapes: Dict[str, torch.Size]) -> None:
-        self.pairs = feature_pairs(self.name, student_shapes, teacher_shapes)
-        for s, t in self.pairs:
-            check_maps(self.name, s, student_shapes[s])
-            check_maps(self.name, t, teacher_shapes[t])
+        self.pairs = map_pairs(self.name, student_shapes, teacher_shapes)
         self.connectors = nn.ModuleList(Connector(student_shapes[s][1], teacher_shapes[t][1]) for s, t in self.pairs)
 
     def distill(self, x: DistillInputs):
