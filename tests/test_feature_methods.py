@@ -9,9 +9,7 @@ import json
 import pytest
 import torch
 import yaml
-from conftest import kd_main, run_kd, tiny_config, train_args
-
-import kd
+from conftest import kd_main, run_kd, train_args
 
 NEW_METHODS = ["crd", "ofd", "reviewkd"]
 #: a few negatives: CRD's 16,384 would be drawn from the same 16 samples again and again here
@@ -22,22 +20,36 @@ def checkpoint(out):
     return torch.load(out / "checkpoints" / "last.pt", weights_only=True)
 
 
-@pytest.mark.parametrize("method", NEW_METHODS)
-def test_a_resumed_run_equals_the_uninterrupted_one(image_folder, tmp_path, method):
-    args = dict(kd_loss=method, lr_schedule="constant", loss_args=SMALL.get(method, {}))
-    kd.train(tiny_config(image_folder, tmp_path / "full", epochs=2, **args))
-    kd.train(tiny_config(image_folder, tmp_path / "part", epochs=1, **args))
+def recipes(root, methods):
+    """``--recipe`` arguments of one recipe file per method (the method and its small settings)."""
+    args = []
+    for method in methods:
+        recipe = root / f"{method}.yaml"
+        recipe.write_text(yaml.safe_dump({"kd_loss": method, "loss_args": SMALL.get(method, {})}))
+        args += ["--recipe", recipe]
+    return args
+
+
+def test_resumed_students_equal_the_uninterrupted_ones(image_folder, tmp_path):
+    """The new methods' students together, stopped after an epoch and resumed: their weights,
+    connectors, CRD's memory and Z equal those of the run that was not stopped."""
+    students = recipes(tmp_path, NEW_METHODS)
+    r = kd_main(*train_args(image_folder, tmp_path / "full", *students, epochs=2, lr_schedule="constant"))
+    assert r.returncode == 0, r.stderr
+    r = kd_main(*train_args(image_folder, tmp_path / "part", *students, epochs=1, lr_schedule="constant"))
+    assert r.returncode == 0, r.stderr
     r = kd_main("train", "--out", tmp_path / "part", "--resume", "--epochs", 2)
     assert r.returncode == 0, r.stderr
-    a, b = checkpoint(tmp_path / "full"), checkpoint(tmp_path / "part")
-    assert a["global_step"] == b["global_step"] == 6
-    for part in ("student", "loss"):
-        assert a[part].keys() == b[part].keys() and a[part]
-        for key, value in a[part].items():
-            assert torch.equal(value, b[part][key]), (part, key)
-    records = [json.loads(x) for x in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()]
-    assert all(r["train_skipped_steps"] == 0 for r in records), records
-    assert records[-1][f"train_{method}"] > 0
+    for method in NEW_METHODS:
+        a, b = checkpoint(tmp_path / "full" / method), checkpoint(tmp_path / "part" / method)
+        assert a["global_step"] == b["global_step"] == 6
+        for part in ("student", "loss"):
+            assert a[part].keys() == b[part].keys() and a[part]
+            for key, value in a[part].items():
+                assert torch.equal(value, b[part][key]), (method, part, key)
+        records = [json.loads(x) for x in (tmp_path / "part" / method / "metrics.jsonl").read_text().splitlines()]
+        assert all(r["train_skipped_steps"] == 0 for r in records), records
+        assert records[-1][f"train_{method}"] > 0
 
 
 def test_crd_memory_takes_every_process_samples(image_folder, tmp_path):
@@ -77,16 +89,11 @@ def test_soft_labels_refuse_crd(tmp_path):
 def test_the_new_methods_beside_others_equal_their_separate_runs(image_folder, tmp_path):
     """One teacher forward with the union of every student's taps (pre-ReLU stages, pooled features),
     each student bit for bit its own run."""
-    recipes = []
-    for method in ["kd", "dkd", *NEW_METHODS]:
-        recipe = tmp_path / f"{method}.yaml"
-        recipe.write_text(yaml.safe_dump({"kd_loss": method, "loss_args": SMALL.get(method, {})}))
-        recipes += ["--recipe", recipe]
-    r = kd_main(*train_args(image_folder, tmp_path / "table", *recipes, limit_train_batches=2))
+    r = kd_main(*train_args(image_folder, tmp_path / "table", *recipes(tmp_path, ["kd", *NEW_METHODS]),
+                            limit_train_batches=2))  # fmt: skip
     assert r.returncode == 0, r.stderr
-    for method in ["dkd", *NEW_METHODS]:
-        recipe = tmp_path / f"{method}.yaml"
-        r = kd_main(*train_args(image_folder, tmp_path / method, "--recipe", recipe, limit_train_batches=2))
+    for method in NEW_METHODS:
+        r = kd_main(*train_args(image_folder, tmp_path / method, *recipes(tmp_path, [method]), limit_train_batches=2))
         assert r.returncode == 0, r.stderr
         together, alone = checkpoint(tmp_path / "table" / method), checkpoint(tmp_path / method)
         assert together["global_step"] == alone["global_step"] == 2
