@@ -97,7 +97,9 @@ class CurriculumDKD(CurriculumTemperature):
     As the official code runs DKD (``-a 0 -b 1 --dkd_alpha A --dkd_beta B``: no KD term, no warm-up);
     ``nckd_weight`` 1 is its ImageNet script's DKD line (``--dkd_beta 1``; 2 on CIFAR). TCKD and NCKD
     are ``dkd``'s, whose teacher side is in log space: the temperature's gradient is finite where the
-    official one is NaN (the teacher's non-target distribution is exactly 0 at the target class).
+    official code's is NaN on current torch (the teacher's non-target distribution is exactly 0 at the
+    target class, and torch's kl_div now differentiates its target through 0 * log 0; the torch 1.11 it
+    was written for set that gradient to 0, as kd does).
     """
 
     defaults = {"ce_weight": 1.0, "tckd_weight": 1.0, "nckd_weight": 1.0, **CURRICULUM}

@@ -68,7 +68,7 @@ def dkd_parts(
     of teacher and student; NCKD the KL divergence between their distributions over the
     non-target classes only. The teacher's side is in log space too: its non-target distribution
     is exactly 0 at the target class, and the gradient of a learned (tensor) ``temperature``
-    through ``p * log p`` there is 0 here where the official code's is NaN (0 * log 0).
+    through ``p * log p`` there is 0 here, where the official code's is NaN on current torch (0 * log 0).
     """
     t = temperature
     s = float32_or_wider(student_logits) / t
