@@ -478,6 +478,11 @@ SETTINGS = {
     },
     "lskd": {"args": {"temperature": 3.0, "kd_weight": 9.0}, "kd_only": {"ce_weight": 0.0}},
     "nkd": {"args": {"non_target_weight": 1.0, "temperature": 4.0}, "kd_only": {"ce_weight": 0.0}},
+    "ctkd": {"args": {"kd_weight": 2.0, "standardise": 1, "reversal_epochs": 10.0}, "kd_only": {"ce_weight": 0.0}},
+    "ctdkd": {
+        "args": {"nckd_weight": 2.0, "min_temperature": 2.0, "max_temperature": 8.0},
+        "kd_only": {"ce_weight": 0.0},
+    },
     "fitnet": {"features": FEATS_SAME, "args": {"kd_weight": 1.0}, "kd_only": {"ce_weight": 0.0}},
     "at": {"features": FEATS_PAIRS, "args": {"p": 4.0, "at_weight": 500.0}, "kd_only": {"ce_weight": 0.0}},
     "ofd": {

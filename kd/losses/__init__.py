@@ -4,6 +4,7 @@ from typing import Any, Dict
 
 from kd.losses import at as _at  # noqa: F401  (each method registers itself)
 from kd.losses import crd as _crd  # noqa: F401
+from kd.losses import ctkd as _ctkd  # noqa: F401
 from kd.losses import dist as _dist  # noqa: F401
 from kd.losses import dkd as _dkd  # noqa: F401
 from kd.losses import fitnet as _fitnet  # noqa: F401

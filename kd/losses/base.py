@@ -10,13 +10,14 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kd.errors import KDError
+from kd.losses.logits import float32_or_wider
 from kd.registry import Registry
 
 LOSSES: Registry = Registry("KD loss")
@@ -59,11 +60,16 @@ class DistillInputs:
     step: int = 0
 
 
-def kd_divergence(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """T^2 * KL(softmax(t/T) || softmax(s/T)), averaged over the batch, in float32; no gradient to t."""
+def kd_divergence(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: Union[float, torch.Tensor]
+) -> torch.Tensor:
+    """T^2 * KL(softmax(t/T) || softmax(s/T)), averaged over the batch, in float32; no gradient to t.
+
+    A tensor ``temperature`` (a learned one, 0-dim) gets its gradient through both softmaxes and T^2.
+    """
     t = temperature
-    log_p_s = F.log_softmax(student_logits.float() / t, dim=1)
-    log_p_t = F.log_softmax(teacher_logits.detach().float() / t, dim=1)
+    log_p_s = F.log_softmax(float32_or_wider(student_logits) / t, dim=1)
+    log_p_t = F.log_softmax(float32_or_wider(teacher_logits.detach()) / t, dim=1)
     return F.kl_div(log_p_s, log_p_t, reduction="batchmean", log_target=True) * (t * t)
 
 

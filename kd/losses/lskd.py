@@ -6,19 +6,14 @@ from __future__ import annotations
 import torch
 
 from kd.losses.base import DistillInputs, DistillLoss, kd_divergence, register
-
-
-def standardize(logits: torch.Tensor, eps: float) -> torch.Tensor:
-    """Z-score of each row over the classes: (z - mean) / (std + eps), unbiased std, float32."""
-    z = logits.float()
-    return (z - z.mean(dim=1, keepdim=True)) / (z.std(dim=1, keepdim=True) + eps)
+from kd.losses.logits import standardise
 
 
 def lskd_divergence(
     student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float, eps: float
 ) -> torch.Tensor:
     """T^2 * KL(softmax(Z(t)/T) || softmax(Z(s)/T)), batch mean, with Z the standardization."""
-    return kd_divergence(standardize(student_logits, eps), standardize(teacher_logits.detach(), eps), temperature)
+    return kd_divergence(standardise(student_logits, eps), standardise(teacher_logits.detach(), eps), temperature)
 
 
 @register("lskd")
@@ -31,7 +26,8 @@ class LogitStandardizationKD(DistillLoss):
     logit-standardization-KD@f6e5aa5, ``configs/imagenet/r34_r18/kd.yaml`` with
     ``--logit-stand --base-temp 2 --kd-weight 9``, as its maintainer gives it in issue #9;
     CE weight 1 from that ``kd.yaml``). Their log's name (``_2_6``) suggests a KD weight of 6
-    for the published run. ``eps`` (1e-7) is the official one.
+    for the published run. ``eps`` (1e-7) is the official one. With its defaults it is ``kd`` with
+    ``standardise`` 1 at the same weights and temperature.
     """
 
     defaults = {"ce_weight": 1.0, "kd_weight": 9.0, "temperature": 2.0, "eps": 1e-7}
