@@ -72,6 +72,7 @@ class RunConfig:
     ce_weight: Optional[float] = None  # None: the method's default (LOSS_OPTIONS: also loss_args keys)
     label_smoothing: Optional[float] = None
     temperature: Optional[float] = None
+    standardise: Optional[bool] = None  # logit standardisation (Sun et al. 2024) on a method that has the switch
     loss_args: Dict[str, Any] = field(default_factory=dict)
     feature_layers: Optional[List[str]] = None
     # optimisation
@@ -140,7 +141,7 @@ class RunConfig:
 FIELDS = {f.name: f for f in fields(RunConfig)}
 # Options that are also hyper-parameters of the KD method, and so keys of loss_args: whichever
 # of the two a later source (recipe < command line < --set) gives wins.
-LOSS_OPTIONS = ("ce_weight", "label_smoothing", "temperature")
+LOSS_OPTIONS = ("ce_weight", "label_smoothing", "temperature", "standardise")
 # The former top-level option: the label weight of Hinton KD (kd); only that method takes it.
 FORMER_ALPHA = "alpha"
 _LIST_INT = {"lr_milestones", "gpus"}
@@ -491,14 +492,21 @@ def validate_loss_options(cfg: RunConfig) -> None:
         value = args.get(name)
         if isinstance(value, (int, float)) and not ok(value):
             raise KDError(f"--{name.replace('_', '-')} {what}, got {value}")
-    if cfg.temperature is not None and not cfg.no_teacher:
-        from kd.losses import LOSSES
+    if cfg.no_teacher:
+        return
+    from kd.losses import LOSSES
 
-        known = LOSSES.get(cfg.kd_loss).defaults
-        if "temperature" not in known:
-            raise KDError(
-                f"--temperature: KD loss {cfg.kd_loss!r} has no temperature; its hyper-parameters: {', '.join(known)}"
-            )
+    known = LOSSES.get(cfg.kd_loss).defaults
+    if cfg.temperature is not None and "temperature" not in known:
+        raise KDError(
+            f"--temperature: KD loss {cfg.kd_loss!r} has no temperature; its hyper-parameters: {', '.join(known)}"
+        )
+    if cfg.standardise is not None and "standardise" not in known:
+        switched = ", ".join(n for n in LOSSES.names() if "standardise" in LOSSES.get(n).defaults)
+        raise KDError(
+            f"--logit-standardisation: KD loss {cfg.kd_loss!r} has no standardisation switch; the methods with it: "
+            f"{switched} (lskd is KD with it)"
+        )
 
 
 def save(cfg: RunConfig, path: Union[str, Path], notes: Sequence[str] = ()) -> None:
@@ -593,6 +601,13 @@ TRAIN_OPTIONS = (
     Option("label_smoothing", ("--label-smoothing",), "Label smoothing of the label term, any method.", note="0"),
     Option(
         "temperature", ("--temperature", "-T"), "Softmax temperature of methods that have one.", note="method default"
+    ),
+    Option(
+        "standardise",
+        ("--logit-standardisation/--no-logit-standardisation",),
+        "Z-score both logit vectors before the method's softmax (Sun et al. CVPR 2024); "
+        "the methods with a standardise switch: kd, dkd, ctkd, ctdkd.",
+        note="method default: off",
     ),
     Option("feature_layers", ("--feature-layers",), "Modules tapped by feature methods.", "A,B,.."),
     Option("epochs", ("--epochs",), "Epochs."),

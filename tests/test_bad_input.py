@@ -157,6 +157,10 @@ CASES = {
     "negative ce weight": (T("--ce-weight", "-1"), "--ce-weight must be 0 or more"),
     "label smoothing out of range": (T("--label-smoothing", "1"), "--label-smoothing must be in [0, 1)"),
     "temperature without one": (T("--kd-loss", "at", "-T", "2"), "KD loss 'at' has no temperature"),
+    "standardisation without the switch": (
+        T("--kd-loss", "nkd", "--logit-standardisation"),
+        "KD loss 'nkd' has no standardisation switch; the methods with it: ctdkd, ctkd, dkd, kd",
+    ),
     "num classes mismatch": (T("--num-classes", "7"), "class folders"),
     "no-teacher with dkd": (T("--no-teacher", "--kd-loss", "dkd"), "conflicts"),
     "fp16 on cpu": (T("--opt", "O1", "--amp-dtype", "float16"), "float16 needs CUDA"),

@@ -262,3 +262,29 @@ def test_standardise_is_off_by_default_and_only_0_or_1(name):
     build_loss(name, 10, {"standardise": True})
     with pytest.raises(KDError, match="standardise must be 0 or 1"):
         build_loss(name, 10, {"standardise": 2})
+
+
+def test_a_ctkd_run_logs_its_temperature_and_keeps_it(tmp_path):
+    """The learned temperature, per logged step in TensorBoard (read back with its reader), in
+    metrics.jsonl, and in the checkpoint with the student."""
+    import json
+
+    from conftest import kd_main, make_image_folder, train_args
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    data = make_image_folder(tmp_path / "data", classes=3, train_per_class=4, val_per_class=1)
+    out = tmp_path / "run"
+    r = kd_main(*train_args(data, out, "--log-every", 1, kd_loss="ctkd", epochs=2))
+    assert r.returncode == 0, r.stderr
+    events = EventAccumulator(str(out / "tb"))
+    events.Reload()
+    temperatures = [e.value for e in events.Scalars("train/temperature")]
+    lambdas = [e.value for e in events.Scalars("train/lambda")]
+    assert len(temperatures) == 2 and all(
+        1 < t < 21 for t in temperatures
+    )  # two epochs of one step (12 images, batch 8)
+    assert lambdas[0] < 0 and lambdas[-1] < lambdas[0]  # the reversal grows over the epochs
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert "train_temperature" in records[0]
+    state = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
+    assert state["loss"]["theta"].shape == (1,) and float(state["loss"]["theta"]) != 1.0  # trained from 1

@@ -1,6 +1,6 @@
-"""The feature methods that need more than module outputs, through the engine as a user runs them:
-pre-ReLU stages and pooled features tapped on real models, CRD's memory over an epoch, several
-processes and a resume."""
+"""The methods that need more than logits and module outputs, through the engine as a user runs them:
+pre-ReLU stages and pooled features tapped on real models, CRD's memory and CTKD's temperature over
+several processes, beside other students and across a resume."""
 
 from __future__ import annotations
 
@@ -113,11 +113,13 @@ def test_crd_trains_on_synthetic_tensors(tmp_path):
 
 
 @pytest.mark.slow
-def test_crd_over_two_processes_equals_one_process_of_the_same_global_batch(image_folder, tmp_path):
+@pytest.mark.parametrize("method", ["crd", "ctkd"])
+def test_two_processes_equal_one_process_of_the_same_global_batch(image_folder, tmp_path, method):
     """A student without batch statistics (ConvNeXt's LayerNorms), so that what two processes train
-    can equal one process: the same global batches, the negatives, Z and every memory update."""
-    options = dict(student="timm:convnext_atto", kd_loss="crd", lr_schedule="constant", workers=0)
-    small = ("--loss-arg", "negatives=64")
+    can equal one process: the same global batches; CRD's negatives, Z and every memory update;
+    CTKD's one temperature, its gradient all-reduced with the student's."""
+    options = dict(student="timm:convnext_atto", kd_loss=method, lr_schedule="constant", workers=0)
+    small = ("--loss-arg", "negatives=64") if method == "crd" else ()
     r = run_kd(*train_args(image_folder, tmp_path / "one", *small, **options))
     assert r.returncode == 0, r.stderr
     r = run_kd(*train_args(image_folder, tmp_path / "two", *small, "--backend", "torch_ddp", "--nproc", 2, **options))

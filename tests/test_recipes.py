@@ -100,6 +100,16 @@ PUBLISHED = {
         MDISTILLER, teacher="resnet50", student="timm:mobilenetv1_100", kd_loss="nkd", batch_size=256, lr=0.1,
         grad_clip=5.0, top1=72.58, loss={"ce_weight": 1.0, "non_target_weight": 1.5, "temperature": 1.0},
     ),
+    "imagenet/r34_r18_ctkd": dict(  # zhengli97/CTKD@7d52522 scripts/run_imagenet_distill.sh
+        MDISTILLER, teacher="resnet34", student="resnet18", kd_loss="ctkd", batch_size=256, lr=0.1, epochs=120,
+        top1=71.32, loss={"ce_weight": 1.0, "kd_weight": 1.0, "min_temperature": 1.0, "max_temperature": 21.0,
+                          "reversal_weight": 1.0, "reversal_epochs": 5},
+    ),
+    "imagenet/r34_r18_ctdkd": dict(  # the same script's commented DKD line (-a 0 -b 1 --dkd_alpha 1 --dkd_beta 1)
+        MDISTILLER, teacher="resnet34", student="resnet18", kd_loss="ctdkd", batch_size=256, lr=0.1, epochs=120,
+        top1=71.51, loss={"ce_weight": 1.0, "tckd_weight": 1.0, "nckd_weight": 1.0, "min_temperature": 1.0,
+                          "max_temperature": 21.0, "reversal_weight": 1.0, "reversal_epochs": 5},
+    ),
     "imagenet/baseline_r18": dict(  # pytorch/vision references/classification/train.py@017e9b9 defaults
         student="resnet18", no_teacher=True, batch_size=256, lr=0.1, epochs=90, lr_schedule="step",
         lr_milestones=[30, 60], lr_gamma=0.1, momentum=0.9, nesterov=False, weight_decay=1e-4, wd_bn_bias=True,
@@ -241,7 +251,7 @@ def loss_outputs(cfg):
 
 
 #: methods added after the renaming: their recipes never had other names
-NAMED_SINCE = {"crd", "ofd", "reviewkd", "nkd"}
+NAMED_SINCE = {"crd", "ofd", "reviewkd", "nkd", "ctkd", "ctdkd"}
 
 
 def test_every_kd_recipe_has_its_former_settings_listed():
@@ -359,6 +369,19 @@ def test_temperature_is_refused_where_there_is_none():
         assert kd_config.resolve(options={**base, "kd_loss": method}).loss_kwargs()["temperature"] == 2.0
     with pytest.raises(kd_config.KDError, match="KD loss 'at' has no temperature"):
         kd_config.resolve(options={**base, "kd_loss": "at"})
+
+
+def test_logit_standardisation_is_one_switch_on_the_methods_that_have_it():
+    """--logit-standardisation reaches each student's method as its standardise switch, a recipe's
+    loss_args stay as they were; --no-logit-standardisation turns off a recipe's."""
+    base = dict(teacher="resnet34", student="resnet18", data="synthetic", standardise=True)
+    for method in ("kd", "dkd", "ctkd", "ctdkd"):
+        args = kd_config.resolve(options={**base, "kd_loss": method}).loss_kwargs()
+        assert args["standardise"] is True and build_loss(method, 10, args).standardise
+    cfg = kd_config.resolve(recipe="imagenet/r34_r18_dkd", options={"standardise": True})
+    assert cfg.loss_kwargs() == {**kd_config.resolve(recipe="imagenet/r34_r18_dkd").loss_kwargs(), "standardise": True}
+    off = kd_config.resolve(options={**base, "kd_loss": "kd", "standardise": False}).loss_kwargs()
+    assert not build_loss("kd", 10, off).standardise
 
 
 def test_no_teacher_keeps_only_the_label_smoothing():

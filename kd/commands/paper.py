@@ -9,11 +9,11 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from kd.commands import table
 
 #: the order of the rows of the papers' ImageNet tables, then the later methods
-ORDER = ["kd", "at", "fitnet", "ofd", "crd", "reviewkd", "dkd", "dist", "lskd"]
+ORDER = ["kd", "at", "fitnet", "ofd", "crd", "reviewkd", "dkd", "dist", "nkd", "ctkd", "ctdkd", "lskd"]
 #: how papers print each method's name
 TITLES = {
     "kd": "KD", "at": "AT", "fitnet": "FitNet", "ofd": "OFD", "crd": "CRD", "reviewkd": "ReviewKD",
-    "dkd": "DKD", "dist": "DIST", "lskd": "KD + LS",
+    "dkd": "DKD", "dist": "DIST", "nkd": "NKD", "ctkd": "KD + CTKD", "ctdkd": "DKD + CTKD", "lskd": "KD + LS",
 }  # fmt: skip
 FORMATS = ("markdown", "latex")
 HEADER = ["method", "top-1", "top-5", "paper top-1", "diff"]
@@ -72,7 +72,8 @@ def pair_rows(rows: Sequence[Dict[str, object]], note: Callable[[str], None]) ->
         rank = {name: i for i, name in enumerate(ORDER)}
         for row in sorted(runs, key=lambda r: (rank.get(str(r["method"]), len(ORDER)), str(r["method"]))):
             method = str(row["method"])
-            lines.append([TITLES.get(method, method), _number(row["best_top1"]), _number(row["best_top5"]),
+            title = TITLES.get(method, method) + (" + LS" if row.get("_standardised") else "")
+            lines.append([title, _number(row["best_top1"]), _number(row["best_top5"]),
                           _number(row["reference_top1"]), _diff(row["diff"])])  # fmt: skip
         tables[(teacher, student)] = lines
     return tables

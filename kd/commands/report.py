@@ -96,6 +96,7 @@ def collect(run: Path) -> Dict[str, object]:
         "_teacher_top1": records[0].get("teacher_top1"),
         "_teacher_top5": records[0].get("teacher_top5"),
         "_teacher_weights": cfg.get("teacher_weights"),
+        "_standardised": bool(cfg.get("standardise") or (cfg.get("loss_args") or {}).get("standardise")),
         "_imagenet": bool(records) and records[0].get("train_images", 0) >= 0.99 * IMAGENET_TRAIN_IMAGES,
         "_no_wall": None if parts else "no wall.jsonl (a run of an older kd): its wall time is not known",
     }
@@ -168,6 +169,11 @@ def paper_reference(cfg: Dict[str, Any], records: List[Dict[str, Any]]) -> Tuple
     if not recipe:
         return None, f"its recipe {name} is not found here, so its setting cannot be checked"
     differ = [k for k in recipe if k not in NOT_THE_SETTING and cfg.get(k) != recipe[k]]
+    if not differ:  # a hyper-parameter given outside the recipe's keys (--logit-standardisation, say)
+        ran, published = _loss_settings(cfg), _loss_settings(recipe)
+        differ = [f"loss_args.{k}" for k in sorted(set(ran) | set(published)) if ran.get(k) != published.get(k)]
+        cfg = {**cfg, **{f"loss_args.{k}": v for k, v in ran.items()}}
+        recipe = {**recipe, **{f"loss_args.{k}": v for k, v in published.items()}}
     if differ:
         shown = ", ".join(f"{k} {cfg.get(k)!r} (recipe: {recipe[k]!r})" for k in differ[:3])
         return None, f"not the setting of recipe {name}: {shown}{' ...' if len(differ) > 3 else ''}"
@@ -175,6 +181,18 @@ def paper_reference(cfg: Dict[str, Any], records: List[Dict[str, Any]]) -> Tuple
     if images is not None and images < 0.99 * IMAGENET_TRAIN_IMAGES:
         return None, f"trained on {int(images):,} images an epoch, not ImageNet-1k's {IMAGENET_TRAIN_IMAGES:,}"
     return ref, None
+
+
+def _loss_settings(cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """The hyper-parameters a config gives its method (loss_args and the loss options, over the method's
+    defaults), so that a switch given outside the recipe's keys counts too."""
+    from kd.config import LOSS_OPTIONS
+    from kd.losses import LOSSES
+
+    method = cfg.get("kd_loss", "kd")
+    given = {**(cfg.get("loss_args") or {}), **{k: cfg[k] for k in LOSS_OPTIONS if cfg.get(k) is not None}}
+    defaults = LOSSES.get(method).defaults if method in LOSSES.names() else {}
+    return {k: float(v) if isinstance(v, (bool, int, float)) else v for k, v in {**defaults, **given}.items()}
 
 
 MAX_DEPTH = 3  # folder levels searched below a path (runs/<group>/<run>/ is 2): a dataset beside the runs is not walked
