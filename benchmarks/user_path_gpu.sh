@@ -10,6 +10,7 @@
 # fast: the command as typed (kd's defaults) beside the best flags known and prepared copies, each as a share of
 #       the synthetic step, and the first step's breakdown; resolution: a short run on the folder and on a copy.
 # teacher34, table: a resnet34 teacher trained by kd, then the six rows of the papers' R34 -> R18 table as one command.
+# newer: kd, dkd, nkd, ctkd and ctdkd from one teacher forward, then kd, dkd, ctkd, ctdkd with --logit-standardisation.
 # methods: OFD, CRD and ReviewKD under each backend and opt level, CRD over two ranks, and kd bench --methods.
 # together: four students (kd, dkd, dist, lskd) from one teacher forward, under each of TOGETHER_BACKENDS.
 # integrity: unreadable val images counted under both loaders, a second writer, kill -9, checksums, a float32 store.
@@ -257,6 +258,20 @@ PYEOF
          run table_alone 240 $COMMON --no-teacher --student resnet18 --opt O1 --amp-dtype float16 --epochs $E --lr 0.2
          $KD report "$RUNS/table" "$RUNS/table_alone" --format markdown 2>&1 | tee -a "$OUT/summary.txt"
          $KD report "$RUNS/table" "$RUNS/table_alone" --format latex > "$OUT/table.tex" 2>&1 ;;
+  newer) # the 2023-24 logit methods beside KD and DKD from one teacher forward, then with logit standardisation
+         T34=$RUNS/teacher34/checkpoints/best.pt E=${TABLE_EPOCHS:-8}
+         for variant in "newer:" "newer_ls:--logit-standardisation"; do
+           name=${variant%%:*} flag=${variant#*:} methods=kd,dkd,nkd,ctkd,ctdkd
+           [ -n "$flag" ] && methods=kd,dkd,ctkd,ctdkd
+           start=$(date +%s%N)
+           $T 420 $KD train $COMMON --teacher resnet34 --teacher-weights "$T34" --student resnet18 --kd-loss $methods $flag \
+             --opt O1 --amp-dtype float16 --epochs $E --lr 0.2 --out "$RUNS/$name" > "$OUT/$name.log" 2>&1
+           rc=$? secs="$(( ($(date +%s%N) - start) / 1000000 ))e-3"
+           for m in ${methods//,/ }; do report "$name/$m" $rc "$secs"; done
+         done
+         $KD report "$RUNS/table" "$RUNS/table_alone" "$RUNS/newer" "$RUNS/newer_ls" --format markdown 2>&1 | tee -a "$OUT/summary.txt"
+         $T 300 $PY -m cli bench --teacher resnet34 --student resnet18 --backends single --opt O1 --amp-dtype float16 -b 256 \
+           --methods kd,nkd,ctkd,ctdkd --iters 40 --warmup 10 2>&1 | tail -8 | tee -a "$OUT/summary.txt" ;;
   methods) # the feature methods under each backend and opt level (one epoch each), two ranks on GPU 0, and their steps timed
          T34=$RUNS/teacher34/checkpoints/best.pt
          for combo in "single O1" "dp O1" "torch_ddp O1" "apex_ddp O1" "apex_ddp O2" "single O3"; do
