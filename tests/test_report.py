@@ -274,6 +274,7 @@ def test_report_prints_the_papers_table_in_markdown_and_latex(tmp_path):
     _table_run(tmp_path, "imagenet/r34_r18_kd", 70.9, teacher=teacher)
     _table_run(tmp_path, "imagenet/baseline_r18", 69.6)
     _table_run(tmp_path / "ls", "imagenet/r34_r18_ctdkd", 71.2, options={"standardise": True}, teacher=teacher)
+    _table_run(tmp_path / "again", "imagenet/r34_r18_dkd", 71.4, teacher=teacher)
     r = kd_main("report", tmp_path, "--format", "markdown")
     assert r.returncode == 0, r.stderr
     lines = [line for line in r.stdout.splitlines() if line.startswith("| ")]
@@ -283,7 +284,8 @@ def test_report_prints_the_papers_table_in_markdown_and_latex(tmp_path):
         "| student alone (resnet18) | 69.60 | 89.10 | 69.76 | -0.16 |",
         "| KD | 70.90 | 90.40 | 71.03 | -0.13 |",
         "| CRD | 71.00 | 90.50 | 71.17 | -0.17 |",
-        "| DKD | 71.50 | 91.00 | 71.70 | -0.20 |",
+        "| DKD (again/r34_r18_dkd) | 71.40 | 90.90 | 71.70 | -0.30 |",  # two DKD runs: told apart
+        f"| DKD ({tmp_path.name}/r34_r18_dkd) | 71.50 | 91.00 | 71.70 | -0.20 |",
         "| DKD + CTKD + LS | 71.20 | 90.70 | - | - |",  # not the recipe's setting: no reference
     ], r.stdout
     assert r.stdout.startswith("resnet34 -> resnet18\n")

@@ -4,6 +4,7 @@ was the published setting on ImageNet, the paper's top-1 and the difference to i
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from kd.commands import table
@@ -33,6 +34,12 @@ def published(model: str, weights: str) -> Optional[Tuple[float, float]]:
         return float(metrics["acc@1"]), float(metrics["acc@5"])
     except (KeyError, ValueError):
         return None
+
+
+def _title(row: Dict[str, object]) -> str:
+    """The method as papers print it, ``+ LS`` where its logits were standardised."""
+    method = str(row["method"])
+    return TITLES.get(method, method) + (" + LS" if row.get("_standardised") else "")
 
 
 def _number(value: object) -> str:
@@ -70,9 +77,14 @@ def pair_rows(rows: Sequence[Dict[str, object]], note: Callable[[str], None]) ->
         else:
             note(f"no run of {student} alone among the runs: train one with --no-teacher for the table's baseline row")
         rank = {name: i for i, name in enumerate(ORDER)}
-        for row in sorted(runs, key=lambda r: (rank.get(str(r["method"]), len(ORDER)), str(r["method"]))):
-            method = str(row["method"])
-            title = TITLES.get(method, method) + (" + LS" if row.get("_standardised") else "")
+        ordered = sorted(
+            runs, key=lambda r: (rank.get(str(r["method"]), len(ORDER)), str(r["method"]), bool(r.get("_standardised")))
+        )
+        titles = [_title(row) for row in ordered]
+        for row, title in zip(ordered, titles):
+            if titles.count(title) > 1:  # the same method in two runs: told apart by their folders
+                run = Path(str(row["run"]))
+                title = f"{title} ({run.parent.name}/{run.name})"
             lines.append([title, _number(row["best_top1"]), _number(row["best_top5"]),
                           _number(row["reference_top1"]), _diff(row["diff"])])  # fmt: skip
         tables[(teacher, student)] = lines
