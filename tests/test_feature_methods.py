@@ -129,3 +129,16 @@ def test_two_processes_equal_one_process_of_the_same_global_batch(image_folder, 
     for part in ("student", "loss"):
         for key, value in one[part].items():
             torch.testing.assert_close(two[part][key], value, rtol=1e-4, atol=1e-5, msg=f"{part} {key}")
+
+
+def test_crd_reads_each_sample_index_from_a_prepared_copy(image_folder, tmp_path):
+    """A kd prepare copy carries every sample's index to the loss as the folder does: after one epoch
+    every memory row was written (a unit vector; the initial rows are not)."""
+    copy = tmp_path / "copy"
+    r = kd_main("prepare", image_folder, copy, "--max-side", 48)
+    assert r.returncode == 0, r.stderr
+    r = kd_main(*train_args(copy, tmp_path / "run", "--loss-arg", "negatives=64", kd_loss="crd"))
+    assert r.returncode == 0, r.stderr
+    state = checkpoint(tmp_path / "run")["loss"]["_extra_state"]
+    memory = state[:-2].view(2, 24, 128)
+    torch.testing.assert_close(memory.norm(dim=2), torch.ones(2, 24))
