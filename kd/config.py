@@ -492,9 +492,9 @@ def validate_loss_options(cfg: RunConfig) -> None:
         value = args.get(name)
         if isinstance(value, (int, float)) and not ok(value):
             raise KDError(f"--{name.replace('_', '-')} {what}, got {value}")
-    if cfg.no_teacher:
+    if cfg.no_teacher or (cfg.temperature is None and cfg.standardise is None):
         return
-    from kd.losses import LOSSES
+    from kd.losses import LOSSES  # torch: only where an option needs the method's hyper-parameters
 
     known = LOSSES.get(cfg.kd_loss).defaults
     if cfg.temperature is not None and "temperature" not in known:
