@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, kd_main, make_image_folder, run_kd, train_args
+from conftest import HANG_GUARD, ROOT, kd_main, make_image_folder, run_kd, start_kd, train_args
 
 from kd.errors import KDError
 
@@ -31,8 +31,11 @@ def test_a_run_ends_with_where_its_result_is(teacher_run):
 
 
 def _wall(run: Path):
-    """(the parts of ``run``'s wall.jsonl, the seconds of its epochs' training in metrics.jsonl)."""
-    parts = [json.loads(line) for line in (run / "wall.jsonl").read_text().splitlines()]
+    """(the ended parts of ``run``'s wall.jsonl, the seconds of its epochs' training in metrics.jsonl);
+    each ended part closes the line its start opened."""
+    lines = [json.loads(line) for line in (run / "wall.jsonl").read_text().splitlines()]
+    parts = [line for line in lines if not line.get("open")]
+    assert [line["started"] for line in lines if line.get("open")] == [p["started"] for p in parts], lines
     epochs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return parts, sum(r["seconds"] for r in epochs)
 
@@ -320,3 +323,28 @@ def test_the_papers_table_of_a_small_folder_has_no_references(tmp_path):
     rows = [line for line in r.stdout.splitlines() if line.startswith("| ")][1:]
     assert rows == ["| teacher (resnet34) | 50.00 | 80.00 | - | - |", "| OFD | 40.00 | 59.50 | - | - |"], r.stdout
     assert "no run of resnet18 alone among the runs" in r.stderr
+
+
+def test_a_part_killed_outright_is_said_to_be_missing_from_the_wall_time(image_folder, tmp_path):
+    """kill -9 leaves no end line: kd report marks the wall time as a lower bound (``+``) and says
+    which part is missing, also after the run was resumed and finished."""
+    out = tmp_path / "run"
+    proc = start_kd(*train_args(image_folder, out, "--save-every-steps", 1, epochs=3, no_teacher=True))
+    deadline = time.time() + HANG_GUARD
+    while not (out / "metrics.jsonl").exists():
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL) if os.getpgid(proc.pid) == proc.pid else proc.kill()
+    proc.communicate()
+    r = kd_main("report", out)
+    assert r.returncode == 0, r.stderr
+    row = next(line for line in r.stdout.splitlines() if line.startswith(f"| {out} "))
+    assert row.split("|")[-3].strip() == "-", row  # no part ended yet: no wall time to give
+    assert "wall_time leaves out 1 part(s) that began" in r.stderr and "wrote no end" in r.stderr, r.stderr
+    r = kd_main("train", "--out", out, "--resume")
+    assert r.returncode == 0, r.stderr
+    assert "in all: 1 earlier part(s) wrote no end)" in r.stdout.strip().splitlines()[-1], r.stdout
+    r = kd_main("report", out)
+    row = next(line for line in r.stdout.splitlines() if line.startswith(f"| {out} "))
+    assert row.split("|")[-3].strip().endswith("+"), row
+    assert "wall_time leaves out 1 part(s)" in r.stderr, r.stderr

@@ -12,6 +12,7 @@ import csv
 import io
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -19,7 +20,7 @@ import yaml
 
 from kd.commands import table
 from kd.errors import KDError
-from kd.run.log import wall_parts
+from kd.run.log import unended_parts, wall_parts
 from kd.runfolder import RunFolder
 
 COLUMNS = [
@@ -71,6 +72,7 @@ def collect(run: Path) -> Dict[str, object]:
     train = sum(r.get("seconds", 0.0) for r in records)
     parts = wall_parts(run)
     wall = sum(part["seconds"] for part in parts) if parts else None  # None: a run of a kd that did not time it
+    unended = unended_parts(run)
     last = evals[-1]
     ref, why = paper_reference(cfg, records)
     stored = " (stored)" if cfg.get("soft_labels") else ""  # its outputs from a kd teach store
@@ -87,7 +89,7 @@ def collect(run: Path) -> Dict[str, object]:
         "val_images": images_over(last),
         "reference_top1": ref if ref is not None else "-",
         "diff": round(best["val_top1"] - ref, 2) if ref is not None else "-",
-        "wall_time": duration(wall) if wall is not None else "-",
+        "wall_time": (duration(wall) + ("+" if unended else "")) if wall is not None else "-",
         "train_time": duration(train),
         "wall_s": round(wall, 1) if wall is not None else "",
         "train_s": round(train, 1),
@@ -98,8 +100,18 @@ def collect(run: Path) -> Dict[str, object]:
         "_teacher_weights": cfg.get("teacher_weights"),
         "_standardised": bool(cfg.get("standardise") or (cfg.get("loss_args") or {}).get("standardise")),
         "_imagenet": bool(records) and records[0].get("train_images", 0) >= 0.99 * IMAGENET_TRAIN_IMAGES,
-        "_no_wall": None if parts else "no wall.jsonl (a run of an older kd): its wall time is not known",
+        "_no_wall": None if parts or unended else "no wall.jsonl (a run of an older kd): its wall time is not known",
+        "_unended": (
+            f"wall_time leaves out {len(unended)} part(s) that began ({', '.join(_clock(t) for t in unended)}) and "
+            "wrote no end (killed outright, or still running): the run took longer"
+            if unended
+            else None
+        ),
     }
+
+
+def _clock(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(t))
 
 
 def images_over(record: Dict[str, Any]) -> str:
@@ -130,8 +142,11 @@ def summary_line(run: Path, seconds: float, name: str = "") -> str:
         return f"{prefix}done: {epochs} in {duration(seconds)}; run {run}"
     best, last = max(evals, key=lambda r: r["val_top1"]), evals[-1]
     checkpoint = folder.best if folder.best.is_file() else folder.last
-    parts = wall_parts(run)
-    if len(parts) > 1:  # a resumed run: this part's time, and the run's
+    parts, unended = wall_parts(run), unended_parts(run)
+    if unended:  # a part before this one was killed outright: its time is not known
+        known = duration(sum(p["seconds"] for p in parts))
+        took = f"{duration(seconds)} (more than {known} in all: {len(unended)} earlier part(s) wrote no end)"
+    elif len(parts) > 1:  # a resumed run: this part's time, and the run's
         took = f"{duration(seconds)} ({duration(sum(p['seconds'] for p in parts))} in all, {len(parts)} parts)"
     else:
         took = duration(seconds)
@@ -237,6 +252,9 @@ def report(runs: Sequence[Path], note: Optional[Callable[[str], None]] = None) -
         why = row.pop("_no_reference")
         if why:
             skipped.append(f"{run}: no paper reference shown, {why}")
+        unended = row.pop("_unended")
+        if unended:
+            skipped.append(f"{run}: {unended}")
         no_wall = row.pop("_no_wall")
         if no_wall:
             skipped.append(f"{run}: wall_time -, {no_wall}; train_time is its epochs' training seconds")

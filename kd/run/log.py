@@ -11,7 +11,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 from kd.runfolder import RunFolder
 
@@ -60,6 +60,7 @@ def wall_clock(folders: Sequence[Path]) -> Iterator[None]:
     from the command's start to the run's end, how it ended; ``kd report``'s wall time is their sum."""
     entered = time.time()
     started = float(os.environ.get(START_ENV, "") or entered)
+    os.environ[START_ENV] = repr(started)  # the part's start as its processes see it (:func:`open_part`)
     ended = "error"
     try:
         yield
@@ -90,12 +91,34 @@ def wrote(run: RunFolder, since: float) -> bool:
         return False
 
 
-def wall_parts(run: Path) -> List[Dict[str, float]]:
-    """The parts of ``run`` (:func:`wall_clock`'s lines), in order; empty for a run of an older kd."""
+def open_part(run: Path, started: float) -> None:
+    """A part of ``run`` has begun (its set-up succeeded): a line in its wall.jsonl that the part's own
+    end line (:func:`wall_clock`, same ``started``) closes. A part killed outright (kill -9, a lost
+    node) leaves it open, and ``kd report`` says its time is missing rather than leave it out unsaid."""
+    try:
+        with open(RunFolder(run).wall, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps({"started": started, "open": True}) + "\n")
+    except OSError as exc:
+        print(f"kd: this part's start is not in {RunFolder(run).wall}: {exc.strerror or exc}", file=sys.stderr)
+
+
+def _wall_lines(run: Path) -> List[Dict[str, Any]]:
     path = RunFolder(run).wall
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def wall_parts(run: Path) -> List[Dict[str, float]]:
+    """The ended parts of ``run`` (:func:`wall_clock`'s lines), in order; empty for a run of an older kd."""
+    return [line for line in _wall_lines(run) if not line.get("open")]
+
+
+def unended_parts(run: Path) -> List[float]:
+    """When each part of ``run`` that began but wrote no end started (killed outright, or still running)."""
+    lines = _wall_lines(run)
+    ended = {line["started"] for line in lines if not line.get("open")}
+    return [line["started"] for line in lines if line.get("open") and line["started"] not in ended]
 
 
 class SetupClock:

@@ -23,7 +23,7 @@ from kd.errors import KDError, NonFinite
 from kd.run import checkpoint
 from kd.run.build import build_lane
 from kd.run.lane import Lane, stop_in_setup
-from kd.run.log import SetupClock, command_start
+from kd.run.log import SetupClock, command_start, open_part
 from kd.run.runtime import resolve as resolve_runtime
 from kd.run.step import StepHook, StepOutput, check_batch
 from kd.runfolder import RunFolder
@@ -70,6 +70,7 @@ def start_folder(lane: Lane, resumed: bool) -> None:
         else:
             lane.out.mkdir(parents=True, exist_ok=True)
         kd_config.save(lane.cfg, RunFolder(lane.out).config, notes=lane.notes)
+        open_part(lane.out, lane.clock.started)
 
 
 class Trainer:
