@@ -124,6 +124,8 @@ class RunConfig:
     recipe: Optional[str] = None
     description: Optional[str] = None
     reference: Optional[Dict[str, Any]] = None
+    # the recipe's batch, where the run keeps the lr the recipe set for it (set by resolve; see lr_note)
+    lr_for_batch: Optional[int] = None
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -326,8 +328,10 @@ def resolve(
     cfg = base or RunConfig()
     if recipe:
         path = find_recipe(recipe)
-        cfg = apply(cfg, load_yaml(path), f"recipe {path}")
-        cfg = dataclasses.replace(cfg, recipe=str(recipe))
+        values = load_yaml(path)
+        cfg = apply(cfg, values, f"recipe {path}")
+        paired = "lr" in values and "batch_size" in values
+        cfg = dataclasses.replace(cfg, recipe=str(recipe), lr_for_batch=cfg.batch_size if paired else None)
     planned = cfg
     overrides: Dict[str, Any] = {}
     if options:
@@ -337,6 +341,8 @@ def resolve(
         parsed = parse_set(sets)
         cfg = apply(cfg, parsed, "--set")
         overrides.update(parsed)
+    if overrides.get("lr") is not None:  # the user's lr: no recipe's batch to measure it against
+        cfg = dataclasses.replace(cfg, lr_for_batch=None)
     if base is None and "epochs" in overrides:
         cfg = scale_schedule(cfg, planned.epochs, overrides)
     if cfg.teacher is None and not cfg.no_teacher and cfg.teacher_weights:
@@ -344,6 +350,19 @@ def resolve(
 
         cfg = dataclasses.replace(cfg, teacher=kd_run_model(cfg.teacher_weights))  # a kd checkpoint names its model
     return validate(cfg, teaching)
+
+
+def lr_note(cfg: RunConfig) -> Optional[str]:
+    """The line that says the run keeps its recipe's lr at another batch than the recipe's (kd changes
+    no recipe value the user did not), with the lr the linear scaling rule would give; None where the
+    lr is the user's or the batch the recipe's."""
+    if cfg.lr_for_batch is None or cfg.recipe is None or cfg.lr_for_batch == cfg.batch_size:
+        return None
+    scaled = cfg.lr * cfg.batch_size / cfg.lr_for_batch
+    return (
+        f"lr {cfg.lr:g} is recipe {cfg.recipe}'s for batch {cfg.lr_for_batch}; this run's batch is "
+        f"{cfg.batch_size} and kd keeps lr {cfg.lr:g} (the linear rule gives --lr {scaled:g})"
+    )
 
 
 #: options that --no-teacher would leave unused, were they typed beside it

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import kd_main, run_kd
+from conftest import kd_main, run_kd, train_args
 
 from kd import config as kd_config
 from kd.commands import recipes
@@ -433,3 +433,65 @@ def test_cli_former_name_gives_one_deprecation_line():
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "kd: error: --temperature: KD loss 'at' has no temperature; its hyper-parameters: ce_weight, label_smoothing, at_weight, p"
     ]
+
+
+# ----------------------------------------------------------------------------- a recipe's lr at another batch
+def _lr_lines(stderr: str):
+    return [line for line in stderr.splitlines() if "the linear rule gives" in line]
+
+
+def test_a_recipe_lr_kept_at_another_batch_is_said_once(image_folder, tmp_path):
+    """kd keeps a recipe's lr at another batch and says so in one line (stderr and config.yaml);
+    nothing where the user gave the lr or the batch is the recipe's."""
+    recipe = tmp_path / "fast.yaml"
+    recipe.write_text("lr: 0.2\nbatch_size: 16\n")
+    tiny = dict(no_teacher=True, student="timm:resnet10t", limit_train_batches=1, limit_val_batches=1)
+    tiny.update(no_progress=True)
+    r = kd_main(*train_args(image_folder, tmp_path / "b8", "--recipe", recipe, **tiny))
+    assert r.returncode == 0, r.stderr
+    line = (
+        f"lr 0.2 is recipe {recipe}'s for batch 16; this run's batch is 8 and kd keeps lr 0.2 "
+        f"(the linear rule gives --lr 0.1)"
+    )
+    assert _lr_lines(r.stderr) == [line], r.stderr
+    assert f"# {line}\n" in (tmp_path / "b8" / "config.yaml").read_text()
+    for name, given in (("lr", ["--lr", "0.2"]), ("same", ["-b", "16"])):
+        r = kd_main(*train_args(image_folder, tmp_path / name, "--recipe", recipe, *given, **tiny))
+        assert r.returncode == 0 and not _lr_lines(r.stderr), (name, r.stderr)
+
+
+def test_each_student_says_its_own_recipe_lr(image_folder, tmp_path):
+    """Several students: each one's line, in its own log (its prefix) and its own config.yaml."""
+    recipes = {"a": "lr: 0.2\nbatch_size: 16\n", "b": "lr: 0.1\nbatch_size: 8\n"}
+    for name, text in recipes.items():
+        (tmp_path / f"{name}.yaml").write_text(text)
+    tiny = dict(teacher="timm:resnet10t", student="timm:resnet10t", limit_train_batches=1, limit_val_batches=1)
+    tiny.update(no_progress=True, batch_size=4)
+    given = [a for name in recipes for a in ("--recipe", tmp_path / f"{name}.yaml")]
+    r = kd_main(*train_args(image_folder, tmp_path / "run", *given, **tiny))
+    assert r.returncode == 0, r.stderr
+    assert _lr_lines(r.stderr) == [
+        f"[a] lr 0.2 is recipe {tmp_path / 'a.yaml'}'s for batch 16; this run's batch is 4 and kd keeps lr 0.2 "
+        f"(the linear rule gives --lr 0.05)",
+        f"[b] lr 0.1 is recipe {tmp_path / 'b.yaml'}'s for batch 8; this run's batch is 4 and kd keeps lr 0.1 "
+        f"(the linear rule gives --lr 0.05)",
+    ], r.stderr
+    assert "the linear rule gives --lr 0.05" in (tmp_path / "run" / "b" / "config.yaml").read_text()
+
+
+def test_only_a_recipe_lr_the_user_left_is_measured_against_its_batch(tmp_path):
+    recipe = tmp_path / "fast.yaml"
+    recipe.write_text("lr: 0.2\nbatch_size: 16\n")
+    base = dict(teacher="resnet34", student="resnet18", data="synthetic", batch_size=8)
+    kept = kd_config.resolve(recipe=str(recipe), options=base)
+    assert kept.lr_for_batch == 16 and "the linear rule gives --lr 0.1)" in kd_config.lr_note(kept)
+    resumed = kd_config.resolve(options={"epochs": 5}, base=kept)  # a resume keeps what the recipe's lr is for
+    assert kd_config.lr_note(resumed) == kd_config.lr_note(kept)
+    for cfg in (
+        kd_config.resolve(recipe=str(recipe), options=base, sets=["lr=0.05"]),
+        kd_config.resolve(options={"lr": 0.1}, base=kept),
+        kd_config.resolve(recipe="imagenet/r34_r18_kd"),  # its own batch
+    ):
+        assert kd_config.lr_note(cfg) is None
+    recipe.write_text("lr: 0.2\n")  # an lr without the batch it is for: nothing to measure it against
+    assert kd_config.resolve(recipe=str(recipe), options=base).lr_for_batch is None

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from kd import models
+from kd.config import lr_note
 from kd.errors import KDError
 from kd.losses import DistillLoss, build_loss, split_layers
 from kd.precision import make_precision
@@ -88,6 +89,7 @@ def build_lane(
         )
         model = torch.compile(model, mode=cfg.compile_mode)
     scheduler = build_scheduler(cfg, optimizer, len(data.train))
+    notes = [line for line in (lr_note(cfg),) if line]  # what kd kept or chose for the user: also in config.yaml
     clock.mark("optimizer")  # with the precision, the backend's wrap and torch.compile's
     lane = Lane(
         name=name,
@@ -108,7 +110,7 @@ def build_lane(
         num_classes=num_classes,
         needs_teacher=loss.needs_teacher,  # its outputs live, or from a store (--soft-labels)
         t_layers=t_layers,
-        notes=[],
+        notes=notes,
         state=TrainState(),
         validate=validate,
     )
@@ -118,7 +120,7 @@ def build_lane(
         lane.resumed_step = lane.state.global_step
         logger.resume_at(lane.state.epoch)
         logger.info(f"resumed from {path} at epoch {lane.state.epoch + 1}")
-    for line in said:
+    for line in said + notes:
         logger.info(line)
     lane.log_data_configs()  # once set-up has succeeded: a failed start stays one line
     return lane

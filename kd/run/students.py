@@ -226,6 +226,7 @@ PER_STUDENT = (
     "loss_args",
     "feature_layers",
     "lr",
+    "lr_for_batch",  # each recipe's own batch for its lr
     "momentum",
     "nesterov",
     "weight_decay",
@@ -317,7 +318,7 @@ def check_shared(names: Sequence[str], cfgs: Sequence[Any]) -> None:
         raise KDError(
             f"the students disagree on what they share: {'; '.join(differ)}. Students of one run share the "
             f"data, the teacher, the batch, image size, epochs, seed, hardware and precision; each may set "
-            f"only {', '.join(k for k in PER_STUDENT if k not in ('recipe', 'description', 'out'))}"
+            f"only {', '.join(k for k in PER_STUDENT if k not in ('recipe', 'description', 'out', 'lr_for_batch'))}"
         )
 
 
