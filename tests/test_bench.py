@@ -14,41 +14,47 @@ SETS = ["--set", "fuse_teacher=false", "--set", "momentum=0.5"]
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory):
     """One ``kd bench`` over single, torch_ddp and dp at O0 and O1 with two --set options; the
-    combinations are real ``kd train`` processes (bench starts them), the bench itself runs here."""
+    combinations are real ``kd train`` processes (bench starts them), the bench itself runs here;
+    the titles of the charts it drew come back too."""
+    import matplotlib.pyplot as plt
+
     out = tmp_path_factory.mktemp("bench") / "bench"
-    r = kd_main(
-        "bench",
-        "--teacher",
-        "resnet18",
-        "--student",
-        "resnet18",
-        "--device",
-        "cpu",
-        "--nproc",
-        "2",
-        "--backends",
-        "single,torch_ddp,dp",
-        "--opt",
-        "O0,O1",
-        "-b",
-        "4",
-        "--image-size",
-        "32",
-        "--iters",
-        "3",
-        "--warmup",
-        "1",
-        "--out",
-        out,
-        "--keep-runs",  # the tests below read each combination's config.yaml
-        *SETS,
-    )
-    return out, r
+    figures = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(plt, "close", lambda fig=None: figures.append(fig))
+        r = kd_main(
+            "bench",
+            "--teacher",
+            "resnet18",
+            "--student",
+            "resnet18",
+            "--device",
+            "cpu",
+            "--nproc",
+            "2",
+            "--backends",
+            "single,torch_ddp,dp",
+            "--opt",
+            "O0,O1",
+            "-b",
+            "4",
+            "--image-size",
+            "32",
+            "--iters",
+            "3",
+            "--warmup",
+            "1",
+            "--out",
+            out,
+            "--keep-runs",  # the tests below read each combination's config.yaml
+            *SETS,
+        )
+    return out, r, [fig.axes[0].get_title() for fig in figures]
 
 
 @pytest.mark.slow
 def test_bench_table_csv_json_on_cpu(bench):
-    out, r = bench
+    out, r, _ = bench
     assert r.returncode == 0, r.stderr
     rows = json.loads((out / "bench.json").read_text())["rows"]
     assert [(x["backend"], x["opt"]) for x in rows] == [
@@ -57,7 +63,11 @@ def test_bench_table_csv_json_on_cpu(bench):
     ran = [x for x in rows if x["backend"] != "dp"]
     for x in ran:
         assert x["img_per_s"] > 0 and x["s_per_20_iters"] > 0, x
-    assert "2 process(es)" in ran[2]["impl"] and "bfloat16" in ran[3]["impl"]
+    # impl names what ran in a word; the note says what the other columns do not (the reduced dtype, the
+    # processes); the whole description the combination logged stays in bench.json
+    assert [x["impl"] for x in ran] == ["native"] * 4, ran
+    assert [x["note"] for x in ran] == ["", "bfloat16", "2 processes", "bfloat16; 2 processes"], ran
+    assert any(line.startswith("backend torch_ddp: 2 process(es)") for line in ran[2]["described"]), ran
     for x in rows[4:]:
         assert x["img_per_s"] == "-" and ("CUDA" in x["note"] or "--nproc" in x["note"]), x
     assert ran[0]["speedup"] == 1.0
@@ -67,8 +77,17 @@ def test_bench_table_csv_json_on_cpu(bench):
 
 
 @pytest.mark.slow
+def test_bench_chart_names_the_models_and_the_device(bench):
+    out, r, titles = bench
+    assert r.returncode == 0, r.stderr
+    assert titles == ["kd bench: resnet18 -> resnet18, batch 4, 32 px, synthetic data\ncpu"], titles
+    saved = json.loads((out / "bench.json").read_text())
+    assert saved["setting"] == "resnet18 -> resnet18, batch 4, 32 px, synthetic data" and saved["device"] == "cpu"
+
+
+@pytest.mark.slow
 def test_bench_passes_set_to_every_combination(bench):
-    out, r = bench
+    out, r, _ = bench
     assert r.returncode == 0, r.stderr
     for combo in ("single_O0", "single_O1", "torch_ddp_O0", "torch_ddp_O1"):  # every one that ran
         saved = (out / "runs" / combo / "config.yaml").read_text()
@@ -169,6 +188,61 @@ def test_a_failed_synthetic_run_says_why_in_the_row():
     assert folder_ran["synthetic_img_per_s"] == "-" and folder_ran["of_synthetic_pct"] == "-"
 
 
+def test_impl_names_what_ran_and_the_note_keeps_what_the_columns_do_not():
+    """The precision and backend lines a combination logs (their describe()), as impl and note."""
+    from kd.commands.bench import implementation
+
+    assert implementation([]) == ("", "")
+    native = "precision O1 (native, float32 weights, autocast to float16, dynamic loss scaling)"
+    assert implementation([native, "backend single: 1 process(es), device cuda:0"]) == ("native", "float16")
+    ddp = (
+        "backend torch_ddp: 4 process(es) over nccl, rank 0, device cuda:0, "
+        "find_unused_parameters=True (detected: a student parameter got no gradient)"
+    )
+    assert implementation([native, ddp]) == ("native", "float16; 4 processes; find_unused_parameters")
+    apex = "precision O2 (apex, float16 weights, BatchNorm float32, float32 master weights, dynamic loss scaling)"
+    real = (
+        "backend apex_ddp: 2 process(es) over nccl, rank 0, device cuda:0, "
+        "real apex.parallel.DistributedDataParallel(delay_allreduce=True), parameters contiguous (apex copies ...)"
+    )
+    assert implementation([apex, real]) == ("apex + apex.parallel", "float16; 2 processes")
+    fallback = (
+        "precision O1 (native, float32 weights, autocast to bfloat16, no loss scaling, "
+        "not apex.amp: NVIDIA apex is not installed)"
+    )
+    own = (
+        "backend apex_ddp: 2 process(es) over gloo, rank 0, device cpu, kd's native delayed all-reduce "
+        "(apex.parallel is not importable: No module named 'apex'), sync_bn"
+    )
+    assert implementation([fallback, own]) == (
+        "native + kd all-reduce",
+        "bfloat16; 2 processes; not apex.amp: NVIDIA apex is not installed; "
+        "apex.parallel is not importable: No module named 'apex'",
+    )
+
+
+def test_bench_chart_title_names_the_setting_and_the_device(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    from kd.commands import bench
+
+    args = {"teacher": "resnet101", "student": "resnet18", "batch_size": 256, "image_size": 224, "device": "cpu"}
+    assert bench.setting_of(args) == "resnet101 -> resnet18, batch 256, 224 px, synthetic data"
+    assert (
+        bench.setting_of({**args, "data": "/data/imagenet/"})
+        == "resnet101 -> resnet18, batch 256, 224 px, data imagenet"
+    )
+    assert bench.device_of(args) == "cpu"
+    figures = []
+    monkeypatch.setattr(plt, "close", lambda fig=None: figures.append(fig))
+    row = {**{c: "-" for c in bench.COLUMNS}, "backend": "single", "opt": "O0", "img_per_s": 10.0}
+    bench.write_outputs([row], tmp_path, "single O0", setting=bench.setting_of(args), device="NVIDIA H100 80GB HBM3")
+    title = figures[-1].axes[0].get_title()
+    assert title == "kd bench: resnet101 -> resnet18, batch 256, 224 px, synthetic data\nNVIDIA H100 80GB HBM3"
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert saved["device"] == "NVIDIA H100 80GB HBM3" and saved["setting"].startswith("resnet101 -> resnet18")
+
+
 def test_bench_keeps_only_its_table_unless_asked(tmp_path, capsys):
     """The combinations' run folders (a CPU bench left 250 MB) go once the table is written."""
     from kd.commands.bench import drop_runs
@@ -198,7 +272,7 @@ def test_bench_vs_store_times_live_teach_store_and_alone(tmp_path):
     assert all(x["img_per_s"] > 0 for x in rows), rows
     assert store["speedup"] == round(store["img_per_s"] / live["img_per_s"], 2)
     assert store["of_alone_pct"] == round(100 * store["img_per_s"] / alone["img_per_s"], 1)
-    assert teach["of_alone_pct"] == "-" and teach["impl"] == "teacher in float32; top-k 5"
+    assert teach["of_alone_pct"] == "-" and teach["impl"] == "teacher float32"
     gain = 1 / live["img_per_s"] - 1 / store["img_per_s"]
     said = f"teaching repaid after {(1 / teach['img_per_s']) / gain:.1f}" if gain > 0 else "no faster"
     assert store["note"].startswith(said), store

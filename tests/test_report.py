@@ -208,6 +208,49 @@ def test_report_plot_tells_runs_apart_and_draws_what_its_title_says(tmp_path, mo
     assert top1.get_title() == "validation top-1"
 
 
+def test_report_plot_gives_every_run_its_own_line_and_the_loss_a_log_axis(tmp_path, monkeypatch):
+    """Twelve runs (matplotlib's own cycle repeats after ten) are twelve lines told apart by colour
+    and style, on both axes; a FitNet loss of ~662 beside KD losses of ~3 needs a log axis."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import to_rgba
+
+    from kd.commands import report
+
+    runs = [_fake_run(tmp_path / f"run{i:02d}", 60.0 + i, 100.0) for i in range(12)]
+    for i, run in enumerate(runs):
+        loss = 662.0 if i == 0 else 3.0 + i / 10
+        rows = [{"epoch": e, "val_top1": 60 + i + e, "val_top5": 90, "train_loss": loss / e} for e in (1, 2)]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    notes, figures = [], []
+    monkeypatch.setattr(plt, "close", lambda fig=None: figures.append(fig))  # the figure, as drawn and saved
+    report.plot([tmp_path], tmp_path / "fig.png", notes.append)
+    top1, loss = figures[-1].axes
+    for ax in (top1, loss):
+        looks = {(to_rgba(line.get_color()), line.get_linestyle()) for line in ax.get_lines()}
+        assert len(ax.get_lines()) == 12 and len(looks) == 12, looks
+    assert loss.get_yscale() == "log" and "log" in loss.get_ylabel(), loss.get_ylabel()
+    assert max(loss.get_lines()[0].get_ydata()) == 662.0 and not notes, notes
+    assert len({style for _, style in report.run_styles(200)}) > 1
+    assert len(set(report.run_styles(200))) == 200
+
+
+def test_report_plot_leaves_a_loss_a_log_axis_cannot_show_off_and_says_so(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from kd.commands import report
+
+    run = _fake_run(tmp_path / "kd", 60.0, 100.0)
+    rows = [{"epoch": e, "val_top1": 60 + e, "val_top5": 90, "train_loss": loss} for e, loss in ((1, 2.0), (2, 0.0))]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    notes, figures = [], []
+    monkeypatch.setattr(plt, "close", lambda fig=None: figures.append(fig))
+    report.plot([run], tmp_path / "fig.png", notes.append)
+    assert list(figures[-1].axes[1].get_lines()[0].get_ydata()) == [2.0]
+    assert notes == [f"{run}: 1 epoch(s) of train loss 0, below or NaN left off the log axis"], notes
+
+
 def test_report_without_matplotlib_prints_the_table_first(teacher_run, tmp_path, no_matplotlib):
     _, out = teacher_run
     r = kd_main("report", out, "--plot", tmp_path / "fig.png")

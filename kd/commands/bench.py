@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -93,14 +94,42 @@ def run_combo(
         line.split("] ", 1)[1] if line.startswith("[") and "] " in line else line for line in proc.stderr.splitlines()
     ]
     said = list(dict.fromkeys(line for line in lines if line.startswith(("backend ", "precision "))))
-    row["impl"] = "; ".join(said[-2:]).replace("|", "/")
+    impl, note = implementation(said)
     row.update(
         s_per_20_iters=round(record["s_per_20_iters"], 3),
         img_per_s=round(record["timed_img_per_s"], 1),
         peak_mem_gb="/".join(f"{m:.2f}" for m in record.get("peak_mem_gb", [])) or "-",
-        note="",
+        impl=impl,
+        note=note,
+        described=said,  # in bench.json only: the whole of what the combination said it ran
     )
     return row
+
+
+def implementation(said: Sequence[str]) -> Tuple[str, str]:
+    """``(impl, note)`` of a combination from the precision and backend lines it logged (their
+    ``describe()``). impl names what ran in a word or two: the opt level's implementation (``native``
+    or ``apex``), and apex_ddp's all-reduce (``+ apex.parallel``, or ``+ kd all-reduce`` where it ran
+    kd's own). The note keeps what the other columns do not say: the reduced dtype, the processes
+    of a multi-process backend, find_unused_parameters, and why apex did not run where it was wanted."""
+    precision = next((line for line in reversed(said) if line.startswith("precision ")), "")
+    backend = next((line for line in reversed(said) if line.startswith("backend ")), "")
+    inside = precision[precision.find("(") + 1 : precision.rfind(")")] if ")" in precision else ""
+    impl = inside.split(", ")[0]
+    notes = re.findall(r"\bb?float16\b", inside)[:1]
+    processes = re.match(r"backend \S+: (\d+) process", backend)
+    if processes and int(processes.group(1)) > 1:
+        notes.append(f"{processes.group(1)} processes")
+    if "find_unused_parameters=True" in backend:
+        notes.append("find_unused_parameters")
+    notes += re.findall(r"not apex\.amp: .*", inside)
+    if "real apex.parallel" in backend:
+        impl += " + apex.parallel"
+    native = re.search(r"kd's native delayed all-reduce \((.*)\)", backend)
+    if native:
+        impl += " + kd all-reduce"
+        notes.append(native.group(1).split(";")[0])
+    return impl, "; ".join(notes).replace("|", "/")
 
 
 def bench(
@@ -154,7 +183,9 @@ def bench(
         r.setdefault("methods", args.get("kd_loss") or "kd")
         for c in COLUMNS + (SYNTHETIC_COLUMNS if vs_synthetic else []):
             r.setdefault(c, "-")
-    write_outputs(rows, out, f"{base['backend']} {base['opt']}" if base else "-")
+    write_outputs(
+        rows, out, f"{base['backend']} {base['opt']}" if base else "-", setting=setting_of(args), device=device_of(args)
+    )
     drop_runs(out, args)
     return rows
 
@@ -228,7 +259,7 @@ def bench_methods(
     for r in rows:
         for c in COLUMNS:
             r.setdefault(c, "-")
-    write_outputs(rows, out, "each method alone")
+    write_outputs(rows, out, "each method alone", setting=setting_of(args), device=device_of(args))
     drop_runs(out, cast(Dict[str, Any], args))
     return rows
 
@@ -265,7 +296,7 @@ def bench_store(
                 if verb == "teach" and "img_per_s" in row:
                     from kd.teacher.store import read_manifest
 
-                    row["impl"] = f"teacher in {read_manifest(store).get('teacher_precision')}; top-k {k}"
+                    row["impl"] = f"teacher {read_manifest(store).get('teacher_precision')}"  # top-k: the store row's
                 group.append(row)
             live, teach, stored, alone = (r.get("img_per_s") for r in group)
             for r in group:
@@ -285,7 +316,7 @@ def bench_store(
     for r in rows:
         for c in COLUMNS + STORE_COLUMNS:
             r.setdefault(c, "-")
-    write_outputs(rows, out, f"{args.get('teacher')} (live)")
+    write_outputs(rows, out, f"{args.get('teacher')} (live)", setting=setting_of(args), device=device_of(args))
     drop_runs(out, args)
     return rows
 
@@ -308,10 +339,39 @@ def markdown(rows: List[Dict[str, object]]) -> str:
     return table.markdown(rows, columns(rows))
 
 
-def write_outputs(rows: List[Dict[str, object]], out: Path, baseline: str, note=None) -> None:
-    """bench.json, bench.csv, bench.md and the chart bench.png; ``note`` hears (stderr by default)
-    when the chart cannot be drawn, as matplotlib is missing."""
-    (out / "bench.json").write_text(json.dumps({"baseline": baseline, "rows": rows}, indent=2))
+def setting_of(args: Dict[str, Any]) -> str:
+    """What every combination of a bench trains, for its chart's title and bench.json:
+    ``resnet101 -> resnet18, batch 256, 224 px, synthetic data``."""
+    data = str(args.get("data") or "synthetic")
+    where = "synthetic data" if data == "synthetic" else f"data {Path(data).name}"
+    teacher = args.get("teacher") or "no teacher"
+    return f"{teacher} -> {args.get('student')}, batch {args.get('batch_size')}, {args.get('image_size')} px, {where}"
+
+
+def device_of(args: Dict[str, Any]) -> str:
+    """Where the combinations ran, for the chart's title and bench.json: ``cpu``, or the model of
+    the GPUs (those of ``--gpus``, else the visible ones), as ``--device`` resolves in ``kd train``."""
+    import torch
+
+    gpus = [int(g) for g in str(args.get("gpus") or "").split(",") if g.strip().isdigit()]
+    device = args.get("device") or "auto"
+    if device == "cpu" or (device == "auto" and not gpus and not torch.cuda.is_available()):
+        return "cpu"
+    if not torch.cuda.is_available():
+        return "cuda (not usable here)"
+    count = torch.cuda.device_count()
+    names = ", ".join(dict.fromkeys(torch.cuda.get_device_name(i) for i in gpus or range(count) if i < count))
+    return f"GPUs {','.join(map(str, gpus))}: {names}" if gpus else names or "cuda"
+
+
+def write_outputs(
+    rows: List[Dict[str, object]], out: Path, baseline: str, note=None, setting: str = "", device: str = ""
+) -> None:
+    """bench.json, bench.csv, bench.md and the chart bench.png, titled with the ``setting`` and the
+    ``device``; ``note`` hears (stderr by default) when the chart cannot be drawn, as matplotlib is
+    missing."""
+    said = {"setting": setting, "device": device} if setting or device else {}
+    (out / "bench.json").write_text(json.dumps({"baseline": baseline, **said, "rows": rows}, indent=2))
     with open(out / "bench.csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=columns(rows), extrasaction="ignore")
         writer.writeheader()
@@ -325,7 +385,7 @@ def write_outputs(rows: List[Dict[str, object]], out: Path, baseline: str, note=
         (note or (lambda line: print(f"kd bench: {line}", file=sys.stderr, flush=True)))(f"no bench.png: {exc}")
         return
     ok = [r for r in rows if isinstance(r.get("img_per_s"), (int, float))]
-    fig, ax = plt.subplots(figsize=(max(4, 1.1 * len(ok)), 3.8))
+    fig, ax = plt.subplots(figsize=(max(5.5, 1.1 * len(ok)), 3.8))
     ax.bar(range(len(ok)), [r["img_per_s"] for r in ok], color="#4a7ab7")
     # one label per bar, slanted so that long ones (backend, level, methods) do not overlap
     ax.set_xticks(
@@ -336,7 +396,8 @@ def write_outputs(rows: List[Dict[str, object]], out: Path, baseline: str, note=
         fontsize=8,
     )
     ax.set_ylabel("images/s per student")
-    ax.set_title("kd bench" if ok else "kd bench: no combination ran")
+    title = "kd bench" + (f": {setting}" if setting else "") + (f"\n{device}" if device else "")
+    ax.set_title(title if ok else f"{title}\nno combination ran", fontsize=9)
     fig.tight_layout()
     fig.savefig(out / "bench.png", dpi=120)
     plt.close(fig)

@@ -287,42 +287,70 @@ def pyplot():
 
 
 def plot(runs: Sequence[Path], path: Path, note: Optional[Callable[[str], None]] = None) -> Path:
-    """The figure of a table: val top-1 per epoch of each run found in ``runs`` (with its recipe's
-    paper reference as a dashed line of the same colour), and its train loss per epoch."""
+    """The figure of a table (:func:`figure`) written to ``path``."""
     plt = pyplot()
-    found = [run for p in runs for run in find_runs(Path(p), note or (lambda line: None))]
-    if not found:
-        raise KDError("no kd run to plot")
-    fig, (top1, loss) = plt.subplots(1, 2, figsize=(11, 4.2))
-    names = run_labels(found)
-    dashed = False
-    for i, run in enumerate(found):
-        folder = RunFolder(run)
-        records = [json.loads(line) for line in folder.metrics.read_text().splitlines() if line.strip()]
-        cfg = (yaml.safe_load(folder.config.read_text()) or {}) if folder.config.is_file() else {}
-        color = f"C{i % 10}"
-        label = names[i]
-        evals = [r for r in records if "val_top1" in r]
-        top1.plot([r["epoch"] for r in evals], [r["val_top1"] for r in evals], color=color, marker=".", label=label)
-        ref, _ = paper_reference(cfg, records)
-        if ref is not None:
-            dashed = True
-            top1.axhline(ref, color=color, linestyle="--", linewidth=1, label=f"{label}: paper {ref}")
-        trained = [r for r in records if "train_loss" in r]
-        loss.plot(
-            [r["epoch"] for r in trained], [r["train_loss"] for r in trained], color=color, marker=".", label=label
-        )
-    top1.set(xlabel="epoch", ylabel="val top-1 (%)", title="validation top-1" + (" (dashed: paper)" if dashed else ""))
-    loss.set(xlabel="epoch", ylabel="train loss", title="training loss")
-    for ax in (top1, loss):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
+    fig = figure(runs, note)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def figure(runs: Sequence[Path], note: Optional[Callable[[str], None]] = None):
+    """The matplotlib figure of a table: val top-1 per epoch of each run found in ``runs`` (with its
+    recipe's paper reference as a dashed line of the same colour), and its train loss per epoch on a
+    log axis (a FitNet loss of hundreds beside KD losses of a few); each run its own colour and line
+    style. ``note`` hears what is skipped, and losses a log axis cannot show."""
+    plt = pyplot()
+    tell = note or (lambda line: None)
+    found = [run for p in runs for run in find_runs(Path(p), tell)]
+    if not found:
+        raise KDError("no kd run to plot")
+    fig, (top1, loss) = plt.subplots(1, 2, figsize=(11, 4.2))
+    names = run_labels(found)
+    dashed = False
+    for run, label, (color, style) in zip(found, names, run_styles(len(found))):
+        folder = RunFolder(run)
+        records = [json.loads(line) for line in folder.metrics.read_text().splitlines() if line.strip()]
+        cfg = (yaml.safe_load(folder.config.read_text()) or {}) if folder.config.is_file() else {}
+        look = dict(color=color, linestyle=style, marker=".", label=label)
+        evals = [r for r in records if "val_top1" in r]
+        top1.plot([r["epoch"] for r in evals], [r["val_top1"] for r in evals], **look)
+        ref, _ = paper_reference(cfg, records)
+        if ref is not None:
+            dashed = True
+            top1.axhline(ref, color=color, linestyle="--", linewidth=1, label=f"{label}: paper {ref}")
+        trained = [r for r in records if "train_loss" in r]
+        shown = [r for r in trained if r["train_loss"] > 0]  # NaN too: neither has a place on a log axis
+        if len(shown) < len(trained):
+            tell(f"{label}: {len(trained) - len(shown)} epoch(s) of train loss 0, below or NaN left off the log axis")
+        loss.plot([r["epoch"] for r in shown], [r["train_loss"] for r in shown], **look)
+    top1.set(xlabel="epoch", ylabel="val top-1 (%)", title="validation top-1" + (" (dashed: paper)" if dashed else ""))
+    loss.set_yscale("log")
+    loss.set(xlabel="epoch", ylabel="train loss (log scale)", title="training loss")
+    for ax in (top1, loss):
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+#: line styles that tell neighbouring runs apart beyond ten; dashed is kept for the paper's reference
+RUN_LINESTYLES = ("-", ":", "-.")
+
+
+def run_styles(count: int) -> List[Tuple[Any, str]]:
+    """A (colour, line style) for each of ``count`` runs, no two alike: matplotlib's ten default
+    colours up to ten runs; beyond, ``count`` hues spread evenly over the colour wheel, with
+    neighbours in different line styles too."""
+    if count <= 10:
+        return [(f"C{i}", "-") for i in range(count)]
+    from matplotlib.colors import hsv_to_rgb
+
+    # hues up to 0.9 of the wheel: the last run's does not come round to the first's red
+    hues = [tuple(hsv_to_rgb((0.9 * i / count, 0.85, 0.8))) for i in range(count)]
+    return [(hue, RUN_LINESTYLES[i % len(RUN_LINESTYLES)]) for i, hue in enumerate(hues)]
 
 
 def run_labels(runs: Sequence[Path]) -> List[str]:
