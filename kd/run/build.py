@@ -141,7 +141,8 @@ def setup_feature_layers(
     check_layers(student, s_layers, f"student {cfg.student}")
     check_layers(teacher, t_layers, f"teacher {cfg.teacher}")
     probe = torch.randn(2, 3, cfg.image_size, cfg.image_size, generator=torch.Generator().manual_seed(0))
-    keys, norms = [], {}
+    keys: List[List[str]] = []
+    norms: Dict[str, Optional[str]] = {}  # the teacher's BatchNorm before each pre-ReLU tap
     for model, layers, role in (
         (student, s_layers, f"student {cfg.student}"),
         (teacher, t_layers, f"teacher {cfg.teacher}"),
@@ -150,7 +151,8 @@ def setup_feature_layers(
         if loss.tap_point == "pre_relu":
             found = [pre_relu_key(model, layer, probe, loss.name, role) for layer in layers]
             side = [key for key, _ in found]
-            norms = {key: norm for key, norm in found}
+            if model is teacher:
+                norms = dict(found)
         if loss.uses_pooled:
             side.append(pooled_key(model, loss.name, role))
         keys.append(side)
