@@ -124,7 +124,7 @@ class RunConfig:
     recipe: Optional[str] = None
     description: Optional[str] = None
     reference: Optional[Dict[str, Any]] = None
-    # the recipe's batch, where the run keeps the lr the recipe set for it (set by resolve; see lr_note)
+    # the recipe's batch, where the run keeps the lr the recipe set for it (set by resolve; see kd.run.optim.lr_note)
     lr_for_batch: Optional[int] = None
 
     def to_dict(self) -> Dict[str, Any]:
@@ -350,19 +350,6 @@ def resolve(
 
         cfg = dataclasses.replace(cfg, teacher=kd_run_model(cfg.teacher_weights))  # a kd checkpoint names its model
     return validate(cfg, teaching)
-
-
-def lr_note(cfg: RunConfig) -> Optional[str]:
-    """The line that says the run keeps its recipe's lr at another batch than the recipe's (kd changes
-    no recipe value the user did not), with the lr the linear scaling rule would give; None where the
-    lr is the user's or the batch the recipe's."""
-    if cfg.lr_for_batch is None or cfg.recipe is None or cfg.lr_for_batch == cfg.batch_size:
-        return None
-    scaled = cfg.lr * cfg.batch_size / cfg.lr_for_batch
-    return (
-        f"lr {cfg.lr:g} is recipe {cfg.recipe}'s for batch {cfg.lr_for_batch}; this run's batch is "
-        f"{cfg.batch_size} and kd keeps lr {cfg.lr:g} (the linear rule gives --lr {scaled:g})"
-    )
 
 
 #: options that --no-teacher would leave unused, were they typed beside it

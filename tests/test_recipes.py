@@ -10,6 +10,7 @@ from conftest import kd_main, run_kd, train_args
 from kd import config as kd_config
 from kd.commands import recipes
 from kd.losses import build_loss
+from kd.run.optim import lr_note
 
 NAMES = recipes.names()
 
@@ -484,14 +485,14 @@ def test_only_a_recipe_lr_the_user_left_is_measured_against_its_batch(tmp_path):
     recipe.write_text("lr: 0.2\nbatch_size: 16\n")
     base = dict(teacher="resnet34", student="resnet18", data="synthetic", batch_size=8)
     kept = kd_config.resolve(recipe=str(recipe), options=base)
-    assert kept.lr_for_batch == 16 and "the linear rule gives --lr 0.1)" in kd_config.lr_note(kept)
+    assert kept.lr_for_batch == 16 and "the linear rule gives --lr 0.1)" in lr_note(kept)
     resumed = kd_config.resolve(options={"epochs": 5}, base=kept)  # a resume keeps what the recipe's lr is for
-    assert kd_config.lr_note(resumed) == kd_config.lr_note(kept)
+    assert lr_note(resumed) == lr_note(kept)
     for cfg in (
         kd_config.resolve(recipe=str(recipe), options=base, sets=["lr=0.05"]),
         kd_config.resolve(options={"lr": 0.1}, base=kept),
         kd_config.resolve(recipe="imagenet/r34_r18_kd"),  # its own batch
     ):
-        assert kd_config.lr_note(cfg) is None
+        assert lr_note(cfg) is None
     recipe.write_text("lr: 0.2\n")  # an lr without the batch it is for: nothing to measure it against
     assert kd_config.resolve(recipe=str(recipe), options=base).lr_for_batch is None

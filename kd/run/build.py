@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from kd import models
-from kd.config import lr_note
 from kd.errors import KDError
 from kd.losses import DistillLoss, build_loss, split_layers
 from kd.precision import make_precision
@@ -20,7 +19,7 @@ from kd.precision.cpu import slow_precision_warning
 from kd.run import checkpoint
 from kd.run.lane import Lane, TrainState, stop_in_setup
 from kd.run.log import NullLogger, RunLogger
-from kd.run.optim import build_optimizer, build_scheduler
+from kd.run.optim import build_optimizer, build_scheduler, lr_note
 from kd.run.runtime import resolve as resolve_runtime
 from kd.run.sides import StudentSide
 from kd.utils.taps import check_layers, layer_names, pooled_key, pre_relu_key, tap

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from typing import Iterable, List, Tuple
+from typing import Iterable, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -108,3 +108,16 @@ def build_scheduler(cfg, optimizer, steps_per_epoch: int) -> torch.optim.lr_sche
     """Stepped once per optimizer step; ``steps_per_epoch`` converts steps to epochs."""
     steps = max(steps_per_epoch, 1)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(cfg, step / steps))
+
+
+def lr_note(cfg) -> Optional[str]:
+    """The line that says the run keeps its recipe's lr at another batch than the recipe's (kd changes
+    no recipe value the user did not), with the lr the linear scaling rule would give; None where the
+    lr is the user's or the batch the recipe's."""
+    if cfg.lr_for_batch is None or cfg.recipe is None or cfg.lr_for_batch == cfg.batch_size:
+        return None
+    scaled = cfg.lr * cfg.batch_size / cfg.lr_for_batch
+    return (
+        f"lr {cfg.lr:g} is recipe {cfg.recipe}'s for batch {cfg.lr_for_batch}; this run's batch is "
+        f"{cfg.batch_size} and kd keeps lr {cfg.lr:g} (the linear rule gives --lr {scaled:g})"
+    )
