@@ -126,6 +126,8 @@ class RunConfig:
     reference: Optional[Dict[str, Any]] = None
     # the recipe's batch, where the run keeps the lr the recipe set for it (set by resolve; see kd.run.optim.lr_note)
     lr_for_batch: Optional[int] = None
+    # what --epochs changed in the planned schedule (set by resolve; said at the run's start)
+    schedule_note: Optional[str] = None
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -376,11 +378,24 @@ def scale_schedule(cfg: RunConfig, planned_epochs: int, overrides: Dict[str, Any
         return cfg
     factor = cfg.epochs / planned_epochs
     changes: Dict[str, Any] = {}
+    said = []
     if "lr_milestones" not in overrides:
         changes["lr_milestones"] = sorted({max(1, int(round(m * factor))) for m in cfg.lr_milestones})
+        if changes["lr_milestones"] != cfg.lr_milestones and cfg.lr_schedule == "step":  # the others read none
+            said.append(f"milestones {_epochs(cfg.lr_milestones)} -> {_epochs(changes['lr_milestones'])}")
     if "warmup_epochs" not in overrides and cfg.warmup_epochs:
         changes["warmup_epochs"] = cfg.warmup_epochs * factor
+        said.append(f"warm-up {cfg.warmup_epochs:g} -> {changes['warmup_epochs']:g} epochs")
+    if said:
+        changes["schedule_note"] = (
+            f"the lr schedule is scaled from {planned_epochs} to {cfg.epochs} epochs: {'; '.join(said)} "
+            "(--lr-milestones and --warmup-epochs set them)"
+        )
     return dataclasses.replace(cfg, **changes)
+
+
+def _epochs(values: Sequence[int]) -> str:
+    return "/".join(str(v) for v in values)
 
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")

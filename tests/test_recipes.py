@@ -151,6 +151,29 @@ def test_recipe_equals_its_published_configuration(name):
 def test_short_schedule_scales_milestones():
     cfg = kd_config.resolve(recipe="imagenet/r34_r18_dkd", sets=["epochs=20"])
     assert cfg.epochs == 20 and cfg.lr_milestones == [6, 12, 18]
+    assert cfg.schedule_note == (
+        "the lr schedule is scaled from 100 to 20 epochs: milestones 30/60/90 -> 6/12/18 "
+        "(--lr-milestones and --warmup-epochs set them)"
+    )
+    given = kd_config.resolve(recipe="imagenet/r34_r18_dkd", options={"epochs": 20, "lr_milestones": [10]})
+    assert given.lr_milestones == [10] and given.schedule_note is None  # the user's own: nothing to say
+    assert kd_config.resolve(recipe="imagenet/r34_r18_dkd").schedule_note is None
+
+
+def test_a_scaled_schedule_is_said_at_the_start(image_folder, tmp_path):
+    """--epochs that rescales the planned milestones and warm-up says so in the run's log and config.yaml
+    (it changed them silently)."""
+    recipe = tmp_path / "plan.yaml"
+    recipe.write_text("epochs: 4\nlr_milestones: [2, 3]\nwarmup_epochs: 2\n")
+    tiny = dict(no_teacher=True, student="timm:resnet10t", limit_train_batches=1, limit_val_batches=1)
+    r = kd_main(*train_args(image_folder, tmp_path / "run", "--recipe", recipe, no_progress=True, **tiny))
+    assert r.returncode == 0, r.stderr
+    line = (
+        "the lr schedule is scaled from 4 to 1 epochs: milestones 2/3 -> 1; warm-up 2 -> 0.5 epochs "
+        "(--lr-milestones and --warmup-epochs set them)"
+    )
+    assert r.stderr.count(line) == 1, r.stderr
+    assert f"# {line}\n" in (tmp_path / "run" / "config.yaml").read_text()
 
 
 def fake_run(out, recipe, options, train_images):

@@ -88,7 +88,7 @@ def build_lane(
         )
         model = torch.compile(model, mode=cfg.compile_mode)
     scheduler = build_scheduler(cfg, optimizer, len(data.train))
-    notes = [line for line in (lr_note(cfg),) if line]  # what kd kept or chose for the user: also in config.yaml
+    notes = [line for line in (lr_note(cfg), cfg.schedule_note) if line]  # what kd kept or chose: also in config.yaml
     clock.mark("optimizer")  # with the precision, the backend's wrap and torch.compile's
     lane = Lane(
         name=name,

@@ -223,10 +223,12 @@ PER_STUDENT = (
     "ce_weight",
     "label_smoothing",
     "temperature",
+    "standardise",
     "loss_args",
     "feature_layers",
     "lr",
     "lr_for_batch",  # each recipe's own batch for its lr
+    "schedule_note",  # each student's schedule, scaled to the run's epochs
     "momentum",
     "nesterov",
     "weight_decay",
@@ -248,6 +250,8 @@ PER_STUDENT = (
     # a student trained alone on the labels (a baseline row) needs no teacher of its own
     "no_teacher",
 )
+#: per-student keys that are not options (what a recipe or kd set), left out of the refusal's list
+NOT_OPTIONS = ("recipe", "description", "out", "lr_for_batch", "schedule_note")
 TEACHER_KEYS = ("teacher", "teacher_weights", "teacher_precision", "teacher_data")
 
 
@@ -318,7 +322,7 @@ def check_shared(names: Sequence[str], cfgs: Sequence[Any]) -> None:
         raise KDError(
             f"the students disagree on what they share: {'; '.join(differ)}. Students of one run share the "
             f"data, the teacher, the batch, image size, epochs, seed, hardware and precision; each may set "
-            f"only {', '.join(k for k in PER_STUDENT if k not in ('recipe', 'description', 'out', 'lr_for_batch'))}"
+            f"only {', '.join(k for k in PER_STUDENT if k not in NOT_OPTIONS)}"
         )
 
 
