@@ -10,11 +10,7 @@ import torch.nn.functional as F
 
 from kd.errors import KDError
 from kd.losses.base import DistillInputs, DistillLoss, register
-
-
-def at_least_float32(t: torch.Tensor) -> torch.Tensor:
-    """``t`` in float32, or in float64 when it is float64."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
+from kd.losses.logits import float32_or_wider
 
 
 def nkd_parts(
@@ -32,8 +28,8 @@ def nkd_parts(
     if labels.dim() != 1:
         raise KDError("KD loss 'nkd' needs class-index labels; soft labels (mixup, cutmix) have no target class")
     t = temperature
-    s = at_least_float32(student_logits)
-    z = at_least_float32(teacher_logits.detach())
+    s = float32_or_wider(student_logits)
+    z = float32_or_wider(teacher_logits.detach())
     batch, classes = s.shape
     label = labels.reshape(-1, 1)
 

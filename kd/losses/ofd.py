@@ -11,6 +11,7 @@ from torch import nn
 from kd.errors import KDError
 from kd.losses.base import DistillInputs, DistillLoss, register
 from kd.losses.features import default_stage_layers, feature_pairs, map_pairs, pool_to_common
+from kd.losses.logits import float32_or_wider
 
 # below this probability of a negative pre-ReLU value the expectation is replaced by -3 std
 _TINY_NEGATIVE_PROBABILITY = 0.001
@@ -55,10 +56,6 @@ class Connector(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.bn(self.conv(x.to(self.conv.weight.dtype)))
-
-
-def _at_least_float32(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
 @register("ofd")
@@ -138,8 +135,8 @@ class OverhaulDistillation(DistillLoss):
         margins = self.margins.split(self.channels)
         stages = []
         for connector, margin, (s, t) in zip(self.connectors, margins, pairs):
-            student = _at_least_float32(connector(x.student_feats[s]))
-            teacher = _at_least_float32(x.teacher_feats[t].detach())
+            student = float32_or_wider(connector(x.student_feats[s]))
+            teacher = float32_or_wider(x.teacher_feats[t].detach())
             stages.append(partial_l2(*pool_to_common(student, teacher), margin))
         n = len(stages)
         ofd = sum(loss / 2 ** (n - 1 - i) for i, loss in enumerate(stages)) / x.student_feats[pairs[0][0]].shape[0]

@@ -12,6 +12,7 @@ from torch import nn
 from kd.errors import KDError
 from kd.losses.base import DistillInputs, DistillLoss, register
 from kd.losses.features import check_maps, default_stage_layers, feature_pairs
+from kd.losses.logits import float32_or_wider
 
 # The sides of the pooled maps that the hierarchical context loss compares besides the full map.
 CONTEXT_SIZES = (4, 2, 1)
@@ -76,11 +77,6 @@ def review(
     return outputs
 
 
-def at_least_float32(t: torch.Tensor) -> torch.Tensor:
-    """``t`` in float32, or in float64 when it is float64."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
-
-
 def context_mse(fs: torch.Tensor, ft: torch.Tensor) -> torch.Tensor:
     """One level of the hierarchical context loss, in float32 (float64 stays float64).
 
@@ -88,7 +84,7 @@ def context_mse(fs: torch.Tensor, ft: torch.Tensor) -> torch.Tensor:
     each size used only when it is smaller than the maps' height, with weights 1/2, 1/4, 1/8
     in the order used; divided by the sum of the weights used.
     """
-    fs, ft = at_least_float32(fs), at_least_float32(ft.detach())
+    fs, ft = float32_or_wider(fs), float32_or_wider(ft.detach())
     loss = F.mse_loss(fs, ft)
     weight = weights = 1.0
     for size in CONTEXT_SIZES:
