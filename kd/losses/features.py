@@ -14,6 +14,7 @@ from typing import List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from kd.errors import KDError
 
@@ -140,3 +141,19 @@ def pool_to_common(a: torch.Tensor, b: torch.Tensor) -> Tuple[torch.Tensor, torc
     if tuple(b.shape[-2:]) != size:
         b = F.adaptive_avg_pool2d(b, size)
     return a, b
+
+
+class Connector(nn.Module):
+    """1x1 convolution + BatchNorm from the student's channels to the teacher's (FitNets' and OFD's).
+    ``weight_std``: the convolution's weights drawn from N(0, weight_std^2) after torch's own
+    initialisation (OFD's official init); None keeps torch's."""
+
+    def __init__(self, in_channels: int, out_channels: int, weight_std: Optional[float] = None):
+        super().__init__()
+        self.conv = nn.Conv2d(in_channels, out_channels, kernel_size=1, bias=False)
+        self.bn = nn.BatchNorm2d(out_channels)
+        if weight_std is not None:
+            nn.init.normal_(self.conv.weight, 0.0, weight_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.conv(x.to(self.conv.weight.dtype)))

@@ -10,19 +10,7 @@ from torch import nn
 
 from kd.errors import KDError
 from kd.losses.base import DistillInputs, DistillLoss, kd_divergence, register
-from kd.losses.features import default_stage_layers, feature_pairs, map_pairs, pool_to_common
-
-
-class Connector(nn.Module):
-    """1x1 convolution + BatchNorm from the student's channels to the teacher's."""
-
-    def __init__(self, in_channels: int, out_channels: int):
-        super().__init__()
-        self.conv = nn.Conv2d(in_channels, out_channels, kernel_size=1, bias=False)
-        self.bn = nn.BatchNorm2d(out_channels)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.bn(self.conv(x.to(self.conv.weight.dtype)))
+from kd.losses.features import Connector, default_stage_layers, feature_pairs, map_pairs, pool_to_common
 
 
 def hint_loss(student_hint: torch.Tensor, teacher_feat: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ from torch import nn
 
 from kd.errors import KDError
 from kd.losses.base import DistillInputs, DistillLoss, register
-from kd.losses.features import default_stage_layers, feature_pairs, map_pairs, pool_to_common
+from kd.losses.features import Connector, default_stage_layers, feature_pairs, map_pairs, pool_to_common
 from kd.losses.logits import float32_or_wider
 
 # below this probability of a negative pre-ReLU value the expectation is replaced by -3 std
@@ -44,20 +44,6 @@ def partial_l2(student: torch.Tensor, teacher: torch.Tensor, margin: torch.Tenso
     return torch.where(kept, (student - target).pow(2), torch.zeros_like(student)).sum()
 
 
-class Connector(nn.Module):
-    """1x1 convolution + BatchNorm from the student's channels to the teacher's, initialised as the
-    official code does: convolution weights from N(0, 2 / out_channels), BatchNorm weight 1, bias 0."""
-
-    def __init__(self, in_channels: int, out_channels: int):
-        super().__init__()
-        self.conv = nn.Conv2d(in_channels, out_channels, kernel_size=1, bias=False)
-        self.bn = nn.BatchNorm2d(out_channels)
-        nn.init.normal_(self.conv.weight, 0.0, math.sqrt(2.0 / out_channels))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.bn(self.conv(x.to(self.conv.weight.dtype)))
-
-
 @register("ofd")
 class OverhaulDistillation(DistillLoss):
     """OFD: ``ce_weight * CE + ofd_weight * sum_i 2^-(n-1-i) partial_l2(connector_i(f_s), f_t) / N``.
@@ -72,9 +58,9 @@ class OverhaulDistillation(DistillLoss):
     margin from that BatchNorm alone. Both the official code and mdistiller run the teacher with
     batch statistics (train mode) while distilling.
 
-    Connectors (:class:`Connector`, initialised as the official code does) are trained with the
-    student. The official code needs equal spatial sizes; where they differ the larger map is
-    average-pooled to the smaller after the connector.
+    Connectors (:class:`kd.losses.features.Connector`, initialised as the official code does) are
+    trained with the student. The official code needs equal spatial sizes; where they differ the
+    larger map is average-pooled to the smaller after the connector.
 
     ``ofd_weight`` = 1e-4 is the official ImageNet setting (``CE + loss.sum() / batch / 10000``;
     its CIFAR-100 code divides by 1000). mdistiller's ``OFD.LOSS.FEAT_WEIGHT`` is the same weight
@@ -104,7 +90,10 @@ class OverhaulDistillation(DistillLoss):
 
     def setup_features(self, student_shapes: Dict[str, torch.Size], teacher_shapes: Dict[str, torch.Size]) -> None:
         self.pairs = map_pairs(self.name, student_shapes, teacher_shapes)
-        self.connectors = nn.ModuleList(Connector(student_shapes[s][1], teacher_shapes[t][1]) for s, t in self.pairs)
+        self.connectors = nn.ModuleList(  # initialised as the official code: N(0, 2 / out_channels) weights
+            Connector(student_shapes[s][1], teacher_shapes[t][1], weight_std=math.sqrt(2.0 / teacher_shapes[t][1]))
+            for s, t in self.pairs
+        )
         self.channels = [int(teacher_shapes[t][1]) for _, t in self.pairs]
 
     def setup_teacher(self, norms: Dict[str, Tuple[torch.Tensor, torch.Tensor]]) -> None:
