@@ -12,7 +12,7 @@ from torch import nn
 from torchvision import models as tv
 
 from kd.errors import KDError
-from kd.utils.taps import kept_whole, pooled_key, pre_relu_key, tap
+from kd.utils.taps import kept_whole, pooled_key, pre_relu_keys, tap
 
 PROBE = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(0))
 
@@ -57,7 +57,7 @@ def test_torchvision_resnet_stage_before_its_relu_is_the_residual_sum(name, stag
     """torchvision's blocks apply one ReLU module twice (three times in a Bottleneck): a hook on a
     module's output is post-ReLU; the tap is the input of the last call, the sum itself."""
     model = randomised(tv.get_model(name, num_classes=10))
-    assert pre_relu_key(model, stage, PROBE, "ofd", "student") == (key, norm)
+    assert pre_relu_keys(model, [stage], PROBE, "ofd", "student") == [(key, norm)]
     inputs = {}
     last = dict(model.named_modules())[stage][-1]
     last.register_forward_pre_hook(lambda m, i: inputs.__setitem__("x", i[0]))
@@ -75,7 +75,7 @@ def test_torchvision_resnet_stage_before_its_relu_is_the_residual_sum(name, stag
 ])  # fmt: skip
 def test_timm_stage_before_its_relu(name, stage, key, norm):
     model = randomised(timm.create_model(name, num_classes=10))
-    assert pre_relu_key(model, stage, PROBE, "reviewkd", "teacher") == (key, norm)
+    assert pre_relu_keys(model, [stage], PROBE, "reviewkd", "teacher") == [(key, norm)]
     feats = tapped(model, [key, stage])
     act = dict(model.named_modules())[key.split("<")[0]]  # a ReLU6 in timm's MobileNetV1
     assert (feats[key] < 0).any() and torch.equal(act(feats[key].clone()), feats[stage])
@@ -91,10 +91,18 @@ def test_timm_stage_before_its_relu(name, stage, key, norm):
         torch.testing.assert_close(tapped(model, [key])[key], expected)
 
 
+def test_every_stage_from_one_forward_equals_each_alone():
+    model = randomised(tv.resnet50(num_classes=10))
+    stages = ["layer1", "layer2", "layer3", "layer4"]
+    together = pre_relu_keys(model, stages, PROBE, "ofd", "teacher")
+    assert together == [pre_relu_keys(model, [stage], PROBE, "ofd", "teacher")[0] for stage in stages]
+    assert together[0] == ("layer1.2.relu<3", "layer1.2.bn3")  # each stage's BatchNorm its own
+
+
 def test_a_stage_without_a_final_activation_is_its_own_output():
     """MobileNetV2's linear bottlenecks end without a ReLU: their output is pre-activation already."""
     model = randomised(tv.mobilenet_v2(num_classes=10))
-    assert pre_relu_key(model, "features.13", PROBE, "ofd", "student") == ("features.13", None)
+    assert pre_relu_keys(model, ["features.13"], PROBE, "ofd", "student") == [("features.13", None)]
 
 
 def test_a_functional_relu_kd_cannot_see_is_refused():
@@ -118,7 +126,7 @@ def test_a_functional_relu_kd_cannot_see_is_refused():
     model = Hidden()
     model.stage = Block()
     with pytest.raises(KDError, match="KD loss 'ofd' distils pre-ReLU features, but student's 'stage'"):
-        pre_relu_key(model, "stage", PROBE, "ofd", "student")
+        pre_relu_keys(model, ["stage"], PROBE, "ofd", "student")
 
 
 @pytest.mark.parametrize("build,head", [
@@ -152,7 +160,7 @@ def test_a_pre_relu_tap_survives_the_teachers_fusion():
     from kd.teacher.fuse import fuse_teacher
 
     model = randomised(tv.resnet18(num_classes=10))
-    key, _ = pre_relu_key(model, "layer2", PROBE, "ofd", "teacher")
+    [(key, _)] = pre_relu_keys(model, ["layer2"], PROBE, "ofd", "teacher")
     fused, _ = fuse_teacher(copy.deepcopy(model), keep=[kept_whole(key)])
     assert key.partition("<")[0] in dict(fused.named_modules())  # the block was kept whole, the rest fused
     torch.testing.assert_close(tapped(fused, [key])[key], tapped(model, [key])[key], rtol=1e-4, atol=1e-3)

@@ -22,7 +22,7 @@ from kd.run.log import NullLogger, RunLogger
 from kd.run.optim import build_optimizer, build_scheduler, lr_note
 from kd.run.runtime import resolve as resolve_runtime
 from kd.run.sides import StudentSide
-from kd.utils.taps import check_layers, layer_names, pooled_key, pre_relu_key, tap
+from kd.utils.taps import check_layers, layer_names, pooled_key, pre_relu_keys, tap
 
 
 def build_lane(
@@ -148,7 +148,7 @@ def setup_feature_layers(
     ):
         side = list(layers)
         if loss.tap_point == "pre_relu":
-            found = [pre_relu_key(model, layer, probe, loss.name, role) for layer in layers]
+            found = pre_relu_keys(model, layers, probe, loss.name, role)  # one forward for every stage
             side = [key for key, _ in found]
             if model is teacher:
                 norms = dict(found)

@@ -7,7 +7,7 @@ A tap key names what is kept:
   the pre-ReLU sum of a torchvision BasicBlock, whose one ReLU module runs twice; ``fc<1``, the
   pooled feature the classifier reads). An input that an in-place module then overwrites is cloned.
 
-:func:`pre_relu_key` and :func:`pooled_key` find these keys for a model from one forward.
+:func:`pre_relu_keys` and :func:`pooled_key` find these keys for a model from one forward.
 
 Hooks are registered for the duration of one forward call on the module that runs it.
 DataParallel replicas copy each module's ``__dict__`` shallowly, so they share its hook dict: a
@@ -17,7 +17,7 @@ replica's hook fires for every replica's module, and keeps what its own module s
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -94,10 +94,14 @@ def tap(model: nn.Module, keys: List[str], store: Dict[str, torch.Tensor]):
             handle.remove()
 
 
-def _call_log(model: nn.Module, under: str, probe: torch.Tensor):
-    """Every module call under ``under`` in one eval forward of ``probe``: (order, name, k-th call,
-    module, output), entered order; and ``under``'s output."""
-    modules = [(n, m) for n, m in model.named_modules() if n == under or n.startswith(under + ".")]
+def _inside(name: str, stage: str) -> bool:
+    return name == stage or name.startswith(stage + ".")
+
+
+def _call_log(model: nn.Module, stages: Sequence[str], probe: torch.Tensor):
+    """Every module call inside ``stages`` in one eval forward of ``probe``: (order, name, k-th call,
+    module, output), entered order; and each stage's output."""
+    modules = [(n, m) for n, m in model.named_modules() if any(_inside(n, stage) for stage in stages)]
     log: List[list] = []
     counts: Dict[str, int] = {}
     handles = []
@@ -123,34 +127,40 @@ def _call_log(model: nn.Module, under: str, probe: torch.Tensor):
         model.train(was_training)
         for handle in handles:
             handle.remove()
-    stage_out = next(entry[4] for entry in log if entry[1] == under)
-    return log, stage_out
+    return log, {stage: next(entry[4] for entry in log if entry[1] == stage) for stage in stages}
 
 
-def pre_relu_key(
-    model: nn.Module, stage: str, probe: torch.Tensor, method: str, role: str
-) -> Tuple[str, Optional[str]]:
-    """(the tap key of ``stage``'s output before its final ReLU, the BatchNorm that feeds that sum).
+def pre_relu_keys(
+    model: nn.Module, stages: Sequence[str], probe: torch.Tensor, method: str, role: str
+) -> List[Tuple[str, Optional[str]]]:
+    """For each of ``stages``, (the tap key of its output before its final ReLU, the BatchNorm that
+    feeds that sum), from one forward.
 
-    Found from one forward: the last activation module called inside ``stage`` whose output is the
-    stage's output gives the key ``name<K`` (its input at that call); a stage that ends without an
-    activation (a linear bottleneck) is pre-activation already and gives ``stage``. The BatchNorm is
-    the last one entered before that activation (None where there is none). KDError where the
-    stage's output is all >= 0 but made by no activation module kd can hook (a functional ReLU)."""
-    log, out = _call_log(model, stage, probe)
-    final = None
-    for entry in log:
-        if isinstance(entry[3], ACTIVATIONS) and entry[4] is out:
-            final = entry
-    if final is None:
-        if bool((out >= 0).all()):
-            raise KDError(
-                f"KD loss {method!r} distils pre-ReLU features, but {role}'s {stage!r} applies its last "
-                "ReLU where kd cannot tap it (not an nn.ReLU module); choose other stages with --feature-layers"
-            )
-        return stage, None
-    norms = [e for e in log if e[0] < final[0] and isinstance(e[3], nn.modules.batchnorm._BatchNorm)]
-    return f"{final[1]}<{final[2]}", (norms[-1][1] if norms else None)
+    The last activation module called inside a stage whose output is the stage's output gives the key
+    ``name<K`` (its input at that call); a stage that ends without an activation (a linear
+    bottleneck) is pre-activation already and gives the stage's name. The BatchNorm is the stage's
+    last one entered before that activation (None where there is none). KDError where a stage's output
+    is all >= 0 but made by no activation module kd can hook (a functional ReLU)."""
+    log, outputs = _call_log(model, stages, probe)
+    found: List[Tuple[str, Optional[str]]] = []
+    for stage in stages:
+        out = outputs[stage]
+        mine = [entry for entry in log if _inside(entry[1], stage)]
+        final = None
+        for entry in mine:
+            if isinstance(entry[3], ACTIVATIONS) and entry[4] is out:
+                final = entry
+        if final is None:
+            if bool((out >= 0).all()):
+                raise KDError(
+                    f"KD loss {method!r} distils pre-ReLU features, but {role}'s {stage!r} applies its last "
+                    "ReLU where kd cannot tap it (not an nn.ReLU module); choose other stages with --feature-layers"
+                )
+            found.append((stage, None))
+            continue
+        norms = [e for e in mine if e[0] < final[0] and isinstance(e[3], nn.modules.batchnorm._BatchNorm)]
+        found.append((f"{final[1]}<{final[2]}", norms[-1][1] if norms else None))
+    return found
 
 
 def pooled_key(model: nn.Module, method: str, role: str) -> str:
