@@ -16,6 +16,8 @@ import yaml
 
 from kd.data.registry import check_loader
 from kd.errors import KDError
+from kd.losses import check_method
+from kd.model_names import tag_disagreement
 from kd.registry import suggest
 
 RECIPE_DIR = Path(__file__).resolve().parent.parent / "recipes"
@@ -470,6 +472,11 @@ def validate(cfg: RunConfig, teaching: bool = False) -> RunConfig:
     )
     if cfg.no_teacher and cfg.kd_loss not in ("kd", "ce"):
         raise KDError(f"--no-teacher trains with cross-entropy only; it conflicts with --kd-loss {cfg.kd_loss}")
+    check_method(cfg.kd_loss)
+    for model, weights in (("student", "student_weights"), ("teacher", "teacher_weights")):
+        name = getattr(cfg, model)
+        line = name and tag_disagreement(name, getattr(cfg, weights), (f"--{model}", f"--{model}-weights"))
+        need(not line, str(line))
     need(
         not (cfg.soft_labels and cfg.no_teacher),
         "--soft-labels holds a teacher's outputs; it conflicts with --no-teacher",

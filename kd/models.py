@@ -12,40 +12,44 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from kd import model_names
 from kd.errors import KDError
+from kd.model_names import TIMM_PREFIX
 from kd.registry import suggest
 from kd.utils import checkpoint_io
-
-TIMM_PREFIX = "timm:"
 
 
 @functools.lru_cache(maxsize=1)
 def torchvision_names() -> List[str]:
     import torchvision.models as tvm
 
-    return sorted(tvm.list_models(module=tvm))
+    names = sorted(tvm.list_models(module=tvm))
+    model_names.keep("torchvision", {"models": names})
+    return names
+
+
+@functools.lru_cache(maxsize=1)
+def _timm_lists() -> Dict[str, List[str]]:
+    import timm
+
+    lists = {"models": timm.list_models(), "pretrained": timm.list_pretrained()}
+    model_names.keep("timm", lists)
+    return lists
 
 
 def timm_names() -> List[str]:
-    import timm
+    return _timm_lists()["models"]
 
-    return timm.list_models()
+
+def _library_list(library: str, key: str) -> List[str]:
+    return torchvision_names() if library == "torchvision" else _timm_lists()[key]
 
 
 def check_name(name: str) -> None:
-    """Raise a KDError with close matches if ``name`` is no known model."""
-    if name.startswith(TIMM_PREFIX):
-        arch = name[len(TIMM_PREFIX) :]
-        names = timm_names()
-        if arch not in names:
-            raise KDError(f"unknown timm model {arch!r}{suggest(arch, names)}")
-        return
-    names = torchvision_names()
-    if name not in names:
-        hint = suggest(name, names)
-        if not hint and name in timm_names():
-            hint = f" (timm has it: use timm:{name})"
-        raise KDError(f"unknown torchvision model {name!r}{hint}; use a torchvision classification model or timm:NAME")
+    """Raise a KDError with close matches if ``name`` is no known model (:mod:`kd.model_names`)."""
+    line = model_names.refusal(name, _library_list)
+    if line:
+        raise KDError(line)
 
 
 TORCHVISION_WEIGHTS = "torchvision:"
@@ -82,11 +86,15 @@ def torchvision_weights(name: str, weights: str):
 
 
 def timm_arch(name: str, weights: str) -> str:
-    """``arch`` or ``arch.tag`` for timm: ``pretrained`` is timm's default tag, ``timm:TAG`` that one."""
-    arch = name[len(TIMM_PREFIX) :]
+    """``arch`` or ``arch.tag`` for timm: ``pretrained`` is the name's own tag (``timm:arch.tag``)
+    or timm's default tag, ``timm:TAG`` that one (which a tag in the name must not contradict)."""
+    line = model_names.tag_disagreement(name, weights)
+    if line:
+        raise KDError(line)
+    arch, tag = model_names.timm_parts(name)
     if weights.startswith(TIMM_PREFIX):
-        return f"{arch}.{weights[len(TIMM_PREFIX) :]}"
-    return arch
+        tag = weights[len(TIMM_PREFIX) :]
+    return f"{arch}.{tag}" if tag else arch
 
 
 def _pretrained_state(name: str, weights: str = "pretrained") -> Dict[str, torch.Tensor]:

@@ -17,10 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kd.errors import KDError
+from kd.losses import LOSSES
 from kd.losses.logits import float32_or_wider
-from kd.registry import Registry
 
-LOSSES: Registry = Registry("KD loss")
+#: a method's registration by name (each is also listed in :mod:`kd.losses`, imported when first used)
 register = LOSSES.register
 
 # The label term every method has, and its defaults (a method may change the weight's default).

@@ -8,13 +8,16 @@ A job is plain data (it travels to spawned processes by pickle); what it runs is
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Union
 
+from kd import model_names
 from kd.errors import KDError
 from kd.run.students import STUDENTS_FILE, Students, is_students_folder
 from kd.runfolder import RunFolder, why_unwritable
+from kd.utils.placement import why_no_cuda
 
 
 def preflight(cfg, student: bool = True) -> None:
@@ -39,6 +42,44 @@ def preflight(cfg, student: bool = True) -> None:
         from kd.teacher.store import read_manifest
 
         read_manifest(Path(cfg.soft_labels))  # a missing or unreadable store fails before any work
+
+
+def _roles(cfg, student: bool) -> List[str]:
+    """The models a run builds: its student (where ``student``), and its teacher unless it has none."""
+    return (["student"] if student else []) + ([] if cfg.no_teacher or cfg.soft_labels else ["teacher"])
+
+
+def check_before_torch(cfg, student: bool = True) -> None:
+    """What :func:`preflight` checks, where it can be answered without torch: the model names
+    against the libraries' lists kept from an earlier command (:mod:`kd.model_names`), weights
+    files that do not exist, and CUDA asked for where this machine can have none."""
+    for role in _roles(cfg, student):
+        model_names.check_early(getattr(cfg, role))
+        weights = getattr(cfg, f"{role}_weights")
+        if model_names.from_file(weights) and not Path(weights).is_file():
+            raise KDError(f"--{role}-weights {weights}: no such file (expected pretrained, none or a file path)")
+    wants_cuda = cfg.device == "cuda" or (cfg.device == "auto" and cfg.gpus)
+    why = why_no_cuda() if wants_cuda else None
+    if why:
+        asked = f"--gpus {','.join(map(str, cfg.gpus))}" if cfg.gpus else "--device cuda"
+        raise KDError(f"{asked} asks for a CUDA GPU, but none can be usable here ({why}); use --device cpu")
+
+
+def say_tagged_weights(cfgs: Sequence[Any], student: bool = True) -> None:
+    """One warning line for each tagged timm name (``timm:NAME.TAG``) whose weights a file gives:
+    the file's weights are loaded into the model the tag configures, as timm does."""
+    lines = []
+    for cfg in cfgs:
+        for role in _roles(cfg, student):
+            name, weights = getattr(cfg, role), getattr(cfg, f"{role}_weights")
+            if model_names.file_for_tag(name, weights):
+                tag = model_names.timm_parts(name)[1]
+                lines.append(
+                    f"kd: warning: --{role} {name} names timm's {tag} weights, but --{role}-weights {weights} "
+                    f"are loaded into it (the tag chooses only its configuration and data config)"
+                )
+    for line in dict.fromkeys(lines):
+        print(line, file=sys.stderr, flush=True)
 
 
 def check_inputs(cfg) -> None:
@@ -95,10 +136,13 @@ class TrainJob:
         return [] if self.students.resuming else self.folders()
 
     def check_early(self, overwrite: bool) -> None:
-        """Before torch is imported: a fresh run's data folders and the folders it writes (a
-        resumed run's, once its checkpoints said it has epochs left to train: :meth:`check`)."""
+        """Before torch is imported: a fresh run's names, devices, data folders and the folders it
+        writes (a resumed run's, once its checkpoints said it has epochs left to train: :meth:`check`)."""
         if not self.students.resuming:
+            for _, cfg in self.students.training():
+                check_before_torch(cfg)
             self.check_paths(overwrite)
+            say_tagged_weights([cfg for _, cfg in self.students.training()])
 
     def check(self, overwrite: bool) -> None:
         """Every student's names and paths, and each folder, before any work."""
@@ -165,8 +209,10 @@ class TeachJob:
         return []  # a store keeps the epochs it completed (kd teach continues them)
 
     def check_early(self, overwrite: bool) -> None:
-        """Before torch is imported: the data folder."""
+        """Before torch is imported: the names, devices and data folder."""
+        check_before_torch(self.cfg, student=False)
         check_inputs(self.cfg)
+        say_tagged_weights([self.cfg], student=False)
 
     def check(self, overwrite: bool) -> None:
         from kd.teacher.store import check_out as check_store

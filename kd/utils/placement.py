@@ -19,8 +19,10 @@ A process nobody launched is rank 0 of 1.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import os
 import re
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
@@ -173,3 +175,22 @@ def _int(value: Optional[str], default: int) -> int:
         return int(str(value).split("(")[0])
     except (TypeError, ValueError):
         return default
+
+
+#: device files of a GPU that torch.cuda may use: NVIDIA's, WSL's (/dev/dxg) and ROCm's (/dev/kfd)
+GPU_DEVICE_FILES = ("dev/nvidia*", "dev/dxg", "dev/kfd", "proc/driver/nvidia")
+
+
+def why_no_cuda(environ: Optional[Mapping[str, str]] = None, root: str = "/") -> Optional[str]:
+    """Why no CUDA GPU can be usable in this process, decided without torch, or None where one may
+    be (torch.cuda then says): ``CUDA_VISIBLE_DEVICES`` empty or -1, or, on Linux, no GPU's
+    device file or driver under ``root``."""
+    environ = os.environ if environ is None else environ
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return f"CUDA_VISIBLE_DEVICES is {visible.strip() or 'empty'}"
+    if not sys.platform.startswith("linux"):
+        return None
+    if any(glob.glob(os.path.join(root, pattern)) for pattern in GPU_DEVICE_FILES):
+        return None
+    return "this machine has no GPU device (no /dev/nvidia*) and no NVIDIA driver"
