@@ -1,0 +1,167 @@
+"""Mistakes answered before torch is imported: KD method names, model names (from the libraries'
+lists kept per installed version), weights files, and CUDA asked for where none can exist."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import kd.losses
+from conftest import ROOT, train_args
+from kd import model_names
+from kd.errors import KDError
+from kd.losses import LOSSES
+from kd.registry import _Lazy
+from kd.utils.placement import why_no_cuda
+
+#: cli.main in a fresh interpreter; then whether torch was imported, on stdout
+MAIN_THEN_TORCH = (
+    "import sys, cli; code = cli.main(sys.argv[1:]); print('torch' in sys.modules, end=''); sys.exit(code)"
+)
+
+
+def kd_then_torch(*args, env=None) -> subprocess.CompletedProcess:
+    """``kd ARGS`` in a fresh interpreter; stdout says whether torch was imported by its end."""
+    return subprocess.run(
+        [sys.executable, "-c", MAIN_THEN_TORCH, *map(str, args)],
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def error_line(r) -> str:
+    """The one ``kd: error:`` line of a run refused as a user error (exit code 2)."""
+    assert r.returncode == 2 and r.stderr.startswith("kd: error: ") and len(r.stderr.splitlines()) == 1, r.stderr
+    return r.stderr.strip()
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    """An empty XDG cache folder, for this process and the ones it starts."""
+    folder = tmp_path / "cache"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(folder))
+    return folder
+
+
+def test_an_unknown_kd_method_is_answered_with_near_names_before_torch(image_folder, tmp_path):
+    r = kd_then_torch(*train_args(image_folder, tmp_path / "run", kd_loss="dkdd"))
+    assert "unknown KD loss 'dkdd' (did you mean dkd" in error_line(r)
+    assert r.stdout == "False", "torch was imported before the method was refused"
+
+
+def test_every_method_module_registers_the_name_kd_losses_lists_for_it():
+    listed = LOSSES.names()
+    for module in pkgutil.iter_modules(kd.losses.__path__):
+        importlib.import_module(f"kd.losses.{module.name}")
+    assert LOSSES.names() == listed, "a method module registers a name kd/losses/__init__.py does not list"
+    for name in listed:
+        assert LOSSES.get(name).name == name
+        assert not isinstance(LOSSES._items[name], _Lazy), f"{name}: its module registers it under another name"
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("resnet1B", "unknown torchvision model 'resnet1B' (did you mean resnet18"),
+        ("timm:resnet10tt", "unknown timm model 'resnet10tt' (did you mean resnet10t"),
+        ("timm:resnet10t.c3_in1kk", "timm has no tag 'c3_in1kk' for resnet10t (did you mean c3_in1k?)"),
+    ],
+)
+def test_an_unknown_model_is_answered_before_torch_once_kd_has_kept_the_names(
+    image_folder, tmp_path, cache, name, expected
+):
+    args = train_args(image_folder, tmp_path / "run", student=name)
+    first = kd_then_torch(*args)  # nothing kept yet: answered after the libraries listed their names
+    assert expected in error_line(first) and first.stdout == "True"
+    assert list((cache / "kd").glob("models-*.json")), "the names were not kept"
+    again = kd_then_torch(*args)
+    assert error_line(again) == error_line(first)
+    assert again.stdout == "False", "torch was imported before the model name was refused"
+
+
+def test_names_are_kept_per_installed_version_and_read_only_for_it(cache):
+    from importlib import metadata
+
+    version = metadata.version("torchvision")
+    assert model_names.cache_file("torchvision") == cache / "kd" / f"models-torchvision-{version}.json"
+    model_names.keep("torchvision", {"models": ["resnet18"]})
+    assert model_names.kept("torchvision", "models") == ["resnet18"]
+    model_names.keep("torchvision", {"models": ["other"]})  # kept once per version
+    assert model_names.kept("torchvision", "models") == ["resnet18"]
+    assert not [p for p in (cache / "kd").iterdir() if p.suffix == ".tmp"]
+    other = cache / "kd" / "models-torchvision-0.0.0.json"
+    other.write_text(json.dumps({"models": ["resnet18"]}))
+    model_names.cache_file("torchvision").unlink()
+    assert model_names.kept("torchvision", "models") is None  # another version's list is not this one's
+    model_names.check_early("no_such_model")  # nothing kept: left to kd.models.check_name
+
+
+def test_an_unwritable_or_damaged_cache_is_passed_over_quietly(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
+    model_names.keep("timm", {"models": ["resnet10t"], "pretrained": []})
+    assert model_names.kept("timm", "models") is None
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    (tmp_path / "kd").mkdir()
+    model_names.cache_file("timm").write_text("{not json")
+    assert model_names.kept("timm", "models") is None
+    model_names.check_early("timm:no_such_model")
+
+
+def test_the_kept_names_refuse_no_name_the_libraries_accept():
+    import timm
+    import torchvision.models as tvm
+
+    lists = {
+        ("torchvision", "models"): tvm.list_models(module=tvm),
+        ("timm", "models"): timm.list_models(),
+        ("timm", "pretrained"): timm.list_pretrained(),
+    }
+    accepted = [*lists["torchvision", "models"], *(f"timm:{n}" for n in lists["timm", "models"])]
+    accepted += [f"timm:{n}" for n in lists["timm", "pretrained"]]
+    refused = [n for n in accepted if model_names.refusal(n, lambda *key: lists[key])]
+    assert not refused
+
+
+def test_a_missing_weights_file_is_answered_before_torch(image_folder, tmp_path):
+    r = kd_then_torch(*train_args(image_folder, tmp_path / "run", teacher_weights=tmp_path / "missing.pt"))
+    assert f"--teacher-weights {tmp_path / 'missing.pt'}: no such file" in error_line(r)
+    assert r.stdout == "False"
+
+
+@pytest.mark.parametrize("visible", ["", "-1"])
+def test_gpus_where_no_cuda_gpu_can_be_used_is_answered_before_torch(image_folder, tmp_path, visible):
+    args = train_args(image_folder, tmp_path / "run", device="auto", gpus="0")
+    r = kd_then_torch(*args, env={"CUDA_VISIBLE_DEVICES": visible})
+    assert error_line(r).startswith("kd: error: --gpus 0 asks for a CUDA GPU, but none can be usable here")
+    assert r.stdout == "False"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="device files are Linux's")
+def test_cuda_is_ruled_out_only_without_any_gpu_device_file_or_driver(tmp_path):
+    assert "no GPU device" in why_no_cuda({}, root=str(tmp_path))
+    for present in ("dev/nvidia0", "dev/dxg", "dev/kfd", "proc/driver/nvidia"):
+        (tmp_path / present).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / present).touch()
+        assert why_no_cuda({}, root=str(tmp_path)) is None, present
+        assert why_no_cuda({"CUDA_VISIBLE_DEVICES": "0"}, root=str(tmp_path)) is None
+        assert "CUDA_VISIBLE_DEVICES" in why_no_cuda({"CUDA_VISIBLE_DEVICES": "-1"}, root=str(tmp_path))
+        (tmp_path / present).unlink()
+
+
+def test_check_early_refuses_from_the_kept_lists(cache):
+    model_names.keep("torchvision", {"models": ["resnet18", "resnet50"]})
+    model_names.check_early("resnet18")
+    with pytest.raises(KDError, match="did you mean resnet18"):
+        model_names.check_early("resnet1B")
+    model_names.check_early("alexnot_zz")  # no near name and no timm list kept: left to the libraries
