@@ -15,11 +15,11 @@ import pytest
 
 import kd.losses
 from conftest import ROOT, train_args
-from kd import model_names
 from kd.errors import KDError
 from kd.losses import LOSSES
-from kd.registry import _Lazy
-from kd.utils.placement import why_no_cuda
+
+# kd.model_names and placement's why_no_cuda are imported in the tests of them: the tests of the
+# command line also run against a kd that has neither
 
 #: cli.main in a fresh interpreter; then whether torch was imported, on stdout
 MAIN_THEN_TORCH = (
@@ -59,6 +59,8 @@ def test_an_unknown_kd_method_is_answered_with_near_names_before_torch(image_fol
 
 
 def test_every_method_module_registers_the_name_kd_losses_lists_for_it():
+    from kd.registry import _Lazy
+
     listed = LOSSES.names()
     for module in pkgutil.iter_modules(kd.losses.__path__):
         importlib.import_module(f"kd.losses.{module.name}")
@@ -91,6 +93,8 @@ def test_an_unknown_model_is_answered_before_torch_once_kd_has_kept_the_names(
 def test_names_are_kept_per_installed_version_and_read_only_for_it(cache):
     from importlib import metadata
 
+    from kd import model_names
+
     version = metadata.version("torchvision")
     assert model_names.cache_file("torchvision") == cache / "kd" / f"models-torchvision-{version}.json"
     model_names.keep("torchvision", {"models": ["resnet18"]})
@@ -106,6 +110,8 @@ def test_names_are_kept_per_installed_version_and_read_only_for_it(cache):
 
 
 def test_an_unwritable_or_damaged_cache_is_passed_over_quietly(tmp_path, monkeypatch):
+    from kd import model_names
+
     blocker = tmp_path / "file"
     blocker.write_text("")
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
@@ -119,6 +125,8 @@ def test_an_unwritable_or_damaged_cache_is_passed_over_quietly(tmp_path, monkeyp
 
 
 def test_the_kept_names_refuse_no_name_the_libraries_accept():
+    from kd import model_names
+
     import timm
     import torchvision.models as tvm
 
@@ -149,6 +157,8 @@ def test_gpus_where_no_cuda_gpu_can_be_used_is_answered_before_torch(image_folde
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="device files are Linux's")
 def test_cuda_is_ruled_out_only_without_any_gpu_device_file_or_driver(tmp_path):
+    from kd.utils.placement import why_no_cuda
+
     assert "no GPU device" in why_no_cuda({}, root=str(tmp_path))
     for present in ("dev/nvidia0", "dev/dxg", "dev/kfd", "proc/driver/nvidia"):
         (tmp_path / present).parent.mkdir(parents=True, exist_ok=True)
@@ -160,6 +170,8 @@ def test_cuda_is_ruled_out_only_without_any_gpu_device_file_or_driver(tmp_path):
 
 
 def test_check_early_refuses_from_the_kept_lists(cache):
+    from kd import model_names
+
     model_names.keep("torchvision", {"models": ["resnet18", "resnet50"]})
     model_names.check_early("resnet18")
     with pytest.raises(KDError, match="did you mean resnet18"):
