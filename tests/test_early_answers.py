@@ -143,7 +143,7 @@ def test_the_kept_names_refuse_no_name_the_libraries_accept():
 
 def test_a_missing_weights_file_is_answered_before_torch(image_folder, tmp_path):
     r = kd_then_torch(*train_args(image_folder, tmp_path / "run", teacher_weights=tmp_path / "missing.pt"))
-    assert f"--teacher-weights {tmp_path / 'missing.pt'}: no such file" in error_line(r)
+    assert f"--teacher-weights: weights file {tmp_path / 'missing.pt'} does not exist" in error_line(r)
     assert r.stdout == "False"
 
 

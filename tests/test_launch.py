@@ -269,7 +269,10 @@ def test_started_by_srun_every_task_refuses_a_used_out_at_once(data9, teacher_fi
     "args, message",
     [
         (["--backend", "dp", "--nproc", 2], "--backend dp runs one process .* needs --backend torch_ddp or apex_ddp"),
-        (["--backend", "torch_ddp", "--device", "auto", "--gpus", "0,7"], "GPU 7 does not exist|0,7: no such GPU"),
+        (
+            ["--backend", "torch_ddp", "--device", "auto", "--gpus", "0,7"],
+            "GPU 7 does not exist|0,7: no such GPU|0,7 asks for a CUDA GPU, but none",
+        ),
         (
             ["--backend", "single", "--local_rank", 0, "--nproc", 2],
             "--backend single runs one process; --nproc 2 needs torch_ddp or apex_ddp",

@@ -57,7 +57,9 @@ def check_before_torch(cfg, student: bool = True) -> None:
         model_names.check_early(getattr(cfg, role))
         weights = getattr(cfg, f"{role}_weights")
         if model_names.from_file(weights) and not Path(weights).is_file():
-            raise KDError(f"--{role}-weights {weights}: no such file (expected pretrained, none or a file path)")
+            raise KDError(
+                f"--{role}-weights: weights file {weights} does not exist (expected pretrained, none or a file path)"
+            )
     wants_cuda = cfg.device == "cuda" or (cfg.device == "auto" and cfg.gpus)
     why = why_no_cuda() if wants_cuda else None
     if why:
