@@ -238,7 +238,7 @@ def teach(ctx, recipe, sets, top_k, logits_dtype, timed_after, **options):
     "--model",
     default=None,
     metavar="NAME",
-    help="torchvision model name or timm:NAME [a kd checkpoint's own; required for other weights].",
+    help="torchvision model name or timm:NAME[.TAG] [a kd checkpoint's own; required for other weights].",
 )
 @click.option("--weights", required=True, metavar="PATH|pretrained", help="Weights file (kd checkpoints too).")
 @click.option("--data", required=True, metavar="DIR", help="Folder with a val/ ImageFolder.")

@@ -599,7 +599,12 @@ class Option:
 
 TRAIN_OPTIONS = (
     Option("data", ("--data",), "ImageNet-layout folder (train/ and val/ ImageFolders), or 'synthetic'.", "DIR"),
-    Option("teacher", ("--teacher",), "Teacher: torchvision model name or timm:NAME.", "NAME"),
+    Option(
+        "teacher",
+        ("--teacher",),
+        "Teacher: torchvision model name or timm:NAME (timm:NAME.TAG: that tag's weights).",
+        "NAME",
+    ),
     Option("teacher_weights", ("--teacher-weights",), "Teacher weights.", "pretrained|none|PATH"),
     Option(
         "teacher_precision",
@@ -608,7 +613,12 @@ TRAIN_OPTIONS = (
         choices=TEACHER_PRECISIONS,
         note="the run's, checked on val batches, falling back to bfloat16/float32",
     ),
-    Option("student", ("--student",), "Student: torchvision model name or timm:NAME.", "NAME"),
+    Option(
+        "student",
+        ("--student",),
+        "Student: torchvision model name or timm:NAME (timm:NAME.TAG: that tag's weights).",
+        "NAME",
+    ),
     Option("student_weights", ("--student-weights",), "Student initial weights.", "pretrained|none|PATH"),
     Option("num_classes", ("--num-classes",), "Classes.", note="the number of class folders"),
     Option("no_teacher", ("--no-teacher",), "Train the student alone on the labels."),
