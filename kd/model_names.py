@@ -10,6 +10,7 @@ left to :func:`kd.models.check_name`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -112,11 +113,21 @@ def check_early(name: str) -> None:
 def cache_file(library: str) -> Optional[Path]:
     """Where ``library``'s names are kept for its installed version (read from its package
     metadata, without importing it): ``$XDG_CACHE_HOME/kd/models-LIBRARY-VERSION.json``
-    (``~/.cache`` without XDG_CACHE_HOME); None where it is not installed."""
+    (``~/.cache`` without XDG_CACHE_HOME), the version followed by a digest of where it was
+    installed from where pip recorded it (a commit of a git install). None where it is not
+    installed, or installed editable: its source may change under the same version."""
     try:
-        version = metadata.version(library)
+        installed = metadata.distribution(library)
     except metadata.PackageNotFoundError:
         return None
+    origin = installed.read_text("direct_url.json") or ""
+    try:
+        editable = bool(origin and json.loads(origin).get("dir_info", {}).get("editable"))
+    except (ValueError, AttributeError):
+        return None
+    if editable:
+        return None
+    version = installed.version + (f"-{hashlib.sha256(origin.encode()).hexdigest()[:12]}" if origin else "")
     base = os.environ.get("XDG_CACHE_HOME", "")
     root = Path(base) if os.path.isabs(base) else Path.home() / ".cache"
     return root / "kd" / f"models-{library}-{version}.json"

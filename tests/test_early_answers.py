@@ -177,3 +177,22 @@ def test_check_early_refuses_from_the_kept_lists(cache):
     with pytest.raises(KDError, match="did you mean resnet18"):
         model_names.check_early("resnet1B")
     model_names.check_early("alexnot_zz")  # no near name and no timm list kept: left to the libraries
+
+
+def test_an_editable_install_keeps_no_names_and_a_git_install_keeps_them_per_commit(tmp_path, monkeypatch, cache):
+    from kd import model_names
+
+    def install(direct_url: dict) -> None:
+        info = tmp_path / "site" / "fakelib-1.0.dist-info"
+        info.mkdir(parents=True, exist_ok=True)
+        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fakelib\nVersion: 1.0\n")
+        (info / "direct_url.json").write_text(json.dumps(direct_url))
+
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    install({"url": "file:///src/fakelib", "dir_info": {"editable": True}})
+    assert model_names.cache_file("fakelib") is None
+    files = set()
+    for commit in ("a" * 40, "b" * 40):
+        install({"url": "https://example.org/fakelib.git", "vcs_info": {"vcs": "git", "commit_id": commit}})
+        files.add(model_names.cache_file("fakelib"))
+    assert len(files) == 2 and all(f.name.startswith("models-fakelib-1.0-") for f in files)
