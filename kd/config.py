@@ -476,7 +476,8 @@ def validate(cfg: RunConfig, teaching: bool = False) -> RunConfig:
     for model, weights in (("student", "student_weights"), ("teacher", "teacher_weights")):
         name = getattr(cfg, model)
         line = name and tag_disagreement(name, getattr(cfg, weights), (f"--{model}", f"--{model}-weights"))
-        need(not line, str(line))
+        if line:
+            raise KDError(line)
     need(
         not (cfg.soft_labels and cfg.no_teacher),
         "--soft-labels holds a teacher's outputs; it conflicts with --no-teacher",

@@ -79,10 +79,12 @@ def tag_disagreement(name: str, weights: Optional[str], options: Tuple[str, str]
     other = weights[len(TIMM_PREFIX) :]
     if tag is None or other == tag:
         return None
-    model, given = (f"{flag} " if flag else "" for flag in options)
+    model = f"{options[0]} " if options[0] else ""
+    given = options[1] or "the weights"
+    untagged = f"{model}timm:{arch} {options[1]} {weights}" if options[1] else f"timm:{arch} with weights {weights}"
     return (
-        f"{model}{name} names timm's {tag} weights and {given}{weights} its {other} weights: name them once, "
-        f"as {model}timm:{arch}.{other} (or {model}timm:{arch} {given}{weights})"
+        f"{model}{name} asks for timm's {tag} weights but {given} {weights} for {other}: name them once, "
+        f"as {model}timm:{arch}.{other} (or {untagged})"
     )
 
 

@@ -61,12 +61,12 @@ def test_a_tagged_teacher_takes_its_tags_pretrained_weights(hub, image_folder, t
 def test_a_tag_and_other_timm_weights_are_refused_in_one_line_before_torch(image_folder, tmp_path):
     r = kd_then_torch(*train_args(image_folder, tmp_path / "run", teacher=TAGGED, teacher_weights="timm:a1_in1k"))
     assert error_line(r) == (
-        f"kd: error: --teacher {TAGGED} names timm's c3_in1k weights and --teacher-weights timm:a1_in1k its "
-        "a1_in1k weights: name them once, as --teacher timm:resnet10t.a1_in1k "
+        f"kd: error: --teacher {TAGGED} asks for timm's c3_in1k weights but --teacher-weights timm:a1_in1k for "
+        "a1_in1k: name them once, as --teacher timm:resnet10t.a1_in1k "
         "(or --teacher timm:resnet10t --teacher-weights timm:a1_in1k)"
     )
     assert r.stdout == "False"
-    with pytest.raises(KDError, match="names timm's c3_in1k weights and timm:a1_in1k its a1_in1k weights"):
+    with pytest.raises(KDError, match="asks for timm's c3_in1k weights but the weights timm:a1_in1k for a1_in1k"):
         models.timm_arch(TAGGED, "timm:a1_in1k")
 
 
