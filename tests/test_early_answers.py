@@ -160,7 +160,7 @@ def test_cuda_is_ruled_out_only_without_any_gpu_device_file_or_driver(tmp_path):
     from kd.utils.placement import why_no_cuda
 
     assert "no GPU device" in why_no_cuda({}, root=str(tmp_path))
-    for present in ("dev/nvidia0", "dev/dxg", "dev/kfd", "proc/driver/nvidia"):
+    for present in ("dev/nvidia0", "dev/nvhost-ctrl-gpu", "dev/nvmap", "dev/dxg", "dev/kfd", "proc/driver/nvidia"):
         (tmp_path / present).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / present).touch()
         assert why_no_cuda({}, root=str(tmp_path)) is None, present

@@ -8,6 +8,7 @@ A job is plain data (it travels to spawned processes by pickle); what it runs is
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,6 +81,8 @@ def say_tagged_weights(cfgs: Sequence[Any], student: bool = True) -> None:
                     f"kd: warning: --{role} {name} names timm's {tag} weights, but --{role}-weights {weights} "
                     f"are loaded into it (the tag chooses only its configuration and data config)"
                 )
+    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) != "0":
+        return  # said by the first process of a multi-process start only
     for line in dict.fromkeys(lines):
         print(line, file=sys.stderr, flush=True)
 

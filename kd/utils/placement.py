@@ -177,8 +177,9 @@ def _int(value: Optional[str], default: int) -> int:
         return default
 
 
-#: device files of a GPU that torch.cuda may use: NVIDIA's, WSL's (/dev/dxg) and ROCm's (/dev/kfd)
-GPU_DEVICE_FILES = ("dev/nvidia*", "dev/dxg", "dev/kfd", "proc/driver/nvidia")
+#: device files of a GPU that torch.cuda may use: NVIDIA's, Jetson's (nvhost, nvmap), WSL's (dxg)
+#: and ROCm's (kfd)
+GPU_DEVICE_FILES = ("dev/nvidia*", "dev/nvhost-*", "dev/nvmap", "dev/dxg", "dev/kfd", "proc/driver/nvidia")
 
 
 def why_no_cuda(environ: Optional[Mapping[str, str]] = None, root: str = "/") -> Optional[str]:
