@@ -17,6 +17,7 @@ from kd.losses import DistillLoss, build_loss, split_layers
 from kd.precision import make_precision
 from kd.precision.cpu import slow_precision_warning
 from kd.run import checkpoint
+from kd.run.dot import check_applies
 from kd.run.lane import Lane, TrainState, stop_in_setup
 from kd.run.log import NullLogger, RunLogger
 from kd.run.optim import build_optimizer, build_scheduler, lr_note
@@ -54,7 +55,7 @@ def build_lane(
         raise KDError(f"--num-classes {cfg.num_classes} but {cfg.data} has {len(data.classes)} class folders")
 
     # apex.amp holds one model per process: beside other students, apex_ddp's wish for it gives way
-    precision = make_precision(cfg, dev, prefer_apex=backend.prefers_apex_amp and alone)
+    precision = make_precision(cfg, dev, prefer_apex=backend.prefers_apex_amp and alone and not cfg.dot)
     said = [precision.describe()]  # logged once set-up has succeeded: a failed start stays one line
     warning = slow_precision_warning(cfg.opt, precision.dtype, dev)
     if warning:
@@ -63,6 +64,9 @@ def build_lane(
     student, loss, teacher, s_layers, t_layers = build_models(cfg, num_classes, shared.teacher_model)
     if teacher is not None:
         shared.teacher_model = teacher  # built after this student, as its own run builds it
+    if cfg.dot:  # the loss hands over its label and distillation parts, for DOT's two momenta
+        check_applies(loss, precision.splits_gradients, cfg.kd_loss)
+        loss.split_parts = True
     clock.mark("models")
 
     # Module.to(device, memory_format=...) is valid at run time; torch's overloads list the two apart
