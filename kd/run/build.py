@@ -64,9 +64,6 @@ def build_lane(
     student, loss, teacher, s_layers, t_layers = build_models(cfg, num_classes, shared.teacher_model)
     if teacher is not None:
         shared.teacher_model = teacher  # built after this student, as its own run builds it
-    if cfg.dot:  # the loss hands over its label and distillation parts, for DOT's two momenta
-        check_applies(loss, precision.splits_gradients, cfg.kd_loss)
-        loss.split_parts = True
     clock.mark("models")
 
     # Module.to(device, memory_format=...) is valid at run time; torch's overloads list the two apart
@@ -78,6 +75,9 @@ def build_lane(
     # the loaders normalise for the (first) student; another student renormalises on the device
     renorm = models.renormaliser(getattr(data.train, "norm", None), cfg.student_data)
     stop_in_setup(shared.stop, backend)
+    if cfg.dot:  # once its connectors, heads and memory exist; the loss hands over its two parts
+        check_applies(loss, precision.splits_gradients, cfg.kd_loss)
+        loss.split_parts = True
     optimizer = build_optimizer(cfg, side.named_parameters(), fused_ok=precision.fused_optimizer_ok)
     side, optimizer = precision.convert(side, optimizer)
     model = backend.wrap(side)
