@@ -339,6 +339,20 @@ def test_dot_trains_and_resumes_exactly(image_folder, tmp_path, method):
     assert records(tmp_path / "full")[-1]["train_loss"] > 0
 
 
+def test_dot_at_o2_keeps_float32_momenta_of_the_masters(image_folder, tmp_path):
+    """O2 (bfloat16 weights, float32 masters): the distillation gradients go to the masters' dtype,
+    both momenta are float32 beside them, and the run trains without a skipped step; --dot-delta
+    reaches the optimizer."""
+    r = kd_main(*train_args(image_folder, tmp_path / "run", opt="O2", amp_dtype="bfloat16", dot=True, dot_delta=0.09))
+    assert r.returncode == 0, r.stderr
+    optimizer = checkpoint(tmp_path / "run")["optimizer"]
+    assert {(g["momentum"], g["delta"]) for g in optimizer["param_groups"]} == {(0.9, 0.09)}
+    state = optimizer["state"]
+    assert state and all(v.dtype == torch.float32 for s in state.values() for v in s.values())
+    assert all({"momentum_buffer", "distill_momentum_buffer"} <= set(s) for s in state.values())
+    assert records(tmp_path / "run")[-1]["train_skipped_steps"] == 0
+
+
 @pytest.mark.slow
 def test_two_processes_equal_one_process_of_the_same_global_batch(image_folder, tmp_path):
     """torch_ddp over gloo: the distillation gradients, taken off DDP's reducer, are averaged by kd
