@@ -354,14 +354,16 @@ def test_dot_at_o2_keeps_float32_momenta_of_the_masters(image_folder, tmp_path):
 
 
 @pytest.mark.slow
-def test_two_processes_equal_one_process_of_the_same_global_batch(image_folder, tmp_path):
-    """torch_ddp over gloo: the distillation gradients, taken off DDP's reducer, are averaged by kd
-    and the label gradients by DDP; a student without batch statistics (ConvNeXt's LayerNorms)
-    trains the same in two processes as in one."""
+@pytest.mark.parametrize("backend", ["torch_ddp", "apex_ddp"])
+def test_two_processes_equal_one_process_of_the_same_global_batch(image_folder, tmp_path, backend):
+    """Two processes over gloo: the distillation gradients, taken off DDP's reducer (torch_ddp) or
+    kd's averager (apex_ddp, native on the CPU), are averaged by kd, the label gradients by the
+    backend; a student without batch statistics (ConvNeXt's LayerNorms) trains the same in two
+    processes as in one."""
     options = dict(student="timm:convnext_atto", kd_loss="kd", lr_schedule="constant", workers=0, dot=True)
     r = run_kd(*train_args(image_folder, tmp_path / "one", **options))
     assert r.returncode == 0, r.stderr
-    r = run_kd(*train_args(image_folder, tmp_path / "two", "--backend", "torch_ddp", "--nproc", 2, **options))
+    r = run_kd(*train_args(image_folder, tmp_path / "two", "--backend", backend, "--nproc", 2, **options))
     assert r.returncode == 0, r.stderr
     one, two = checkpoint(tmp_path / "one"), checkpoint(tmp_path / "two")
     assert one["global_step"] == two["global_step"] == 3
