@@ -90,6 +90,8 @@ class RunConfig:
     lr_gamma: float = 0.1
     warmup_epochs: float = 0.0
     grad_clip: Optional[float] = None
+    dot: bool = False  # DOT (Zhao et al. ICCV 2023): the label and distillation gradients with momenta of their own
+    dot_delta: float = 0.075  # DOT's momentum - delta (label) and momentum + delta (distillation); mdistiller's default
     # hardware
     device: str = "auto"
     backend: str = "single"
@@ -503,7 +505,32 @@ def validate(cfg: RunConfig, teaching: bool = False) -> RunConfig:
                     f"features: train it with the live teacher"
                 )
     validate_loss_options(cfg)
+    if cfg.dot:
+        validate_dot(cfg)
     return cfg
+
+
+def validate_dot(cfg: RunConfig) -> None:
+    """Where DOT cannot train: no distillation part, or an optimizer step other than its own."""
+    if cfg.no_teacher or "ce" in cfg.kd_loss.split(","):
+        raise KDError(
+            "--dot steps the label part and the distillation part of the loss apart; "
+            f"{'--no-teacher' if cfg.no_teacher else '--kd-loss ce'} has no distillation part"
+        )
+    if cfg.momentum <= 0 or cfg.nesterov:
+        raise KDError("--dot is SGD with two plain momenta: it needs --momentum above 0 and no --nesterov")
+    if not (0 <= cfg.dot_delta <= cfg.momentum and cfg.momentum + cfg.dot_delta < 1):
+        raise KDError(
+            f"--dot-delta must be between 0 and --momentum {cfg.momentum:g}, with momentum + delta below 1; "
+            f"got {cfg.dot_delta:g}"
+        )
+    if cfg.fused_optimizer:
+        raise KDError("--dot has its own optimizer step; it conflicts with fused_optimizer=true")
+    if cfg.amp_impl == "apex":
+        raise KDError(
+            "--dot keeps the distillation gradient apart from the label gradient; apex.amp unscales and "
+            "checks one gradient per step inside its scale_loss: use --amp-impl native"
+        )
 
 
 def validate_loss_options(cfg: RunConfig) -> None:
@@ -661,6 +688,13 @@ TRAIN_OPTIONS = (
     Option("lr_gamma", ("--lr-gamma",), "Factor at each milestone."),
     Option("warmup_epochs", ("--warmup-epochs",), "Linear LR warm-up."),
     Option("grad_clip", ("--grad-clip",), "Clip the gradient norm to this value."),
+    Option(
+        "dot",
+        ("--dot/--no-dot",),
+        "DOT (Zhao et al. ICCV 2023): SGD with momentum - delta on the label term's gradient and "
+        "momentum + delta on the distillation part's; with any method whose loss has both.",
+    ),
+    Option("dot_delta", ("--dot-delta",), "DOT's momentum difference delta."),
     Option("image_size", ("--image-size",), "Train crop and val crop size."),
     Option(
         "val_resize",

@@ -37,9 +37,14 @@ def published(model: str, weights: str) -> Optional[Tuple[float, float]]:
 
 
 def _title(row: Dict[str, object]) -> str:
-    """The method as papers print it, ``+ LS`` where its logits were standardised."""
+    """The method as papers print it, ``+ LS`` where its logits were standardised, ``+ DOT`` where DOT
+    trained it."""
     method = str(row["method"])
-    return TITLES.get(method, method) + (" + LS" if row.get("_standardised") else "")
+    return (
+        TITLES.get(method, method)
+        + (" + LS" if row.get("_standardised") else "")
+        + (" + DOT" if row.get("_dot") else "")
+    )
 
 
 def _number(value: object) -> str:
@@ -78,7 +83,13 @@ def pair_rows(rows: Sequence[Dict[str, object]], note: Callable[[str], None]) ->
             note(f"no run of {student} alone among the runs: train one with --no-teacher for the table's baseline row")
         rank = {name: i for i, name in enumerate(ORDER)}
         ordered = sorted(
-            runs, key=lambda r: (rank.get(str(r["method"]), len(ORDER)), str(r["method"]), bool(r.get("_standardised")))
+            runs,
+            key=lambda r: (
+                rank.get(str(r["method"]), len(ORDER)),
+                str(r["method"]),
+                bool(r.get("_standardised")),
+                bool(r.get("_dot")),
+            ),
         )
         titles = [_title(row) for row in ordered]
         for row, title in zip(ordered, titles):

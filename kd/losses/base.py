@@ -25,6 +25,9 @@ register = LOSSES.register
 
 # The label term every method has, and its defaults (a method may change the weight's default).
 LABEL_TERM: Dict[str, Any] = {"ce_weight": 1.0, "label_smoothing": 0.0}
+#: The keys of the loss's two parts, the weighted label term and the distillation part, which
+#: :meth:`DistillLoss.forward` also returns where ``split_parts`` is set (DOT steps them apart).
+TASK_PART, DISTILL_PART = "_task_part", "_distill_part"
 
 log = logging.getLogger("kd")
 
@@ -82,7 +85,9 @@ class DistillLoss(nn.Module):
     its own default weight). A subclass sets ``defaults`` (its hyper-parameters and their
     default values; the config's ``loss_args`` override them, unknown keys are an error) and
     implements :meth:`distill`; :meth:`forward` returns ``{"loss": total, "ce": CE, **terms}``:
-    ``"loss"`` is back-propagated, the other entries are logged as they are.
+    ``"loss"`` is back-propagated, the other entries are logged as they are. With ``split_parts``
+    set (``--dot``) it also returns the two summands of ``"loss"`` under :data:`TASK_PART` and
+    :data:`DISTILL_PART`, for an optimizer that steps their gradients apart.
 
     Hyper-parameter names: ``temperature`` for every softmax temperature, ``<what>_weight``
     for every weight. ``renamed`` maps a method's former names to the current ones; a former
@@ -130,6 +135,7 @@ class DistillLoss(nn.Module):
             valid = ", ".join(sorted(self.defaults)) or "none"
             raise KDError(f"KD loss {self.name!r} has no hyper-parameter {', '.join(unknown)}; valid: {valid}")
         self.hparams: Dict[str, Any] = {**self.defaults, **hparams}
+        self.split_parts = False
 
     @classmethod
     def translate_old(cls, old: str, value: Any) -> Optional[Dict[str, Any]]:
@@ -193,7 +199,8 @@ class DistillLoss(nn.Module):
     def forward(self, x: DistillInputs) -> Dict[str, torch.Tensor]:
         part, terms = self.distill(x)
         ce = self.label_term(x)
-        total = self.hparams["ce_weight"] * ce
-        if part is not None:
-            total = total + part
+        task = self.hparams["ce_weight"] * ce
+        total = task if part is None else task + part
+        if self.split_parts and part is not None:
+            return {"loss": total, "ce": ce, **terms, TASK_PART: task, DISTILL_PART: part}
         return {"loss": total, "ce": ce, **terms}

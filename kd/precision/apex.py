@@ -94,6 +94,7 @@ class ApexAmpPrecision(MasterStateMixin, Precision):
     impl = "apex"
     fused_optimizer_ok = False  # amp.initialize patches the optimizer's step
     one_per_process = True  # amp.initialize patches torch for the process: one student per run
+    splits_gradients = False  # scale_loss unscales and checks one gradient per step (no DOT)
 
     def __init__(self, cfg, device: torch.device):
         amp, reason = _import_amp()
@@ -153,7 +154,8 @@ class ApexAmpPrecision(MasterStateMixin, Precision):
             scaled.backward()
             sync()  # inside: apex unscales and (O1/O2) checks for overflow on leaving the block
 
-    def unscale(self, optimizer, params):
+    def unscale(self, optimizer, params, apart=None):
+        assert apart is None, "apex.amp keeps no gradients apart (splits_gradients is False)"
         masters = list(self.amp.master_params(optimizer))
         if self.dynamic:  # apex checked on leaving scale_loss, and patched step() to skip once
             skipped = bool(getattr(optimizer._amp_stash, "already_patched", False))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, cast
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, cast
 
 import torch
 from torch import nn
@@ -85,12 +85,18 @@ def nonfinite_gradients(params: Iterable[torch.Tensor], found: torch.Tensor, one
     """``found`` (0-dim float32, on the device) set to 1 where a gradient of ``params`` holds inf
     or NaN, else 0; no host sync (the loss scaler's own check, at scale 1)."""
     found.zero_()
+    return check_and_unscale([p.grad for p in params], found, one)
+
+
+def check_and_unscale(grads: Iterable[Optional[torch.Tensor]], found: torch.Tensor, inv_scale: torch.Tensor):
+    """``grads`` (None skipped) multiplied by ``inv_scale`` in place, and ``found`` set to 1 where one
+    holds inf or NaN (left as it was otherwise); returns ``found``. No host sync."""
     groups: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is not None:
-            groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
-    for grads in groups.values():
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
+    for g in grads:
+        if g is not None:
+            groups.setdefault((g.device, g.dtype), []).append(g)
+    for tensors in groups.values():
+        torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, inv_scale.to(found.device))
     return found
 
 
@@ -122,6 +128,7 @@ class Precision:
     opt = "O0"
     impl = "native"
     fused_optimizer_ok = True  # False where the precision patches the optimizer itself
+    splits_gradients = True  # gives a part of the loss its gradients apart (gradients_apart), for DOT
     one_per_process = False  # True where it patches torch for the whole process (one student per run)
 
     def __init__(self, device: torch.device, dtype: torch.dtype = torch.float32, note: Optional[str] = None):
@@ -167,18 +174,41 @@ class Precision:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
         sync()
 
-    def unscale(self, optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor]):
+    def gradients_apart(self, loss: torch.Tensor, params: Sequence[torch.Tensor]) -> List[Optional[torch.Tensor]]:
+        """The gradients of ``loss`` (scaled as :meth:`backward` scales it) for ``params``, in the
+        optimizer's dtype, kept apart from ``.grad`` (None where ``loss`` does not reach one): DOT's
+        distillation part, back-propagated before the rest with the graph kept. torch.autograd.grad
+        runs no gradient hooks (DistributedDataParallel's reducer), so the caller averages them across
+        processes; :meth:`unscale` unscales and checks them with the rest."""
+        scaled = self.scaler.scale(loss) if self.scaler else loss
+        grads = torch.autograd.grad(scaled, list(params), retain_graph=True, allow_unused=True)
+        return [None if g is None else g.to(q.dtype) for g, q in zip(grads, self._optimizer_tensors(params))]
+
+    def unscale(
+        self,
+        optimizer: torch.optim.Optimizer,
+        params: Iterable[torch.Tensor],
+        apart: Optional[List[Optional[torch.Tensor]]] = None,
+    ):
         """The gradients made the optimizer's (float32 masters where the level keeps them) and
         unscaled; returns the tensors to clip and a 0-dim float on the device, non-zero where any
-        of those gradients holds inf or NaN (no host sync). ``params``: the model's trainable ones."""
+        of those gradients holds inf or NaN (no host sync). ``params``: the model's trainable ones;
+        ``apart``: their gradients from :meth:`gradients_apart`, unscaled in place and checked too (a
+        non-finite one skips the step and backs the loss scale off as any other)."""
         params = self._gradients_to_optimizer(params)
         scaler = self.scaler
         if scaler is None:  # no scaler to check the gradients: the same check here, at scale 1
-            return params, nonfinite_gradients(params, self._found, self._one)
+            found = nonfinite_gradients(params, self._found, self._one)
+            return params, check_and_unscale(apart or [], found, self._one)
         scaler.unscale_(optimizer)
         # what unscale_ found, per device (GradScaler keeps it for its step() and update())
-        found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values()
-        return params, torch.stack([f.to(self._found.device) for f in found]).sum()
+        per_device = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        if apart:
+            inv_scale = cast(torch.Tensor, scaler._scale).double().reciprocal().float()  # as unscale_ has it
+            found_apart = check_and_unscale(apart, torch.zeros_like(self._found), inv_scale)
+            key = next(iter(per_device), self._found.device)
+            per_device[key] = per_device.get(key, torch.zeros_like(self._found)) + found_apart.to(key)
+        return params, torch.stack([f.to(self._found.device) for f in per_device.values()]).sum()
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, found: torch.Tensor) -> None:
         """``optimizer.step()`` unless ``found``."""
@@ -206,6 +236,10 @@ class Precision:
 
     def _gradients_to_optimizer(self, params: Iterable[torch.Tensor]) -> List[torch.Tensor]:
         """Make the gradients visible to the optimizer; returns the tensors to clip."""
+        return list(params)
+
+    def _optimizer_tensors(self, params: Iterable[torch.Tensor]) -> List[torch.Tensor]:
+        """The tensors the optimizer steps for ``params`` (their float32 masters where kept)."""
         return list(params)
 
     def _after_step(self) -> None:
@@ -346,6 +380,9 @@ class MasterWeightPrecision(MasterStateMixin, CastPrecision):
             if p.grad is not None:
                 master.grad = p.grad.to(torch.float32)
                 p.grad = None
+        return self._optimizer_tensors(params)
+
+    def _optimizer_tensors(self, params):
         return [self._master_of.get(id(p), p) for p in params]
 
     @torch.no_grad()

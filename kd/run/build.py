@@ -17,6 +17,7 @@ from kd.losses import DistillLoss, build_loss, split_layers
 from kd.precision import make_precision
 from kd.precision.cpu import slow_precision_warning
 from kd.run import checkpoint
+from kd.run.dot import check_applies
 from kd.run.lane import Lane, TrainState, stop_in_setup
 from kd.run.log import NullLogger, RunLogger
 from kd.run.optim import build_optimizer, build_scheduler, lr_note
@@ -54,7 +55,7 @@ def build_lane(
         raise KDError(f"--num-classes {cfg.num_classes} but {cfg.data} has {len(data.classes)} class folders")
 
     # apex.amp holds one model per process: beside other students, apex_ddp's wish for it gives way
-    precision = make_precision(cfg, dev, prefer_apex=backend.prefers_apex_amp and alone)
+    precision = make_precision(cfg, dev, prefer_apex=backend.prefers_apex_amp and alone and not cfg.dot)
     said = [precision.describe()]  # logged once set-up has succeeded: a failed start stays one line
     warning = slow_precision_warning(cfg.opt, precision.dtype, dev)
     if warning:
@@ -74,6 +75,9 @@ def build_lane(
     # the loaders normalise for the (first) student; another student renormalises on the device
     renorm = models.renormaliser(getattr(data.train, "norm", None), cfg.student_data)
     stop_in_setup(shared.stop, backend)
+    if cfg.dot:  # once its connectors, heads and memory exist; the loss hands over its two parts
+        check_applies(loss, precision.splits_gradients, cfg.kd_loss)
+        loss.split_parts = True
     optimizer = build_optimizer(cfg, side.named_parameters(), fused_ok=precision.fused_optimizer_ok)
     side, optimizer = precision.convert(side, optimizer)
     model = backend.wrap(side)

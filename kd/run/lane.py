@@ -17,8 +17,8 @@ from torch import nn
 from kd import models
 from kd.data.loader import Batch
 from kd.errors import KDError, NonFinite
-from kd.losses.base import DistillLoss
-from kd.run import checkpoint
+from kd.losses.base import DISTILL_PART, TASK_PART, DistillLoss
+from kd.run import checkpoint, dot
 from kd.run.log import NullBar, SetupClock, first_step_record
 from kd.run.meter import Meter, format_record, nonfinite_flags, nonfinite_message
 from kd.run.state import TrainState
@@ -233,6 +233,7 @@ class Lane:
         with precision.autocast():
             parts = self.model(images, batch.labels, t_logits, t_feats, progress, indices, self.state.global_step)
         parts = {k: v.float().mean() for k, v in parts.items()}
+        task, distill = parts.pop(TASK_PART, None), parts.pop(DISTILL_PART, None)  # DOT's parts (--dot)
         self.loss_terms = self.loss_terms or sorted(k for k in parts if k not in ("loss", LOGITS_SUM))
         buffers_finite = self.buffers.check()
         flags = nonfinite_flags(parts, t_logits, self.loss_terms, buffers_finite)
@@ -243,14 +244,18 @@ class Lane:
         good = torch.isfinite(parts["loss"])
         if buffers_finite is not None:
             good = good & buffers_finite
+        refused = torch.where(good, 1.0, float("nan"))
+        backend = self.backend
         skipped = apply_gradients(
             precision,
-            parts["loss"] * torch.where(good, 1.0, float("nan")),
+            (parts["loss"] if distill is None else task) * refused,
             self.optimizer,
             self.params,
-            lambda: self.backend.sync_gradients(self.model),
+            lambda: backend.sync_gradients(self.model),
             self.cfg.grad_clip,
             keep_scale=~good,
+            apart=None if distill is None else distill * refused,
+            reduce_apart=lambda grads: dot.average(grads, backend.world_size, backend.all_reduce_sum),
         )
         self.buffers.restore(skipped)  # a skipped step leaves BatchNorm's statistics as they were
         flags = torch.cat([flags, (skipped & good).float().reshape(1)])  # skipped on its gradients alone

@@ -1,4 +1,4 @@
-"""SGD with decay on weights only (unless asked), and per-step LR schedules with warm-up."""
+"""SGD (or DOT's) with decay on weights only (unless asked), and per-step LR schedules with warm-up."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ def param_groups(named: Iterable[Tuple[str, nn.Parameter]], weight_decay: float,
 
 def build_optimizer(cfg, named_params, fused_ok: bool = True) -> torch.optim.Optimizer:
     """SGD, fused where torch has fused kernels for the parameters' device (CUDA, and the CPU
-    since torch 2.4) unless ``fused_optimizer`` says no, else foreach.
+    since torch 2.4) unless ``fused_optimizer`` says no, else foreach; with ``dot``, DOT's
+    two-momentum SGD (:class:`kd.run.dot.DistillationOrientedSGD`).
 
     The fused kernel takes an inf flag on the device (the GradScaler's, or kd's own check at
     levels without one), so a skipped step needs no host synchronisation (the foreach path
@@ -34,6 +35,10 @@ def build_optimizer(cfg, named_params, fused_ok: bool = True) -> torch.optim.Opt
     optimizer themselves (apex.amp).
     """
     groups = param_groups(named_params, cfg.weight_decay, cfg.wd_bn_bias)
+    if cfg.dot:  # its own step, on the label and the distillation gradients (config refuses fused with it)
+        from kd.run.dot import DistillationOrientedSGD
+
+        return DistillationOrientedSGD(groups, lr=cfg.lr, momentum=cfg.momentum, delta=cfg.dot_delta)
     supported = fused_devices()
     on_fused_device = all(p.device.type in supported for g in groups for p in g["params"])
     fused = fused_ok and on_fused_device and cfg.fused_optimizer is not False

@@ -8,6 +8,8 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 from torch import nn
 
+from kd.run.dot import clip_total
+
 #: The key of the student's summed logits among a step's loss parts (finite iff every logit is):
 #: it names the source of a non-finite loss.
 LOGITS_SUM = "_student_logits_sum"
@@ -50,6 +52,8 @@ def apply_gradients(
     sync: Callable[[], None],
     clip: Optional[float],
     keep_scale: Optional[torch.Tensor] = None,
+    apart: Optional[torch.Tensor] = None,
+    reduce_apart: Optional[Callable[[List[Optional[torch.Tensor]]], None]] = None,
 ) -> torch.Tensor:
     """One update from ``loss`` under the step's policy, the same for every precision; returns a
     0-dim bool tensor on the device: was it skipped.
@@ -62,10 +66,26 @@ def apply_gradients(
     the step was refused for a cause the loss scale did not make, so the scale does not back off.
     ``params``: the model's trainable parameters (their gradients, or the float32 masters', are
     clipped to ``clip``); ``sync`` reduces the gradients across processes.
+
+    ``apart``: a second part of the loss whose gradients the optimizer keeps apart from ``loss``'s
+    (DOT's distillation part, :mod:`kd.run.dot`; ``loss`` is then the label part): back-propagated
+    first by the precision, off ``.grad``, averaged across processes by ``reduce_apart``, unscaled
+    and checked with the rest (inf or NaN in either skips the step), clipped together with
+    ``loss``'s (the norm of their sum) and handed to the optimizer's ``hold`` before its step.
     """
+    params = list(params)
+    kept = None
+    if apart is not None:
+        kept = precision.gradients_apart(apart, params)
+        if reduce_apart is not None:
+            reduce_apart(kept)
     precision.backward(loss, sync)
-    grads, found = precision.unscale(optimizer, params)
-    if clip:
+    grads, found = precision.unscale(optimizer, params, *([kept] if kept is not None else []))
+    if kept is not None:
+        if clip:
+            clip_total(grads, kept, clip)
+        optimizer.hold(grads, kept)  # type: ignore[attr-defined]  # a kd.run.dot.DistillationOrientedSGD
+    elif clip:
         torch.nn.utils.clip_grad_norm_(grads, clip)
     precision.optimizer_step(optimizer, found)
     precision.update(found, keep_scale)
