@@ -494,6 +494,12 @@ def validate(cfg: RunConfig, teaching: bool = False) -> RunConfig:
                     f"--soft-labels holds the teacher's logits only; --kd-loss {name} needs the teacher's "
                     f"features: train it with the live teacher"
                 )
+            if name in LOSSES.names() and LOSSES.get(name).views == 2:
+                raise KDError(
+                    f"--soft-labels holds the teacher's logits on one crop of each sample; --kd-loss {name} "
+                    f"also needs them on a second, strongly augmented view, which kd teach does not store: "
+                    f"train it with the live teacher"
+                )
     validate_loss_options(cfg)
     return cfg
 
@@ -627,7 +633,7 @@ TRAIN_OPTIONS = (
         "standardise",
         ("--logit-standardisation/--no-logit-standardisation",),
         "Z-score both logit vectors before the method's softmax (Sun et al. CVPR 2024); "
-        "the methods with a standardise switch: kd, dkd, ctkd, ctdkd.",
+        "the methods with a standardise switch: kd, dkd, ctkd, ctdkd, mlkd.",
         note="method default: off",
     ),
     Option("feature_layers", ("--feature-layers",), "Modules tapped by feature methods.", "A,B,.."),

@@ -10,6 +10,7 @@ from kd.losses import dkd as _dkd  # noqa: F401
 from kd.losses import fitnet as _fitnet  # noqa: F401
 from kd.losses import kd as _kd  # noqa: F401
 from kd.losses import lskd as _lskd  # noqa: F401
+from kd.losses import mlkd as _mlkd  # noqa: F401
 from kd.losses import nkd as _nkd  # noqa: F401
 from kd.losses import ofd as _ofd  # noqa: F401
 from kd.losses import reviewkd as _reviewkd  # noqa: F401

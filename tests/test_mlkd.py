@@ -1,0 +1,159 @@
+"""MLKD held equal to the official code, with and without logit standardisation.
+
+Golden values: Jin-Ying/Multi-Level-Logit-Distillation ``mdistiller/distillers/KD_ours.py``
+(``KD_ours.forward_train``) at commit 5ee473fcf193dfb00a0598b64d0acfe6ad58a482, and for
+``standardise`` 1 sunshangquan/logit-standardization-KD ``mdistiller/distillers/MLKD.py`` at commit
+f6e5aa5172bad618e801163c3385322eea673754. A script outside this repository imported those files
+unmodified, gave the distiller a student and a teacher that return the fixed float64 logits of
+:func:`inputs` for each view, summed its losses as the official trainer does (``AugTrainer``) and
+printed with ``repr`` each loss, the total and three probes of the gradient with respect to the
+student's logits of each view (:func:`probes`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kd.errors import KDError
+from kd.losses import DistillInputs, build_loss
+from kd.losses.mlkd import confidence_shares
+
+RTOL = 1e-9
+
+# (batch, classes, temperature, ce_weight, kd_weight, tie, standardise) -> the official values
+OFFICIAL = {
+    (6, 5, 1.0, 0.5, 0.5, False, False): {
+        "parts": {
+            "loss_ce": 3.5985241043769625,
+            "loss_kd": 13.417227409718832,
+            "loss_cc": 0.026202637286324555,
+            "loss_bc": 0.15636281796013496,
+        },
+        "total": 17.198316969342255,
+        "grad_weak": [0.16833655254808688, 0.14835115871948543, 1.4632992908434954],
+        "grad_strong": [-3.8958478163561114, 0.028719100029428013, 0.5975062658014809],
+    },
+    (5, 7, 4.0, 1.0, 2.0, False, False): {
+        "parts": {
+            "loss_ce": 6.426736243353217,
+            "loss_kd": 68.03282481502369,
+            "loss_cc": 0.5231616547056153,
+            "loss_bc": 0.3000030943941463,
+        },
+        "total": 75.28272580747667,
+        "grad_weak": [32.49952775969778, 0.5611695029161843, 27.507515690751497],
+        "grad_strong": [2.4867929903588095, -0.7511092343800552, 8.920761884286886],
+    },
+    (4, 5, 2.0, 0.5, 0.5, True, False): {
+        "parts": {
+            "loss_ce": 3.319487503091721,
+            "loss_kd": 16.662530993628497,
+            "loss_cc": 0.19338195312147427,
+            "loss_bc": 0.05281974373755621,
+        },
+        "total": 20.228220193579247,
+        "grad_weak": [7.087515973302713, -0.7093266003607408, 3.820144512030283],
+        "grad_strong": [-3.276971839522168, -0.4208818962312805, 1.000882056286824],
+    },
+    (6, 5, 1.0, 0.5, 0.5, False, True): {
+        "parts": {
+            "loss_ce": 3.5985241043769625,
+            "loss_kd": 2.8116078712150454,
+            "loss_cc": 0.026202637286324555,
+            "loss_bc": 0.15636281796013496,
+        },
+        "total": 6.592697430838467,
+        "grad_weak": [0.6090234988332288, 0.013690226266776656, 0.10647309311690466],
+        "grad_strong": [-0.6815708321888898, 0.020479773223013337, 0.05679459519987633],
+    },
+    (5, 7, 4.0, 1.0, 2.0, False, True): {
+        "parts": {
+            "loss_ce": 6.426736243353217,
+            "loss_kd": 12.089658386943992,
+            "loss_cc": 0.5231616547056153,
+            "loss_bc": 0.3000030943941463,
+        },
+        "total": 19.339559379396967,
+        "grad_weak": [2.340890754210091, 0.03180486089433046, 0.5668603052925315],
+        "grad_strong": [0.9998685769460733, -0.02723496153109256, 0.3586052321569976],
+    },
+}
+
+
+def logits(batch, classes, a, b, scale):
+    i = torch.arange(batch * classes, dtype=torch.float64)
+    return (torch.sin(i * a + b) * scale).reshape(batch, classes)
+
+
+def inputs(batch, classes, tie):
+    """Student weak, student strong, teacher weak, teacher strong logits and labels (float64)."""
+    sw = logits(batch, classes, 0.7, 0.1, 3.0)
+    ss = logits(batch, classes, 1.3, 0.4, 2.5)
+    tw = logits(batch, classes, 0.9, 0.2, 4.0)
+    ts = logits(batch, classes, 1.1, 0.5, 3.5)
+    if tie:  # three samples the teacher is equally sure of, the median among them
+        tw[1] = tw[0]
+        tw[2] = tw[0]
+    return sw, ss, tw, ts, torch.arange(batch) * 2 % classes
+
+
+def probes(grad):
+    n = grad.numel()
+    w1 = torch.arange(1, n + 1, dtype=torch.float64).reshape(grad.shape)
+    w2 = torch.cos(torch.arange(n, dtype=torch.float64) * 0.37).reshape(grad.shape)
+    return [(grad * w1).sum().item(), (grad * w2).sum().item(), (grad**2).sum().item()]
+
+
+@pytest.mark.parametrize("case", list(OFFICIAL), ids=lambda c: f"b{c[0]}-c{c[1]}-T{c[2]}-tie{c[5]}-ls{c[6]}")
+def test_mlkd_equals_the_official_code(case):
+    batch, classes, temperature, ce_weight, kd_weight, tie, standardise = case
+    golden = OFFICIAL[case]
+    sw, ss, tw, ts, labels = inputs(batch, classes, tie)
+    sw.requires_grad_()
+    ss.requires_grad_()
+    loss = build_loss(
+        "mlkd",
+        classes,
+        dict(temperature=temperature, ce_weight=ce_weight, kd_weight=kd_weight, standardise=int(standardise)),
+    )
+    out = loss(DistillInputs(sw, labels, tw, second_student_logits=ss, second_teacher_logits=ts))
+    parts = golden["parts"]
+    assert (ce_weight * out["ce"]).item() == pytest.approx(parts["loss_ce"], rel=RTOL)
+    assert out["kd"].item() == pytest.approx(parts["loss_kd"], rel=RTOL)
+    assert out["cc"].item() == pytest.approx(parts["loss_cc"], rel=RTOL)
+    assert out["bc"].item() == pytest.approx(parts["loss_bc"], rel=RTOL)
+    assert out["loss"].item() == pytest.approx(golden["total"], rel=RTOL)
+    out["loss"].backward()
+    assert probes(sw.grad) == pytest.approx(golden["grad_weak"], rel=RTOL)
+    assert probes(ss.grad) == pytest.approx(golden["grad_strong"], rel=RTOL)
+
+
+def test_confidence_shares_take_the_median_as_numpy_does():
+    """An even batch: the median lies between the two middle confidences (half the samples); ties at
+    the median count every tied sample."""
+    teacher = torch.tensor([[4.0, 0.0], [3.0, 0.0], [2.0, 0.0], [1.0, 0.0]])
+    samples, classes = confidence_shares(teacher)
+    assert samples.item() == 0.5 and classes.item() == 0.5  # two classes: the median is their mean
+    samples, _ = confidence_shares(torch.tensor([[1.0, 0.0], [1.0, 0.0], [1.0, 0.0], [4.0, 0.0]]))
+    assert samples.item() == 0.75
+
+
+def test_mlkd_in_float32_is_finite_and_close_to_float64():
+    sw, ss, tw, ts, labels = inputs(6, 5, False)
+    loss = build_loss("mlkd", 5, {})
+    wide = loss(DistillInputs(sw, labels, tw, second_student_logits=ss, second_teacher_logits=ts))["loss"]
+    narrow = loss(
+        DistillInputs(
+            sw.float(), labels, tw.float(), second_student_logits=ss.float(), second_teacher_logits=ts.float()
+        )
+    )["loss"]
+    assert narrow.dtype == torch.float32
+    assert narrow.item() == pytest.approx(wide.item(), rel=1e-5)
+
+
+def test_mlkd_takes_two_views_and_refuses_unknown_settings():
+    assert build_loss("mlkd", 5, {}).views == 2
+    assert build_loss("kd", 5, {}).views == 1
+    with pytest.raises(KDError, match="no hyper-parameter"):
+        build_loss("mlkd", 5, {"alpha": 0.5})
