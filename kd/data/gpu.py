@@ -54,6 +54,7 @@ from kd.data.loader import (
     val_transform,
     worker_count,
 )
+from kd.errors import KDError
 
 #: Environment override of the decoder choice: auto, nvimgcodec, nvjpeg, cpu, cpu-thread.
 DECODER_ENV = "KD_GPU_DECODER"
@@ -69,6 +70,11 @@ PIL_RATE_PER_WORKER = 184.0
 #: The same for validation, whose workers still finish their crops.
 PIL_CROP_RATE_PER_WORKER = 144.0
 DEVICE_DECODE_RATE = 6450.0
+#: Why a two-view method (MLKD) trains on the PIL loader: its strong view is RandAugment's PIL operations.
+SECOND_VIEW_REFUSAL = (
+    "--loader gpu makes one view of each sample; the strong view of a two-view method (--kd-loss mlkd: "
+    "RandAugment, PIL operations) is made by --loader pil (auto chooses it)"
+)
 #: Largest float32 stack handed to one roi_align call (elements; 2**27 is 512 MiB).
 MAX_STACK_ELEMENTS = 1 << 27
 
@@ -492,9 +498,12 @@ def make_gpu_loader(
     device: torch.device,
     channels_last: bool,
     every_sample: bool = False,
+    views: int = 1,
 ) -> GpuLoader:
     """A ``--loader gpu`` loader over ``samples``, sampled exactly as the PIL loader (``every_sample``
-    as there)."""
+    as there); ``views`` 2 is refused (:data:`SECOND_VIEW_REFUSAL`)."""
+    if views == 2:
+        raise KDError(SECOND_VIEW_REFUSAL)
     decoder, notes = shared_decoder(device, decoder_choice())
     share = cfg.cpu_decode_share
     if share is None:

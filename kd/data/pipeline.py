@@ -49,24 +49,27 @@ def build(
     device: torch.device,
     channels_last: bool,
     every_sample: bool = False,
+    views: int = 1,
 ) -> Data:
     """Train and val loaders for this process: its shard of the data, ``local_batch`` per step;
-    ``every_sample``: the training batches hold every sample, a last short batch too (kd teach)."""
+    ``every_sample``: the training batches hold every sample, a last short batch too (kd teach);
+    ``views`` 2: the training batches hold each sample's strong view too (a method of the run learns
+    from two views: :mod:`kd.data.views`)."""
     if cfg.data == "synthetic":
         n = cfg.num_classes or SYNTHETIC_CLASSES
         steps = cfg.limit_train_batches or SYNTHETIC_STEPS
         train: Loader = SyntheticLoader(
-            local_batch, cfg.image_size, n, steps, device, channels_last, cfg.seed + rank, rank, num_replicas
+            local_batch, cfg.image_size, n, steps, device, channels_last, cfg.seed + rank, rank, num_replicas, views
         )
         val: Loader = SyntheticLoader(
             local_batch, cfg.image_size, n, cfg.limit_val_batches or 2, device, channels_last, cfg.seed + 999
         )
         listing = synthetic_listing(steps, local_batch, num_replicas, cfg.seed, n)
         return Data(train, val, [str(i) for i in range(n)], len(listing), 0, train_samples=listing)
-    name, why = choose_loader(cfg.loader, device)
+    name, why = choose_loader(cfg.loader, device, views)
     classes, train_samples, val_samples = scan(cfg.data)
     make = LOADERS.get(name)
-    train = make(cfg, train_samples, True, num_replicas, rank, local_batch, device, channels_last, every_sample)
+    train = make(cfg, train_samples, True, num_replicas, rank, local_batch, device, channels_last, every_sample, views)
     train.why = why
     describe = getattr(train_samples, "describe", None)  # a prepared copy says what it holds
     train.source = describe() if describe is not None else ""
@@ -89,15 +92,18 @@ def synthetic_listing(steps: int, local_batch: int, replicas: int, seed: int, cl
     return [(f"{where}/{i}", i % classes) for i in range(steps * local_batch * replicas)]
 
 
-def choose_loader(choice: str, device: torch.device) -> Tuple[str, str]:
+def choose_loader(choice: str, device: torch.device, views: int = 1) -> Tuple[str, str]:
     """The loader ``--loader choice`` runs on ``device``, and why auto chose it (logged with the loader).
 
     ``auto`` is the gpu loader where CUDA and a GPU JPEG decoder work: on one H200 with 15 workers
     it fed the KD step 77 % of the synthetic rate against the PIL loader's 31 % (docs/benchmarks.md).
-    Without either it is the PIL loader, which needs nothing but the CPU.
+    Without either it is the PIL loader, which needs nothing but the CPU; so it is for ``views`` 2,
+    whose strong view only the PIL loader makes (:data:`kd.data.gpu.SECOND_VIEW_REFUSAL`).
     """
     if check_loader(choice) != AUTO_LOADER:
         return choice, ""  # the user's choice needs no reason
+    if views == 2:
+        return "pil", "--loader auto: the strong view of a two-view method (RandAugment) is made with PIL"
     if device.type != "cuda":
         return "pil", "--loader auto: no CUDA device"
     decoder, notes = shared_decoder(device, decoder_choice())

@@ -34,13 +34,29 @@ class StudentSide(nn.Module):
         progress: float = 0.0,
         indices=None,
         step: int = 0,
+        second_images=None,
+        second_teacher_logits=None,
     ):
+        """The loss parts of one batch; ``second_images``: each sample's second view, which the
+        student forwards too (a second call, as a loss with ``views = 2`` asks)."""
         feats: Dict[str, torch.Tensor] = {}
         with tap(self.student, self.layers, feats):
             logits = self.student(images)
         feats = {k: feats[k] for k in self.layers}  # spec order: the losses pair by position
+        second = None if second_images is None else self.student(second_images)
         parts = self.loss(
-            DistillInputs(logits, labels, teacher_logits, feats, teacher_feats or {}, progress, indices, step)
+            DistillInputs(
+                logits,
+                labels,
+                teacher_logits,
+                feats,
+                teacher_feats or {},
+                progress,
+                indices,
+                step,
+                second,
+                second_teacher_logits,
+            )  # fmt: skip
         )
         parts[LOGITS_SUM] = logits.detach().float().sum()  # finite iff every logit is: names a non-finite loss's source
         return parts
