@@ -157,3 +157,94 @@ def test_mlkd_takes_two_views_and_refuses_unknown_settings():
     assert build_loss("kd", 5, {}).views == 1
     with pytest.raises(KDError, match="no hyper-parameter"):
         build_loss("mlkd", 5, {"alpha": 0.5})
+
+
+# ---------------------------------------------------------------- the strong view in the loaders
+
+CPU = torch.device("cpu")
+
+
+def loaders(data, loader, views=2, **options):
+    """The train and val loaders of a tiny run of ``data`` (batch 8, 32 px), with ``views`` views."""
+    from kd import config as kd_config
+    from kd.data.pipeline import build
+
+    opts = dict(data=str(data), teacher="resnet18", student="resnet18", workers=0, image_size=32, batch_size=8)
+    cfg = kd_config.resolve(options={**opts, "loader": loader, "val_cache_gb": 0, **options})
+    return build(cfg, 1, 0, 8, CPU, False, views=views)
+
+
+def epoch(loader, number=1, skip=0):
+    loader.set_epoch(number, skip)
+    return list(loader)
+
+
+def test_every_randaugment_operation_and_the_cutout_keep_an_rgb_crop():
+    from PIL import Image
+
+    from kd.data.views import OPERATIONS, cutout, strong_augment
+
+    img = Image.fromarray((torch.arange(32 * 32 * 3) % 251).reshape(32, 32, 3).numpy().astype("uint8"))
+    for name, op, low, high in OPERATIONS:
+        for v in (low, high):
+            out = op(img, v)
+            assert out.size == (32, 32) and out.mode == "RGB", name
+    gen = torch.Generator().manual_seed(3)
+    cut = cutout(img, gen)
+    assert cut.size == img.size and (125, 123, 114) in [c for _, c in cut.getcolors(4096)]
+    a = strong_augment(img, torch.Generator().manual_seed(5))
+    assert a.tobytes() == strong_augment(img, torch.Generator().manual_seed(5)).tobytes()
+
+
+def test_the_pil_loader_makes_a_strong_view_of_each_training_sample(image_folder):
+    """Batches carry a second view of each sample, normalised as the first, other than it; the same
+    each time an epoch is drawn, after a mid-epoch skip too; none in validation or with one view."""
+    data = loaders(image_folder, "pil")
+    full = epoch(data.train)
+    assert len(full) == 3
+    for b in full:
+        assert b.second_images is not None and b.second_images.shape == b.images.shape == (8, 3, 32, 32)
+        assert not torch.equal(b.images, b.second_images)
+    again = epoch(data.train, skip=1)
+    for a, b in zip(full[1:], again, strict=True):
+        assert torch.equal(a.images, b.images) and torch.equal(a.second_images, b.second_images)
+    other = epoch(data.train, number=2)
+    assert not torch.equal(other[0].second_images, full[0].second_images)
+    assert all(b.second_images is None for b in data.val)
+    one = loaders(image_folder, "pil", views=1)
+    first = epoch(one.train)
+    assert all(b.second_images is None for b in first)
+    assert all(torch.equal(a.images, b.images) for a, b in zip(full, first, strict=True))  # the first view as before
+
+
+@pytest.mark.parametrize("share", [0.0, 0.5])
+def test_the_gpu_loader_makes_the_same_strong_views(image_folder, monkeypatch, share):
+    """The GPU loader's workers finish each strong view with PIL: the device normalises it to the PIL
+    loader's, bit for bit, in the batch's order, whatever share of the first views PIL decodes."""
+    import kd.data.gpu as gpu_mod
+
+    monkeypatch.setenv(gpu_mod.DECODER_ENV, "cpu-thread")
+    gpu = loaders(image_folder, "gpu", cpu_decode_share=share)
+    pil = loaders(image_folder, "pil")
+    assert "strong view" in gpu.train.describe()
+    for g, p in zip(epoch(gpu.train), epoch(pil.train), strict=True):
+        assert torch.equal(g.labels, p.labels) and torch.equal(g.indices, p.indices)
+        assert torch.equal(g.second_images, p.second_images)
+        assert (g.images - p.images).abs().mean() < 0.05  # the first views: within rounding
+    assert all(getattr(b, "second_images", None) is None for b in gpu.val)
+
+
+@pytest.mark.parametrize("loader", ["pil", "gpu"])
+def test_a_prepared_copy_gives_the_folders_strong_views(image_folder, tmp_path, monkeypatch, loader):
+    """A raw-pixel copy of the (small) images holds their decoded pixels: both loaders read the same
+    strong views from it as from the folder."""
+    import kd.data.gpu as gpu_mod
+    from kd.data.prepare import Settings, prepare
+
+    monkeypatch.setenv(gpu_mod.DECODER_ENV, "cpu-thread")
+    copy = tmp_path / "copy"
+    prepare(str(image_folder), str(copy), Settings(max_side=96, shard_images=16), workers=1, progress=False)
+    folder, prepared = loaders(image_folder, "pil"), loaders(copy, loader)
+    assert "prepared copy" in prepared.train.describe()
+    for a, b in zip(epoch(folder.train), epoch(prepared.train), strict=True):
+        assert torch.equal(a.labels, b.labels) and torch.equal(a.second_images, b.second_images)

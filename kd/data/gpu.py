@@ -54,7 +54,6 @@ from kd.data.loader import (
     val_transform,
     worker_count,
 )
-from kd.errors import KDError
 
 #: Environment override of the decoder choice: auto, nvimgcodec, nvjpeg, cpu, cpu-thread.
 DECODER_ENV = "KD_GPU_DECODER"
@@ -70,11 +69,6 @@ PIL_RATE_PER_WORKER = 184.0
 #: The same for validation, whose workers still finish their crops.
 PIL_CROP_RATE_PER_WORKER = 144.0
 DEVICE_DECODE_RATE = 6450.0
-#: Why a two-view method (MLKD) trains on the PIL loader: its strong view is RandAugment's PIL operations.
-SECOND_VIEW_REFUSAL = (
-    "--loader gpu makes one view of each sample; the strong view of a two-view method (--kd-loss mlkd: "
-    "RandAugment, PIL operations) is made by --loader pil (auto chooses it)"
-)
 #: Largest float32 stack handed to one roi_align call (elements; 2**27 is 512 MiB).
 MAX_STACK_ELEMENTS = 1 << 27
 
@@ -333,6 +327,8 @@ class GpuLoader(DeviceLoader):
                 else f"crop+resize: one roi_align per image size, {where} (one-kernel crop: {self.kernel_missing})"
             )
         )
+        if self.dataset.pil.views == 2:
+            text += "; each sample's strong view made by the workers (PIL) and normalised with the rest"
         return text + (f"; skipped decoders: {'; '.join(self.notes)}" if self.notes else "")
 
     def _stages(self):
@@ -362,9 +358,9 @@ class GpuLoader(DeviceLoader):
                         self.stage_times["prep"] += time.perf_counter() - t0
                         retire.append((staged[4], item))
                 if pending is not None:
-                    images, labels, bad, indices, event = pending
-                    stages.hand_over((images, labels), event)
-                    yield Batch(images, labels, bad, indices, first)
+                    images, labels, bad, indices, event, second = pending
+                    stages.hand_over((images, labels) if second is None else (images, labels, second), event)
+                    yield Batch(images, labels, bad, indices, first, second_images=second)
                     first = []
                     remaining -= 1
                 while retire and stages.done(retire[0][0]):
@@ -420,9 +416,19 @@ class GpuLoader(DeviceLoader):
             images = crop(crops, done, boxes, flips, where)
             order = where.argsort()
             label_dev = upload(torch.cat([labels, *done_labels])[order], dev)
+            second = self._second_views(host, where)
             event = stages.cropped()
         indices = torch.cat([samples, host["pil_index"], torch.tensor(item.fallback_index, dtype=torch.long)])[order]
-        return images, label_dev, item.bad, indices, event
+        return images, label_dev, item.bad, indices, event, second
+
+    def _second_views(self, host: dict, where: torch.Tensor) -> Optional[torch.Tensor]:
+        """The workers' strong views of the batch's samples (those at the places ``where``, in their
+        order), normalised on the device; None where the loader makes one view."""
+        strong = host["strong_images"]
+        if strong is None:
+            return None
+        kept = torch.isin(host["strong_positions"], where)  # not a sample the device decoder and PIL then lost
+        return self.normalise(upload(strong[kept].contiguous(), self.device), self.memory_format)
 
     def _fused(self, crops, done, boxes, flips, where) -> torch.Tensor:
         """One Triton kernel: every sample cropped (the finished ones copied), flipped, normalised
@@ -501,9 +507,8 @@ def make_gpu_loader(
     views: int = 1,
 ) -> GpuLoader:
     """A ``--loader gpu`` loader over ``samples``, sampled exactly as the PIL loader (``every_sample``
-    as there); ``views`` 2 is refused (:data:`SECOND_VIEW_REFUSAL`)."""
-    if views == 2:
-        raise KDError(SECOND_VIEW_REFUSAL)
+    as there); ``views`` 2: the workers make each training sample's strong view with PIL
+    (:class:`JpegBytes`), normalised on the device."""
     decoder, notes = shared_decoder(device, decoder_choice())
     share = cfg.cpu_decode_share
     if share is None:
@@ -517,6 +522,7 @@ def make_gpu_loader(
         decode_in_worker=decoder.in_workers,
         frame_types=decoder.frame_types,
         cpu_share=share,
+        views=views if train else 1,
     )
     loader, sampler = dataloader_and_sampler(
         cfg, dataset, collate_packed, train, num_replicas, rank, local_batch, device, every_sample

@@ -66,7 +66,7 @@ def build(
         )
         listing = synthetic_listing(steps, local_batch, num_replicas, cfg.seed, n)
         return Data(train, val, [str(i) for i in range(n)], len(listing), 0, train_samples=listing)
-    name, why = choose_loader(cfg.loader, device, views)
+    name, why = choose_loader(cfg.loader, device)
     classes, train_samples, val_samples = scan(cfg.data)
     make = LOADERS.get(name)
     train = make(cfg, train_samples, True, num_replicas, rank, local_batch, device, channels_last, every_sample, views)
@@ -92,18 +92,15 @@ def synthetic_listing(steps: int, local_batch: int, replicas: int, seed: int, cl
     return [(f"{where}/{i}", i % classes) for i in range(steps * local_batch * replicas)]
 
 
-def choose_loader(choice: str, device: torch.device, views: int = 1) -> Tuple[str, str]:
+def choose_loader(choice: str, device: torch.device) -> Tuple[str, str]:
     """The loader ``--loader choice`` runs on ``device``, and why auto chose it (logged with the loader).
 
     ``auto`` is the gpu loader where CUDA and a GPU JPEG decoder work: on one H200 with 15 workers
     it fed the KD step 77 % of the synthetic rate against the PIL loader's 31 % (docs/benchmarks.md).
-    Without either it is the PIL loader, which needs nothing but the CPU; so it is for ``views`` 2,
-    whose strong view only the PIL loader makes (:data:`kd.data.gpu.SECOND_VIEW_REFUSAL`).
+    Without either it is the PIL loader, which needs nothing but the CPU.
     """
     if check_loader(choice) != AUTO_LOADER:
         return choice, ""  # the user's choice needs no reason
-    if views == 2:
-        return "pil", "--loader auto: the strong view of a two-view method (RandAugment) is made with PIL"
     if device.type != "cuda":
         return "pil", "--loader auto: no CUDA device"
     decoder, notes = shared_decoder(device, decoder_choice())
