@@ -12,8 +12,11 @@ student's logits of each view (:func:`probes`).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from conftest import TINY_RUN, kd_main, run_kd, train_args
 
 from kd.errors import KDError
 from kd.losses import DistillInputs, build_loss
@@ -248,3 +251,103 @@ def test_a_prepared_copy_gives_the_folders_strong_views(image_folder, tmp_path, 
     assert "prepared copy" in prepared.train.describe()
     for a, b in zip(epoch(folder.train), epoch(prepared.train), strict=True):
         assert torch.equal(a.labels, b.labels) and torch.equal(a.second_images, b.second_images)
+
+
+# ---------------------------------------------------------------- through the engine
+
+
+def checkpoint(out):
+    return torch.load(out / "checkpoints" / "last.pt", weights_only=True)
+
+
+def records(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_student(a, b, what):
+    assert a["global_step"] == b["global_step"], what
+    assert a["student"].keys() == b["student"].keys()
+    for key, value in a["student"].items():
+        assert torch.equal(value, b["student"][key]), (what, key)
+
+
+def test_mlkd_trains_and_a_resumed_run_equals_the_uninterrupted_one(image_folder, tmp_path):
+    """Two epochs, and one epoch then a resume: the same weights bit for bit (the strong views drawn
+    again from each sample's seed); the three levels logged."""
+    r = kd_main(*train_args(image_folder, tmp_path / "full", kd_loss="mlkd", epochs=2, lr_schedule="constant"))
+    assert r.returncode == 0, r.stderr
+    r = kd_main(*train_args(image_folder, tmp_path / "part", kd_loss="mlkd", epochs=1, lr_schedule="constant"))
+    assert r.returncode == 0, r.stderr
+    r = kd_main("train", "--out", tmp_path / "part", "--resume", "--epochs", 2)
+    assert r.returncode == 0, r.stderr
+    assert_same_student(checkpoint(tmp_path / "full"), checkpoint(tmp_path / "part"), "resumed")
+    last = records(tmp_path / "part")[-1]
+    assert last["train_skipped_steps"] == 0
+    assert all(last[f"train_{term}"] > 0 for term in ("ce", "kd", "cc", "bc")), last
+
+
+def test_one_teacher_forward_per_view_for_every_student(image_folder, tmp_path):
+    """kd and mlkd beside each other: per batch the teacher runs once on each view, whatever the
+    students; the one-view student gets the first view's logits as alone."""
+    import backends
+    from kd.run.loop import Trainer
+    from kd.run.students import plan
+
+    options = {**TINY_RUN, "data": str(image_folder), "out": str(tmp_path / "run"), "kd_loss": "kd,mlkd"}
+    students = plan([], options, [])
+    backend = backends.get("single")(students.first)
+    backend.setup()
+    trainer = Trainer(students, backend)
+    try:
+        calls = []
+        trainer.teacher.module.register_forward_hook(lambda m, args, out: calls.append(args[0].shape))
+        trainer.data.train.set_epoch(0)
+        batch = next(iter(trainer.data.train))
+        assert batch.second_images is not None
+        outs = trainer.step(batch)
+        assert len(calls) == 2 and len(outs) == 2
+        assert {"kd", "cc", "bc"} <= set(outs[1].parts) and "cc" not in outs[0].parts
+    finally:
+        trainer.close()
+
+
+def test_mlkd_beside_kd_equals_their_separate_runs(image_folder, tmp_path):
+    """One run of kd and mlkd (its loaders make the strong view, its teacher forwards it): each student
+    bit for bit its own run; kd's batches and targets are those of a run without a second view."""
+    r = kd_main(*train_args(image_folder, tmp_path / "table", kd_loss="kd,mlkd", limit_train_batches=2))
+    assert r.returncode == 0, r.stderr
+    for method in ("kd", "mlkd"):
+        r = kd_main(*train_args(image_folder, tmp_path / method, kd_loss=method, limit_train_batches=2))
+        assert r.returncode == 0, r.stderr
+        assert_same_student(checkpoint(tmp_path / "table" / method), checkpoint(tmp_path / method), method)
+
+
+def test_soft_labels_refuse_mlkd(tmp_path):
+    r = kd_main("train", "--data", "synthetic", "--student", "resnet18", "--kd-loss", "mlkd", "--soft-labels",
+                tmp_path, "--out", tmp_path / "o")  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert "--kd-loss mlkd also needs them on a second, strongly augmented view" in r.stderr, r.stderr
+
+
+def test_mlkd_trains_on_synthetic_tensors_with_logit_standardisation(tmp_path):
+    options = dict(student="resnet18", teacher="resnet18", teacher_weights="none", image_size=32, batch_size=8)
+    r = kd_main(*train_args("synthetic", tmp_path / "run", "--logit-standardisation", kd_loss="mlkd",
+                            limit_train_batches=2, **options))  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    cfg = (tmp_path / "run" / "config.yaml").read_text()
+    assert "standardise: 1" in cfg or "standardise: true" in cfg, cfg
+
+
+@pytest.mark.slow
+def test_two_processes_train_mlkd(image_folder, tmp_path):
+    """Two processes (the strong views sharded with the first, the teacher's and the student's second
+    forward under DDP) train as one process does. Not equal to one process of the same global batch,
+    by design: the median masks and the class- and batch-level Gram matrices are taken over each
+    process's batch, as the official DataParallel replicas take them over each GPU's share."""
+    options = dict(student="timm:convnext_atto", kd_loss="mlkd", lr_schedule="constant", workers=0)
+    r = run_kd(*train_args(image_folder, tmp_path / "two", "--backend", "torch_ddp", "--nproc", 2, **options))
+    assert r.returncode == 0, r.stderr
+    two = checkpoint(tmp_path / "two")
+    assert two["global_step"] == 3
+    last = records(tmp_path / "two")[-1]
+    assert last["train_skipped_steps"] == 0 and all(last[f"train_{t}"] > 0 for t in ("kd", "cc", "bc")), last
