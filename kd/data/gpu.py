@@ -424,7 +424,7 @@ class GpuLoader(DeviceLoader):
     def _second_views(self, host: dict, where: torch.Tensor) -> Optional[torch.Tensor]:
         """The workers' strong views of the batch's samples (those at the places ``where``, in their
         order), normalised on the device; None where the loader makes one view."""
-        strong = host["strong_images"]
+        strong = host.get("strong_images")
         if strong is None:
             return None
         kept = torch.isin(host["strong_positions"], where)  # not a sample the device decoder and PIL then lost
