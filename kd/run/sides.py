@@ -44,19 +44,10 @@ class StudentSide(nn.Module):
             logits = self.student(images)
         feats = {k: feats[k] for k in self.layers}  # spec order: the losses pair by position
         second = None if second_images is None else self.student(second_images)
-        parts = self.loss(
-            DistillInputs(
-                logits,
-                labels,
-                teacher_logits,
-                feats,
-                teacher_feats or {},
-                progress,
-                indices,
-                step,
-                second,
-                second_teacher_logits,
-            )  # fmt: skip
-        )
+        inputs = DistillInputs(logits, labels, teacher_logits, feats, teacher_feats or {}, progress, indices, step)
+        inputs.second_student_logits, inputs.second_teacher_logits = second, second_teacher_logits
+        parts = self.loss(inputs)
         parts[LOGITS_SUM] = logits.detach().float().sum()  # finite iff every logit is: names a non-finite loss's source
+        if second is not None:
+            parts[LOGITS_SUM] = parts[LOGITS_SUM] + second.detach().float().sum()
         return parts
