@@ -15,10 +15,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import yaml
 
 from kd.data.registry import check_loader
-from kd.errors import KDError
+from kd.errors import KDError, suggest
 from kd.losses import check_method
-from kd.model_names import tag_disagreement
-from kd.registry import suggest
+from kd.utils.model_names import tag_disagreement
 
 RECIPE_DIR = Path(__file__).resolve().parent.parent / "recipes"
 OPT_LEVELS = ("O0", "O1", "O2", "O3")
@@ -504,6 +503,12 @@ def validate(cfg: RunConfig, teaching: bool = False) -> RunConfig:
                     f"--soft-labels holds the teacher's logits only; --kd-loss {name} needs the teacher's "
                     f"features: train it with the live teacher"
                 )
+            if name in LOSSES.names() and LOSSES.get(name).views == 2:
+                raise KDError(
+                    f"--soft-labels holds the teacher's logits on one crop of each sample; --kd-loss {name} "
+                    f"also needs them on a second, strongly augmented view, which kd teach does not store: "
+                    f"train it with the live teacher"
+                )
     validate_loss_options(cfg)
     if cfg.dot:
         validate_dot(cfg)
@@ -672,7 +677,7 @@ TRAIN_OPTIONS = (
         "standardise",
         ("--logit-standardisation/--no-logit-standardisation",),
         "Z-score both logit vectors before the method's softmax (Sun et al. CVPR 2024); "
-        "the methods with a standardise switch: kd, dkd, ctkd, ctdkd.",
+        "the methods with a standardise switch: kd, dkd, ctkd, ctdkd, mlkd.",
         note="method default: off",
     ),
     Option("feature_layers", ("--feature-layers",), "Modules tapped by feature methods.", "A,B,.."),

@@ -1,4 +1,14 @@
-"""The one error type for user mistakes. The CLI prints its message on one line and exits 2."""
+"""The one error type for user mistakes (the CLI prints its message on one line and exits 2), and
+the near names a refusal suggests."""
+
+import difflib
+from typing import Iterable
+
+
+def suggest(name: str, choices: Iterable[str], n: int = 3) -> str:
+    """' (did you mean a, b?)' for close matches of ``name`` in ``choices``, else ''."""
+    close = difflib.get_close_matches(name, list(choices), n=n, cutoff=0.6)
+    return f" (did you mean {', '.join(close)}?)" if close else ""
 
 
 class KDError(Exception):

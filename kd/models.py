@@ -12,11 +12,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from kd import model_names
-from kd.errors import KDError
-from kd.model_names import TIMM_PREFIX
-from kd.registry import suggest
-from kd.utils import checkpoint_io
+from kd.errors import KDError, suggest
+from kd.utils import checkpoint_io, model_names
+from kd.utils.model_names import TIMM_PREFIX
 
 
 @functools.lru_cache(maxsize=1)
@@ -46,7 +44,7 @@ def _library_list(library: str, key: str) -> List[str]:
 
 
 def check_name(name: str) -> None:
-    """Raise a KDError with close matches if ``name`` is no known model (:mod:`kd.model_names`)."""
+    """Raise a KDError with close matches if ``name`` is no known model (:mod:`kd.utils.model_names`)."""
     line = model_names.refusal(name, _library_list)
     if line:
         raise KDError(line)

@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import difflib
 import importlib
-from typing import Callable, Dict, Generic, Iterable, List, Sequence, TypeVar, Union
+from typing import Callable, Dict, Generic, List, Sequence, TypeVar, Union
 
-from kd.errors import KDError
+from kd.errors import KDError, suggest
 
 T = TypeVar("T")
-
-
-def suggest(name: str, choices: Iterable[str], n: int = 3) -> str:
-    """' (did you mean a, b?)' for close matches of ``name`` in ``choices``, else ''."""
-    close = difflib.get_close_matches(name, list(choices), n=n, cutoff=0.6)
-    return f" (did you mean {', '.join(close)}?)" if close else ""
 
 
 class _Lazy:

@@ -159,7 +159,7 @@ CASES = {
     "temperature without one": (T("--kd-loss", "at", "-T", "2"), "KD loss 'at' has no temperature"),
     "standardisation without the switch": (
         T("--kd-loss", "nkd", "--logit-standardisation"),
-        "KD loss 'nkd' has no standardisation switch; the methods with it: ctdkd, ctkd, dkd, kd",
+        "KD loss 'nkd' has no standardisation switch; the methods with it: ctdkd, ctkd, dkd, kd, mlkd",
     ),
     "num classes mismatch": (T("--num-classes", "7"), "class folders"),
     "no-teacher with dkd": (T("--no-teacher", "--kd-loss", "dkd"), "conflicts"),

@@ -4,7 +4,6 @@ device) and in its own validation, whose crops and normalisation equal timm's ow
 
 from __future__ import annotations
 
-
 import pytest
 import timm
 import torch

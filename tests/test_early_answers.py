@@ -12,13 +12,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import ROOT, train_args
 
 import kd.losses
-from conftest import ROOT, train_args
 from kd.errors import KDError
 from kd.losses import LOSSES
 
-# kd.model_names and placement's why_no_cuda are imported in the tests of them: the tests of the
+# kd.utils.model_names and placement's why_no_cuda are imported in the tests of them: the tests of the
 # command line also run against a kd that has neither
 
 #: cli.main in a fresh interpreter; then whether torch was imported, on stdout
@@ -93,7 +93,7 @@ def test_an_unknown_model_is_answered_before_torch_once_kd_has_kept_the_names(
 def test_names_are_kept_per_installed_version_and_read_only_for_it(cache):
     from importlib import metadata
 
-    from kd import model_names
+    from kd.utils import model_names
 
     version = metadata.version("torchvision")
     assert model_names.cache_file("torchvision") == cache / "kd" / f"models-torchvision-{version}.json"
@@ -110,7 +110,7 @@ def test_names_are_kept_per_installed_version_and_read_only_for_it(cache):
 
 
 def test_an_unwritable_or_damaged_cache_is_passed_over_quietly(tmp_path, monkeypatch):
-    from kd import model_names
+    from kd.utils import model_names
 
     blocker = tmp_path / "file"
     blocker.write_text("")
@@ -125,10 +125,10 @@ def test_an_unwritable_or_damaged_cache_is_passed_over_quietly(tmp_path, monkeyp
 
 
 def test_the_kept_names_refuse_no_name_the_libraries_accept():
-    from kd import model_names
-
     import timm
     import torchvision.models as tvm
+
+    from kd.utils import model_names
 
     lists = {
         ("torchvision", "models"): tvm.list_models(module=tvm),
@@ -170,7 +170,7 @@ def test_cuda_is_ruled_out_only_without_any_gpu_device_file_or_driver(tmp_path):
 
 
 def test_check_early_refuses_from_the_kept_lists(cache):
-    from kd import model_names
+    from kd.utils import model_names
 
     model_names.keep("torchvision", {"models": ["resnet18", "resnet50"]})
     model_names.check_early("resnet18")
@@ -180,7 +180,7 @@ def test_check_early_refuses_from_the_kept_lists(cache):
 
 
 def test_an_editable_install_keeps_no_names_and_a_git_install_keeps_them_per_commit(tmp_path, monkeypatch, cache):
-    from kd import model_names
+    from kd.utils import model_names
 
     def install(direct_url: dict) -> None:
         info = tmp_path / "site" / "fakelib-1.0.dist-info"

@@ -496,6 +496,7 @@ SETTINGS = {
         "args": {"reviewkd_weight": 8.0, "mid_channels": 8, "warmup": 4.0},
         "kd_only": {"ce_weight": 0.0},
     },
+    "mlkd": {"args": {"temperature": 2.0, "kd_weight": 1.0, "standardise": 1}, "kd_only": {"ce_weight": 0.0}},
     "crd": {
         "features": {"student": {"fc<1": (4, 8)}, "teacher": {"fc<1": (4, 12)}},
         "args": {"feat_dim": 16, "negatives": 30, "temperature": 0.1, "momentum": 0.9, "crd_weight": 1.0},
@@ -550,7 +551,13 @@ def prepared(name, args, dtype=torch.float32, num_classes=10, batch=4):
     if loss.uses_samples:  # a training set of 5 samples per class, the batch its first samples
         loss.setup_samples(torch.arange(5 * num_classes) % num_classes, 0, lambda t: t)
         indices = torch.arange(batch)
-    return loss, DistillInputs(student, labels_, teacher, s_feats, t_feats, progress=2.0, indices=indices)
+    second = {}
+    if loss.views == 2:  # the student's and the teacher's logits on the second view
+        second = dict(
+            second_student_logits=torch.randn(batch, num_classes, generator=g).to(dtype).requires_grad_(),
+            second_teacher_logits=torch.randn(batch, num_classes, generator=g).requires_grad_(),
+        )
+    return loss, DistillInputs(student, labels_, teacher, s_feats, t_feats, progress=2.0, indices=indices, **second)
 
 
 @pytest.mark.parametrize("name", sorted(SETTINGS))
@@ -623,9 +630,10 @@ def test_label_smoothing_applies_to_every_method(name):
     smooth_loss, _ = prepared(name, {"label_smoothing": 0.1})
     smooth_loss.load_state_dict(plain_loss.state_dict())  # the same connectors
     plain, smooth = plain_loss(x), smooth_loss(x)
-    expected = ref_ce_smoothed(np64(x.student_logits), x.labels.numpy(), 0.1)
+    views = [x.student_logits] + ([x.second_student_logits] if plain_loss.views == 2 else [])  # MLKD's: both
+    expected = sum(ref_ce_smoothed(np64(v), x.labels.numpy(), 0.1) for v in views)
     assert close(smooth["ce"], expected)
-    assert close(plain["ce"], ref_ce(np64(x.student_logits), x.labels.numpy()))
+    assert close(plain["ce"], sum(ref_ce(np64(v), x.labels.numpy()) for v in views))
     weight = LOSSES.get(name).defaults["ce_weight"]
     assert close(smooth["loss"] - plain["loss"], weight * (expected - plain["ce"].item()), atol=1e-5)
     assert set(smooth) == set(plain)  # the same logged entries

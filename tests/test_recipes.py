@@ -21,6 +21,7 @@ def test_expected_recipes_exist():
     for method in ("crd", "ofd", "reviewkd", "nkd"):
         assert f"imagenet/r50_mv1_{method}" in NAMES
     assert "imagenet/r34_r18_nkd" in NAMES
+    assert "imagenet/r34_r18_mlkd" in NAMES
     for name in ("imagenet/r50_mv1_kd", "imagenet/r50_mv1_dkd", "imagenet/r101_r18_kd", "imagenet/baseline_r18"):
         assert name in NAMES
 
@@ -118,6 +119,10 @@ PUBLISHED = {
         MDISTILLER, teacher="resnet34", student="resnet18", kd_loss="ctdkd", batch_size=256, lr=0.1, epochs=120,
         top1=71.51, loss={"ce_weight": 1.0, "tckd_weight": 1.0, "nckd_weight": 1.0, "min_temperature": 1.0,
                           "max_temperature": 21.0, "reversal_weight": 1.0, "reversal_epochs": 5},
+    ),
+    "imagenet/r34_r18_mlkd": dict(  # Jin-Ying/Multi-Level-Logit-Distillation@5ee473f r34_r18/kd_ours.yaml: lr 0.1
+        MDISTILLER, teacher="resnet34", student="resnet18", kd_loss="mlkd", lr=0.1, top1=71.90,
+        loss={"ce_weight": 0.5, "kd_weight": 0.5, "temperature": 1.0},
     ),
     "imagenet/baseline_r18": dict(  # pytorch/vision references/classification/train.py@017e9b9 defaults
         student="resnet18", no_teacher=True, batch_size=256, lr=0.1, epochs=90, lr_schedule="step",
@@ -283,7 +288,7 @@ def loss_outputs(cfg):
 
 
 #: methods added after the renaming: their recipes never had other names
-NAMED_SINCE = {"crd", "ofd", "reviewkd", "nkd", "ctkd", "ctdkd"}
+NAMED_SINCE = {"crd", "ofd", "reviewkd", "nkd", "ctkd", "ctdkd", "mlkd"}
 #: recipes of earlier methods added after the renaming (DOT's)
 RECIPES_SINCE = {"imagenet/r34_r18_kd_dot", "imagenet/r50_mv1_kd_dot"}
 

@@ -13,8 +13,8 @@ def test_a_recipes_compile_applies_on_cuda_only_and_says_when_it_starts(image_fo
     import backends
     from kd import config as kd_config
     from kd.run.loop import Trainer
-    from kd.run.students import Students
     from kd.run.runtime import resolve
+    from kd.run.students import Students
 
     cfg = kd_config.resolve(recipe="imagenet/r34_r18_dkd", options={"data": str(image_folder)})
     assert cfg.compile is None

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import timm
 import torch
-from safetensors.torch import save_file
-
 from conftest import kd_main, one_error_line, run_kd, train_args
+from safetensors.torch import save_file
+from test_early_answers import error_line, kd_then_torch
+
 from kd import models
 from kd.errors import KDError
-from test_early_answers import error_line, kd_then_torch
 
 TAGGED = "timm:resnet10t.c3_in1k"
 

@@ -109,6 +109,8 @@ class Sample(NamedTuple):
     path: str
     sample_index: int  # not ``index``: that would hide tuple.index
     seed: int
+    #: the finished strong view (HWC, :mod:`kd.data.views`) where the loader makes two views
+    strong: Optional[np.ndarray] = None
 
 
 class JpegBytes:
@@ -118,7 +120,9 @@ class JpegBytes:
     ``decode_in_worker=True`` makes the workers decode JPEGs on the CPU (torchvision's
     libjpeg-turbo) and send pixels instead of bitstreams: the fallback where no device decoder
     exists; crop and resize still run batched in the main process. ``cpu_share``: the fraction
-    of samples (:func:`on_cpu`) that go through the PIL path whatever their format.
+    of samples (:func:`on_cpu`) that go through the PIL path whatever their format. ``views`` 2
+    (training): each sample also carries its strong view, finished by PIL in the worker
+    (:meth:`ImageFolderPIL.strong_view`); a file whose strong view PIL cannot make is a BAD sample.
     """
 
     def __init__(
@@ -131,8 +135,9 @@ class JpegBytes:
         decode_in_worker: bool = False,
         frame_types: Sequence[int] = DEVICE_SOF,
         cpu_share: float = 0.0,
+        views: int = 1,
     ):
-        self.pil = ImageFolderPIL(samples, size, train, resize, min_scale)
+        self.pil = ImageFolderPIL(samples, size, train, resize, min_scale, views=views)
         self.decode_in_worker = decode_in_worker
         self.frame_types = tuple(frame_types)
         self.cpu_share = cpu_share
@@ -151,6 +156,18 @@ class JpegBytes:
         return val_box(height, width, self.pil.size, self.pil.resize), False
 
     def __getitem__(self, item) -> Sample:
+        sample = self.first_view(item)
+        if self.pil.views == 1 or sample.kind == BAD:
+            return sample
+        strong = self.pil.strong_view((sample.sample_index, sample.seed))
+        if strong is None:
+            return Sample(
+                BAD, None, 0, 0, (0, 0, 0, 0), False, sample.label, sample.path, sample.sample_index, sample.seed
+            )
+        return sample._replace(strong=np.asarray(strong))
+
+    def first_view(self, item) -> Sample:
+        """The sample's own crop (its only one where the loader makes one view)."""
         index, seed = item if isinstance(item, tuple) else (item, 0)
         if on_cpu(seed, self.cpu_share):
             return self.cpu_sample(index, seed)
@@ -227,8 +244,10 @@ def collate_packed(batch: Sequence[Sample]) -> dict:
     # the device samples: bitstreams (or the workers' decodes), then the regions the workers decoded
     dev = [s for s in batch if s.kind in (ENCODED, PIXELS)] + [s for s in batch if s.kind == REGION]
     pil = [s for s in batch if s.kind == PIL_CROP]
+    strong = [s for s in batch if s.strong is not None]  # in the batch's order
     positions = {id(s): i for i, s in enumerate(batch)}
     arrays = [_payload(s).reshape(-1) for s in dev] + [_payload(s).reshape(-1) for s in pil]
+    arrays += [s.strong.reshape(-1) for s in strong if s.strong is not None]
     return {
         "data": _packed(arrays),
         "lengths": np.array([_payload(s).size for s in dev], dtype=np.int64),
@@ -246,6 +265,8 @@ def collate_packed(batch: Sequence[Sample]) -> dict:
         "pil_labels": np.array([s.label for s in pil], dtype=np.int64),
         "pil_index": np.array([s.sample_index for s in pil], dtype=np.int64),
         "pil_positions": np.array([positions[id(s)] for s in pil], dtype=np.int64),
+        "strong_shape": (len(strong), *strong[0].strong.shape) if strong and strong[0].strong is not None else None,
+        "strong_positions": np.array([positions[id(s)] for s in strong], dtype=np.int64),
         "bad": [s.path for s in batch if s.kind == BAD],
     }
 
@@ -259,12 +280,16 @@ def unpacked(host: dict) -> dict:
     ``flips``, ``labels``, ``index``, ``seeds``, ``positions`` (where each device sample stands
     in the batch), ``paths``; ``pil_images``, ``pil_labels`` and
     ``pil_positions`` (and ``pil_index``): the PIL path's finished crops, ``(N, 3, H, W)`` views of HWC pixels; ``bad``:
-    paths nothing could read.
-    ``data`` and ``pil_images`` are views of the one tensor that crossed (pinned where it was).
+    paths nothing could read; ``strong_images`` and ``strong_positions``: the strong views, in the
+    batch's order, where the loader makes two views (else None).
+    ``data``, ``pil_images`` and ``strong_images`` are views of the one tensor that crossed (pinned where it was).
     """
     out = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in host.items()}
     split = int(out["lengths"].sum())
     data = out["data"]
     out["data"] = data[:split]
-    out["pil_images"] = data[split:].view(host["pil_shape"]).permute(0, 3, 1, 2)
+    end = split + int(np.prod(host["pil_shape"]))
+    out["pil_images"] = data[split:end].view(host["pil_shape"]).permute(0, 3, 1, 2)
+    shape = host.get("strong_shape")
+    out["strong_images"] = None if shape is None else data[end:].view(shape).permute(0, 3, 1, 2)
     return out

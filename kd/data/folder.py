@@ -15,6 +15,7 @@ import torch
 from PIL import Image
 
 from kd.data.prepared import Prepared, open_image
+from kd.data.views import STRONG_AUGMENT, STRONG_CROP, strong_augment, view_seed
 
 # Pillow defines these in a loop over its enums, which mypy cannot see (Image.Resampling needs Pillow >= 9.1)
 BILINEAR = Image.BILINEAR  # type: ignore[attr-defined]
@@ -115,6 +116,8 @@ class ImageFolderPIL:
     Val: torchvision's ``Resize(resize)`` + ``CenterCrop(size)`` on the full decode, bit for bit
     (:func:`val_geometry`).
     An unreadable image yields ``None`` plus its path, and the collate function drops it.
+    ``views`` 2 (training): each item holds two crops, stacked (2 x 3 x size x size): the one above
+    and the strong view (:mod:`kd.data.views`), from the same file.
     """
 
     def __init__(
@@ -125,6 +128,7 @@ class ImageFolderPIL:
         resize: Optional[int] = None,
         min_scale: float = 0.08,
         interpolation: str = "bilinear",
+        views: int = 1,
     ):
         """``resize`` and ``interpolation`` (bilinear or bicubic) are validation's; training crops
         always resize bilinearly (the crop both models of a KD step see)."""
@@ -134,6 +138,7 @@ class ImageFolderPIL:
         self.train = train
         self.resize = resize or default_val_resize(size)
         self.val_filter = BICUBIC if interpolation == "bicubic" else BILINEAR
+        self.views = views if train else 1
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -142,7 +147,26 @@ class ImageFolderPIL:
         """``(index, seed)`` (or an index) -> ``(CHW uint8 crop or None, label, path, index)``."""
         img, label, path = self.crop(item)
         index = item[0] if isinstance(item, tuple) else item
-        return (None if img is None else to_uint8_chw(img)), label, path, index
+        if img is None:
+            return None, label, path, index
+        if self.views == 2:
+            strong = self.strong_view(item)
+            return (
+                (None if strong is None else torch.stack([to_uint8_chw(img), to_uint8_chw(strong)])),
+                label,
+                path,
+                index,
+            )
+        return to_uint8_chw(img), label, path, index
+
+    def strong_view(self, item) -> Optional[Image.Image]:
+        """The sample's strong view (:mod:`kd.data.views`): its own training crop and flip, then
+        RandAugment and Cutout; ``None`` for an image PIL cannot read."""
+        index, seed = item if isinstance(item, tuple) else (item, 0)
+        img, _, _ = self.crop((index, view_seed(seed, STRONG_CROP)))
+        if img is None:
+            return None
+        return strong_augment(img, torch.Generator().manual_seed(view_seed(seed, STRONG_AUGMENT)))
 
     def crop(self, item) -> Tuple[Optional[Image.Image], int, str]:
         """The finished ``size`` x ``size`` RGB crop of ``(index, seed)`` as a PIL image, its label

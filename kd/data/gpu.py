@@ -327,6 +327,8 @@ class GpuLoader(DeviceLoader):
                 else f"crop+resize: one roi_align per image size, {where} (one-kernel crop: {self.kernel_missing})"
             )
         )
+        if self.dataset.pil.views == 2:
+            text += "; each sample's strong view made by the workers (PIL) and normalised with the rest"
         return text + (f"; skipped decoders: {'; '.join(self.notes)}" if self.notes else "")
 
     def _stages(self):
@@ -356,9 +358,9 @@ class GpuLoader(DeviceLoader):
                         self.stage_times["prep"] += time.perf_counter() - t0
                         retire.append((staged[4], item))
                 if pending is not None:
-                    images, labels, bad, indices, event = pending
-                    stages.hand_over((images, labels), event)
-                    yield Batch(images, labels, bad, indices, first)
+                    images, labels, bad, indices, event, second = pending
+                    stages.hand_over((images, labels) if second is None else (images, labels, second), event)
+                    yield Batch(images, labels, bad, indices, first, second_images=second)
                     first = []
                     remaining -= 1
                 while retire and stages.done(retire[0][0]):
@@ -414,9 +416,19 @@ class GpuLoader(DeviceLoader):
             images = crop(crops, done, boxes, flips, where)
             order = where.argsort()
             label_dev = upload(torch.cat([labels, *done_labels])[order], dev)
+            second = self._second_views(host, where)
             event = stages.cropped()
         indices = torch.cat([samples, host["pil_index"], torch.tensor(item.fallback_index, dtype=torch.long)])[order]
-        return images, label_dev, item.bad, indices, event
+        return images, label_dev, item.bad, indices, event, second
+
+    def _second_views(self, host: dict, where: torch.Tensor) -> Optional[torch.Tensor]:
+        """The workers' strong views of the batch's samples (those at the places ``where``, in their
+        order), normalised on the device; None where the loader makes one view."""
+        strong = host.get("strong_images")
+        if strong is None:
+            return None
+        kept = torch.isin(host["strong_positions"], where)  # not a sample the device decoder and PIL then lost
+        return self.normalise(upload(strong[kept].contiguous(), self.device), self.memory_format)
 
     def _fused(self, crops, done, boxes, flips, where) -> torch.Tensor:
         """One Triton kernel: every sample cropped (the finished ones copied), flipped, normalised
@@ -492,9 +504,11 @@ def make_gpu_loader(
     device: torch.device,
     channels_last: bool,
     every_sample: bool = False,
+    views: int = 1,
 ) -> GpuLoader:
     """A ``--loader gpu`` loader over ``samples``, sampled exactly as the PIL loader (``every_sample``
-    as there)."""
+    as there); ``views`` 2: the workers make each training sample's strong view with PIL
+    (:class:`JpegBytes`), normalised on the device."""
     decoder, notes = shared_decoder(device, decoder_choice())
     share = cfg.cpu_decode_share
     if share is None:
@@ -508,6 +522,7 @@ def make_gpu_loader(
         decode_in_worker=decoder.in_workers,
         frame_types=decoder.frame_types,
         cpu_share=share,
+        views=views if train else 1,
     )
     loader, sampler = dataloader_and_sampler(
         cfg, dataset, collate_packed, train, num_replicas, rank, local_batch, device, every_sample

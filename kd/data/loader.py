@@ -190,6 +190,9 @@ class Batch:
     #: images of the split that no batch holds (left out of a prepared copy as unreadable), named
     #: with the first batch of a whole pass: a validation counts them as errors (:func:`left_out`)
     left_out: List[str] = field(default_factory=list)
+    #: each sample's second, strongly augmented view (:mod:`kd.data.views`), normalised as ``images``,
+    #: where a method of the run learns from two views; None otherwise
+    second_images: Optional[torch.Tensor] = None
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -326,8 +329,13 @@ class DeviceLoader:
             return
         first = self.left_out if self.limit is None else []  # a limited pass covers its batches alone
         for images, labels, bad, indices in self.loader:
+            second = None
+            if images.dim() == 5:  # two views of each sample (ImageFolderPIL's views 2)
+                images, second = images[:, 0], images[:, 1]
+                second = self.normalise(second.to(self.device, non_blocking=True), self.memory_format)
             images = self.normalise(images.to(self.device, non_blocking=True), self.memory_format)
-            yield Batch(images, labels.to(self.device, non_blocking=True), bad, indices, first)
+            labels = labels.to(self.device, non_blocking=True)
+            yield Batch(images, labels, bad, indices, first, second_images=second)
             first = []
             remaining -= 1
             if remaining == 0:
@@ -348,14 +356,20 @@ class SyntheticLoader:
         seed: int,
         rank: int = 0,
         replicas: int = 1,
+        views: int = 1,
     ):
         """Sample ``i`` of the epoch is image ``i % batch_size`` of the one batch of process
         ``(i // batch_size) % replicas``: each step's batch names its samples (``Batch.indices``), as
-        a folder's do, so a soft-label store can be written and read on synthetic tensors too."""
+        a folder's do, so a soft-label store can be written and read on synthetic tensors too.
+        ``views`` 2: a second random image of each sample stands for its strong view."""
         g = torch.Generator(device="cpu").manual_seed(seed)
         fmt = torch.channels_last if channels_last else torch.contiguous_format
         self.images = torch.randn(batch_size, 3, size, size, generator=g).to(device).contiguous(memory_format=fmt)
         self.labels = torch.randint(0, num_classes, (batch_size,), generator=g).to(device)
+        self.second_images: Optional[torch.Tensor] = None
+        if views == 2:
+            second = torch.randn(batch_size, 3, size, size, generator=g)
+            self.second_images = second.to(device).contiguous(memory_format=fmt)
         self.steps = steps
         self.rank, self.replicas = rank, replicas
         self.skipped_batches = 0
@@ -376,7 +390,8 @@ class SyntheticLoader:
         size = len(self.labels)
         for step in range(self.skipped_batches, self.steps):
             first = (step * self.replicas + self.rank) * size
-            yield Batch(self.images, self.labels, indices=torch.arange(first, first + size))
+            indices = torch.arange(first, first + size)
+            yield Batch(self.images, self.labels, indices=indices, second_images=self.second_images)
 
 
 def make_pil_loader(
@@ -389,11 +404,13 @@ def make_pil_loader(
     device: torch.device,
     channels_last: bool,
     every_sample: bool = False,
+    views: int = 1,
 ) -> DeviceLoader:
     """A PIL loader over ``samples``: shuffled and padded for training, sharded exactly for val;
-    ``every_sample``: a training loader keeps its last short batch (kd teach's store)."""
+    ``every_sample``: a training loader keeps its last short batch (kd teach's store); ``views`` 2:
+    training batches carry each sample's strong view too (:attr:`Batch.second_images`)."""
     resize, interpolation = val_transform(cfg)
-    dataset = ImageFolderPIL(samples, cfg.image_size, train, resize, cfg.min_crop_scale, interpolation)
+    dataset = ImageFolderPIL(samples, cfg.image_size, train, resize, cfg.min_crop_scale, interpolation, views)
     loader, sampler = dataloader_and_sampler(
         cfg, dataset, collate, train, num_replicas, rank, local_batch, device, every_sample
     )

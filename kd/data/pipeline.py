@@ -49,14 +49,17 @@ def build(
     device: torch.device,
     channels_last: bool,
     every_sample: bool = False,
+    views: int = 1,
 ) -> Data:
     """Train and val loaders for this process: its shard of the data, ``local_batch`` per step;
-    ``every_sample``: the training batches hold every sample, a last short batch too (kd teach)."""
+    ``every_sample``: the training batches hold every sample, a last short batch too (kd teach);
+    ``views`` 2: the training batches hold each sample's strong view too (a method of the run learns
+    from two views: :mod:`kd.data.views`)."""
     if cfg.data == "synthetic":
         n = cfg.num_classes or SYNTHETIC_CLASSES
         steps = cfg.limit_train_batches or SYNTHETIC_STEPS
         train: Loader = SyntheticLoader(
-            local_batch, cfg.image_size, n, steps, device, channels_last, cfg.seed + rank, rank, num_replicas
+            local_batch, cfg.image_size, n, steps, device, channels_last, cfg.seed + rank, rank, num_replicas, views
         )
         val: Loader = SyntheticLoader(
             local_batch, cfg.image_size, n, cfg.limit_val_batches or 2, device, channels_last, cfg.seed + 999
@@ -66,7 +69,7 @@ def build(
     name, why = choose_loader(cfg.loader, device)
     classes, train_samples, val_samples = scan(cfg.data)
     make = LOADERS.get(name)
-    train = make(cfg, train_samples, True, num_replicas, rank, local_batch, device, channels_last, every_sample)
+    train = make(cfg, train_samples, True, num_replicas, rank, local_batch, device, channels_last, every_sample, views)
     train.why = why
     describe = getattr(train_samples, "describe", None)  # a prepared copy says what it holds
     train.source = describe() if describe is not None else ""

@@ -15,8 +15,9 @@ if TYPE_CHECKING:
     from kd.data.loader import DeviceLoader
 
 #: ``--loader NAME``: ``make(cfg, samples, train, num_replicas, rank, local_batch, device,
-#: channels_last, every_sample=False)`` for each name, returning a :class:`kd.data.loader.DeviceLoader`
-#: (or a subclass); ``every_sample``: training keeps its last short batch (kd teach's store).
+#: channels_last, every_sample=False, views=1)`` for each name, returning a :class:`kd.data.loader.DeviceLoader`
+#: (or a subclass); ``every_sample``: training keeps its last short batch (kd teach's store); ``views``
+#: 2: training batches carry each sample's strong view (:mod:`kd.data.views`).
 LOADERS: Registry[Callable[..., DeviceLoader]] = Registry("loader")
 LOADERS.register_lazy("pil", "kd.data.loader:make_pil_loader")
 LOADERS.register_lazy("gpu", "kd.data.gpu:make_gpu_loader")

@@ -61,6 +61,10 @@ class DistillInputs:
     indices: Optional[torch.Tensor] = None
     #: the optimizer step this batch trains (counted from 0 over the whole run)
     step: int = 0
+    #: the student's and the teacher's logits on each sample's second view (the strong augmentation,
+    #: :mod:`kd.data.views`) for methods with ``views = 2``; None otherwise
+    second_student_logits: Optional[torch.Tensor] = None
+    second_teacher_logits: Optional[torch.Tensor] = None
 
 
 def kd_divergence(
@@ -106,6 +110,8 @@ class DistillLoss(nn.Module):
     BatchNorm before each tapped stage's ReLU (OFD's margin). ``uses_samples`` methods (CRD) see each
     sample's index in the training set (:attr:`DistillInputs.indices`): :meth:`setup_samples` gets
     every training sample's class first, and :meth:`after_step` runs after each optimizer step.
+    ``views = 2`` methods (MLKD) see a second, strongly augmented view of each sample: the loaders
+    make it, the teacher and the student forward it too (:attr:`DistillInputs.second_student_logits`).
     """
 
     #: computed in float32 at every opt level: the precisions keep its parameters and inputs float32
@@ -120,6 +126,7 @@ class DistillLoss(nn.Module):
     uses_pooled: ClassVar[bool] = False
     reads_teacher_norms: ClassVar[bool] = False
     uses_samples: ClassVar[bool] = False
+    views: ClassVar[int] = 1
     name: ClassVar[str] = ""
 
     def __init_subclass__(cls, **kwargs: Any):

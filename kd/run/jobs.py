@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Union
 
-from kd import model_names
 from kd.errors import KDError
 from kd.run.students import STUDENTS_FILE, Students, is_students_folder
 from kd.runfolder import RunFolder, why_unwritable
+from kd.utils import model_names
 from kd.utils.placement import why_no_cuda
 
 
@@ -52,7 +52,7 @@ def _roles(cfg, student: bool) -> List[str]:
 
 def check_before_torch(cfg, student: bool = True) -> None:
     """What :func:`preflight` checks, where it can be answered without torch: the model names
-    against the libraries' lists kept from an earlier command (:mod:`kd.model_names`), weights
+    against the libraries' lists kept from an earlier command (:mod:`kd.utils.model_names`), weights
     files that do not exist, and CUDA asked for where this machine can have none."""
     for role in _roles(cfg, student):
         model_names.check_early(getattr(cfg, role))

@@ -229,9 +229,16 @@ class Lane:
         if self.loss.uses_samples:
             assert batch.indices is not None  # every training loader names its samples
             indices = batch.indices.to(images.device, non_blocking=True)
+        second = t_second = None
+        if self.loss.views == 2:  # the loaders made the strong view, the teacher forwarded it
+            assert batch.second_images is not None and targets is not None
+            second = batch.second_images if self.renorm is None else self.renorm(batch.second_images)
+            second, t_second = precision.input_cast(second), targets.second_logits
         self.buffers.save()
         with precision.autocast():
-            parts = self.model(images, batch.labels, t_logits, t_feats, progress, indices, self.state.global_step)
+            parts = self.model(
+                images, batch.labels, t_logits, t_feats, progress, indices, self.state.global_step, second, t_second
+            )
         parts = {k: v.float().mean() for k, v in parts.items()}
         task, distill = parts.pop(TASK_PART, None), parts.pop(DISTILL_PART, None)  # DOT's parts (--dot)
         self.loss_terms = self.loss_terms or sorted(k for k in parts if k not in ("loss", LOGITS_SUM))

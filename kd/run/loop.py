@@ -20,6 +20,7 @@ from kd import config as kd_config
 from kd import models
 from kd.data.pipeline import build as build_data
 from kd.errors import KDError, NonFinite
+from kd.losses import LOSSES
 from kd.run import checkpoint
 from kd.run.build import build_lane
 from kd.run.lane import Lane, stop_in_setup
@@ -116,9 +117,11 @@ class Trainer:
         try:
             stop_in_setup(self.stop, self.backend)
             num_replicas, rank = backend.data_shard()
+            views = max(LOSSES.get(c.kd_loss).views for _, c in students.training())  # 2: a strong view too
             self.data = build_data(
-                cfg, num_replicas, rank, backend.local_batch(cfg.batch_size), backend.device, runtime.channels_last
-            )
+                cfg, num_replicas, rank, backend.local_batch(cfg.batch_size), backend.device, runtime.channels_last,
+                views=views,
+            )  # fmt: skip
             if cfg.soft_labels:  # checked before any student is built: a store for another run stays one line
                 classes = cfg.num_classes or len(self.data.classes)
                 wanted = wanted_manifest(cfg, self.data.train_samples, classes)

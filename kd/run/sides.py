@@ -34,13 +34,20 @@ class StudentSide(nn.Module):
         progress: float = 0.0,
         indices=None,
         step: int = 0,
+        second_images=None,
+        second_teacher_logits=None,
     ):
+        """The loss parts of one batch; ``second_images``: each sample's second view, which the
+        student forwards too (a second call, as a loss with ``views = 2`` asks)."""
         feats: Dict[str, torch.Tensor] = {}
         with tap(self.student, self.layers, feats):
             logits = self.student(images)
         feats = {k: feats[k] for k in self.layers}  # spec order: the losses pair by position
-        parts = self.loss(
-            DistillInputs(logits, labels, teacher_logits, feats, teacher_feats or {}, progress, indices, step)
-        )
+        second = None if second_images is None else self.student(second_images)
+        inputs = DistillInputs(logits, labels, teacher_logits, feats, teacher_feats or {}, progress, indices, step)
+        inputs.second_student_logits, inputs.second_teacher_logits = second, second_teacher_logits
+        parts = self.loss(inputs)
         parts[LOGITS_SUM] = logits.detach().float().sum()  # finite iff every logit is: names a non-finite loss's source
+        if second is not None:
+            parts[LOGITS_SUM] = parts[LOGITS_SUM] + second.detach().float().sum()
         return parts

@@ -19,6 +19,7 @@ from kd import models
 from kd.data.loader import val_transform
 from kd.models import teacher_preprocessing_note
 from kd.teacher import probe as kd_teacher
+from kd.teacher.source import Targets
 from kd.utils.accuracy import evaluate
 from kd.utils.signals import StopFlag
 from kd.utils.taps import tap
@@ -121,9 +122,16 @@ class Teacher:
     def set_epoch(self, epoch: int) -> None:
         """A live teacher's outputs do not depend on the epoch."""
 
-    def targets(self, batch) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-        """:meth:`forward` on ``batch``'s images (:class:`kd.teacher.source.TeacherSource`)."""
-        return self.forward(batch.images)
+    def targets(self, batch) -> Targets:
+        """:meth:`forward` on ``batch``'s images (:class:`kd.teacher.source.TeacherSource`), and on its
+        second view where it has one (the logits alone)."""
+        logits, feats = self.forward(batch.images)
+        if batch.second_images is None:
+            return Targets(logits, feats)
+        if self.graph_step:  # the second call's graph would overwrite the first call's outputs
+            logits, feats = logits.clone(), {k: v.clone() for k, v in feats.items()}
+            torch.compiler.cudagraph_mark_step_begin()
+        return Targets(logits, feats, self.forward(batch.second_images)[0])
 
     def _logits(self, images: torch.Tensor) -> torch.Tensor:
         if self.graph_step:  # under CUDA graphs a new call may overwrite the last call's outputs

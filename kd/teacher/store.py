@@ -51,6 +51,7 @@ import torch
 from kd import checksum
 from kd.errors import KDError
 from kd.runfolder import LOCK_FILE, why_unwritable, write_json
+from kd.teacher.source import Targets
 
 FORMAT = 2  # 2: checksums of each epoch's files and of the manifest, each epoch's largest |logit|
 MANIFEST = "kd-soft-labels.json"
@@ -419,9 +420,9 @@ class SoftLabels:
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def targets(self, batch) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    def targets(self, batch) -> Targets:
         """The stored logits of ``batch``'s samples in this epoch (:class:`kd.teacher.source.TeacherSource`)."""
-        return self.logits(self.epoch, batch.indices, self.device), {}
+        return Targets(self.logits(self.epoch, batch.indices, self.device), {})
 
     def close(self) -> None:
         self._open = {}

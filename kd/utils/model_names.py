@@ -18,8 +18,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from kd.errors import KDError
-from kd.registry import suggest
+from kd.errors import KDError, suggest
 
 TIMM_PREFIX = "timm:"
 #: the libraries whose names kd keeps, and the lists of each: a library's list key -> its lists' keys
