@@ -16,7 +16,7 @@ from kd.errors import KDError
 from kd.losses import DistillLoss, build_loss, split_layers
 from kd.precision import make_precision
 from kd.precision.cpu import slow_precision_warning
-from kd.run import checkpoint
+from kd.run import checkpoint, papers
 from kd.run.lane import Lane, TrainState, stop_in_setup
 from kd.run.log import NullLogger, RunLogger
 from kd.run.optim import build_optimizer, build_scheduler, lr_note
@@ -88,7 +88,8 @@ def build_lane(
         )
         model = torch.compile(model, mode=cfg.compile_mode)
     scheduler = build_scheduler(cfg, optimizer, len(data.train))
-    notes = [line for line in (lr_note(cfg), cfg.schedule_note) if line]  # what kd kept or chose: also in config.yaml
+    # what kd kept or chose, and where it departs from the paper it resembles: also in config.yaml
+    notes = [line for line in (lr_note(cfg), cfg.schedule_note, papers.start_line(cfg.to_dict())) if line]
     clock.mark("optimizer")  # with the precision, the backend's wrap and torch.compile's
     lane = Lane(
         name=name,
