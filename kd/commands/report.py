@@ -92,7 +92,7 @@ def collect(run: Path) -> Dict[str, object]:
         "val_images": images_over(last),
         "reference_top1": ref if ref is not None else "-",
         "diff": round(best["val_top1"] - ref, 2) if ref is not None else "-",
-        "paper_setting": papers.cell(cfg) if cfg else "-",
+        "paper_setting": papers.cell(cfg, method_defaults) if cfg else "-",
         "wall_time": (duration(wall) + ("+" if unended else "")) if wall is not None else "-",
         "train_time": duration(train),
         "wall_s": round(wall, 1) if wall is not None else "",
@@ -202,15 +202,21 @@ def paper_reference(cfg: Dict[str, Any], records: List[Dict[str, Any]]) -> Tuple
     return ref, None
 
 
+def method_defaults(method: str) -> Dict[str, Any]:
+    """A KD method's default hyper-parameters (none for a name no method has)."""
+    from kd.losses import LOSSES
+
+    return dict(LOSSES.get(method).defaults) if method in LOSSES.names() else {}
+
+
 def _loss_settings(cfg: Dict[str, Any]) -> Dict[str, Any]:
     """The hyper-parameters a config gives its method (loss_args and the loss options, over the method's
     defaults), so that a switch given outside the recipe's keys counts too."""
     from kd.config import LOSS_OPTIONS
-    from kd.losses import LOSSES
 
     method = cfg.get("kd_loss", "kd")
     given = {**(cfg.get("loss_args") or {}), **{k: cfg[k] for k in LOSS_OPTIONS if cfg.get(k) is not None}}
-    defaults = LOSSES.get(method).defaults if method in LOSSES.names() else {}
+    defaults = method_defaults(method)
     return {k: float(v) if isinstance(v, (bool, int, float)) else v for k, v in {**defaults, **given}.items()}
 
 

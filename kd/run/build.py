@@ -13,7 +13,7 @@ from torch import nn
 
 from kd import models
 from kd.errors import KDError
-from kd.losses import DistillLoss, build_loss, split_layers
+from kd.losses import LOSSES, DistillLoss, build_loss, split_layers
 from kd.precision import make_precision
 from kd.precision.cpu import slow_precision_warning
 from kd.run import checkpoint, papers
@@ -89,7 +89,9 @@ def build_lane(
         model = torch.compile(model, mode=cfg.compile_mode)
     scheduler = build_scheduler(cfg, optimizer, len(data.train))
     # what kd kept or chose, and where it departs from the paper it resembles: also in config.yaml
-    notes = [line for line in (lr_note(cfg), cfg.schedule_note, papers.start_line(cfg.to_dict())) if line]
+    notes = [
+        line for line in (lr_note(cfg), cfg.schedule_note, papers.start_line(cfg.to_dict(), method_defaults)) if line
+    ]
     clock.mark("optimizer")  # with the precision, the backend's wrap and torch.compile's
     lane = Lane(
         name=name,
@@ -124,6 +126,11 @@ def build_lane(
         logger.info(line)
     lane.log_data_configs()  # once set-up has succeeded: a failed start stays one line
     return lane
+
+
+def method_defaults(method: str) -> Dict[str, Any]:
+    """A KD method's default hyper-parameters (none for a name no method has)."""
+    return dict(LOSSES.get(method).defaults) if method in LOSSES.names() else {}
 
 
 def setup_feature_layers(

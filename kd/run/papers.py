@@ -11,11 +11,18 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import yaml
 
 from kd import models
-from kd.config import RECIPE_DIR, find_recipe, load_yaml
 from kd.errors import KDError
+
+#: the recipes shipped with kd (kd.config's RECIPE_DIR; read here with yaml alone)
+RECIPE_DIR = Path(__file__).resolve().parents[2] / "recipes"
+#: a KD method's default hyper-parameters, by its name (``kd.losses.LOSSES.get(name).defaults``)
+MethodDefaults = Callable[[str], Dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -33,24 +40,38 @@ def _family(model: str) -> str:
     return letters[:-1] if len(letters) > 4 and letters.endswith("v") else letters
 
 
+def _read(path: Path) -> Dict[str, Any]:
+    try:
+        values = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return {}
+    return values if isinstance(values, dict) else {}
+
+
 @functools.lru_cache(maxsize=1)
 def _recipes() -> Tuple[Tuple[str, Dict[str, Any]], ...]:
     """Every shipped recipe that has a paper's reference, by name (read once per process)."""
     found = []
     for path in sorted(RECIPE_DIR.rglob("*.yaml")):
-        values = load_yaml(path)
+        values = _read(path)
         if values.get("reference"):
             found.append((str(path.relative_to(RECIPE_DIR).with_suffix("")), values))
     return tuple(found)
 
 
+def _recipe(name: str) -> Dict[str, Any]:
+    """The recipe a run names (by name under ``recipes/``, or a path); empty where it is not found."""
+    for path in (RECIPE_DIR / f"{name}.yaml", RECIPE_DIR / name, Path(name)):
+        if path.suffix in (".yaml", ".yml") and path.is_file():
+            return _read(path)
+    return {}
+
+
 def resembled(cfg: Dict[str, Any]) -> Optional[Tuple[str, Dict[str, Any]]]:
     """(name, values) of the recipe whose setting the run of ``cfg`` (a config as a dict) resembles, or None."""
     if cfg.get("recipe"):
-        try:
-            return str(cfg["recipe"]), load_yaml(find_recipe(str(cfg["recipe"])))
-        except KDError:  # a recipe of another machine: nothing to compare with
-            return None
+        recipe = _recipe(str(cfg["recipe"]))  # not found: a recipe of another machine, nothing to compare with
+        return (str(cfg["recipe"]), recipe) if recipe else None
     student = str(cfg.get("student") or "")
     alone = bool(cfg.get("no_teacher"))
     ranked = []
@@ -67,12 +88,9 @@ def resembled(cfg: Dict[str, Any]) -> Optional[Tuple[str, Dict[str, Any]]]:
     return name, recipe
 
 
-def _temperature(cfg: Dict[str, Any]) -> Optional[float]:
+def _temperature(cfg: Dict[str, Any], method_defaults: MethodDefaults) -> Optional[float]:
     """The temperature a config's method trains at: ``--temperature``, ``loss_args``, the method's default."""
-    from kd.losses import LOSSES
-
-    method = cfg.get("kd_loss", "kd")
-    defaults = LOSSES.get(method).defaults if method in LOSSES.names() else {}
+    defaults = method_defaults(str(cfg.get("kd_loss", "kd")))
     for value in (cfg.get("temperature"), (cfg.get("loss_args") or {}).get("temperature"), defaults.get("temperature")):
         if value is not None:
             return float(value)
@@ -90,15 +108,16 @@ def _teacher_weights(model: str, weights: Optional[str]) -> Optional[str]:
         return weights
 
 
-def departures(cfg: Dict[str, Any]) -> Tuple[Optional[str], List[Departure]]:
+def departures(cfg: Dict[str, Any], method_defaults: MethodDefaults) -> Tuple[Optional[str], List[Departure]]:
     """(the recipe the run of ``cfg`` resembles, or None; where it departs from it in teacher weights,
-    weight decay and temperature). A teacher from a file is not compared: its weights are unknown here."""
+    weight decay and temperature). What ``cfg`` leaves out (a config of an older kd) is not compared,
+    nor a teacher from a file: its weights are not known here."""
     found = resembled(cfg)
     if found is None:
         return None, []
     name, recipe = found
     out: List[Departure] = []
-    if not cfg.get("no_teacher") and cfg.get("teacher") == recipe.get("teacher"):
+    if not cfg.get("no_teacher") and cfg.get("teacher") == recipe.get("teacher") and "teacher_weights" in cfg:
         given = cfg.get("teacher_weights")
         ours = _teacher_weights(str(cfg.get("teacher")), given)
         theirs = _teacher_weights(str(recipe.get("teacher")), recipe.get("teacher_weights"))
@@ -106,27 +125,28 @@ def departures(cfg: Dict[str, Any]) -> Tuple[Optional[str], List[Departure]]:
             said = f"{given} = {ours}" if ours != given else str(given)
             words = f"teacher weights {said} (the paper's: {theirs})"
             out.append(Departure("teacher_weights", f"teacher {ours}", words))
-    if cfg.get("weight_decay") != recipe.get("weight_decay", cfg.get("weight_decay")):
+    if "weight_decay" in cfg and cfg["weight_decay"] != recipe.get("weight_decay", cfg["weight_decay"]):
         wd, paper_wd = cfg.get("weight_decay"), recipe.get("weight_decay")
         out.append(Departure("weight_decay", f"wd {wd:g}", f"weight decay {wd:g} (the paper's: {paper_wd:g})"))
-    if bool(cfg.get("wd_bn_bias")) != bool(recipe.get("wd_bn_bias")):
+    if "wd_bn_bias" in cfg and bool(cfg["wd_bn_bias"]) != bool(recipe.get("wd_bn_bias")):
         if recipe.get("wd_bn_bias"):
             words = "BatchNorm and biases not decayed (the paper decays every parameter: --wd-bn-bias)"
         else:
             words = "BatchNorm and biases decayed (the paper does not decay them: --no-wd-bn-bias)"
         short = "no wd on BN/bias" if recipe.get("wd_bn_bias") else "wd on BN/bias"
         out.append(Departure("wd_bn_bias", short, words))
-    if not cfg.get("no_teacher") and cfg.get("kd_loss", "kd") == recipe.get("kd_loss", "kd"):
-        ours_t, theirs_t = _temperature(cfg), _temperature(recipe)
+    told = "temperature" in cfg or "loss_args" in cfg
+    if told and not cfg.get("no_teacher") and cfg.get("kd_loss", "kd") == recipe.get("kd_loss", "kd"):
+        ours_t, theirs_t = _temperature(cfg, method_defaults), _temperature(recipe, method_defaults)
         if ours_t != theirs_t and theirs_t is not None and ours_t is not None:
             out.append(Departure("temperature", f"T {ours_t:g}", f"T {ours_t:g} (the paper's: {theirs_t:g})"))
     return name, out
 
 
-def start_line(cfg: Dict[str, Any]) -> Optional[str]:
+def start_line(cfg: Dict[str, Any], method_defaults: MethodDefaults) -> Optional[str]:
     """The line a run starts with where it departs from the paper setting it resembles; None where
     it does not (or resembles none)."""
-    name, found = departures(cfg)
+    name, found = departures(cfg, method_defaults)
     if not found:
         return None
     return (
@@ -135,10 +155,10 @@ def start_line(cfg: Dict[str, Any]) -> Optional[str]:
     )
 
 
-def cell(cfg: Dict[str, Any]) -> str:
+def cell(cfg: Dict[str, Any], method_defaults: MethodDefaults) -> str:
     """``kd report``'s paper_setting: ``-`` (no recipe resembles the run), ``as NAME``, or
     ``unlike NAME: teacher IMAGENET1K_V2, T 4``."""
-    name, found = departures(cfg)
+    name, found = departures(cfg, method_defaults)
     if name is None:
         return "-"
     if not found:

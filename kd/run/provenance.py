@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.metadata
 import platform
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -60,11 +61,13 @@ def side(model: Optional[str], weights: Optional[str]) -> Dict[str, Any]:
 
 
 def versions() -> Dict[str, Optional[str]]:
-    """Python's and each of :data:`LIBRARIES`' installed version (None: not installed)."""
+    """Python's and each of :data:`LIBRARIES`' version (None: not installed): a loaded module's own
+    (torch's with its build, ``2.4.1+cu121``), else the installed package's."""
     found: Dict[str, Optional[str]] = {"python": platform.python_version()}
     for name in LIBRARIES:
+        loaded = getattr(sys.modules.get(name), "__version__", None)
         try:
-            found[name] = importlib.metadata.version(name)
+            found[name] = str(loaded) if loaded else importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             found[name] = None
     import torch
