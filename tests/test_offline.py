@@ -131,3 +131,9 @@ def test_a_proxy_is_what_the_probe_asks(monkeypatch):
     monkeypatch.delenv("all_proxy", raising=False)
     assert weights.host_of("https://download.pytorch.org/models/x.pth") == ("download.pytorch.org", 443)
     assert not weights.reachable(CLOSED)
+
+
+def test_an_unknown_timm_tag_lists_the_tags(downloads):
+    with pytest.raises(KDError, match=r"^timm publishes no weights resnet10t\.nope; its tags: c3_in1k$"):
+        models.build("timm:resnet10t", 1000, "timm:nope")
+    assert downloads == []

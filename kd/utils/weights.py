@@ -72,11 +72,18 @@ def timm_weights(arch: str) -> NamedWeights:
     """Where timm keeps the pretrained weights of ``arch`` (``name`` or ``name.tag``; ``name`` is
     timm's default tag, which a timm release may change: the tag is resolved here): the Hugging Face
     cache, or torch's hub cache for weights timm fetches by URL."""
+    import timm
     from timm.models import get_pretrained_cfg
 
-    cfg = get_pretrained_cfg(arch)
+    try:
+        cfg = get_pretrained_cfg(arch)
+    except RuntimeError:  # an unknown tag
+        cfg = None
     if cfg is None:
-        raise KDError(f"timm publishes no pretrained weights for {arch}")
+        name = arch.split(".")[0]
+        tags = [n.split(".", 1)[1] for n in timm.list_pretrained(f"{name}.*")]
+        choose = f"; its tags: {', '.join(tags[:12])}{' ...' if len(tags) > 12 else ''}" if tags else ""
+        raise KDError(f"timm publishes no weights {arch}{choose}")
     tagged = f"{arch.split('.')[0]}.{cfg.tag}" if cfg.tag else arch
     if cfg.hf_hub_id:
         repo, _, revision = cfg.hf_hub_id.partition("@")
