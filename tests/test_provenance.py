@@ -54,6 +54,8 @@ def test_named_weights_resolve_to_their_file_and_its_sum(tmp_path, monkeypatch):
     assert provenance.side("resnet18", "none") == {"model": "resnet18", "weights": "none", "library": "random init"}
     missing = provenance.side("resnet50", "torchvision:IMAGENET1K_V1")  # a store's teacher, not on this machine
     assert missing["name"] == "ResNet50_Weights.IMAGENET1K_V1" and missing["file"] is None
+    gone = provenance.side("resnet18", str(tmp_path / "elsewhere.pt"))
+    assert (gone["library"], gone["sha256"]) == ("file", None)
 
 
 def test_a_run_records_what_it_was_made_of_and_kd_report_shows_it(image_folder, tmp_path):

@@ -56,6 +56,8 @@ def side(model: Optional[str], weights: Optional[str]) -> Dict[str, Any]:
             out["revision"] = file.parent.name
     else:
         file = Path(weights)
+        if not file.is_file():  # a soft-label store's teacher, read on another machine
+            return {**out, "library": "file", "file": str(file), "sha256": None}
         out["library"] = "kd checkpoint" if models.kd_run_model(weights) else "file"
     return {**out, "file": str(file.resolve()), "sha256": sha256(file)}
 
