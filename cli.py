@@ -382,7 +382,13 @@ def recipes_show(name):
     help="runs: one row per run with every column; markdown or latex: the paper's table of each teacher and "
     "student pair (teacher, student alone, each method: top-1, top-5, paper top-1, difference).",
 )
-def report(runs, csv_path, plot_path, fmt):
+@click.option(
+    "--provenance",
+    is_flag=True,
+    help="Also print what each run was made of (its provenance.json): each side's weights as resolved, with "
+    "their SHA-256, the versions of torch, torchvision, timm and apex, kd's version and commit, devices, processes.",
+)
+def report(runs, csv_path, plot_path, fmt, provenance):
     """Several runs' results as one table: best/last top-1/top-5, reference, difference, times.
 
     RUNS are run folders or folders of runs (kd report runs/demo); what is not a run is skipped with a note.
@@ -391,7 +397,7 @@ def report(runs, csv_path, plot_path, fmt):
     wall_time (-).
     """
     from kd.commands import paper
-    from kd.commands.report import markdown, plot, to_csv
+    from kd.commands.report import markdown, plot, provenance_table, to_csv
     from kd.commands.report import report as collect
 
     note = lambda line: click.echo(f"kd report: {line}", err=True)  # noqa: E731
@@ -400,6 +406,8 @@ def report(runs, csv_path, plot_path, fmt):
         click.echo(markdown(rows))
     else:
         click.echo(paper.markdown(rows, note) if fmt == "markdown" else paper.latex(rows, note))
+    if provenance:
+        click.echo("\n" + provenance_table(rows, note))
     if csv_path:
         csv_path.write_text(to_csv(rows))
     if plot_path:  # the table is out first: a missing matplotlib costs only the figure

@@ -6,12 +6,13 @@
 # with apex where it is installed. Every run reports its exit code, wall time, first-step time,
 # teacher precision, losses and skipped steps.
 # Usage: bash benchmarks/user_path_gpu.sh PART...  (PART: data | teacher | backends | together | overflow | stops | ctrlc | field |
-#        apex | fast | resolution | store | integrity)
+#        apex | fast | resolution | store | integrity | teacher34 | table | newer | methods | latest | inception)
 # fast: the command as typed (kd's defaults) beside the best flags known and prepared copies, each as a share of
 #       the synthetic step, and the first step's breakdown; resolution: a short run on the folder and on a copy.
 # teacher34, table: a resnet34 teacher trained by kd, then the six rows of the papers' R34 -> R18 table as one command.
 # newer: kd, dkd, nkd, ctkd and ctdkd from one teacher forward, then kd, dkd, ctkd, ctdkd with --logit-standardisation.
 # methods: OFD, CRD and ReviewKD under each backend and opt level, CRD over two ranks, and kd bench --methods.
+# latest: MLKD and DOT beside KD, DKD, NKD and CTKD from one teacher forward; mlkd with --dot under each backend.
 # together: four students (kd, dkd, dist, lskd) from one teacher forward, under each of TOGETHER_BACKENDS.
 # integrity: unreadable val images counted under both loaders, a second writer, kill -9, checksums, a float32 store.
 # store: kd bench --vs-store (synthetic, then the folder), then three students three ways: separate runs, together,
@@ -284,5 +285,28 @@ PYEOF
            --nproc 2 --kd-loss crd --opt O1 --gpus 0 --epochs 1 --lr 0.2
          $T 400 $PY -m cli bench --teacher resnet34 --student resnet18 --backends single --opt O1 --amp-dtype float16 -b 256 \
            --methods kd,at,ofd,crd,reviewkd,dkd 2>&1 | tail -14 | tee -a "$OUT/summary.txt" ;;
+  latest) # MLKD and DOT: kd, dkd, mlkd, nkd, ctkd, ctdkd from one teacher forward (MLKD's strong view through the
+         # teacher once), then kd, dkd, nkd and mlkd with --dot; mlkd and DOT under each backend and opt level; the steps timed
+         T34=$RUNS/teacher34/checkpoints/best.pt E=${TABLE_EPOCHS:-8}
+         for variant in "latest:kd,dkd,mlkd,nkd,ctkd,ctdkd:" "latest_dot:kd,dkd,nkd,mlkd:--dot"; do
+           IFS=: read -r name methods flag <<< "$variant"
+           start=$(date +%s%N)
+           $T 420 $KD train $COMMON --teacher resnet34 --teacher-weights "$T34" --student resnet18 --kd-loss $methods $flag \
+             --opt O1 --amp-dtype float16 --epochs $E --lr 0.2 --out "$RUNS/$name" > "$OUT/$name.log" 2>&1
+           rc=$? secs="$(( ($(date +%s%N) - start) / 1000000 ))e-3"
+           for m in ${methods//,/ }; do report "$name/$m" $rc "$secs"; done
+           grep -h "first step\|^kd:\|error\|Traceback\|view\|DOT\|dot" "$OUT/$name.log" | head -8 | sed "s/^/    /" | tee -a "$OUT/summary.txt"
+         done
+         for combo in "single O1" "dp O1" "torch_ddp O1" "apex_ddp O1" "apex_ddp O2" "single O3"; do
+           set -- $combo
+           run "latest_$1_$2" 240 $COMMON --teacher resnet34 --teacher-weights "$T34" --student resnet18 --backend $1 \
+             --kd-loss mlkd,kd --dot --opt $2 --amp-dtype float16 --gpus 0 --epochs 1 --lr 0.2
+           for m in mlkd kd; do report "latest_$1_$2/$m" - 0; done
+         done
+         run latest_ddp2 300 $COMMON --teacher resnet34 --teacher-weights "$T34" --student resnet18 --backend torch_ddp \
+           --nproc 2 --kd-loss mlkd --dot --opt O1 --gpus 0 --epochs 1 --lr 0.2
+         $KD report "$RUNS/latest" "$RUNS/latest_dot" --format markdown 2>&1 | tee -a "$OUT/summary.txt"
+         $T 300 $PY -m cli bench --teacher resnet34 --student resnet18 --backends single --opt O1 --amp-dtype float16 -b 256 \
+           --methods kd,mlkd --iters 40 --warmup 10 2>&1 | tail -6 | tee -a "$OUT/summary.txt" ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac; done

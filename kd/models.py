@@ -15,6 +15,8 @@ from torch import nn
 from kd.errors import KDError, suggest
 from kd.utils import checkpoint_io, model_names
 from kd.utils.model_names import TIMM_PREFIX
+from kd.utils.weights import NamedWeights, timm_weights
+from kd.utils.weights import torchvision_weights as tv_weights
 
 
 @functools.lru_cache(maxsize=1)
@@ -102,10 +104,14 @@ def _pretrained_state(name: str, weights: str = "pretrained") -> Dict[str, torch
         if weights.startswith(TORCHVISION_WEIGHTS):
             raise KDError(f"--weights {weights}: {name} is a timm model; name timm weights as timm:TAG")
         arch = timm_arch(name, weights)
+        found = named_weights(name, weights)
+        found.ensure_fetchable()  # offline and not cached: one line now, not the hub's retries
+        # a cached file is read as it is, without asking the hub whether a newer one exists
+        overlay = {"file": str(found.cached)} if found.cached else None
         try:
             import timm
 
-            return timm.create_model(arch, pretrained=True).state_dict()
+            return timm.create_model(arch, pretrained=True, pretrained_cfg_overlay=overlay).state_dict()
         except Exception as exc:  # a hub error, an unknown tag, no network
             raise KDError(
                 f"cannot get timm weights {arch} ({type(exc).__name__}: {first_line(exc)}); fetch them once where "
@@ -113,11 +119,11 @@ def _pretrained_state(name: str, weights: str = "pretrained") -> Dict[str, torch
                 f"into the Hugging Face cache, or pass a local file with --teacher-weights PATH"
             ) from None
     member = torchvision_weights(name, weights)
-    from torch.hub import get_dir
-
-    cached = Path(get_dir()) / "checkpoints" / Path(member.url).name
-    if cached.is_file():
+    found = named_weights(name, weights)
+    cached = found.where
+    if found.cached:
         return extract_state(checkpoint_io.read(cached, "cannot read weights file"), str(cached))
+    found.ensure_fetchable()  # offline: one line now, not torch hub's "Downloading:" and a failure
     try:
         return member.get_state_dict(progress=False)
     except Exception as exc:  # no network (URLError and friends), a broken download
@@ -125,6 +131,14 @@ def _pretrained_state(name: str, weights: str = "pretrained") -> Dict[str, torch
             f"cannot get torchvision:{member.name} for {name} ({type(exc).__name__}: {first_line(exc)}); "
             f"offline, place {cached.name} (from {member.url}) in {cached.parent}"
         ) from None
+
+
+def named_weights(name: str, weights: str) -> NamedWeights:
+    """Where the weights ``weights`` (``pretrained``, ``torchvision:TAG``, ``timm:TAG``) of model
+    ``name`` are kept on this machine, and whether they are there (:mod:`kd.utils.weights`)."""
+    if name.startswith(TIMM_PREFIX):
+        return timm_weights(timm_arch(name, weights))
+    return tv_weights(torchvision_weights(name, weights))
 
 
 def first_line(exc: BaseException) -> str:

@@ -7,6 +7,7 @@
     RUN/checkpoints/last.pt     the latest full state (model, optimizer, scaler, RNG, loader position)
     RUN/checkpoints/best.pt     a copy of the checkpoint with the best validation top-1
     RUN/tb/                     TensorBoard event files
+    RUN/provenance.json         each side's resolved weights (file, SHA-256), versions, kd's commit, devices
     RUN/wall.jsonl              each part of the run (each resume): its wall time (:func:`kd.run.log.wall_clock`)
     RUN/.kd-lock                the writer's lock, while a run writes the folder (:mod:`kd.runlock`)
 """
@@ -33,7 +34,14 @@ class RunFolder:
         object.__setattr__(self, "root", Path(root))
 
     #: The names whose presence means the folder holds a run.
-    RUN_FILES: ClassVar[Tuple[str, ...]] = ("config.yaml", "metrics.jsonl", "checkpoints", "tb", "wall.jsonl")
+    RUN_FILES: ClassVar[Tuple[str, ...]] = (
+        "config.yaml",
+        "metrics.jsonl",
+        "checkpoints",
+        "tb",
+        "wall.jsonl",
+        "provenance.json",
+    )
 
     @property
     def config(self) -> Path:
@@ -42,6 +50,10 @@ class RunFolder:
     @property
     def metrics(self) -> Path:
         return self.root / "metrics.jsonl"
+
+    @property
+    def provenance(self) -> Path:
+        return self.root / "provenance.json"
 
     @property
     def wall(self) -> Path:

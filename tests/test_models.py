@@ -15,6 +15,7 @@ from timm.data import create_transform, resolve_data_config
 
 from kd import models
 from kd.errors import KDError
+from kd.utils import weights
 
 
 # models whose configs differ: normalisation (0.5 for ViT), crop_pct (0.875, 0.9, 0.95), interpolation
@@ -67,6 +68,7 @@ def test_named_weights_load_from_torchs_cache_offline(tmp_path, monkeypatch):
 
 def test_named_weights_offline_and_not_cached_say_which_file_to_place(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    monkeypatch.setattr(weights, "reachable", lambda host: True)  # the host answers; the download fails
 
     def offline(self, *args, **kwargs):
         raise urllib.error.URLError("[Errno -3] Temporary failure in name resolution")

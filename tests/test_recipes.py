@@ -232,7 +232,10 @@ def test_recipes_cli_and_report(tmp_path):
     r = kd_main("report", run, "--csv", tmp_path / "t.csv")
     assert r.returncode == 0, r.stderr
     # wall_time "-": a run without wall.jsonl (this one is made by hand); train_time its epochs' seconds
-    assert "| dkd | resnet34 | resnet18 | 3/100 | 70.5 | 90.5 | 70.1 | 90.1 | - | 71.7 | -1.2 | - | 1.5h |" in r.stdout
+    row = (
+        "| dkd | resnet34 | resnet18 | 3/100 | 70.5 | 90.5 | 70.1 | 90.1 | - | 71.7 | -1.2 | as imagenet/r34_r18_dkd |"
+    )
+    assert row + " - | 1.5h |" in r.stdout
     assert (tmp_path / "t.csv").read_text().startswith("run,method")
     r = kd_main("report", tmp_path / "nothing")
     assert r.returncode == 2 and "does not exist" in r.stderr

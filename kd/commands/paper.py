@@ -1,6 +1,7 @@
 """``kd report --format markdown|latex``: the table a paper prints from kd runs, one per teacher and
 student pair: the teacher, the student alone, then each method, with top-1, top-5 and, where the run
-was the published setting on ImageNet, the paper's top-1 and the difference to it."""
+was the published setting on ImageNet, the paper's top-1 and the difference to it; a footnote marks
+a run whose teacher weights, weight decay or temperature depart from the paper setting it resembles."""
 
 from __future__ import annotations
 
@@ -56,8 +57,23 @@ def _diff(value: object) -> str:
     return "-" if value in (None, "-", "") else f"{float(value):+.2f}"  # type: ignore[arg-type]
 
 
-def pair_rows(rows: Sequence[Dict[str, object]], note: Callable[[str], None]) -> Dict[Tuple[str, str], List[List[str]]]:
-    """The rows of each (teacher, student) table: [name, top-1, top-5, paper top-1, diff]."""
+Table = Tuple[List[List[str]], List[str]]
+
+
+def _marked(title: str, row: Dict[str, object], footnotes: List[str]) -> str:
+    """``title`` with the number of its footnote where its run departs from the paper setting it
+    resembles (kd.run.papers: teacher weights, weight decay, temperature); the footnote added once."""
+    setting = str(row.get("paper_setting") or "-")
+    if not setting.startswith("unlike "):
+        return title
+    if setting not in footnotes:
+        footnotes.append(setting)
+    return f"{title} [{footnotes.index(setting) + 1}]"
+
+
+def pair_rows(rows: Sequence[Dict[str, object]], note: Callable[[str], None]) -> Dict[Tuple[str, str], Table]:
+    """The rows of each (teacher, student) table: [name, top-1, top-5, paper top-1, diff], and its
+    footnotes: where a row's run departs from the paper setting (``[1] unlike RECIPE: ...``)."""
     pairs: Dict[Tuple[str, str], List[Dict[str, object]]] = {}
     alone: Dict[str, Dict[str, object]] = {}
     for row in rows:
@@ -68,6 +84,7 @@ def pair_rows(rows: Sequence[Dict[str, object]], note: Callable[[str], None]) ->
     tables = {}
     for (teacher, student), runs in pairs.items():
         lines = []
+        footnotes: List[str] = []
         first = runs[0]
         if first.get("_teacher_top1") is not None:
             ref = published(teacher, str(first.get("_teacher_weights"))) if first.get("_imagenet") else None
@@ -78,7 +95,8 @@ def pair_rows(rows: Sequence[Dict[str, object]], note: Callable[[str], None]) ->
             )  # fmt: skip
         base = alone.get(student)
         if base is not None:
-            lines.append([f"student alone ({student})", _number(base["best_top1"]), _number(base["best_top5"]),
+            alone_title = _marked(f"student alone ({student})", base, footnotes)
+            lines.append([alone_title, _number(base["best_top1"]), _number(base["best_top5"]),
                           _number(base["reference_top1"]), _diff(base["diff"])])  # fmt: skip
         else:
             note(f"no run of {student} alone among the runs: train one with --no-teacher for the table's baseline row")
@@ -97,16 +115,17 @@ def pair_rows(rows: Sequence[Dict[str, object]], note: Callable[[str], None]) ->
             if titles.count(title) > 1:  # the same method in two runs: told apart by their folders
                 run = Path(str(row["run"]))
                 title = f"{title} ({run.parent.name}/{run.name})"
-            lines.append([title, _number(row["best_top1"]), _number(row["best_top5"]),
+            lines.append([_marked(title, row, footnotes), _number(row["best_top1"]), _number(row["best_top5"]),
                           _number(row["reference_top1"]), _diff(row["diff"])])  # fmt: skip
-        tables[(teacher, student)] = lines
+        tables[(teacher, student)] = (lines, [f"[{i}] {text}" for i, text in enumerate(footnotes, 1)])
     return tables
 
 
 def markdown(rows: Sequence[Dict[str, object]], note: Callable[[str], None]) -> str:
     out = []
-    for (teacher, student), lines in pair_rows(rows, note).items():
-        out.append(f"{teacher} -> {student}\n\n" + table.markdown([dict(zip(HEADER, line)) for line in lines], HEADER))
+    for (teacher, student), (lines, footnotes) in pair_rows(rows, note).items():
+        text = table.markdown([dict(zip(HEADER, line)) for line in lines], HEADER)
+        out.append(f"{teacher} -> {student}\n\n{text}" + "".join(f"\n\n{line}" for line in footnotes))
     return "\n\n".join(out)
 
 
@@ -119,7 +138,7 @@ def _tex(text: str) -> str:
 def latex(rows: Sequence[Dict[str, object]], note: Callable[[str], None]) -> str:
     """One booktabs tabular per pair (``\\usepackage{booktabs}``)."""
     out = []
-    for (teacher, student), lines in pair_rows(rows, note).items():
+    for (teacher, student), (lines, footnotes) in pair_rows(rows, note).items():
         body = []
         for i, line in enumerate(lines):
             if (
@@ -140,6 +159,7 @@ def latex(rows: Sequence[Dict[str, object]], note: Callable[[str], None]) -> str
                     r"\midrule",
                     *body,
                     r"\bottomrule",
+                    *(rf"\multicolumn{{5}}{{l}}{{\footnotesize {_tex(line)}}} \\" for line in footnotes),
                     r"\end{tabular}",
                 ]
             )

@@ -1,4 +1,5 @@
-"""``kd report OUT...``: several runs' metrics.jsonl as one table (markdown and CSV).
+"""``kd report OUT...``: several runs' metrics.jsonl as one table (markdown and CSV); with
+``--provenance``, what each was made of (its provenance.json).
 
 A path is a run folder (it holds ``metrics.jsonl``) or a folder of runs, searched below. Two
 times: ``wall_time``, from the ``kd`` command's start to the run's end with every resumed part
@@ -20,6 +21,7 @@ import yaml
 
 from kd.commands import table
 from kd.errors import KDError
+from kd.run import papers
 from kd.run.log import unended_parts, wall_parts
 from kd.runfolder import RunFolder
 
@@ -36,6 +38,7 @@ COLUMNS = [
     "val_images",
     "reference_top1",
     "diff",
+    "paper_setting",
     "wall_time",
     "train_time",
 ]
@@ -89,6 +92,7 @@ def collect(run: Path) -> Dict[str, object]:
         "val_images": images_over(last),
         "reference_top1": ref if ref is not None else "-",
         "diff": round(best["val_top1"] - ref, 2) if ref is not None else "-",
+        "paper_setting": papers.cell(cfg, method_defaults) if cfg else "-",
         "wall_time": (duration(wall) + ("+" if unended else "")) if wall is not None else "-",
         "train_time": duration(train),
         "wall_s": round(wall, 1) if wall is not None else "",
@@ -198,15 +202,21 @@ def paper_reference(cfg: Dict[str, Any], records: List[Dict[str, Any]]) -> Tuple
     return ref, None
 
 
+def method_defaults(method: str) -> Dict[str, Any]:
+    """A KD method's default hyper-parameters (none for a name no method has)."""
+    from kd.losses import LOSSES
+
+    return dict(LOSSES.get(method).defaults) if method in LOSSES.names() else {}
+
+
 def _loss_settings(cfg: Dict[str, Any]) -> Dict[str, Any]:
     """The hyper-parameters a config gives its method (loss_args and the loss options, over the method's
     defaults), so that a switch given outside the recipe's keys counts too."""
     from kd.config import LOSS_OPTIONS
-    from kd.losses import LOSSES
 
     method = cfg.get("kd_loss", "kd")
     given = {**(cfg.get("loss_args") or {}), **{k: cfg[k] for k in LOSS_OPTIONS if cfg.get(k) is not None}}
-    defaults = LOSSES.get(method).defaults if method in LOSSES.names() else {}
+    defaults = method_defaults(method)
     return {k: float(v) if isinstance(v, (bool, int, float)) else v for k, v in {**defaults, **given}.items()}
 
 
@@ -368,6 +378,21 @@ def run_labels(runs: Sequence[Path]) -> List[str]:
 
 def markdown(rows: List[Dict[str, object]]) -> str:
     return table.markdown(rows, COLUMNS)
+
+
+def provenance_table(rows: List[Dict[str, object]], note: Callable[[str], None]) -> str:
+    """Each run's provenance.json (:func:`kd.run.provenance.summary`) as one table; ``note`` hears of a run
+    of a kd that wrote none."""
+    from kd.run import provenance
+
+    lines = []
+    for row in rows:
+        found = provenance.summary(Path(str(row["run"])))
+        if found is None:
+            note(f"{row['run']}: no provenance.json (a run of an older kd)")
+            found = {**{column: "-" for column in provenance.COLUMNS}, "run": str(row["run"])}
+        lines.append(found)
+    return table.markdown(lines, provenance.COLUMNS)
 
 
 def to_csv(rows: List[Dict[str, object]]) -> str:

@@ -13,10 +13,10 @@ from torch import nn
 
 from kd import models
 from kd.errors import KDError
-from kd.losses import DistillLoss, build_loss, split_layers
+from kd.losses import LOSSES, DistillLoss, build_loss, split_layers
 from kd.precision import make_precision
 from kd.precision.cpu import slow_precision_warning
-from kd.run import checkpoint
+from kd.run import checkpoint, papers
 from kd.run.dot import check_applies
 from kd.run.lane import Lane, TrainState, stop_in_setup
 from kd.run.log import NullLogger, RunLogger
@@ -92,7 +92,10 @@ def build_lane(
         )
         model = torch.compile(model, mode=cfg.compile_mode)
     scheduler = build_scheduler(cfg, optimizer, len(data.train))
-    notes = [line for line in (lr_note(cfg), cfg.schedule_note) if line]  # what kd kept or chose: also in config.yaml
+    # the teacher of a store is its manifest's (set later), not compared here
+    setting = {k: v for k, v in cfg.to_dict().items() if not (cfg.soft_labels and k == "teacher_weights")}
+    # what kd kept or chose, and where it departs from the paper it resembles: also in config.yaml
+    notes = [line for line in (lr_note(cfg), cfg.schedule_note, papers.start_line(setting, method_defaults)) if line]
     clock.mark("optimizer")  # with the precision, the backend's wrap and torch.compile's
     lane = Lane(
         name=name,
@@ -127,6 +130,11 @@ def build_lane(
         logger.info(line)
     lane.log_data_configs()  # once set-up has succeeded: a failed start stays one line
     return lane
+
+
+def method_defaults(method: str) -> Dict[str, Any]:
+    """A KD method's default hyper-parameters (none for a name no method has)."""
+    return dict(LOSSES.get(method).defaults) if method in LOSSES.names() else {}
 
 
 def setup_feature_layers(

@@ -21,7 +21,7 @@ from kd import models
 from kd.data.pipeline import build as build_data
 from kd.errors import KDError, NonFinite
 from kd.losses import LOSSES
-from kd.run import checkpoint
+from kd.run import checkpoint, provenance
 from kd.run.build import build_lane
 from kd.run.lane import Lane, stop_in_setup
 from kd.run.log import SetupClock, command_start, open_part
@@ -64,13 +64,14 @@ def own_generators(lane: Lane):
 
 def start_folder(lane: Lane, resumed: bool) -> None:
     """Once set-up has succeeded, the main process starts ``lane``'s run folder (a failed start leaves no
-    run behind; a resumed one is kept) and writes config.yaml."""
+    run behind; a resumed one is kept) and writes config.yaml and provenance.json."""
     if lane.backend.is_main:
         if not resumed:
             RunFolder(lane.out).start()
         else:
             lane.out.mkdir(parents=True, exist_ok=True)
         kd_config.save(lane.cfg, RunFolder(lane.out).config, notes=lane.notes)
+        provenance.write(lane.out, lane.cfg, lane.backend, resumed)
         open_part(lane.out, lane.clock.started)
 
 
