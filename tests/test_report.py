@@ -311,6 +311,23 @@ def _table_run(root: Path, recipe: str, top1: float, options=None, teacher=None,
     return out
 
 
+def test_a_dot_run_is_titled_so_and_compared_with_the_dot_recipe_only(tmp_path):
+    """--dot is a trainer switch outside the method's recipe keys: a KD recipe run with it is 'KD + DOT'
+    and gets no paper reference (the KD recipe's is not its setting); the DOT recipe's run gets DOT's."""
+    _table_run(tmp_path / "kd", "imagenet/r34_r18_kd", 71.3, options={"dot": True})
+    _table_run(tmp_path / "dot", "imagenet/r34_r18_kd_dot", 71.6)
+    r = kd_main("report", tmp_path, "--format", "markdown")
+    assert r.returncode == 0, r.stderr
+    lines = [line for line in r.stdout.splitlines() if line.startswith("| KD")]
+    assert lines == [
+        "| KD + DOT (dot/r34_r18_kd_dot) | 71.60 | 91.10 | 71.72 | -0.12 |",
+        "| KD + DOT (kd/r34_r18_kd) | 71.30 | 90.80 | - | - |",
+    ], r.stdout
+    assert (
+        "kd/r34_r18_kd: no paper reference shown, not the setting of recipe imagenet/r34_r18_kd: dot True" in r.stderr
+    )
+
+
 def test_report_prints_the_papers_table_in_markdown_and_latex(tmp_path):
     """Teacher, student alone, then the methods in the papers' order, with top-1, top-5 and the
     published top-1 (torchvision's for the teacher) where each run was that setting on ImageNet."""

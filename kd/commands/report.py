@@ -103,6 +103,7 @@ def collect(run: Path) -> Dict[str, object]:
         "_teacher_top5": records[0].get("teacher_top5"),
         "_teacher_weights": cfg.get("teacher_weights"),
         "_standardised": bool(cfg.get("standardise") or (cfg.get("loss_args") or {}).get("standardise")),
+        "_dot": bool(cfg.get("dot")),
         "_imagenet": bool(records) and records[0].get("train_images", 0) >= 0.99 * IMAGENET_TRAIN_IMAGES,
         "_no_wall": None if parts or unended else "no wall.jsonl (a run of an older kd): its wall time is not known",
         "_unended": (
@@ -171,6 +172,10 @@ NOT_THE_SETTING = {
 }  # fmt: skip
 
 
+#: settings of the trainer, not the method, that a recipe leaves out where they are off
+TRAINER_SWITCHES = ("dot",)
+
+
 def paper_reference(cfg: Dict[str, Any], records: List[Dict[str, Any]]) -> Tuple[Optional[float], Optional[str]]:
     """(the recipe's published top-1, None) for a run of that recipe's setting on ImageNet, else
     (None, why not) where the run's recipe has a reference: another model, method, hyper-parameter
@@ -188,13 +193,17 @@ def paper_reference(cfg: Dict[str, Any], records: List[Dict[str, Any]]) -> Tuple
     if not recipe:
         return None, f"its recipe {name} is not found here, so its setting cannot be checked"
     differ = [k for k in recipe if k not in NOT_THE_SETTING and cfg.get(k) != recipe[k]]
+    # a trainer switch a recipe may leave out (off there) changes the setting all the same
+    differ += [k for k in TRAINER_SWITCHES if k not in recipe and cfg.get(k)]
     if not differ:  # a hyper-parameter given outside the recipe's keys (--logit-standardisation, say)
         ran, published = _loss_settings(cfg), _loss_settings(recipe)
         differ = [f"loss_args.{k}" for k in sorted(set(ran) | set(published)) if ran.get(k) != published.get(k)]
         cfg = {**cfg, **{f"loss_args.{k}": v for k, v in ran.items()}}
         recipe = {**recipe, **{f"loss_args.{k}": v for k, v in published.items()}}
     if differ:
-        shown = ", ".join(f"{k} {cfg.get(k)!r} (recipe: {recipe[k]!r})" for k in differ[:3])
+        shown = ", ".join(
+            f"{k} {cfg.get(k)!r}" + (f" (recipe: {recipe[k]!r})" if k in recipe else "") for k in differ[:3]
+        )
         return None, f"not the setting of recipe {name}: {shown}{' ...' if len(differ) > 3 else ''}"
     images = records[0].get("train_images") if records else None
     if images is not None and images < 0.99 * IMAGENET_TRAIN_IMAGES:
