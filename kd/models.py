@@ -140,21 +140,49 @@ def build(name: str, num_classes: int, weights: str = "none") -> nn.Module:
             )
     elif weights not in ("none", None):
         state = load_state_file(weights)
+    model = construct(name, num_classes, weights)
+    if state is not None:
+        load_into(model, without_aux_heads(model, state), name, weights)
+    return model
+
+
+def construct(name: str, num_classes: int, weights: Optional[str] = "none") -> nn.Module:
+    """Model ``name`` as its library builds it for ``weights``, not loaded (:func:`build` loads them)."""
     if name.startswith(TIMM_PREFIX):
         import timm
 
-        model = timm.create_model(name[len(TIMM_PREFIX) :], pretrained=False, num_classes=num_classes)
-    else:
-        import torchvision.models as tvm
+        return timm.create_model(name[len(TIMM_PREFIX) :], pretrained=False, num_classes=num_classes)
+    import torchvision.models as tvm
 
-        kwargs: Dict[str, Any] = {"num_classes": num_classes}
-        if name.startswith(("inception", "googlenet")):
-            kwargs["aux_logits"] = False
-            kwargs["init_weights"] = False
-        model = tvm.get_model(name, weights=None, **kwargs)
-    if state is not None:
-        load_into(model, state, name, weights)
-    return model
+    member = torchvision_weights(name, str(weights)) if is_named(weights) else None
+    return tvm.get_model(name, weights=None, **torchvision_kwargs(name, num_classes, member))
+
+
+#: the auxiliary classifiers of torchvision's inception_v3 and googlenet: their published weights hold
+#: them, and torchvision's builders load them and then drop the heads (kd builds without them)
+AUX_HEADS = ("AuxLogits.", "aux1.", "aux2.")
+
+
+def torchvision_kwargs(name: str, num_classes: int, member: Any = None) -> Dict[str, Any]:
+    """The arguments torchvision's builder of ``name`` gives the model for weights ``member`` (None:
+    none by name): inception_v3 and googlenet rescale their input as Google's models did
+    (``transform_input``) and leave their auxiliary heads out; a ViT of SWAG weights is built at
+    their size (384 or 518 px)."""
+    kwargs: Dict[str, Any] = {"num_classes": num_classes}
+    if name.startswith(("inception", "googlenet")):
+        kwargs.update(aux_logits=False, init_weights=False)
+        if member is not None:
+            kwargs["transform_input"] = True
+    if member is not None and name.startswith("vit_"):
+        kwargs["image_size"] = member.meta["min_size"][0]
+    return kwargs
+
+
+def without_aux_heads(model: nn.Module, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """``state`` less the keys of auxiliary heads (:data:`AUX_HEADS`) that ``model`` was built without:
+    torchvision loads its inception_v3 and googlenet weights with them, then drops the heads."""
+    own = model.state_dict()
+    return {k: v for k, v in state.items() if k in own or not k.startswith(AUX_HEADS)}
 
 
 def classifier_outputs(state: Dict[str, torch.Tensor]) -> Optional[int]:
