@@ -279,22 +279,53 @@ class DataConfig:
     #: timm floors ``image_size / crop_pct``; torchvision's resize sizes are published numbers, kd rounds
     floor: bool = False
     source: str = "torchvision's ImageNet defaults"
+    #: the resolution its weights were trained at (timm's ``input_size``, torchvision's crop size, a kd
+    #: run's ``--image-size``); None: no weights of a known size, it takes the run's crop as it is
+    size: Optional[int] = None
+    #: its weights' published evaluation crop (timm's ``test_input_size`` where given), and the short
+    #: side as a multiple of it there (timm's ``1 / test_crop_pct``; None: ``resize_ratio``)
+    eval_size: Optional[int] = None
+    eval_ratio: Optional[float] = None
+    #: timm's ``crop_mode`` (center, squash, border); kd's evaluation crops from the centre
+    crop_mode: str = "center"
 
-    def val_resize(self, image_size: int) -> int:
-        value = image_size * self.resize_ratio
+    def val_resize(self, image_size: int, ratio: Optional[float] = None) -> int:
+        value = image_size * (ratio or self.resize_ratio)
         return int(math.floor(value + 1e-6)) if self.floor else int(round(value))
 
-    def describe(self, image_size: int, resize: Optional[int] = None, interpolation: Optional[str] = None) -> str:
+    def train_size(self, crop: int) -> int:
+        """The side this model is fed during training when the run's crops are ``crop`` pixels."""
+        return self.size or crop
+
+    def evaluation(self, crop: int) -> Tuple[int, int]:
+        """Its evaluation crop and short-side resize: its weights' published ones, else at ``crop``."""
+        if not self.eval_size:
+            return crop, self.val_resize(crop)
+        return self.eval_size, self.val_resize(self.eval_size, self.eval_ratio)
+
+    def training_line(self, crop: int) -> str:
+        """What the model sees in training: ``train 224`` or ``train 224->299 (resized on the device)``."""
+        size = self.train_size(crop)
+        return f"train {crop}" if size == crop else f"train {crop}->{size} (resized on the device)"
+
+    def describe(
+        self, image_size: int, resize: Optional[int] = None, interpolation: Optional[str] = None, own: bool = False
+    ) -> str:
         """One line: the normalisation and the evaluation transform; ``resize`` and ``interpolation``
-        where the run's options (``--val-resize``, ``val_interpolation``) replace the model's."""
+        where the run's options (``--val-resize``, ``val_interpolation``) replace the model's; ``own``:
+        evaluated at its weights' own size where they have one (:meth:`evaluation`), not ``image_size``."""
         mean = ", ".join(f"{m:g}" for m in self.mean)
         std = ", ".join(f"{s:g}" for s in self.std)
+        if own:
+            image_size, resize = self.evaluation(image_size)
         size = resize or self.val_resize(image_size)
+        option = " (--val-resize)" if resize and not own else ""
         how = f"{interpolation} (val_interpolation)" if interpolation else self.interpolation
         line = (
-            f"mean ({mean}) std ({std}); eval: {how} resize {size}{' (--val-resize)' if resize else ''}, "
-            f"centre crop {image_size} ({self.source})"
+            f"mean ({mean}) std ({std}); eval: {how} resize {size}{option}, centre crop {image_size} ({self.source})"
         )
+        if self.crop_mode != "center":
+            line += f"; timm crops these weights by {self.crop_mode!r}, kd from the centre"
         if size < image_size:  # torchvision's CenterCrop pads; kd's crop is the same, bit for bit
             line += f"; resize {size} is smaller than the crop: its border is padded with black, as torchvision does"
         return line
@@ -307,6 +338,10 @@ class DataConfig:
             "resize_ratio": self.resize_ratio,
             "floor": self.floor,
             "source": self.source,
+            "size": self.size,
+            "eval_size": self.eval_size,
+            "eval_ratio": self.eval_ratio,
+            "crop_mode": self.crop_mode,
         }
 
     @classmethod
@@ -320,7 +355,15 @@ class DataConfig:
             float(d.get("resize_ratio", 256 / 224)),
             bool(d.get("floor", False)),
             str(d.get("source", "given")),
+            _size(d.get("size")),
+            _size(d.get("eval_size")),
+            float(d["eval_ratio"]) if d.get("eval_ratio") else None,
+            str(d.get("crop_mode") or "center"),
         )
+
+
+def _size(value: Any) -> Optional[int]:
+    return int(value) if value else None
 
 
 def data_config(name: str, weights: Optional[str] = "none") -> DataConfig:
@@ -331,8 +374,11 @@ def data_config(name: str, weights: Optional[str] = "none") -> DataConfig:
     the defaults (torchvision)."""
     weights = weights or "none"
     stored = kd_run_data(weights)
-    if stored:  # a kd checkpoint: the data config its run trained and validated with
-        return DataConfig.from_dict({**stored, "source": f"its kd run, {Path(weights).name}"})
+    if stored:  # a kd checkpoint: the data config its run trained and validated with, at its run's size
+        size = kd_run_size(weights)
+        return DataConfig.from_dict(
+            {**stored, "source": f"its kd run, {Path(weights).name}", "size": size, "eval_size": size}
+        )
     if name.startswith(TIMM_PREFIX):
         from timm.models import get_pretrained_cfg
 
@@ -341,7 +387,14 @@ def data_config(name: str, weights: Optional[str] = "none") -> DataConfig:
         if cfg is None:
             return DataConfig(source=f"timm has no pretrained config for {arch}: torchvision's ImageNet defaults")
         interpolation = cfg.interpolation if cfg.interpolation in INTERPOLATIONS else "bicubic"
-        return DataConfig(tuple(cfg.mean), tuple(cfg.std), interpolation, 1.0 / cfg.crop_pct, True, f"timm {arch}")  # type: ignore[arg-type]
+        sizes: Dict[str, Any] = {}
+        if is_named(weights):  # the sizes of these weights (timm's resolve_data_config, use_test_size at eval)
+            test = cfg.test_input_size or cfg.input_size
+            test_pct = cfg.test_crop_pct or cfg.crop_pct
+            sizes = {"size": cfg.input_size[-1], "eval_size": test[-1], "eval_ratio": 1.0 / test_pct}
+            sizes["crop_mode"] = cfg.crop_mode or "center"
+        mean, std = tuple(cfg.mean), tuple(cfg.std)
+        return DataConfig(mean, std, interpolation, 1.0 / cfg.crop_pct, True, f"timm {arch}", **sizes)  # type: ignore[arg-type]
     if not is_named(weights):
         return DataConfig()
     member = torchvision_weights(name, weights)
@@ -355,6 +408,8 @@ def data_config(name: str, weights: Optional[str] = "none") -> DataConfig:
         resize / crop,
         False,
         f"torchvision {type(member).__name__}.{member.name}",
+        size=crop,
+        eval_size=crop,
     )
 
 
@@ -374,6 +429,13 @@ def kd_run_model(weights: str) -> Optional[str]:
     """The model a kd checkpoint holds (its run's student), or None for any other weights."""
     obj = _kd_checkpoint(weights)
     return obj.get("student_name") if obj else None
+
+
+def kd_run_size(weights: str) -> Optional[int]:
+    """The ``--image-size`` a kd checkpoint's run trained at, or None for any other weights."""
+    obj = _kd_checkpoint(weights)
+    config = obj.get("config") if obj else None
+    return _size(config.get("image_size")) if isinstance(config, dict) else None
 
 
 def kd_run_data(weights: str) -> Optional[Dict[str, Any]]:
@@ -454,7 +516,7 @@ def teacher_preprocessing_note(cfg) -> Optional[str]:
     if not trained.get("image_size"):
         return None
     theirs = (trained["image_size"], trained.get("val_resize") or DataConfig().val_resize(trained["image_size"]))
-    ours = (cfg.image_size, cfg.val_resize or DataConfig().val_resize(cfg.image_size))
+    ours = DataConfig.from_dict(cfg.teacher_data or {}).evaluation(cfg.image_size)
     if theirs == ours:
         return None
     return (

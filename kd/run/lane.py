@@ -357,9 +357,12 @@ class Lane:
             ("teacher", cfg.teacher, cfg.teacher_data),
         ):
             if data:
-                # the student validates with --val-resize and val_interpolation where given (val_transform)
-                given = (cfg.val_resize, cfg.val_interpolation) if role == "student" else (None, None)
-                line = models.DataConfig.from_dict(data).describe(cfg.image_size, *given)
+                config = models.DataConfig.from_dict(data)
+                if role == "student":  # the run's crops as they are; --val-resize, val_interpolation where given
+                    given = (cfg.val_resize, cfg.val_interpolation)
+                    line = f"train {cfg.image_size}; " + config.describe(cfg.image_size, *given)
+                else:  # the crops at its own size, its own evaluation
+                    line = f"{config.training_line(cfg.image_size)}; " + config.describe(cfg.image_size, own=True)
                 self.logger.info(f"{role} {name}: {line}")
 
     def use_teacher(self, teacher: Teacher) -> None:
