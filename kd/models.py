@@ -321,9 +321,7 @@ class DataConfig:
         size = resize or self.val_resize(image_size)
         option = " (--val-resize)" if resize and not own else ""
         how = f"{interpolation} (val_interpolation)" if interpolation else self.interpolation
-        line = (
-            f"mean ({mean}) std ({std}); eval: {how} resize {size}{option}, centre crop {image_size} ({self.source})"
-        )
+        line = f"mean ({mean}) std ({std}); eval: {how} resize {size}{option}, centre crop {image_size} ({self.source})"
         if self.crop_mode != "center":
             line += f"; timm crops these weights by {self.crop_mode!r}, kd from the centre"
         if size < image_size:  # torchvision's CenterCrop pads; kd's crop is the same, bit for bit
@@ -451,7 +449,13 @@ def with_data_configs(cfg):
     resolved from their names and weights where not given (a saved config keeps its own)."""
     changes: Dict[str, Any] = {}
     if cfg.student_data is None and cfg.student is not None:
-        changes["student_data"] = data_config(cfg.student, cfg.student_weights).to_dict()
+        student = data_config(cfg.student, cfg.student_weights)
+        if cfg.student.startswith("vit_") and student.size and student.size != cfg.image_size:
+            raise KDError(
+                f"student {cfg.student} with {cfg.student_weights} is built for {student.size} px images only "
+                f"(torchvision's ViTs take one size): pass --image-size {student.size}"
+            )
+        changes["student_data"] = student.to_dict()
     if cfg.teacher_data is None and not cfg.no_teacher and cfg.teacher:
         changes["teacher_data"] = data_config(cfg.teacher, cfg.teacher_weights).to_dict()
     return dataclasses.replace(cfg, **changes) if changes else cfg
