@@ -96,3 +96,25 @@ def test_weights_with_auxiliary_heads_load_as_torchvision_loads_them(tmp_path, m
     images = torch.randn(2, 3, size, size)
     with torch.no_grad():
         torch.testing.assert_close(ours(images), theirs(images))
+
+
+def _file_of_library_keys(path: Path, name: str, classes: int) -> Path:
+    """A weight file of ``name`` with its auxiliary heads, as torchvision builds it to load its weights."""
+    torch.manual_seed(0)
+    model = tvm.get_model(name, weights=None, aux_logits=True, init_weights=True, num_classes=classes)
+    torch.save(model.state_dict(), path)
+    return path
+
+
+@pytest.mark.slow
+def test_kd_eval_and_a_student_load_files_with_auxiliary_heads(image_folder, tmp_path):
+    from tests.conftest import kd_main, train_args
+
+    weights = _file_of_library_keys(tmp_path / "inception.pth", "inception_v3", 3)
+    r = kd_main("eval", "--model", "inception_v3", "--weights", weights, "--data", image_folder, "--device", "cpu")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "inception_v3" in r.stdout and "top-1" in r.stdout
+    student = _file_of_library_keys(tmp_path / "googlenet.pth", "googlenet", 3)
+    args = train_args(image_folder, tmp_path / "run", student="googlenet", student_weights=student, image_size=64)
+    r = kd_main(*args, "--no-progress", "--limit-train-batches", "1", "--set", "val_cache_gb=0")
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -82,8 +82,8 @@ class Teacher:
     ):
         """``renorm``: from the loaders' normalisation to the teacher's own (None where they agree);
         ``owns_val``: ``val`` is the teacher's own (its eval transform), closed after its first validation;
-        ``train_size``, ``val_size``: the side the teacher is fed the training crops and ``val``'s
-        images at, resized on the device where they come at another (None: as they come)."""
+        ``train_size``, ``val_size``: the size in pixels the teacher is fed the training crops and
+        ``val``'s images at, resized on the device from the size they come at (None: as they come)."""
         self.cfg = cfg
         self.backend = backend
         self.layers = list(layers)
