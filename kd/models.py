@@ -373,10 +373,9 @@ def data_config(name: str, weights: Optional[str] = "none") -> DataConfig:
     weights = weights or "none"
     stored = kd_run_data(weights)
     if stored:  # a kd checkpoint: the data config its run trained and validated with, at its run's size
-        size = kd_run_size(weights)
-        return DataConfig.from_dict(
-            {**stored, "source": f"its kd run, {Path(weights).name}", "size": size, "eval_size": size}
-        )
+        size, resize = kd_run_sizes(weights)
+        at_size = {"size": size, "eval_size": size, "eval_ratio": resize / size if size and resize else None}
+        return DataConfig.from_dict({**stored, "source": f"its kd run, {Path(weights).name}", **at_size})
     if name.startswith(TIMM_PREFIX):
         from timm.models import get_pretrained_cfg
 
@@ -429,11 +428,14 @@ def kd_run_model(weights: str) -> Optional[str]:
     return obj.get("student_name") if obj else None
 
 
-def kd_run_size(weights: str) -> Optional[int]:
-    """The ``--image-size`` a kd checkpoint's run trained at, or None for any other weights."""
+def kd_run_sizes(weights: str) -> Tuple[Optional[int], Optional[int]]:
+    """The ``--image-size`` a kd checkpoint's run trained at and its ``--val-resize`` where given;
+    None for any other weights."""
     obj = _kd_checkpoint(weights)
     config = obj.get("config") if obj else None
-    return _size(config.get("image_size")) if isinstance(config, dict) else None
+    if not isinstance(config, dict):
+        return None, None
+    return _size(config.get("image_size")), _size(config.get("val_resize"))
 
 
 def kd_run_data(weights: str) -> Optional[Dict[str, Any]]:

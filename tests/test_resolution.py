@@ -198,3 +198,19 @@ def test_a_vit_student_of_weights_at_another_size_says_which_size(data, tmp_path
     )  # fmt: skip
     with pytest.raises(models.KDError, match="built for 384 px images only .*: pass --image-size 384"):
         models.with_data_configs(cfg)
+
+
+@pytest.mark.slow
+def test_a_kd_trained_teacher_is_fed_and_validated_at_its_runs_size(data, tmp_path):
+    """A teacher kd trained at 48 px (val resize 50) beside a student at 32: fed the crops at 48 and
+    validated as its own run validated it."""
+    teacher = tmp_path / "teacher"
+    args = train_args(data, teacher, no_teacher=True, image_size=48, val_resize=50, no_progress=True)
+    assert kd_main(*args, "--limit-train-batches", "1").returncode == 0
+    best = teacher / "checkpoints" / "best.pt"
+    args = train_args(data, tmp_path / "student", teacher=None, teacher_weights=best, no_progress=True)
+    result = kd_main(*args, "--limit-train-batches", "1")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "teacher resnet18: train 32->48 (resized on the device); " in result.stderr
+    assert "teacher resnet18: validated on its own crops (bilinear, resize 50, crop 48)" in result.stderr
+    assert "so its top-1 here differs" not in result.stderr
