@@ -369,7 +369,8 @@ def data_config(name: str, weights: Optional[str] = "none") -> DataConfig:
     a timm model's pretrained config (its default tag's, or ``timm:TAG``'s); a torchvision model's
     named weights' transforms (``pretrained`` is the library's default weights); otherwise
     torchvision's ImageNet defaults. Weights from a file keep the model's own config (timm) or
-    the defaults (torchvision)."""
+    the defaults (torchvision). Named weights and a kd checkpoint carry their size (training and
+    evaluation); random weights and other files take the run's."""
     weights = weights or "none"
     stored = kd_run_data(weights)
     if stored:  # a kd checkpoint: the data config its run trained and validated with, at its run's size
