@@ -243,12 +243,20 @@ def teach(ctx, recipe, sets, top_k, logits_dtype, timed_after, **options):
 @click.option("--weights", required=True, metavar="PATH|pretrained", help="Weights file (kd checkpoints too).")
 @click.option("--data", required=True, metavar="DIR", help="Folder with a val/ ImageFolder.")
 @click.option("--batch-size", "-b", type=int, default=256, show_default=True)
-@click.option("--image-size", type=int, default=None, help="Val crop size [a kd checkpoint's run's, else 224].")
+@click.option(
+    "--image-size",
+    type=int,
+    default=None,
+    help="Val crop size [a kd checkpoint's run's, else the weights' published one, else 224].",
+)
 @click.option(
     "--val-resize",
     type=int,
     default=None,
-    help="Short-side resize before the crop [the run's at its image size, else image-size * 256/224].",
+    help=(
+        "Short-side resize before the crop [the run's at its image size, else the weights' published one, "
+        "else image-size * 256/224]."
+    ),
 )
 @click.option("--workers", "-j", type=int, default=None, help="DataLoader worker processes [CPU cores less one].")
 @click.option("--num-classes", type=int, default=None, help="[a kd checkpoint's, else the class folders of val/]")

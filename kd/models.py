@@ -160,21 +160,49 @@ def build(name: str, num_classes: int, weights: str = "none") -> nn.Module:
             )
     elif weights not in ("none", None):
         state = load_state_file(weights)
+    model = construct(name, num_classes, weights)
+    if state is not None:
+        load_into(model, without_aux_heads(model, state), name, weights)
+    return model
+
+
+def construct(name: str, num_classes: int, weights: Optional[str] = "none") -> nn.Module:
+    """Model ``name`` as its library builds it for ``weights``, not loaded (:func:`build` loads them)."""
     if name.startswith(TIMM_PREFIX):
         import timm
 
-        model = timm.create_model(name[len(TIMM_PREFIX) :], pretrained=False, num_classes=num_classes)
-    else:
-        import torchvision.models as tvm
+        return timm.create_model(name[len(TIMM_PREFIX) :], pretrained=False, num_classes=num_classes)
+    import torchvision.models as tvm
 
-        kwargs: Dict[str, Any] = {"num_classes": num_classes}
-        if name.startswith(("inception", "googlenet")):
-            kwargs["aux_logits"] = False
-            kwargs["init_weights"] = False
-        model = tvm.get_model(name, weights=None, **kwargs)
-    if state is not None:
-        load_into(model, state, name, weights)
-    return model
+    member = torchvision_weights(name, str(weights)) if is_named(weights) else None
+    return tvm.get_model(name, weights=None, **torchvision_kwargs(name, num_classes, member))
+
+
+#: the auxiliary classifiers of torchvision's inception_v3 and googlenet: their published weights hold
+#: them, and torchvision's builders load them and then drop the heads (kd builds without them)
+AUX_HEADS = ("AuxLogits.", "aux1.", "aux2.")
+
+
+def torchvision_kwargs(name: str, num_classes: int, member: Any = None) -> Dict[str, Any]:
+    """The arguments torchvision's builder of ``name`` gives the model for weights ``member`` (None:
+    none by name): inception_v3 and googlenet rescale their input as Google's models did
+    (``transform_input``) and leave their auxiliary heads out; a ViT of SWAG weights is built at
+    their size (384 or 518 px)."""
+    kwargs: Dict[str, Any] = {"num_classes": num_classes}
+    if name.startswith(("inception", "googlenet")):
+        kwargs.update(aux_logits=False, init_weights=False)
+        if member is not None:
+            kwargs["transform_input"] = True
+    if member is not None and name.startswith("vit_"):
+        kwargs["image_size"] = member.meta["min_size"][0]
+    return kwargs
+
+
+def without_aux_heads(model: nn.Module, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """``state`` less the keys of auxiliary heads (:data:`AUX_HEADS`) that ``model`` was built without:
+    torchvision loads its inception_v3 and googlenet weights with them, then drops the heads."""
+    own = model.state_dict()
+    return {k: v for k, v in state.items() if k in own or not k.startswith(AUX_HEADS)}
 
 
 def classifier_outputs(state: Dict[str, torch.Tensor]) -> Optional[int]:
@@ -271,22 +299,51 @@ class DataConfig:
     #: timm floors ``image_size / crop_pct``; torchvision's resize sizes are published numbers, kd rounds
     floor: bool = False
     source: str = "torchvision's ImageNet defaults"
+    #: the resolution its weights were trained at (timm's ``input_size``, torchvision's crop size, a kd
+    #: run's ``--image-size``); None: no weights of a known size, it takes the run's crop as it is
+    size: Optional[int] = None
+    #: its weights' published evaluation crop (timm's ``test_input_size`` where given), and the short
+    #: side as a multiple of it there (timm's ``1 / test_crop_pct``; None: ``resize_ratio``)
+    eval_size: Optional[int] = None
+    eval_ratio: Optional[float] = None
+    #: timm's ``crop_mode`` (center, squash, border); kd's evaluation crops from the centre
+    crop_mode: str = "center"
 
-    def val_resize(self, image_size: int) -> int:
-        value = image_size * self.resize_ratio
+    def val_resize(self, image_size: int, ratio: Optional[float] = None) -> int:
+        value = image_size * (ratio or self.resize_ratio)
         return int(math.floor(value + 1e-6)) if self.floor else int(round(value))
 
-    def describe(self, image_size: int, resize: Optional[int] = None, interpolation: Optional[str] = None) -> str:
+    def train_size(self, crop: int) -> int:
+        """The side this model is fed during training when the run's crops are ``crop`` pixels."""
+        return self.size or crop
+
+    def evaluation(self, crop: int) -> Tuple[int, int]:
+        """Its evaluation crop and short-side resize: its weights' published ones, else at ``crop``."""
+        if not self.eval_size:
+            return crop, self.val_resize(crop)
+        return self.eval_size, self.val_resize(self.eval_size, self.eval_ratio)
+
+    def training_line(self, crop: int) -> str:
+        """What the model sees in training: ``train 224`` or ``train 224->299 (resized on the device)``."""
+        size = self.train_size(crop)
+        return f"train {crop}" if size == crop else f"train {crop}->{size} (resized on the device)"
+
+    def describe(
+        self, image_size: int, resize: Optional[int] = None, interpolation: Optional[str] = None, own: bool = False
+    ) -> str:
         """One line: the normalisation and the evaluation transform; ``resize`` and ``interpolation``
-        where the run's options (``--val-resize``, ``val_interpolation``) replace the model's."""
+        where the run's options (``--val-resize``, ``val_interpolation``) replace the model's; ``own``:
+        evaluated at its weights' own size where they have one (:meth:`evaluation`), not ``image_size``."""
         mean = ", ".join(f"{m:g}" for m in self.mean)
         std = ", ".join(f"{s:g}" for s in self.std)
+        if own:
+            image_size, resize = self.evaluation(image_size)
         size = resize or self.val_resize(image_size)
+        option = " (--val-resize)" if resize and not own else ""
         how = f"{interpolation} (val_interpolation)" if interpolation else self.interpolation
-        line = (
-            f"mean ({mean}) std ({std}); eval: {how} resize {size}{' (--val-resize)' if resize else ''}, "
-            f"centre crop {image_size} ({self.source})"
-        )
+        line = f"mean ({mean}) std ({std}); eval: {how} resize {size}{option}, centre crop {image_size} ({self.source})"
+        if self.crop_mode != "center":
+            line += f"; timm crops these weights by {self.crop_mode!r}, kd from the centre"
         if size < image_size:  # torchvision's CenterCrop pads; kd's crop is the same, bit for bit
             line += f"; resize {size} is smaller than the crop: its border is padded with black, as torchvision does"
         return line
@@ -299,6 +356,10 @@ class DataConfig:
             "resize_ratio": self.resize_ratio,
             "floor": self.floor,
             "source": self.source,
+            "size": self.size,
+            "eval_size": self.eval_size,
+            "eval_ratio": self.eval_ratio,
+            "crop_mode": self.crop_mode,
         }
 
     @classmethod
@@ -312,7 +373,15 @@ class DataConfig:
             float(d.get("resize_ratio", 256 / 224)),
             bool(d.get("floor", False)),
             str(d.get("source", "given")),
+            _size(d.get("size")),
+            _size(d.get("eval_size")),
+            float(d["eval_ratio"]) if d.get("eval_ratio") else None,
+            str(d.get("crop_mode") or "center"),
         )
+
+
+def _size(value: Any) -> Optional[int]:
+    return int(value) if value else None
 
 
 def data_config(name: str, weights: Optional[str] = "none") -> DataConfig:
@@ -320,11 +389,14 @@ def data_config(name: str, weights: Optional[str] = "none") -> DataConfig:
     a timm model's pretrained config (its default tag's, or ``timm:TAG``'s); a torchvision model's
     named weights' transforms (``pretrained`` is the library's default weights); otherwise
     torchvision's ImageNet defaults. Weights from a file keep the model's own config (timm) or
-    the defaults (torchvision)."""
+    the defaults (torchvision). Named weights and a kd checkpoint carry their size (training and
+    evaluation); random weights and other files take the run's."""
     weights = weights or "none"
     stored = kd_run_data(weights)
-    if stored:  # a kd checkpoint: the data config its run trained and validated with
-        return DataConfig.from_dict({**stored, "source": f"its kd run, {Path(weights).name}"})
+    if stored:  # a kd checkpoint: the data config its run trained and validated with, at its run's size
+        size, resize = kd_run_sizes(weights)
+        at_size = {"size": size, "eval_size": size, "eval_ratio": resize / size if size and resize else None}
+        return DataConfig.from_dict({**stored, "source": f"its kd run, {Path(weights).name}", **at_size})
     if name.startswith(TIMM_PREFIX):
         from timm.models import get_pretrained_cfg
 
@@ -333,7 +405,14 @@ def data_config(name: str, weights: Optional[str] = "none") -> DataConfig:
         if cfg is None:
             return DataConfig(source=f"timm has no pretrained config for {arch}: torchvision's ImageNet defaults")
         interpolation = cfg.interpolation if cfg.interpolation in INTERPOLATIONS else "bicubic"
-        return DataConfig(tuple(cfg.mean), tuple(cfg.std), interpolation, 1.0 / cfg.crop_pct, True, f"timm {arch}")  # type: ignore[arg-type]
+        sizes: Dict[str, Any] = {}
+        if is_named(weights):  # the sizes of these weights (timm's resolve_data_config, use_test_size at eval)
+            test = cfg.test_input_size or cfg.input_size
+            test_pct = cfg.test_crop_pct or cfg.crop_pct
+            sizes = {"size": cfg.input_size[-1], "eval_size": test[-1], "eval_ratio": 1.0 / test_pct}
+            sizes["crop_mode"] = cfg.crop_mode or "center"
+        mean, std = tuple(cfg.mean), tuple(cfg.std)
+        return DataConfig(mean, std, interpolation, 1.0 / cfg.crop_pct, True, f"timm {arch}", **sizes)  # type: ignore[arg-type]
     if not is_named(weights):
         return DataConfig()
     member = torchvision_weights(name, weights)
@@ -347,6 +426,8 @@ def data_config(name: str, weights: Optional[str] = "none") -> DataConfig:
         resize / crop,
         False,
         f"torchvision {type(member).__name__}.{member.name}",
+        size=crop,
+        eval_size=crop,
     )
 
 
@@ -368,6 +449,16 @@ def kd_run_model(weights: str) -> Optional[str]:
     return obj.get("student_name") if obj else None
 
 
+def kd_run_sizes(weights: str) -> Tuple[Optional[int], Optional[int]]:
+    """The ``--image-size`` a kd checkpoint's run trained at and its ``--val-resize`` where given;
+    None for any other weights."""
+    obj = _kd_checkpoint(weights)
+    config = obj.get("config") if obj else None
+    if not isinstance(config, dict):
+        return None, None
+    return _size(config.get("image_size")), _size(config.get("val_resize"))
+
+
 def kd_run_data(weights: str) -> Optional[Dict[str, Any]]:
     """The student's data config saved in a kd checkpoint's config, or None for any other weights."""
     obj = _kd_checkpoint(weights)
@@ -381,7 +472,13 @@ def with_data_configs(cfg):
     resolved from their names and weights where not given (a saved config keeps its own)."""
     changes: Dict[str, Any] = {}
     if cfg.student_data is None and cfg.student is not None:
-        changes["student_data"] = data_config(cfg.student, cfg.student_weights).to_dict()
+        student = data_config(cfg.student, cfg.student_weights)
+        if cfg.student.startswith("vit_") and student.size and student.size != cfg.image_size:
+            raise KDError(
+                f"student {cfg.student} with {cfg.student_weights} is built for {student.size} px images only "
+                f"(torchvision's ViTs take one size): pass --image-size {student.size}"
+            )
+        changes["student_data"] = student.to_dict()
     if cfg.teacher_data is None and not cfg.no_teacher and cfg.teacher:
         changes["teacher_data"] = data_config(cfg.teacher, cfg.teacher_weights).to_dict()
     return dataclasses.replace(cfg, **changes) if changes else cfg
@@ -446,7 +543,7 @@ def teacher_preprocessing_note(cfg) -> Optional[str]:
     if not trained.get("image_size"):
         return None
     theirs = (trained["image_size"], trained.get("val_resize") or DataConfig().val_resize(trained["image_size"]))
-    ours = (cfg.image_size, cfg.val_resize or DataConfig().val_resize(cfg.image_size))
+    ours = DataConfig.from_dict(cfg.teacher_data or {}).evaluation(cfg.image_size)
     if theirs == ours:
         return None
     return (

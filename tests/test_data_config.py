@@ -62,8 +62,11 @@ def test_a_teacher_is_fed_the_crop_normalised_its_own_way(data, tmp_path, capfd)
     finally:
         t.close()
     err = capfd.readouterr().err
-    assert f"teacher {TEACHER}: mean (0.5, 0.5, 0.5) std (0.5, 0.5, 0.5); eval: bilinear resize 33" in err
-    assert "student resnet18: mean (0.485, 0.456, 0.406) std (0.229, 0.224, 0.225); eval: bilinear resize 37" in err
+    assert f"teacher {TEACHER}: train 32; mean (0.5, 0.5, 0.5) std (0.5, 0.5, 0.5); eval: bilinear resize 33" in err
+    assert (
+        "student resnet18: train 32; mean (0.485, 0.456, 0.406) std (0.229, 0.224, 0.225); eval: bilinear resize 37"
+        in err
+    )
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
     assert saved["teacher_data"]["mean"] == [0.5, 0.5, 0.5] and saved["student_data"]["std"] == [0.229, 0.224, 0.225]
 

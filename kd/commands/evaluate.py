@@ -81,16 +81,20 @@ def resolve(
         what = "with --weights pretrained" if weights == "pretrained" else f"for {weights}: not a kd checkpoint"
         raise KDError(f"--model NAME is required {what} (a kd checkpoint names its model)")
     num_classes = pick("classes", num_classes, run.get("num_classes"), None, "class folders of val/")
-    image_size = pick("image size", image_size, cfg.get("image_size"), DEFAULT_IMAGE_SIZE)
-    same_size = bool(run) and image_size == cfg.get("image_size")  # the run's resize belongs to the run's size
     own = models.DataConfig.from_dict(cfg["student_data"]) if cfg.get("student_data") else None
     if own is None:
         own = models.data_config(model, weights)
+    # weights of a published size evaluate at it (torchvision's transforms(), timm's test size and crop)
+    published, published_resize = own.evaluation(DEFAULT_IMAGE_SIZE)
+    size_source = f"the weights': {own.source}" if own.eval_size else "default"
+    image_size = pick("image size", image_size, cfg.get("image_size"), published, size_source)
+    same_size = bool(run) and image_size == cfg.get("image_size")  # the run's resize belongs to the run's size
+    model_resize = published_resize if image_size == published else own.val_resize(image_size)
     val_resize = pick(
         "val resize",
         val_resize,
         (cfg.get("val_resize") or own.val_resize(image_size)) if same_size else None,
-        own.val_resize(image_size),
+        model_resize,
         f"the model's: {own.source}",
     )
     workers = pick("workers", workers, None, default_workers(1), "default: CPU cores less one")

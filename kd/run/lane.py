@@ -103,7 +103,7 @@ class Lane:
         self.loss_terms: List[str] = []  # the loss parts besides the total, in the order of the non-finite flags
         self.resumed_step = state.global_step  # the global step it started (or resumed) at
         self.step_lr = optimizer.param_groups[0]["lr"]  # the lr of the last step taken (logged)
-        self.epoch_lr: Optional[float] = None  # the lr of this epoch's first step
+        self.epoch_lrs: List[float] = []  # the lr of each of this epoch's steps (its mean is logged)
         self.new_bad_files: Set[str] = set()  # the unreadable files this process met since the last check
         self.val_bad_files: Set[str] = set()  # the unreadable val files, named once (the same on every process)
         self.meter = Meter(self.device)
@@ -138,8 +138,8 @@ class Lane:
         record: Dict[str, Any] = {
             "epoch": self.state.epoch + 1,
             **{f"train_{k}": v for k, v in train.items()},
-            # the lr the epoch's first step trained at (the optimizer's holds the next step's)
-            "lr": float(self.epoch_lr if self.epoch_lr is not None else self.optimizer.param_groups[0]["lr"]),
+            # the mean lr the epoch's steps trained at (the optimizer's holds the next step's)
+            "lr": sum(self.epoch_lrs) / len(self.epoch_lrs) if self.epoch_lrs else self.optimizer.param_groups[0]["lr"],
             "seconds": seconds,
             "img_per_s": train.get("images", 0) / max(seconds, 1e-9),
             **(extra or {}),
@@ -178,7 +178,7 @@ class Lane:
         self.logger.info(format_record(record, cfg.epochs))
         self.state.epoch += 1
         self.state.batch_in_epoch = 0
-        self.epoch_lr = None
+        self.epoch_lrs = []
         self.save(best)
         return record
 
@@ -267,8 +267,7 @@ class Lane:
         self.buffers.restore(skipped)  # a skipped step leaves BatchNorm's statistics as they were
         flags = torch.cat([flags, (skipped & good).float().reshape(1)])  # skipped on its gradients alone
         self.step_lr = self.optimizer.param_groups[0]["lr"]  # the lr this step trained at (logged)
-        if self.epoch_lr is None:
-            self.epoch_lr = self.step_lr
+        self.epoch_lrs.append(self.step_lr)
         self.scheduler.step()
         self.loss.after_step()
         self.state.global_step += 1
@@ -370,9 +369,12 @@ class Lane:
             ("teacher", cfg.teacher, cfg.teacher_data),
         ):
             if data:
-                # the student validates with --val-resize and val_interpolation where given (val_transform)
-                given = (cfg.val_resize, cfg.val_interpolation) if role == "student" else (None, None)
-                line = models.DataConfig.from_dict(data).describe(cfg.image_size, *given)
+                config = models.DataConfig.from_dict(data)
+                if role == "student":  # the run's crops as they are; --val-resize, val_interpolation where given
+                    given = (cfg.val_resize, cfg.val_interpolation)
+                    line = f"train {cfg.image_size}; " + config.describe(cfg.image_size, *given)
+                else:  # the crops at its own size, its own evaluation
+                    line = f"{config.training_line(cfg.image_size)}; " + config.describe(cfg.image_size, own=True)
                 self.logger.info(f"{role} {name}: {line}")
 
     def use_teacher(self, teacher: Teacher) -> None:

@@ -96,11 +96,14 @@ def zero_momentum_buffers(optimizer: torch.optim.SGD) -> None:
     optimizer.register_step_pre_hook(before_step)
 
 
-def lr_factor(cfg, epoch: float) -> float:
-    """The LR multiplier at fractional ``epoch`` for the configured schedule."""
+def lr_factor(cfg, epoch: float, step_epochs: float = 0.0) -> float:
+    """The LR multiplier of the step that starts at fractional ``epoch`` (one step is ``step_epochs``
+    long) for the configured schedule. The linear warm-up counts the step itself: its first step
+    trains at ``1/n`` of the lr and its last at the full lr (n warm-up steps), as torchvision's
+    ``LinearLR(start_factor=1/n, total_iters=n-1)`` does, not at zero."""
     warm = cfg.warmup_epochs
     if warm > 0 and epoch < warm:
-        return (epoch + 1e-8) / warm
+        return min((epoch + step_epochs) / warm, 1.0)
     if cfg.lr_schedule == "step":
         return cfg.lr_gamma ** bisect.bisect_right(sorted(cfg.lr_milestones), math.floor(epoch + 1e-9))
     if cfg.lr_schedule == "cosine":
@@ -112,7 +115,7 @@ def lr_factor(cfg, epoch: float) -> float:
 def build_scheduler(cfg, optimizer, steps_per_epoch: int) -> torch.optim.lr_scheduler.LambdaLR:
     """Stepped once per optimizer step; ``steps_per_epoch`` converts steps to epochs."""
     steps = max(steps_per_epoch, 1)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(cfg, step / steps))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(cfg, step / steps, 1 / steps))
 
 
 def lr_note(cfg) -> Optional[str]:

@@ -13,6 +13,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kd import models
@@ -41,6 +42,20 @@ class TeacherSide(nn.Module):
         return logits.float(), feats
 
 
+class ToSize:
+    """Images resized on their device to ``size`` x ``size`` pixels (bilinear, antialiased where they
+    shrink); images of that size are returned as they are."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        if tuple(images.shape[-2:]) == (self.size, self.size):
+            return images
+        shrink = self.size < min(images.shape[-2:])
+        return F.interpolate(images, (self.size, self.size), mode="bilinear", align_corners=False, antialias=shrink)
+
+
 class Teacher:
     """``model`` (frozen, on the CPU) ready to run: ``forward(images)`` gives its float32 logits and the
     features of ``layers``; ``precision`` is the :class:`kd.teacher.probe.TeacherPrecision` it runs in.
@@ -63,9 +78,13 @@ class Teacher:
         notes: List[str],
         renorm: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
         owns_val: bool = False,
+        train_size: Optional[int] = None,
+        val_size: Optional[int] = None,
     ):
         """``renorm``: from the loaders' normalisation to the teacher's own (None where they agree);
-        ``owns_val``: ``val`` is the teacher's own (its eval transform), closed after its first validation."""
+        ``owns_val``: ``val`` is the teacher's own (its eval transform), closed after its first validation;
+        ``train_size``, ``val_size``: the size in pixels the teacher is fed the training crops and
+        ``val``'s images at, resized on the device from the size they come at (None: as they come)."""
         self.cfg = cfg
         self.backend = backend
         self.layers = list(layers)
@@ -74,7 +93,11 @@ class Teacher:
         self.top1: Optional[float] = None  # its val top-1 once measured (validate)
         self.top5: Optional[float] = None
         self.unreadable_files: List[str] = []  # the val files its validation could not read (counted as errors)
-        self.renorm = renorm if renorm is not None else (lambda images: images)
+        normalise = renorm if renorm is not None else (lambda images: images)
+        to_train = ToSize(train_size) if train_size else (lambda images: images)
+        to_val = ToSize(val_size) if val_size else (lambda images: images)
+        self.renorm = lambda images: to_train(normalise(images))  # a training batch as the teacher wants it
+        self.val_renorm = lambda images: to_val(normalise(images))  # a batch of ``val`` likewise
         self.log = log
         self.graph_step = runtime.cuda_graphs
         self.precision: kd_teacher.TeacherPrecision  # set by choose() below (fuse_and_choose always calls it)
@@ -83,7 +106,7 @@ class Teacher:
             def probe(m, p):
                 side = backend.wrap_forward(TeacherSide(m, self.layers))
                 return evaluate(
-                    lambda images: side(self.renorm(images))[0], val, backend, p, limit=kd_teacher.PROBE_BATCHES
+                    lambda images: side(self.val_renorm(images))[0], val, backend, p, limit=kd_teacher.PROBE_BATCHES
                 )
 
             seconds: Dict[str, float] = {}
@@ -136,7 +159,7 @@ class Teacher:
     def _logits(self, images: torch.Tensor) -> torch.Tensor:
         if self.graph_step:  # under CUDA graphs a new call may overwrite the last call's outputs
             torch.compiler.cudagraph_mark_step_begin()
-        return self.module(self.renorm(images))[0]
+        return self.module(self.val_renorm(images))[0]
 
     def close(self) -> None:
         """The teacher's own val loader's workers, if it has one, stopped (idempotent)."""
@@ -194,12 +217,17 @@ def build_teacher(
         for hook in hooks:
             hook.on_teacher(model, cfg, data.train)
     teacher_data = models.DataConfig.from_dict(cfg.teacher_data or {})
-    evaluation = (teacher_data.val_resize(cfg.image_size), teacher_data.interpolation)
-    val, owns_val = data.val, False
-    if data.own_val is not None and data.val_samples and evaluation != val_transform(cfg):  # its own crops
-        val = data.own_val(dataclasses.replace(cfg, val_resize=evaluation[0], val_interpolation=evaluation[1]))
-        owns_val = True
-        log(f"teacher {cfg.teacher}: validated on its own crops ({evaluation[1]}, resize {evaluation[0]})")
+    crop, resize = teacher_data.evaluation(cfg.image_size)
+    evaluation = (crop, resize, teacher_data.interpolation)
+    val, owns_val, val_size = data.val, False, None
+    if data.own_val is not None and data.val_samples and evaluation != (cfg.image_size, *val_transform(cfg)):
+        own = dataclasses.replace(cfg, image_size=crop, val_resize=resize, val_interpolation=evaluation[2])
+        val, owns_val = data.own_val(own), True  # its own crops
+        log(f"teacher {cfg.teacher}: validated on its own crops ({evaluation[2]}, resize {resize}, crop {crop})")
+    elif crop != cfg.image_size:  # no own crops (synthetic data): the run's, resized on the device
+        val_size = crop
+    train_size = teacher_data.train_size(cfg.image_size)
     renorm = models.renormaliser(getattr(data.train, "norm", None), cfg.teacher_data)
     notes = notes if notes is not None else []
-    return Teacher(model, layers, cfg, backend, runtime, precision, val, log, notes, renorm, owns_val)
+    sizes = dict(train_size=train_size if train_size != cfg.image_size else None, val_size=val_size)
+    return Teacher(model, layers, cfg, backend, runtime, precision, val, log, notes, renorm, owns_val, **sizes)
