@@ -12,6 +12,7 @@
 # teacher34, table: a resnet34 teacher trained by kd, then the six rows of the papers' R34 -> R18 table as one command.
 # newer: kd, dkd, nkd, ctkd and ctdkd from one teacher forward, then kd, dkd, ctkd, ctdkd with --logit-standardisation.
 # methods: OFD, CRD and ReviewKD under each backend and opt level, CRD over two ranks, and kd bench --methods.
+# inception: an inception_v3 teacher (299 px) trained by kd, beside a resnet18 student (224 px).
 # latest: MLKD and DOT beside KD, DKD, NKD and CTKD from one teacher forward; mlkd with --dot under each backend.
 # together: four students (kd, dkd, dist, lskd) from one teacher forward, under each of TOGETHER_BACKENDS.
 # integrity: unreadable val images counted under both loaders, a second writer, kill -9, checksums, a float32 store.
@@ -308,5 +309,12 @@ PYEOF
          $KD report "$RUNS/latest" "$RUNS/latest_dot" --format markdown 2>&1 | tee -a "$OUT/summary.txt"
          $T 300 $PY -m cli bench --teacher resnet34 --student resnet18 --backends single --opt O1 --amp-dtype float16 -b 256 \
            --methods kd,mlkd --iters 40 --warmup 10 2>&1 | tail -6 | tee -a "$OUT/summary.txt" ;;
+  inception) # a teacher of another resolution: inception_v3 trained by kd at 299 px, then beside a resnet18 student
+         # at 224 (the teacher fed the student's crop resized to 299 on the device, validated on its own 342/299 crops)
+         run inception_teacher 300 $COMMON --no-teacher --student inception_v3 --image-size 299 --opt O1 --amp-dtype bfloat16 \
+           --epochs ${TEACHER_EPOCHS:-5} --lr 0.2 --lr-schedule cosine --warmup-epochs 1
+         run inception_kd 300 $COMMON --teacher inception_v3 --teacher-weights "$RUNS/inception_teacher/checkpoints/best.pt" \
+           --student resnet18 --opt O1 --amp-dtype float16 --epochs ${TABLE_EPOCHS:-3} --lr 0.2
+         grep -h "train [0-9]\|validated on\|eval:" "$OUT/inception_kd.log" | head -6 | sed "s/^/    /" | tee -a "$OUT/summary.txt" ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac; done
