@@ -289,23 +289,23 @@ PYEOF
   latest) # MLKD and DOT: kd, dkd, mlkd, nkd, ctkd, ctdkd from one teacher forward (MLKD's strong view through the
          # teacher once), then kd, dkd, nkd and mlkd with --dot; mlkd and DOT under each backend and opt level; the steps timed
          T34=$RUNS/teacher34/checkpoints/best.pt E=${TABLE_EPOCHS:-8}
-         for variant in "latest:kd,dkd,mlkd,nkd,ctkd,ctdkd:" "latest_dot:kd,dkd,nkd,mlkd:--dot"; do
+         for variant in ${LATEST_VARIANTS:-"latest:kd,dkd,mlkd,nkd,ctkd,ctdkd:" "latest_dot:kd,dkd,nkd,mlkd:--dot"}; do
            IFS=: read -r name methods flag <<< "$variant"
            start=$(date +%s%N)
            $T 420 $KD train $COMMON --teacher resnet34 --teacher-weights "$T34" --student resnet18 --kd-loss $methods $flag \
-             --opt O1 --amp-dtype float16 --epochs $E --lr 0.2 --out "$RUNS/$name" > "$OUT/$name.log" 2>&1
+             --opt O1 --amp-dtype float16 --epochs $E --lr ${LATEST_LR:-0.2} --out "$RUNS/$name" > "$OUT/$name.log" 2>&1
            rc=$? secs="$(( ($(date +%s%N) - start) / 1000000 ))e-3"
            for m in ${methods//,/ }; do report "$name/$m" $rc "$secs"; done
            grep -h "first step\|^kd:\|error\|Traceback\|view\|DOT\|dot" "$OUT/$name.log" | head -8 | sed "s/^/    /" | tee -a "$OUT/summary.txt"
          done
-         for combo in "single O1" "dp O1" "torch_ddp O1" "apex_ddp O1" "apex_ddp O2" "single O3"; do
-           set -- $combo
+         for combo in ${LATEST_COMBOS:-single:O1 dp:O1 torch_ddp:O1 apex_ddp:O1 apex_ddp:O2 single:O3}; do
+           set -- ${combo/:/ }
            run "latest_$1_$2" 240 $COMMON --teacher resnet34 --teacher-weights "$T34" --student resnet18 --backend $1 \
-             --kd-loss mlkd,kd --dot --opt $2 --amp-dtype float16 --gpus 0 --epochs 1 --lr 0.2
+             --kd-loss mlkd,kd --dot --opt $2 --amp-dtype float16 --gpus 0 --epochs 1 --lr ${LATEST_LR:-0.2}
            for m in mlkd kd; do report "latest_$1_$2/$m" - 0; done
          done
          run latest_ddp2 300 $COMMON --teacher resnet34 --teacher-weights "$T34" --student resnet18 --backend torch_ddp \
-           --nproc 2 --kd-loss mlkd --dot --opt O1 --gpus 0 --epochs 1 --lr 0.2
+           --nproc 2 --kd-loss mlkd --dot --opt O1 --gpus 0 --epochs 1 --lr ${LATEST_LR:-0.2}
          $KD report "$RUNS/latest" "$RUNS/latest_dot" --format markdown 2>&1 | tee -a "$OUT/summary.txt"
          $T 300 $PY -m cli bench --teacher resnet34 --student resnet18 --backends single --opt O1 --amp-dtype float16 -b 256 \
            --methods kd,mlkd --iters 40 --warmup 10 2>&1 | tail -6 | tee -a "$OUT/summary.txt" ;;

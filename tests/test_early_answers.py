@@ -109,6 +109,24 @@ def test_names_are_kept_per_installed_version_and_read_only_for_it(cache):
     model_names.check_early("no_such_model")  # nothing kept: left to kd.models.check_name
 
 
+def test_a_model_registered_in_this_process_is_not_refused_by_the_kept_names(cache):
+    """kd.train() in a process that registered its own timm model: the kept lists (of the installed
+    timm) lack it, the loaded timm has it, and timm's word counts."""
+    import timm
+    from timm.models import register_model
+
+    from kd.utils import model_names
+
+    model_names.keep("timm", {"models": ["resnet10t"], "pretrained": []})
+    if "kd_registered_here" not in timm.list_models():
+
+        @register_model
+        def kd_registered_here(pretrained=False, **kwargs):
+            return timm.create_model("resnet10t", **kwargs)
+
+    model_names.check_early("timm:kd_registered_here")
+
+
 def test_an_unwritable_or_damaged_cache_is_passed_over_quietly(tmp_path, monkeypatch):
     from kd.utils import model_names
 

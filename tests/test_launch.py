@@ -103,6 +103,7 @@ def assert_students_equal_one_process(out: Path, one: Path, data, teacher, stude
             "checkpoints/last.pt.sha256",
             "config.yaml",
             "metrics.jsonl",
+            "provenance.json",
             "wall.jsonl",
         ]
         assert metrics(out / name)[0]["train_loss"] == pytest.approx(metrics(one / name)[0]["train_loss"], rel=1e-5)
@@ -130,6 +131,7 @@ def test_kd_starts_two_cpu_processes_with_loader_workers_and_only_main_writes(da
         "checkpoints/last.pt.sha256",
         "config.yaml",
         "metrics.jsonl",
+        "provenance.json",
         "wall.jsonl",
     ], files
     assert len(metrics(multi)) == 1

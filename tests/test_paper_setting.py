@@ -65,7 +65,7 @@ def test_the_papers_setting_is_not_marked_and_an_override_of_a_recipe_is():
 
 def test_a_run_says_at_its_start_where_it_departs_and_kd_report_marks_it(image_folder, tmp_path):
     out = tmp_path / "alone"
-    r = kd_main(*train_args(image_folder, out, no_teacher=True, no_progress=True))
+    r = kd_main(*train_args("synthetic", out, no_teacher=True, no_progress=True, num_classes=1000))
     assert r.returncode == 0, r.stderr
     line = (
         "paper setting: unlike recipe imagenet/baseline_r18, this run has BatchNorm and biases not decayed "
@@ -128,3 +128,18 @@ def test_what_a_config_leaves_out_is_not_compared():
     and departs from it in nothing known."""
     partial = {"kd_loss": "kd", "teacher": "resnet34", "student": "resnet18", "epochs": 1}
     assert papers.cell(partial, method_defaults) == "as imagenet/r34_r18_kd"
+
+
+def test_a_run_on_other_classes_than_imagenet_resembles_no_paper(image_folder, tmp_path):
+    """The recipes are ImageNet-1k's: a run on a folder of other classes (kd demo's digits, say) is
+    compared with none, at its start or in kd report."""
+    assert papers.cell(setting(student="resnet18", no_teacher=True, num_classes=10), method_defaults) == "-"
+    assert papers.cell(setting(student="resnet18", no_teacher=True, num_classes=1000), method_defaults) != "-"
+    out = tmp_path / "run"
+    r = kd_main(*train_args(image_folder, out, no_teacher=True, no_progress=True))
+    assert r.returncode == 0, r.stderr
+    assert "paper setting" not in r.stderr and "paper setting" not in (out / "config.yaml").read_text()
+    r = kd_main("report", out)
+    assert r.returncode == 0, r.stderr
+    row = next(line for line in r.stdout.splitlines() if line.startswith(f"| {out}"))
+    assert "baseline_r18" not in row, r.stdout

@@ -92,7 +92,12 @@ def collect(run: Path) -> Dict[str, object]:
         "val_images": images_over(last),
         "reference_top1": ref if ref is not None else "-",
         "diff": round(best["val_top1"] - ref, 2) if ref is not None else "-",
-        "paper_setting": papers.cell(cfg, method_defaults) if cfg else "-",
+        # the classes the run trained (its config leaves the folder's count out)
+        "paper_setting": papers.cell(
+            {**cfg, "num_classes": last.get("classes", cfg.get("num_classes"))}, method_defaults
+        )
+        if cfg
+        else "-",
         "wall_time": (duration(wall) + ("+" if unended else "")) if wall is not None else "-",
         "train_time": duration(train),
         "wall_s": round(wall, 1) if wall is not None else "",

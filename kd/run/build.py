@@ -94,6 +94,7 @@ def build_lane(
     scheduler = build_scheduler(cfg, optimizer, len(data.train))
     # the teacher of a store is its manifest's (set later), not compared here
     setting = {k: v for k, v in cfg.to_dict().items() if not (cfg.soft_labels and k == "teacher_weights")}
+    setting["num_classes"] = num_classes
     # what kd kept or chose, and where it departs from the paper it resembles: also in config.yaml
     notes = [line for line in (lr_note(cfg), cfg.schedule_note, papers.start_line(setting, method_defaults)) if line]
     clock.mark("optimizer")  # with the precision, the backend's wrap and torch.compile's

@@ -142,6 +142,7 @@ class Lane:
             "lr": sum(self.epoch_lrs) / len(self.epoch_lrs) if self.epoch_lrs else self.optimizer.param_groups[0]["lr"],
             "seconds": seconds,
             "img_per_s": train.get("images", 0) / max(seconds, 1e-9),
+            "classes": self.num_classes,
             **(extra or {}),
         }
         if self.epoch_ended is not None:  # the last epoch's checkpoint and logging, this epoch's loader start

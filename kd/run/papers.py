@@ -67,11 +67,17 @@ def _recipe(name: str) -> Dict[str, Any]:
     return {}
 
 
+#: the classes of ImageNet-1k, every paper recipe's data
+IMAGENET_CLASSES = 1000
+
+
 def resembled(cfg: Dict[str, Any]) -> Optional[Tuple[str, Dict[str, Any]]]:
     """(name, values) of the recipe whose setting the run of ``cfg`` (a config as a dict) resembles, or None."""
     if cfg.get("recipe"):
         recipe = _recipe(str(cfg["recipe"]))  # not found: a recipe of another machine, nothing to compare with
         return (str(cfg["recipe"]), recipe) if recipe else None
+    if cfg.get("num_classes") not in (None, IMAGENET_CLASSES):
+        return None  # the recipes are ImageNet-1k's: a run on other classes resembles none of them
     student = str(cfg.get("student") or "")
     alone = bool(cfg.get("no_teacher"))
     ranked = []

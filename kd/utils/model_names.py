@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import tempfile
 from importlib import metadata
 from pathlib import Path
@@ -102,6 +103,8 @@ def file_for_tag(name: str, weights: Optional[str]) -> bool:
 def check_early(name: str) -> None:
     """A KDError where the lists kept for the installed libraries refuse ``name``; where they
     are not kept (or cannot decide), nothing: :func:`kd.models.check_name` answers after torch."""
+    if {"timm", "torchvision"} & set(sys.modules):
+        return  # loaded here already: asked themselves after torch, with models registered in this process
     try:
         line = refusal(name, kept)
     except NotAtHand:
