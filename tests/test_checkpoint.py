@@ -40,12 +40,11 @@ def wait_for(pred, proc, timeout=HANG_GUARD):
 
 @pytest.fixture(scope="module")
 def reference(data, tmp_path_factory):
-    """The uninterrupted run that the interrupted ones must equal, in this process and without
-    loader workers; its steps do not depend on the number of workers (every sample draws from its
-    own seed), so the SIGTERM run with two workers is held against it as the kill -9 run without
-    them is."""
+    """The uninterrupted run that the interrupted ones must equal, without loader workers; its steps
+    do not depend on the number of workers (every sample draws from its own seed), so the SIGTERM
+    run with two workers is held against it as the kill -9 run without them is."""
     out = tmp_path_factory.mktemp("reference") / "ref"
-    r = kd_main("train", "--data", data, *ARGS, "-j", 0, "--out", out)
+    r = run_kd("train", "--data", data, *ARGS, "-j", 0, "--out", out)
     assert r.returncode == 0, r.stderr
     return out
 
@@ -87,7 +86,7 @@ def test_sigterm_mid_epoch_then_resume_is_exact(data, reference, tmp_path):
     assert "stopped by SIGTERM" in err and f"kd train --out {out} --resume" in err
     state = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
     assert 0 < state["batch_in_epoch"] < 12, state["batch_in_epoch"]  # 48 images / batch 4
-    r = kd_main("train", "--out", out, "--resume")  # with its two workers, from the saved config
+    r = run_kd("train", "--out", out, "--resume")  # with its two workers, from the saved config
     assert r.returncode == 0, r.stderr
     assert_same_run(reference, out)
 
@@ -102,7 +101,7 @@ def test_kill_9_after_step_checkpoint_then_resume_is_exact(data, reference, tmp_
     steps = sorted((out / "checkpoints").glob("step_*.pt"))
     assert len(steps) <= 2  # --keep-last
     assert not list((out / "checkpoints").glob("*.tmp"))
-    r = kd_main("train", "--out", out, "--resume")
+    r = run_kd("train", "--out", out, "--resume")
     assert r.returncode == 0, r.stderr
     assert_same_run(reference, out)
 
