@@ -309,8 +309,11 @@ def test_two_gpus_nccl(backend, data9, teacher_file, tmp_path):
     assert "2 process(es) over nccl" in r.stderr
 
 
+# Rank 1 fails as its set-up begins; rank 0 waits for it in Python until the launcher stops it (in
+# the real set-up it would wait inside the process group's start, which takes no signal: the agent
+# would kill it only after its 30 s shutdown wait, the same result 30 s later).
 CRASHING_RANK = """
-import errno, sys
+import errno, sys, time
 import kd.run.launch as launch
 from kd.utils.placement import Placement
 
@@ -322,8 +325,8 @@ def failing_worker(*args):
             if sys.argv[1] == "crash":
                 raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB\\nmore detail")
             raise OSError(errno.ENOSPC, "No space left on device", "run/metrics.jsonl")
-        return real(*a, **k)
-    real = launch._worker
+        while True:
+            time.sleep(0.05)
     launch._worker = fail
     return real_worker(*args)
 
