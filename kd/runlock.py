@@ -82,8 +82,9 @@ class FolderLock:
                 os.close(fd)
                 continue
             previous = _read_record(fd)
-            if previous:
+            if previous:  # its holder was killed: what it was writing then is half-written
                 self.taken_over = previous
+                remove_stale_temporaries(self.root)
             return self._hold(fd, missing)
         raise KDError(f"{self.option} {self.root}: its lock file {self.path} keeps being replaced; try again")
 
@@ -113,6 +114,17 @@ class FolderLock:
                 folder.rmdir()
             except OSError:
                 break
+
+
+def remove_stale_temporaries(root: Path) -> None:
+    """Remove the temporary files (``.NAME.tmp``, ``.NAME.XXXX.tmp``, ``NAME.json.tmp``) that kd's
+    atomic writers leave in ``root`` and its ``checkpoints`` when killed mid-write; called once its
+    killed writer's lock is taken over, so no writer of them is alive. The files they were to
+    replace are untouched."""
+    for folder in (root, root / "checkpoints"):
+        for path in [*folder.glob(".*.tmp"), *folder.glob("*.json.tmp")] if folder.is_dir() else ():
+            with contextlib.suppress(OSError):
+                path.unlink()
 
 
 def describe_holder(record: Optional[Dict[str, Any]]) -> str:

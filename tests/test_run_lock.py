@@ -90,8 +90,18 @@ def test_a_held_folder_names_its_holder_and_a_killed_holders_lock_is_taken_over(
     finally:
         proc.kill()
         proc.wait()
+    # what a kill -9 mid-write leaves: atomic writers' temporary files, never a checkpoint itself
+    (folder / "checkpoints").mkdir()
+    stale = [folder / "checkpoints" / ".step_00000015.pt.sha256.tmp", folder / ".last.pt.x1.tmp", folder / "a.json.tmp"]
+    for path in stale:
+        path.write_text("half")
+    (folder / "checkpoints" / "last.pt").write_text("kept")
     lock = FolderLock(folder).acquire()  # the kernel released the dead holder's lock; its file names it
     assert lock.taken_over is not None and lock.taken_over["pid"] == proc.pid
+    assert not any(path.exists() for path in stale), "a killed writer's temporary files were left"
+    assert (folder / "checkpoints" / "last.pt").read_text() == "kept"
+    (folder / "checkpoints" / "last.pt").unlink()
+    (folder / "checkpoints").rmdir()
     lock.release()
     assert list(folder.iterdir()) == []  # its file gone; the folder stays: the killed holder made it
     lock = FolderLock(tmp_path / "b" / "c").acquire()
