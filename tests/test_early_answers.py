@@ -187,9 +187,11 @@ def test_cuda_is_ruled_out_only_without_any_gpu_device_file_or_driver(tmp_path):
         (tmp_path / present).unlink()
 
 
-def test_check_early_refuses_from_the_kept_lists(cache):
+def test_check_early_refuses_from_the_kept_lists(cache, monkeypatch):
     from kd.utils import model_names
 
+    for library in ("timm", "torchvision"):  # as in a fresh kd process (loaded, they would answer themselves)
+        monkeypatch.delitem(sys.modules, library, raising=False)
     model_names.keep("torchvision", {"models": ["resnet18", "resnet50"]})
     model_names.check_early("resnet18")
     with pytest.raises(KDError, match="did you mean resnet18"):
