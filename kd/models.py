@@ -174,8 +174,23 @@ def construct(name: str, num_classes: int, weights: Optional[str] = "none") -> n
         return timm.create_model(name[len(TIMM_PREFIX) :], pretrained=False, num_classes=num_classes)
     import torchvision.models as tvm
 
-    member = torchvision_weights(name, str(weights)) if is_named(weights) else None
-    return tvm.get_model(name, weights=None, **torchvision_kwargs(name, num_classes, member))
+    return tvm.get_model(name, weights=None, **torchvision_kwargs(name, num_classes, origin_member(name, weights)))
+
+
+def origin_member(name: str, weights: Optional[str]) -> Any:
+    """The torchvision weights (enum member) that model ``name``'s ``weights`` are or were trained from:
+    named weights themselves, or, for a kd checkpoint of ``name``, those its run started from (followed
+    back through kd checkpoints, as far as they are on this machine); None for other weights. A model
+    is built for them (:func:`torchvision_kwargs`): what the state dict does not hold (inception's
+    ``transform_input``, a SWAG ViT's size) is as its run had it."""
+    for _ in range(8):
+        if is_named(weights):
+            return torchvision_weights(name, str(weights))
+        obj = _kd_checkpoint(str(weights)) if weights else None
+        if not obj or obj.get("student_name") != name or not isinstance(obj.get("config"), dict):
+            return None
+        weights = obj["config"].get("student_weights")
+    return None
 
 
 #: the auxiliary classifiers of torchvision's inception_v3 and googlenet: their published weights hold

@@ -118,3 +118,22 @@ def test_kd_eval_and_a_student_load_files_with_auxiliary_heads(image_folder, tmp
     args = train_args(image_folder, tmp_path / "run", student="googlenet", student_weights=student, image_size=64)
     r = kd_main(*args, "--no-progress", "--limit-train-batches", "1", "--set", "val_cache_gb=0")
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_a_kd_checkpoint_is_built_as_the_named_weights_it_was_trained_from(tmp_path):
+    """A student fine-tuned from googlenet's IMAGENET1K_V1 rescales its input (``transform_input``), a
+    setting its state dict does not hold: loaded from its kd checkpoint (as a teacher, by kd eval) it
+    is built as its run built it, not as a model of random weights."""
+    from kd import __version__
+    from kd.utils.checkpoint_io import save_atomic
+
+    tuned = models.construct("googlenet", 10, "torchvision:IMAGENET1K_V1")
+    assert tuned.transform_input
+    path = tmp_path / "best.pt"
+    state = tuned.state_dict()
+    config = {"student": "googlenet", "student_weights": "torchvision:IMAGENET1K_V1"}
+    save_atomic({"kd_version": __version__, "student": state, "student_name": "googlenet", "config": config}, path)
+    assert models.build("googlenet", 10, str(path)).transform_input
+    config["student_weights"] = "none"  # trained from random weights: as it was built then
+    save_atomic({"kd_version": __version__, "student": state, "student_name": "googlenet", "config": config}, path)
+    assert not models.build("googlenet", 10, str(path)).transform_input

@@ -143,3 +143,18 @@ def test_a_run_on_other_classes_than_imagenet_resembles_no_paper(image_folder, t
     assert r.returncode == 0, r.stderr
     row = next(line for line in r.stdout.splitlines() if line.startswith(f"| {out}"))
     assert "baseline_r18" not in row, r.stdout
+
+
+def test_a_dot_run_resembles_the_dot_recipe_and_departs_from_the_others():
+    """--dot is part of the paper setting: a KD run with it resembles the DOT recipe of its pair, and
+    the DOT recipe's setting without it (or a KD recipe with it) departs, at the start and in kd report."""
+    assert papers.cell(setting(teacher="resnet34", student="resnet18", dot=True), method_defaults).startswith(
+        "unlike imagenet/r34_r18_kd_dot:"
+    )
+    assert papers.cell(
+        kd_config.resolve(recipe="imagenet/r34_r18_kd_dot", options={"data": "/imagenet"}).to_dict(), method_defaults
+    ) == ("as imagenet/r34_r18_kd_dot")
+    off = kd_config.resolve(recipe="imagenet/r34_r18_kd_dot", options={"data": "/imagenet", "dot": False}).to_dict()
+    assert papers.cell(off, method_defaults) == "unlike imagenet/r34_r18_kd_dot: no DOT"
+    on = kd_config.resolve(recipe="imagenet/r34_r18_kd", options={"data": "/imagenet", "dot": True}).to_dict()
+    assert papers.cell(on, method_defaults) == "unlike imagenet/r34_r18_kd: DOT"

@@ -135,3 +135,19 @@ def test_checkout_reads_a_worktrees_head(tmp_path):
     (checkout / ".git").write_text(f"gitdir: {wt_git}\n")
     assert provenance.checkout(checkout)["commit"] == "c" * 40
     assert provenance.checkout(tmp_path / "elsewhere") is None
+
+
+def test_a_sums_file_a_write_was_replacing_is_not_taken_for_the_files_sum(tmp_path):
+    """Beside a checkpoint whose replacement was cut short, NAME.sha256 lists the new sum and the old:
+    the file holds the old one, and its provenance says the sum of what it holds."""
+    import hashlib
+
+    import torch
+
+    from kd.run.provenance import sha256
+    from kd.utils.checkpoint_io import _write_sums, save_atomic
+
+    path = tmp_path / "best.pt"
+    old = save_atomic({"a": torch.zeros(3)}, path)
+    _write_sums(path, ["f" * 64, old])  # what a kill between the two renames of a write leaves
+    assert sha256(path) == old == hashlib.sha256(path.read_bytes()).hexdigest()

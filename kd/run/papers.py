@@ -87,10 +87,11 @@ def resembled(cfg: Dict[str, Any]) -> Optional[Tuple[str, Dict[str, Any]]]:
         if _family(str(recipe.get("student", ""))) != _family(student):
             continue
         same_method = alone or recipe.get("kd_loss", "kd") == cfg.get("kd_loss", "kd")
-        ranked.append((not same_method, recipe.get("student") != student, name, recipe))
+        same_trainer = bool(recipe.get("dot")) == bool(cfg.get("dot"))  # DOT's recipes for a --dot run
+        ranked.append((not same_method, not same_trainer, recipe.get("student") != student, name, recipe))
     if not ranked:
         return None
-    _, _, name, recipe = min(ranked, key=lambda r: r[:3])
+    *_, name, recipe = min(ranked, key=lambda r: r[:4])
     return name, recipe
 
 
@@ -141,6 +142,10 @@ def departures(cfg: Dict[str, Any], method_defaults: MethodDefaults) -> Tuple[Op
             words = "BatchNorm and biases decayed (the paper does not decay them: --no-wd-bn-bias)"
         short = "no wd on BN/bias" if recipe.get("wd_bn_bias") else "wd on BN/bias"
         out.append(Departure("wd_bn_bias", short, words))
+    if "dot" in cfg and bool(cfg["dot"]) != bool(recipe.get("dot")):
+        short = "DOT" if cfg["dot"] else "no DOT"
+        words = "DOT (the paper trains without it)" if cfg["dot"] else "no DOT (the paper trains with --dot)"
+        out.append(Departure("dot", short, words))
     told = "temperature" in cfg or "loss_args" in cfg
     if told and not cfg.get("no_teacher") and cfg.get("kd_loss", "kd") == recipe.get("kd_loss", "kd"):
         ours_t, theirs_t = _temperature(cfg, method_defaults), _temperature(recipe, method_defaults)

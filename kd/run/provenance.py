@@ -27,10 +27,11 @@ _sums: Dict[Tuple[str, int, int], str] = {}
 
 
 def sha256(path: Path) -> str:
-    """The SHA-256 of ``path``: from a kd file's ``NAME.sha256`` where it has one, else read (once per
-    file, size and time in a process)."""
+    """The SHA-256 of ``path``: from a kd file's ``NAME.sha256`` where it lists one sum, else read (once
+    per file, size and time in a process): a sums file listing two is one a write was replacing, and
+    which of them the file holds is known only by reading it."""
     listed = checkpoint_io.listed_sums(path)
-    if listed:
+    if listed and len(listed) == 1:
         return listed[0]
     stat = path.stat()
     key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
