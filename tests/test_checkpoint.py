@@ -18,7 +18,8 @@ from conftest import HANG_GUARD, cli_options, kd_main, make_image_folder, run_kd
 # exactly is the same as for a large model, in a fraction of the compute and checkpoint bytes
 TINY_RESNET = "timm:test_resnet"
 ARGS = cli_options(teacher=TINY_RESNET, teacher_weights="none", student=TINY_RESNET, image_size=32, batch_size=4)
-ARGS += cli_options(epochs=3, device="cpu", lr=0.02, log_every=1, temperature=2)
+# a warm-up over the stops' epochs: each step's lr differs, so the logged mean lr of an epoch resumed mid-way is checked
+ARGS += cli_options(epochs=3, device="cpu", lr=0.02, log_every=1, temperature=2, warmup_epochs=2)
 DDP = ["--backend", "torch_ddp", "--nproc", "2"]
 
 

@@ -103,6 +103,8 @@ def restore_run(lane, state: dict) -> None:
     )
     if state.get("meter") and lane.backend.is_main:
         lane.meter.load_state_dict(state["meter"])
+    # the lr of each step of an epoch stopped mid-way: its logged mean covers the whole epoch
+    lane.epoch_lrs = list(state.get("epoch_lrs") or []) if lane.state.batch_in_epoch else []
     rng = state.get("rng", {}).get(str(lane.backend.rank))
     if rng is not None:
         set_rng_state(rng)
@@ -134,6 +136,7 @@ def run_state(lane, rng: Optional[Dict[str, Any]] = None, meter: Optional[dict] 
         # an epoch trained whose validation a stop cut short
         "pending_epoch": {"train": at.pending_epoch[0], "seconds": at.pending_epoch[1]} if at.pending_epoch else None,
         "meter": meter,
+        "epoch_lrs": list(lane.epoch_lrs) if at.batch_in_epoch else [],
         "rng": rng or {},
         "student_name": lane.cfg.student,
         "num_classes": lane.num_classes,
