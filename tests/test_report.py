@@ -321,8 +321,9 @@ def test_a_dot_run_is_titled_so_and_compared_with_the_dot_recipe_only(tmp_path):
     lines = [line for line in r.stdout.splitlines() if line.startswith("| KD")]
     assert lines == [
         "| KD + DOT (dot/r34_r18_kd_dot) | 71.60 | 91.10 | 71.72 | -0.12 |",
-        "| KD + DOT (kd/r34_r18_kd) | 71.30 | 90.80 | - | - |",
+        "| KD + DOT (kd/r34_r18_kd) [1] | 71.30 | 90.80 | - | - |",
     ], r.stdout
+    assert "[1] unlike imagenet/r34_r18_kd: DOT" in r.stdout  # the paper setting it departs from
     assert (
         "kd/r34_r18_kd: no paper reference shown, not the setting of recipe imagenet/r34_r18_kd: dot True" in r.stderr
     )
