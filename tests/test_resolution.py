@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import torchvision.models as tvm
 from conftest import kd_main, make_image_folder, train_args
 from PIL import Image
+from test_data_config import first_conv_inputs
 from timm.data import create_transform, resolve_data_config
 from timm.models import get_pretrained_cfg
 
@@ -49,13 +50,6 @@ def trainer(data, out):
     backend = backends.get("single")(cfg)
     backend.setup()
     return Trainer(Students.alone(cfg), backend)
-
-
-def first_conv_inputs(model):
-    seen = []
-    conv = next(m for m in model.modules() if isinstance(m, torch.nn.Conv2d))
-    conv.register_forward_pre_hook(lambda m, args: seen.append(args[0].detach().clone()))
-    return seen
 
 
 def test_the_teacher_sees_the_students_crop_at_its_own_size(data, tmp_path, capfd):
