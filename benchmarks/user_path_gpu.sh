@@ -14,6 +14,7 @@
 # methods: OFD, CRD and ReviewKD under each backend and opt level, CRD over two ranks, and kd bench --methods.
 # inception: an inception_v3 teacher (299 px) trained by kd, beside a resnet18 student (224 px).
 # latest: MLKD and DOT beside KD, DKD, NKD and CTKD from one teacher forward; mlkd with --dot under each backend.
+#         LATEST_LR (0.2), LATEST_DTYPE (float16) for the students of one run; LATEST_VARIANTS, LATEST_COMBOS.
 # together: four students (kd, dkd, dist, lskd) from one teacher forward, under each of TOGETHER_BACKENDS.
 # integrity: unreadable val images counted under both loaders, a second writer, kill -9, checksums, a float32 store.
 # store: kd bench --vs-store (synthetic, then the folder), then three students three ways: separate runs, together,
@@ -293,7 +294,7 @@ PYEOF
            IFS=: read -r name methods flag <<< "$variant"
            start=$(date +%s%N)
            $T 420 $KD train $COMMON --teacher resnet34 --teacher-weights "$T34" --student resnet18 --kd-loss $methods $flag \
-             --opt O1 --amp-dtype float16 --epochs $E --lr ${LATEST_LR:-0.2} --out "$RUNS/$name" > "$OUT/$name.log" 2>&1
+             --opt O1 --amp-dtype ${LATEST_DTYPE:-float16} --epochs $E --lr ${LATEST_LR:-0.2} --out "$RUNS/$name" > "$OUT/$name.log" 2>&1
            rc=$? secs="$(( ($(date +%s%N) - start) / 1000000 ))e-3"
            for m in ${methods//,/ }; do report "$name/$m" $rc "$secs"; done
            grep -h "first step\|^kd:\|error\|Traceback\|view\|DOT\|dot" "$OUT/$name.log" | head -8 | sed "s/^/    /" | tee -a "$OUT/summary.txt"
@@ -308,7 +309,7 @@ PYEOF
            --nproc 2 --kd-loss mlkd --dot --opt O1 --gpus 0 --epochs 1 --lr ${LATEST_LR:-0.2}
          $KD report "$RUNS/latest" "$RUNS/latest_dot" --format markdown 2>&1 | tee -a "$OUT/summary.txt"
          $T 300 $PY -m cli bench --teacher resnet34 --student resnet18 --backends single --opt O1 --amp-dtype float16 -b 256 \
-           --methods kd,mlkd --iters 40 --warmup 10 2>&1 | tail -6 | tee -a "$OUT/summary.txt" ;;
+           --methods ${LATEST_BENCH:-kd,mlkd} --iters 40 --warmup 10 2>&1 | tail -9 | tee -a "$OUT/summary.txt" ;;
   inception) # a teacher of another resolution: inception_v3 trained by kd at 299 px, then beside a resnet18 student
          # at 224 (the teacher fed the student's crop resized to 299 on the device, validated on its own 342/299 crops)
          run inception_teacher 300 $COMMON --no-teacher --student inception_v3 --image-size 299 --opt O1 --amp-dtype bfloat16 \
