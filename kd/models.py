@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -45,8 +46,22 @@ def _library_list(library: str, key: str) -> List[str]:
     return torchvision_names() if library == "torchvision" else _timm_lists()[key]
 
 
+def _kept_unless_loaded(library: str, key: str) -> Optional[List[str]]:
+    """``library``'s list as kept on disk, or None where the library is loaded in this process."""
+    return None if library in sys.modules else model_names.kept(library, key)
+
+
 def check_name(name: str) -> None:
-    """Raise a KDError with close matches if ``name`` is no known model (:mod:`kd.utils.model_names`)."""
+    """Raise a KDError with close matches if ``name`` is no known model (:mod:`kd.utils.model_names`).
+
+    A name that the lists kept for the installed libraries accept is accepted without importing
+    them (a launcher that starts processes need not load timm and torchvision itself); only the
+    libraries themselves refuse one (a model registered in this process is theirs to know)."""
+    try:
+        if model_names.refusal(name, _kept_unless_loaded) is None:
+            return
+    except model_names.NotAtHand:
+        pass
     line = model_names.refusal(name, _library_list)
     if line:
         raise KDError(line)

@@ -216,3 +216,27 @@ def test_an_editable_install_keeps_no_names_and_a_git_install_keeps_them_per_com
         install({"url": "https://example.org/fakelib.git", "vcs_info": {"vcs": "git", "commit_id": commit}})
         files.add(model_names.cache_file("fakelib"))
     assert len(files) == 2 and all(f.name.startswith("models-fakelib-1.0-") for f in files)
+
+
+def test_names_the_kept_lists_accept_are_checked_without_loading_the_libraries(cache):
+    """kd.models.check_name in a process that has not loaded timm or torchvision (the launcher of
+    --nproc N, which only starts the processes that build the models): a name the kept lists
+    accept does not load them; a refused name is still the libraries' own answer."""
+    from kd.utils import model_names
+
+    model_names.keep("torchvision", {"models": ["resnet18"]})
+    model_names.keep("timm", {"models": ["resnet10t"], "pretrained": ["resnet10t.c3_in1k"]})
+    probe = (
+        "import sys\nfrom kd import models\nfrom kd.errors import KDError\n"
+        "for name in ('resnet18', 'timm:resnet10t', 'timm:resnet10t.c3_in1k'):\n"
+        "    models.check_name(name)\n"
+        "print(sorted({'timm', 'torchvision'} & set(sys.modules)))\n"
+        "try:\n    models.check_name('timm:resnet10tt')\nexcept KDError as e:\n    print(e)\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", probe], env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr
+    loaded, refused = r.stdout.splitlines()
+    assert loaded == "[]", "a name the kept lists accept loaded the libraries"
+    assert refused.startswith("unknown timm model 'resnet10tt' (did you mean resnet10t")
