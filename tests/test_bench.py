@@ -41,7 +41,7 @@ def bench(tmp_path_factory):
             "--image-size",
             "32",
             "--iters",
-            "1",
+            "3",
             "--warmup",
             "1",
             "--out",
@@ -130,16 +130,16 @@ def test_bench_vs_synthetic_gives_each_row_its_share_of_the_step(tmp_path):
     data = make_image_folder(tmp_path / "data", classes=2, train_per_class=12)
     out = tmp_path / "bench"
     common = ["--teacher", "resnet18", "--student", "resnet18", "--device", "cpu", "--backends", "single"]
-    common += ["--opt", "O0", "-b", "4", "--image-size", "32", "--iters", "1", "--warmup", "1"]
+    common += ["--opt", "O0", "-b", "4", "--image-size", "32", "--iters", "2", "--warmup", "1"]
     r = kd_main(
-        "bench", *common, "--data", data, "--loader", "gpu", "-j", "0", "--vs-synthetic", "--out", out, "--keep-runs"
+        "bench", *common, "--data", data, "--loader", "gpu", "-j", "1", "--vs-synthetic", "--out", out, "--keep-runs"
     )
     assert r.returncode == 0, r.stderr
     (row,) = json.loads((out / "bench.json").read_text())["rows"]
     assert row["img_per_s"] > 0 and row["synthetic_img_per_s"] > 0, row
     assert row["of_synthetic_pct"] == round(100 * row["img_per_s"] / row["synthetic_img_per_s"], 1)
     on_folder = (out / "runs" / "single_O0" / "config.yaml").read_text()
-    assert f"data: {data}" in on_folder and "loader: gpu" in on_folder and "workers: 0" in on_folder
+    assert f"data: {data}" in on_folder and "loader: gpu" in on_folder and "workers: 1" in on_folder
     synthetic = (out / "runs" / "single_O0_synthetic" / "config.yaml").read_text()
     assert "data: synthetic" in synthetic and "loader: auto" in synthetic and "workers: null" in synthetic
     header = r.stdout.splitlines()[0]
@@ -263,7 +263,7 @@ def test_bench_vs_store_times_live_teach_store_and_alone(tmp_path):
     row against the live teacher and the student alone, and the store's break-even."""
     out = tmp_path / "bench"
     common = ["--teacher", "resnet18", "--student", "resnet18", "--device", "cpu", "--backends", "single"]
-    common += ["--opt", "O0", "-b", "4", "--image-size", "32", "--iters", "1", "--warmup", "1"]
+    common += ["--opt", "O0", "-b", "4", "--image-size", "32", "--iters", "3", "--warmup", "1"]
     r = kd_main("bench", *common, "--vs-store", "--top-k", "5", "--out", out, "--keep-runs")
     assert r.returncode == 0, r.stderr
     rows = json.loads((out / "bench.json").read_text())["rows"]
@@ -278,7 +278,7 @@ def test_bench_vs_store_times_live_teach_store_and_alone(tmp_path):
     assert store["note"].startswith(said), store
     runs = out / "runs" / "single_O0"
     (log,) = [json.loads(x) for x in (runs / "store" / "kd-teach-log.jsonl").read_text().splitlines()]
-    assert log["batches"] == 2 and log["timed_steps"] == 1 and round(log["timed_img_per_s"], 1) == teach["img_per_s"]
+    assert log["batches"] == 4 and log["timed_steps"] == 3 and round(log["timed_img_per_s"], 1) == teach["img_per_s"]
     assert f"soft_labels: {runs / 'store'}" in (runs / "from_store" / "config.yaml").read_text()
     assert "no_teacher: true" in (runs / "alone" / "config.yaml").read_text()
     header = r.stdout.splitlines()[0]
