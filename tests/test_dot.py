@@ -353,19 +353,30 @@ def test_dot_at_o2_keeps_float32_momenta_of_the_masters(image_folder, tmp_path):
     assert records(tmp_path / "run")[-1]["train_skipped_steps"] == 0
 
 
+#: the runs of the two-process test: ConvNeXt (no batch statistics), kd with DOT, one epoch
+TWO_PROCESS_RUN = dict(student="timm:convnext_atto", kd_loss="kd", lr_schedule="constant", workers=0, dot=True)
+
+
+@pytest.fixture(scope="module")
+def one_process(image_folder, tmp_path_factory):
+    """The one-process run both backends are held equal to, in this process: the processes under
+    test are the two of each backend's run."""
+    out = tmp_path_factory.mktemp("dot") / "one"
+    r = kd_main(*train_args(image_folder, out, **TWO_PROCESS_RUN))
+    assert r.returncode == 0, r.stderr
+    return checkpoint(out)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["torch_ddp", "apex_ddp"])
-def test_two_processes_equal_one_process_of_the_same_global_batch(image_folder, tmp_path, backend):
+def test_two_processes_equal_one_process_of_the_same_global_batch(image_folder, tmp_path, one_process, backend):
     """Two processes over gloo: the distillation gradients, taken off DDP's reducer (torch_ddp) or
     kd's averager (apex_ddp, native on the CPU), are averaged by kd, the label gradients by the
     backend; a student without batch statistics (ConvNeXt's LayerNorms) trains the same in two
     processes as in one."""
-    options = dict(student="timm:convnext_atto", kd_loss="kd", lr_schedule="constant", workers=0, dot=True)
-    r = run_kd(*train_args(image_folder, tmp_path / "one", **options))
+    r = run_kd(*train_args(image_folder, tmp_path / "two", "--backend", backend, "--nproc", 2, **TWO_PROCESS_RUN))
     assert r.returncode == 0, r.stderr
-    r = run_kd(*train_args(image_folder, tmp_path / "two", "--backend", backend, "--nproc", 2, **options))
-    assert r.returncode == 0, r.stderr
-    one, two = checkpoint(tmp_path / "one"), checkpoint(tmp_path / "two")
+    one, two = one_process, checkpoint(tmp_path / "two")
     assert one["global_step"] == two["global_step"] == 3
     for key, value in one["student"].items():
         torch.testing.assert_close(two["student"][key], value, rtol=1e-4, atol=1e-5, msg=key)

@@ -52,17 +52,29 @@ def test_resumed_students_equal_the_uninterrupted_ones(image_folder, tmp_path):
         assert records[-1][f"train_{method}"] > 0
 
 
-def test_crd_memory_takes_every_process_samples(image_folder, tmp_path):
-    """Two processes of one epoch: every training sample's row in rank 0's memory (the checkpoint's)
-    moved, the half rank 1 trained included; each row is a unit vector, and Z was set."""
-    out = tmp_path / "run"
-    r = run_kd(
-        *train_args(
-            image_folder, out, "--backend", "torch_ddp", "--nproc", 2, "--loss-arg", "negatives=64", kd_loss="crd"
-        )
-    )
+#: the two-process runs' students: CRD (its memory and negatives) and CTKD (its temperature), of
+#: ConvNeXt, whose LayerNorms keep no batch statistics, so that two processes can equal one
+TOGETHER = ["crd", "ctkd"]
+TOGETHER_RUN = dict(student="timm:convnext_atto", lr_schedule="constant", workers=0)
+
+
+@pytest.fixture(scope="module")
+def two_processes(image_folder, tmp_path_factory):
+    """One epoch of the :data:`TOGETHER` students under torch_ddp in two processes: its folder."""
+    root = tmp_path_factory.mktemp("two_processes")
+    out = root / "two"
+    ddp = ("--backend", "torch_ddp", "--nproc", 2)
+    r = run_kd(*train_args(image_folder, out, *recipes(root, TOGETHER), *ddp, **TOGETHER_RUN))
     assert r.returncode == 0, r.stderr
-    state = checkpoint(out)["loss"]["_extra_state"]
+    return out
+
+
+@pytest.mark.slow
+def test_crd_memory_takes_every_process_samples(two_processes):
+    """Two processes of one epoch (the CRD student of :func:`two_processes`): every training sample's
+    row in rank 0's memory (the checkpoint's) moved, the half rank 1 trained included; each row is a
+    unit vector, and Z was set."""
+    state = checkpoint(two_processes / "crd")["loss"]["_extra_state"]
     n = 3 * 8  # image_folder: 3 classes of 8 training images
     memory, z = state[:-2].view(2, n, 128), state[-2:]
     assert torch.isfinite(z).all() and (z > 0).all()
@@ -113,20 +125,16 @@ def test_crd_trains_on_synthetic_tensors(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_processes_equal_one_process_of_the_same_global_batch(image_folder, tmp_path):
+def test_two_processes_equal_one_process_of_the_same_global_batch(image_folder, tmp_path, two_processes):
     """Students without batch statistics (ConvNeXt's LayerNorms), so that what two processes train
     can equal one process: the same global batches; CRD's negatives, Z and every memory update;
     CTKD's one temperature, its gradient all-reduced with the student's. Both methods are students
-    of one run (each its own wrapper and reductions), so one run of each kind proves both."""
-    methods = ["crd", "ctkd"]
-    options = dict(student="timm:convnext_atto", lr_schedule="constant", workers=0)
-    r = run_kd(*train_args(image_folder, tmp_path / "one", *recipes(tmp_path, methods), **options))
+    of one run (each its own wrapper and reductions), so one run of each kind proves both; the
+    one-process run trains in this process (the processes under test are the two)."""
+    r = kd_main(*train_args(image_folder, tmp_path / "one", *recipes(tmp_path, TOGETHER), **TOGETHER_RUN))
     assert r.returncode == 0, r.stderr
-    ddp = ("--backend", "torch_ddp", "--nproc", 2)
-    r = run_kd(*train_args(image_folder, tmp_path / "two", *recipes(tmp_path, methods), *ddp, **options))
-    assert r.returncode == 0, r.stderr
-    for method in methods:
-        one, two = checkpoint(tmp_path / "one" / method), checkpoint(tmp_path / "two" / method)
+    for method in TOGETHER:
+        one, two = checkpoint(tmp_path / "one" / method), checkpoint(two_processes / method)
         assert one["global_step"] == two["global_step"] == 3
         assert one["loss"], method  # CRD's memory and embeddings, CTKD's temperature
         for part in ("student", "loss"):

@@ -35,6 +35,33 @@ def world(tmp_path_factory):
     return root, data, weights
 
 
+@pytest.fixture(scope="module")
+def store(world, tmp_path_factory):
+    """A store of two epochs of ``world`` at kd teach's default --top-k and --logits-dtype, taught
+    once: the tests below read it or are refused by it, none writes it."""
+    root, data, weights = world
+    out = tmp_path_factory.mktemp("store") / "store"
+    r = kd_main("teach", *common(data, "--teacher", "resnet18", "--teacher-weights", weights, "-j", 0, "--out", out))
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+#: the options of a store of every logit in float32 (:func:`exact_store`)
+EXACT = ["--top-k", "all", "--logits-dtype", "float32"]
+
+
+@pytest.fixture(scope="module")
+def exact_store(world, tmp_path_factory):
+    """A store of every logit in float32 of two epochs of ``world``, taught once in one process:
+    what a grown store and a store of two processes must equal."""
+    root, data, weights = world
+    out = tmp_path_factory.mktemp("exact") / "store"
+    teacher = ["--teacher", "resnet18", "--teacher-weights", weights, "-j", 0, *EXACT]
+    r = kd_main("teach", *common(data, *teacher), "--out", out)
+    assert r.returncode == 0, r.stderr
+    return out
+
+
 def students(path: Path):
     return torch.load(path / "checkpoints" / "last.pt", weights_only=False)["student"]
 
@@ -181,11 +208,10 @@ def test_top_k_store_size_and_replay(world, tmp_path):
     assert "kd: error: " in r.stderr.splitlines()[-1] and "no logits for training image 5 in epoch 2" in r.stderr
 
 
-def test_a_stopped_or_shorter_store_is_continued_not_redone(world, tmp_path):
+def test_a_stopped_or_shorter_store_is_continued_not_redone(world, exact_store, tmp_path):
     root, data, weights = world
-    teacher = ["--teacher", "resnet18", "--teacher-weights", weights, "-j", 0, "--top-k", "all",
-               "--logits-dtype", "float32"]  # fmt: skip
-    grown, fresh = tmp_path / "grown", tmp_path / "fresh"
+    teacher = ["--teacher", "resnet18", "--teacher-weights", weights, "-j", 0, *EXACT]
+    grown, fresh = tmp_path / "grown", exact_store  # fresh: the same teaching in one go
     args = [a if a != 2 else 1 for a in common(data, *teacher)]  # --epochs 1 (and -b 8 stays)
     r = kd_main("teach", *args, "--out", grown)
     assert r.returncode == 0, r.stderr
@@ -195,8 +221,6 @@ def test_a_stopped_or_shorter_store_is_continued_not_redone(world, tmp_path):
     assert "holds 1 epoch(s); continuing at epoch 2" in r.stderr
     again = (grown / "epoch-001.values.npy").stat()
     assert (again.st_ino, again.st_mtime_ns) == (first.st_ino, first.st_mtime_ns)
-    r = kd_main("teach", *common(data, *teacher), "--out", fresh)
-    assert r.returncode == 0, r.stderr
     for e in (1, 2):
         assert np.array_equal(np.load(grown / f"epoch-00{e}.values.npy"), np.load(fresh / f"epoch-00{e}.values.npy"))
     assert not list(grown.glob("*.partial.npy"))
@@ -204,12 +228,10 @@ def test_a_stopped_or_shorter_store_is_continued_not_redone(world, tmp_path):
     assert r.returncode == 0 and "already holds 2 epoch(s); nothing to do" in r.stderr
 
 
-def test_two_processes_write_the_same_store(world, tmp_path):
+def test_two_processes_write_the_same_store(world, exact_store, tmp_path):
     root, data, weights = world
-    teacher = ["--teacher", "resnet18", "--teacher-weights", weights, "-j", 0, "--top-k", "all",
-               "--logits-dtype", "float32"]  # fmt: skip
-    one, two = tmp_path / "one", tmp_path / "two"
-    assert kd_main("teach", *common(data, *teacher), "--out", one).returncode == 0
+    teacher = ["--teacher", "resnet18", "--teacher-weights", weights, "-j", 0, *EXACT]
+    one, two = exact_store, tmp_path / "two"
     r = run_kd("teach", *common(data, *teacher), "--backend", "torch_ddp", "--nproc", 2, "--out", two)
     assert r.returncode == 0, r.stderr
     for e in (1, 2):
@@ -217,12 +239,10 @@ def test_two_processes_write_the_same_store(world, tmp_path):
         assert np.allclose(a, b, atol=1e-4) and not (b == 0).all(axis=1).any()
 
 
-def test_a_store_for_another_run_is_refused_in_one_line(world, tmp_path):
+def test_a_store_for_another_run_is_refused_in_one_line(world, store, tmp_path):
     root, data, weights = world
-    store = tmp_path / "store"
     teacher = ["--teacher", "resnet18", "--teacher-weights", weights]
-    assert kd_main("teach", *common(data, *teacher, "-j", 0, "--out", store)).returncode == 0
-    before = snapshot(tmp_path)
+    before = {**snapshot(tmp_path), **snapshot(store)}
     train = ["train", "--student", "resnet18", "-j", 0, "--soft-labels", store, "--out", tmp_path / "run"]
     cases = {
         "--image-size": (common(data)[:2] + ["--image-size", 48] + common(data)[4:], "--image-size differ"),
@@ -266,7 +286,7 @@ def test_a_store_for_another_run_is_refused_in_one_line(world, tmp_path):
     )
     assert "its teacher_weights is none" in one_line(kd_main("teach", *other_weights))
     (not_store / "x").write_text("x")
-    assert snapshot(tmp_path) == {
+    assert {**snapshot(tmp_path), **snapshot(store)} == {
         **before,
         **snapshot(not_store),
         **snapshot(other),
@@ -277,12 +297,9 @@ def test_a_store_for_another_run_is_refused_in_one_line(world, tmp_path):
     assert os.listdir(not_store) == ["x"]
 
 
-def test_a_run_from_a_store_resumes_as_it_would_have_run(world, tmp_path):
+def test_a_run_from_a_store_resumes_as_it_would_have_run(world, store, tmp_path):
     """Stopped after epoch 1 and resumed, a student from a store ends as the run that went on."""
     root, data, weights = world
-    store = tmp_path / "store"
-    teacher = ["--teacher", "resnet18", "--teacher-weights", weights]
-    assert kd_main("teach", *common(data, *teacher, "-j", 0, "--out", store)).returncode == 0
     student = ["--student", "resnet18", "-j", 0, "--soft-labels", store, "--lr-schedule", "constant"]
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     assert kd_main("train", *common(data, *student, "--out", whole)).returncode == 0
@@ -294,11 +311,8 @@ def test_a_run_from_a_store_resumes_as_it_would_have_run(world, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_several_students_from_one_store_each_equal_their_own_run(world, tmp_path):
+def test_several_students_from_one_store_each_equal_their_own_run(world, store, tmp_path):
     root, data, weights = world
-    store = tmp_path / "store"
-    teacher = ["--teacher", "resnet18", "--teacher-weights", weights]
-    assert kd_main("teach", *common(data, *teacher, "-j", 0, "--out", store)).returncode == 0
     student = ["--student", "resnet18", "-j", 0, "--soft-labels", store]
     r = kd_main("train", *common(data, *student, "--kd-loss", "kd,dkd", "--out", tmp_path / "both"))
     assert r.returncode == 0, r.stderr
