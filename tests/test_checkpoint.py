@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HANG_GUARD, cli_options, kd_main, make_image_folder, run_kd, start_kd
+from conftest import HANG_GUARD, THREADS, cli_options, kd_main, make_image_folder, run_kd, start_kd
 
 # timm's test_resnet (BatchNorm, 0.4 M parameters) teaching itself: what a resume must restore
 # exactly is the same as for a large model, in a fraction of the compute and checkpoint bytes
@@ -43,11 +43,19 @@ def wait_for(pred, proc, timeout=HANG_GUARD):
 def reference(data, tmp_path_factory):
     """The uninterrupted run that the interrupted ones must equal, without loader workers; its steps
     do not depend on the number of workers (every sample draws from its own seed), so the SIGTERM
-    run with two workers is held against it as the kill -9 run without them is."""
+    run with two workers is held against it as the kill -9 run without them is. In this process (a
+    fresh interpreter adds only its start), on the threads of the runs held against it."""
     out = tmp_path_factory.mktemp("reference") / "ref"
-    r = run_kd("train", "--data", data, *ARGS, "-j", 0, "--out", out)
+    r = kd_main("train", "--data", data, *ARGS, "-j", 0, "--out", out, threads=THREADS)
     assert r.returncode == 0, r.stderr
     return out
+
+
+@pytest.fixture
+def reference_threads(monkeypatch):
+    """Runs in fresh interpreters on the thread count of :func:`reference`: a step's sums, and so
+    its exact result, depend on it."""
+    monkeypatch.setenv("OMP_NUM_THREADS", str(THREADS))
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +85,7 @@ def assert_same_run(a: Path, b: Path):
 
 
 @pytest.mark.slow
-def test_sigterm_mid_epoch_then_resume_is_exact(data, reference, tmp_path):
+def test_sigterm_mid_epoch_then_resume_is_exact(data, reference, reference_threads, tmp_path):
     out = tmp_path / "run"
     proc = start("train", "--data", data, *ARGS, "-j", 2, "--out", out)
     wait_for(lambda: (out / "metrics.jsonl").exists(), proc)  # epoch 1 done: now in epoch 2
@@ -93,7 +101,7 @@ def test_sigterm_mid_epoch_then_resume_is_exact(data, reference, tmp_path):
 
 
 @pytest.mark.slow
-def test_kill_9_after_step_checkpoint_then_resume_is_exact(data, reference, tmp_path):
+def test_kill_9_after_step_checkpoint_then_resume_is_exact(data, reference, reference_threads, tmp_path):
     out = tmp_path / "run"
     proc = start("train", "--data", data, *ARGS, "-j", 0, "--out", out, "--save-every-steps", 5, "--keep-last", 2)
     wait_for(lambda: (out / "checkpoints" / "step_00000015.pt").exists(), proc)  # in epoch 2 of 12 steps each
@@ -101,7 +109,7 @@ def test_kill_9_after_step_checkpoint_then_resume_is_exact(data, reference, tmp_
     proc.communicate()
     steps = sorted((out / "checkpoints").glob("step_*.pt"))
     assert len(steps) <= 2  # --keep-last
-    r = run_kd("train", "--out", out, "--resume")
+    r = kd_main("train", "--out", out, "--resume", threads=THREADS)  # (the killed run is the fresh interpreter)
     assert r.returncode == 0, r.stderr
     assert not list((out / "checkpoints").glob("*.tmp"))  # a write the kill cut short is removed on resume
     assert_same_run(reference, out)

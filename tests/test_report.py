@@ -71,12 +71,11 @@ def test_a_wall_time_that_cannot_be_written_is_said_and_the_run_stands(image_fol
 
 
 @pytest.mark.slow
-def test_a_stopped_and_resumed_run_reports_both_parts(tmp_path):
+def test_a_stopped_and_resumed_run_reports_both_parts(image_folder, tmp_path):
     """Stopped by SIGTERM, then resumed: the report's wall time is the two commands' time (each from
     its process's start), not the epochs' seconds; the resumed run's last line says both."""
-    data = make_image_folder(tmp_path / "data", classes=3, train_per_class=24, val_per_class=2)
     out = tmp_path / "run"
-    args = train_args(data, out, no_teacher=True, student="timm:resnet10t", batch_size=4, epochs=2)
+    args = train_args(image_folder, out, no_teacher=True, student="timm:resnet10t", batch_size=4, epochs=2)
     args += ["--log-every", "1", "--no-progress"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     t0 = time.time()

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HANG_GUARD, ROOT, TINY_PAIR, make_image_folder, run_kd
+from conftest import HANG_GUARD, ROOT, TINY_PAIR, kd_main, make_image_folder
 
 TINY = [*TINY_PAIR, "--log-every", "1", "--loader", "gpu", "-j", "2", "--no-progress"]
 
@@ -137,7 +137,9 @@ def test_kd_teach_stops_promptly_and_continues(data, tmp_path):
     assert 1 <= done < 50
     assert not (store / f"epoch-{done + 1:03d}.values.npy").exists()
     more = [a if a != 50 else done + 1 for a in args]
-    r = run_kd("teach", *more, timeout=HANG_GUARD)
+    # in this process and without loader workers (the store holds no trace of either): the stop
+    # above is the process under test
+    r = kd_main("teach", *more, "-j", 0)
     assert r.returncode == 0 and f"continuing at epoch {done + 1}" in r.stderr, r.stderr
     assert (store / f"epoch-{done + 1:03d}.values.npy").exists() and not list(store.glob("*.partial.npy"))
 
@@ -217,7 +219,7 @@ def test_ctrl_c_during_validation_keeps_the_epoch_and_resumes_it(long_val, tmp_p
     state = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
     assert (state["epoch"], state["global_step"]) == (0, 1) and state["pending_epoch"]["train"]["images"] == 12
     assert not (out / "metrics.jsonl").exists()
-    proc = start(marker, "--out", out, "--resume", group=True)
+    proc = start(marker, "--out", out, "--resume", "-j", 0, group=True)  # loader workers: the stop's, above
     text = assert_gone(proc, marker, grace=300)
     assert proc.returncode == 0, text
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -277,6 +279,7 @@ def test_sigterm_as_a_launched_run_ends_exits_143_with_its_line(data, tmp_path):
     marker = uuid.uuid4().hex
     out = tmp_path / "run"
     args = ["--data", data, *TINY[:8], "--image-size", 32, "-b", 12, "--epochs", 1, *DDP, "--out", out]
+    args += ["-j", 0]  # the launcher and its ranks; no loader workers to end with them
     proc = start(marker, *args)
     wait_line(proc, "epoch 1/1 |")
     proc.send_signal(signal.SIGTERM)
