@@ -408,3 +408,20 @@ def test_a_part_killed_outright_is_said_to_be_missing_from_the_wall_time(image_f
     row = next(line for line in r.stdout.splitlines() if line.startswith(f"| {out} "))
     assert row.split("|")[-3].strip().endswith("+"), row
     assert "wall_time leaves out 1 part(s)" in r.stderr, r.stderr
+
+
+def test_a_folder_of_several_students_is_reported_without_a_word_about_its_own_files(tmp_path):
+    """A run of several students keeps students.yaml beside their folders: kd report says nothing
+    about it (it said 'skipped .../students.yaml: not a run folder'), and still names a folder in it
+    that holds no run."""
+    from kd.commands.report import find_runs
+
+    group = tmp_path / "table"
+    for student in ("kd", "dkd"):
+        (group / student).mkdir(parents=True)
+        (group / student / "metrics.jsonl").write_text("")
+    (group / "students.yaml").write_text("students: [kd, dkd]\n")
+    (group / "notes").mkdir()
+    said = []
+    assert find_runs(group, said.append) == [group / "dkd", group / "kd"]
+    assert said == [f"skipped {group / 'notes'}: no run in it"]

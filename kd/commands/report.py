@@ -249,7 +249,8 @@ def _runs_below(path: Path, depth: int = 0) -> List[Path]:
 
 def find_runs(path: Path, note: Callable[[str], None]) -> List[Path]:
     """``path`` if it is a run folder (it holds metrics.jsonl), else the run folders below it;
-    ``note`` hears about each entry of ``path`` that holds no run."""
+    ``note`` hears about each folder in ``path`` that holds no run (not about its files: a run of
+    several students keeps its students.yaml there)."""
     if not path.exists():
         raise KDError(f"{path} does not exist")
     found = _runs_below(path)
@@ -257,9 +258,9 @@ def find_runs(path: Path, note: Callable[[str], None]) -> List[Path]:
         what = "not a run folder" if not path.is_dir() else "no metrics.jsonl in it or below it (not a kd run)"
         note(f"skipped {path}: {what}")
     elif found != [path]:
-        for child in sorted(p for p in path.iterdir() if not p.name.startswith(".")):
+        for child in sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith(".")):
             if not any(run == child or child in run.parents for run in found):
-                note(f"skipped {child}: {'no run in it' if child.is_dir() else 'not a run folder'}")
+                note(f"skipped {child}: no run in it")
     return found
 
 
