@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HANG_GUARD, ROOT, TINY_PAIR, kd_main, make_image_folder, start_kd
+from conftest import HANG_GUARD, ROOT, THREADS, TINY_PAIR, kd_main, make_image_folder, start_kd
 
 from kd.errors import KDError
 from kd.runfolder import LOCK_FILE
@@ -215,7 +215,7 @@ def epochs_saved(path: Path) -> int:
 
 
 @pytest.mark.slow
-def test_kill_9_in_validation_then_resume_takes_the_lock_over_and_is_exact(long_val, tmp_path):
+def test_kill_9_in_validation_then_resume_takes_the_lock_over_and_is_exact(long_val, tmp_path, monkeypatch):
     """The kill lands in epoch 2's validation: after epoch 1's checkpoint and epoch 2's one short
     step, before epoch 2's record. The lock file it leaves names a process that is gone; --resume
     takes it over and ends equal to a run never killed."""
@@ -225,6 +225,7 @@ def test_kill_9_in_validation_then_resume_takes_the_lock_over_and_is_exact(long_
     r = kd_main("train", *args, "--out", ref)  # (in this process: a fresh interpreter adds only its start)
     assert r.returncode == 0, r.stderr
     out = tmp_path / "run"
+    monkeypatch.setenv("OMP_NUM_THREADS", str(THREADS))  # the reference's threads: a step's sums differ with them
     proc = start("train", *args, "--out", out)
     wait_for(lambda: epochs_saved(out / "checkpoints" / "last.pt") == 1, proc)
     wait_for(lambda: reading(proc.pid, long_val / "val"), proc, poll=0.0005)  # epoch 2's validation (-j 0)
