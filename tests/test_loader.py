@@ -20,6 +20,10 @@ def data(tmp_path_factory):
 #: backends of one launcher); it runs under kd's default start method, the others under each.
 START_METHOD_BACKENDS = ["single", "torch_ddp"]
 
+#: the teacher and student of the runs with workers, which never see the models: squeezenet1_1
+#: checkpoints a tenth of resnet18's weights and took the least CPU of the torchvision models tried
+SMALL_PAIR = dict(teacher="squeezenet1_1", student="squeezenet1_1")
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
@@ -36,7 +40,7 @@ def train_two_epochs_with_two_workers(data, tmp_path, backend: str, context: str
     """``kd train -j 2 --mp-context CONTEXT --backend BACKEND`` (two processes for torch_ddp and
     apex_ddp) for two epochs: no worker error, both epochs logged."""
     procs = [] if backend == "single" else ["--nproc", "2"]
-    options = dict(batch_size=4, epochs=2, workers=2, mp_context=context, backend=backend)
+    options = dict(batch_size=4, epochs=2, workers=2, mp_context=context, backend=backend, **SMALL_PAIR)
     r = run_kd(*train_args(data, tmp_path / "run", *procs, **options))
     assert r.returncode == 0, r.stderr
     for bad in ("can only test a child process", "can only join a child process", "Traceback", "daemonic"):
@@ -53,10 +57,12 @@ class _Images(Dataset):
 
 
 def _iterate(collate):
+    """Every batch of a DataLoader with one spawned worker (a fresh interpreter that imports this
+    file to unpickle the dataset and ``collate``)."""
     loader = DataLoader(
         _Images(),
         batch_size=4,
-        num_workers=2,
+        num_workers=1,
         collate_fn=collate,
         multiprocessing_context=multiprocessing.get_context("spawn"),
     )
@@ -100,7 +106,7 @@ def test_corrupt_image_is_skipped_named_and_counted(tmp_path):
     data = make_image_folder(tmp_path / "data", classes=2, train_per_class=6, val_per_class=2)
     broken = data / "train" / "class_00" / "001.jpg"
     broken.write_bytes(broken.read_bytes()[:40])  # truncated JPEG
-    options = dict(batch_size=4, workers=2, log_every=1)
+    options = dict(batch_size=4, workers=2, log_every=1, **SMALL_PAIR)
     r = kd_main(*train_args(data, tmp_path / "ok", **options))
     assert r.returncode == 0, r.stderr
     assert f"skipped unreadable image {broken}" in r.stderr
