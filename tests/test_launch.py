@@ -89,11 +89,24 @@ def one_line_error(r):
     return lines[0]
 
 
-def assert_students_equal_one_process(out: Path, one: Path, data, teacher, students) -> None:
-    """Every student of the multi-process run ``out`` equals the same students trained in one
-    process (each student's gradients averaged by its own wrapper), and they differ from each other."""
-    r = kd_main(*train_args(data, one, teacher, "-j", 0, *students))
+#: two students from one teacher forward: each its own DDP module and buckets, its own gradient averager
+TWO_STUDENTS = ["--kd-loss", "kd,dkd"]
+
+
+@pytest.fixture(scope="module")
+def two_students_in_one_process(data9, teacher_file, tmp_path_factory) -> Path:
+    """The folder of :data:`TWO_STUDENTS` trained in one process (no loader workers: the same
+    steps), the reference of the multi-process runs of the two."""
+    one = tmp_path_factory.mktemp("one") / "run"
+    r = kd_main(*train_args(data9, one, teacher_file, "-j", 0, *TWO_STUDENTS))
     assert r.returncode == 0, r.stderr
+    return one
+
+
+def assert_students_equal_one_process(out: Path, one: Path) -> None:
+    """Every student of the multi-process run ``out`` equals the same students trained in one
+    process (``one``; each student's gradients averaged by its own wrapper), and they differ from
+    each other."""
     weights = {}
     for name in ("kd", "dkd"):
         assert len(metrics(out / name)) == 1 and [f for f in run_files(out / name) if not f.startswith("tb/")] == [
@@ -168,14 +181,13 @@ def _run_module(args, env=None, timeout=HANG_GUARD):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["torchrun", "legacy"])
-def test_started_by_torchrun_or_torch_distributed_launch(launcher, data9, teacher_file, tmp_path):
+def test_started_by_torchrun_or_torch_distributed_launch(launcher, data9, teacher_file, tmp_path, request):
     out = tmp_path / "run"
     if launcher == "torchrun":
         head = ["torch.distributed.run", "--standalone", "--nproc_per_node", 2]
     else:  # passes --local-rank=N to every process
         head = ["torch.distributed.launch", "--nproc_per_node", 2, "--master_port", free_port()]
-    # under torchrun, two students from one teacher forward: each its own DDP module and buckets
-    students = ["--kd-loss", "kd,dkd"] if launcher == "torchrun" else []
+    students = TWO_STUDENTS if launcher == "torchrun" else []
     r = _run_module(
         [*head, "-m", "cli", *train_args(data9, out, teacher_file, "--backend", "torch_ddp", "-j", 0, *students)],
         env={"OMP_NUM_THREADS": "1"},
@@ -185,7 +197,7 @@ def test_started_by_torchrun_or_torch_distributed_launch(launcher, data9, teache
     if not students:
         assert len(metrics(out)) == 1 and (out / "checkpoints" / "last.pt").is_file()
         return
-    assert_students_equal_one_process(out, tmp_path / "one", data9, teacher_file, students)
+    assert_students_equal_one_process(out, request.getfixturevalue("two_students_in_one_process"))
 
 
 def srun_env(rank: int, port: int, **extra):
@@ -212,11 +224,12 @@ def srun_env(rank: int, port: int, **extra):
 
 
 @pytest.mark.slow
-def test_started_by_srun_apex_ddp_with_loader_workers_two_students(data9, teacher_file, tmp_path):
+def test_started_by_srun_apex_ddp_with_loader_workers_two_students(
+    data9, teacher_file, two_students_in_one_process, tmp_path
+):
     """Two tasks with srun's environment: kd starts no process of its own and uses both as ranks."""
     out, port = tmp_path / "run", free_port()
-    students = ["--kd-loss", "kd,dkd"]  # two students: each its own gradient averager
-    args = train_args(data9, out, teacher_file, "--backend", "apex_ddp", "-j", 2, *students)
+    args = train_args(data9, out, teacher_file, "--backend", "apex_ddp", "-j", 2, *TWO_STUDENTS)
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "cli", *map(str, args)],
@@ -233,7 +246,7 @@ def test_started_by_srun_apex_ddp_with_loader_workers_two_students(data9, teache
     assert "backend apex_ddp: 2 process(es) over gloo, rank 0" in main_log
     assert "native" in main_log and "epoch 1/1" in main_log
     assert "epoch 1/1" not in other_log and "precision" not in other_log
-    assert_students_equal_one_process(out, tmp_path / "one", data9, teacher_file, students)
+    assert_students_equal_one_process(out, two_students_in_one_process)
 
 
 @pytest.mark.slow
