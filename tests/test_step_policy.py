@@ -190,22 +190,38 @@ def test_no_checkpoint_holds_a_nonfinite_buffer(data, tmp_path):
 
 @pytest.mark.slow
 def test_one_unreadable_file_counts_once_over_epochs_and_processes(tmp_path):
-    """A broken file is met every epoch, by either process: it is one unreadable image, so a run
-    with --max-bad-images 2 lives past epoch 3 (it had died there: one file counted per epoch)."""
+    """A broken file is met every epoch, by either process or by both in one epoch: it is one
+    unreadable image, so a run with --max-bad-images 2 lives past epoch 3 (it had died there: one
+    file counted per epoch)."""
+    from kd.data.sampler import SeededSampler
+
     data = make_image_folder(tmp_path / "data", classes=2, train_per_class=4, val_per_class=1, size=(16, 16))
     broken = data / "train" / "class_00" / "broken.jpg"
     broken.write_bytes(b"not a jpeg at all")
+    files = sorted(p for p in (data / "train").rglob("*") if p.is_file())  # ImageFolder's order
+    seed, epochs = 10, 5
+
+    def ranks_meeting_it(epoch: int):
+        met = []
+        for rank in (0, 1):
+            sampler = SeededSampler(len(files), 2, rank, True, seed, pad=True)
+            sampler.set_epoch(epoch)
+            met += [rank] if files.index(broken) in [index for index, _ in sampler] else []
+        return tuple(met)
+
+    # the seed makes every case happen: rank 1 alone, both ranks in one epoch (the padding), rank 0 alone
+    assert {ranks_meeting_it(e) for e in range(epochs)} == {(0,), (1,), (0, 1)}
     out = tmp_path / "run"
     student = "squeezenet1_1"  # any counts alike; its checkpoint, written each epoch, is a tenth of resnet18's
     r = run_kd(
         *["train", "--data", data, "--no-teacher", "--student", student, "--image-size", 32, "-b", 8, "-j", 0],
-        *["--device", "cpu", "--epochs", 5, "--eval-every", 5, "--max-bad-images", 2, "--log-every", 1],
-        *["--backend", "torch_ddp", "--nproc", 2, "--out", out],
+        *["--device", "cpu", "--epochs", epochs, "--eval-every", 5, "--max-bad-images", 2, "--log-every", 1],
+        *["--backend", "torch_ddp", "--nproc", 2, "--seed", seed, "--out", out],
         env={"OMP_NUM_THREADS": "1"},
     )
     assert r.returncode == 0, r.stderr
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [rec["train_bad_images"] for rec in records] == [1] * 5
+    assert [rec["train_bad_images"] for rec in records] == [1] * epochs
     assert torch.load(out / "checkpoints" / "last.pt", weights_only=True)["bad_files"] == [str(broken)]
 
 
