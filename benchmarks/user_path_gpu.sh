@@ -13,8 +13,8 @@
 # teacher34, table: a resnet34 teacher trained by kd, then the six rows of the papers' R34 -> R18 table as one command.
 # newer: kd, dkd, nkd, ctkd and ctdkd from one teacher forward, then kd, dkd, ctkd, ctdkd with --logit-standardisation.
 # methods: OFD, CRD and ReviewKD under each backend and opt level, CRD over two ranks, and kd bench --methods.
-# shapes: a 20-class JPEG folder at $DATA whose classes survive MLKD's strong view (RandAugment's colour, rotate and
-#         shear ops): 10 shapes, filled or outlined, of random colour, size, place and tilt on a random background.
+# data, shapes: a learnable JPEG folder at $DATA (benchmarks/learnable_folders.py): 100 classes of stripes and
+#         colours, or 20 of shapes, whose classes survive MLKD's strong view.
 # learn: on $DATA, the student alone (ce), KD, DKD and MLKD from one teacher forward (teacher34's), top-1 after
 #        TABLE_EPOCHS epochs; LEARN_VARIANTS "name:methods:lr ...".
 # inception: an inception_v3 teacher (299 px) trained by kd, beside a resnet18 student (224 px).
@@ -63,105 +63,8 @@ run() {  # NAME LIMIT ARGS...: one kd train, timed
 }
 
 for part in "$@"; do case "$part" in
-  data) $PY - "$DATA" <<'EOF' 2>&1 | tee "$OUT/data.log"
-import io, os, sys
-from multiprocessing import Pool
-from pathlib import Path
-import numpy as np
-from PIL import Image
-
-root = Path(sys.argv[1])
-CLASSES, TRAIN, VAL = 100, 50, 10
-
-def write(job):
-    path, c, seed = job
-    rng = np.random.default_rng(seed)
-    w, h = (int(rng.integers(300, 500)), int(rng.integers(240, 400)))
-    if rng.random() < 0.3:
-        w, h = h, w  # portrait
-    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
-    hue = np.array([np.cos(2 * np.pi * c / CLASSES), np.cos(2 * np.pi * (c / CLASSES + 1 / 3)),
-                    np.cos(2 * np.pi * (c / CLASSES + 2 / 3))])
-    angle, period = np.pi * (c % 10) / 10, 6 + 2 * (c // 10)
-    stripes = np.sin((x * np.cos(angle) + y * np.sin(angle)) * 2 * np.pi / period)
-    img = 128 + 70 * hue[None, None] + 45 * stripes[..., None] + rng.normal(0, 18, (h, w, 3))
-    mode = "L" if rng.random() < 0.02 else "RGB"
-    Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).convert(mode).save(
-        path, quality=int(rng.integers(75, 95)), progressive=bool(rng.random() < 0.1))
-
-if not (root / "val").is_dir():
-    jobs = []
-    for split, n, off in (("train", TRAIN, 0), ("val", VAL, 10**6)):
-        for c in range(CLASSES):
-            (root / split / f"c{c:03d}").mkdir(parents=True, exist_ok=True)
-            jobs += [(root / split / f"c{c:03d}" / f"{i:04d}.jpg", c, off + c * 1000 + i) for i in range(n)]
-    with Pool(os.cpu_count()) as pool:
-        pool.map(write, jobs, chunksize=32)
-print(f"{sum(1 for _ in root.rglob('*.jpg'))} JPEGs in {root}")
-EOF
-  ;;
-  shapes) $PY - "$DATA" <<'EOF' 2>&1 | tee "$OUT/shapes.log"
-import os, sys
-from multiprocessing import Pool
-from pathlib import Path
-import numpy as np
-from PIL import Image, ImageDraw
-
-root = Path(sys.argv[1])
-SHAPES = ["circle", "triangle", "square", "pentagon", "hexagon", "star", "cross", "arrow", "ell", "tee"]
-TRAIN, VAL = 250, 50
-OUTLINES = {  # unit-sized outlines around the origin
-    "cross": [(-1, -.3), (-.3, -.3), (-.3, -1), (.3, -1), (.3, -.3), (1, -.3), (1, .3), (.3, .3), (.3, 1), (-.3, 1), (-.3, .3), (-1, .3)],
-    "arrow": [(-1, -.3), (.2, -.3), (.2, -.8), (1, 0), (.2, .8), (.2, .3), (-1, .3)],
-    "ell": [(-.7, -1), (-.1, -1), (-.1, .4), (.7, .4), (.7, 1), (-.7, 1)],
-    "tee": [(-1, -1), (1, -1), (1, -.4), (.3, -.4), (.3, 1), (-.3, 1), (-.3, -.4), (-1, -.4)],
-}
-
-def outline(shape):
-    if shape in OUTLINES:
-        return np.array(OUTLINES[shape], dtype=np.float64)
-    if shape == "star":
-        a = np.pi * np.arange(10) / 5 - np.pi / 2
-        r = np.where(np.arange(10) % 2 == 0, 1.0, 0.42)
-        return np.stack([r * np.cos(a), r * np.sin(a)], 1)
-    n = {"circle": 72, "triangle": 3, "square": 4, "pentagon": 5, "hexagon": 6}[shape]
-    a = 2 * np.pi * np.arange(n) / n - np.pi / 2
-    return np.stack([np.cos(a), np.sin(a)], 1)
-
-def write(job):
-    path, c, seed = job
-    rng = np.random.default_rng(seed)
-    w, h = (int(rng.integers(300, 500)), int(rng.integers(240, 400)))
-    if rng.random() < 0.3:
-        w, h = h, w  # portrait
-    field = Image.fromarray(rng.integers(0, 256, (3, 4, 3), dtype=np.uint8)).resize((w, h), Image.BILINEAR)
-    img = np.asarray(field, dtype=np.float32) + rng.normal(0, 12, (h, w, 3))
-    img = Image.fromarray(np.clip(img, 0, 255).astype(np.uint8))
-    size = min(w, h) * rng.uniform(0.25, 0.4)
-    tilt = rng.uniform(-np.pi / 12, np.pi / 12)
-    rot = np.array([[np.cos(tilt), -np.sin(tilt)], [np.sin(tilt), np.cos(tilt)]])
-    centre = (rng.uniform(size * 1.1, w - size * 1.1), rng.uniform(size * 1.1, h - size * 1.1))
-    points = [tuple(p) for p in outline(SHAPES[c % 10]) @ rot.T * size + centre]
-    colour = tuple(int(v) for v in rng.integers(0, 256, 3))
-    draw = ImageDraw.Draw(img)
-    if c < 10:
-        draw.polygon(points, fill=colour)
-    else:
-        draw.line(points + points[:1], fill=colour, width=max(3, int(size * 0.12)), joint="curve")
-    img.save(path, quality=int(rng.integers(75, 95)))
-
-if not (root / "val").is_dir():
-    jobs = []
-    for split, n, off in (("train", TRAIN, 0), ("val", VAL, 10**6)):
-        for c in range(20):
-            folder = root / split / f"{SHAPES[c % 10]}_{'filled' if c < 10 else 'outlined'}"
-            folder.mkdir(parents=True, exist_ok=True)
-            jobs += [(folder / f"{i:04d}.jpg", c, off + c * 1000 + i) for i in range(n)]
-    with Pool(os.cpu_count()) as pool:
-        pool.map(write, jobs, chunksize=32)
-print(f"{sum(1 for _ in root.rglob('*.jpg'))} JPEGs in {root}")
-EOF
-  ;;
+  data) $PY benchmarks/learnable_folders.py stripes "$DATA" 2>&1 | tee "$OUT/data.log" ;;
+  shapes) $PY benchmarks/learnable_folders.py shapes "$DATA" 2>&1 | tee "$OUT/shapes.log" ;;
   learn) T34=$RUNS/teacher34/checkpoints/best.pt E=${TABLE_EPOCHS:-8}
          for variant in ${LEARN_VARIANTS:-"learn:ce,kd,dkd,mlkd:0.05"}; do
            IFS=: read -r name methods lr <<< "$variant"
