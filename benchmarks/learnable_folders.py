@@ -41,7 +41,7 @@ def stripes(c: int, classes: int, rng: np.random.Generator, size: tuple) -> Imag
     y, x = np.mgrid[0:h, 0:w].astype(np.float32)
     phase = c / classes
     hue = np.array([np.cos(2 * np.pi * (phase + k / 3)) for k in range(3)])
-    angle, period = np.pi * (c % 10) / 10, (6 + 2 * (c // 10)) * size[0] / 300
+    angle, period = np.pi * (c % 10) / 10, 6 + 2 * (c // 10)
     wave = np.sin((x * np.cos(angle) + y * np.sin(angle)) * 2 * np.pi / period)
     img = 128 + 70 * hue[None, None] + 45 * wave[..., None] + rng.normal(0, 18, (h, w, 3))
     mode = "L" if rng.random() < 0.02 else "RGB"
