@@ -14,6 +14,10 @@ from conftest import kd_main, run_kd, train_args
 NEW_METHODS = ["crd", "ofd", "reviewkd"]
 #: a few negatives: CRD's 16,384 would be drawn from the same 16 samples again and again here
 SMALL = {"crd": {"negatives": 64}}
+#: the students of the one-process runs: timm's test_resnet (BatchNorm and a ReLU after each stage's
+#: residual sum, as resnet18, whose checkpoints, written each epoch with their momentum and a best
+#: copy, cost more than its training), taught by resnet18, tapped as torchvision's BasicBlocks are
+STUDENT = "timm:test_resnet"
 
 
 def checkpoint(out):
@@ -34,9 +38,10 @@ def test_resumed_students_equal_the_uninterrupted_ones(image_folder, tmp_path):
     """The new methods' students together, stopped after an epoch and resumed: their weights,
     connectors, CRD's memory and Z equal those of the run that was not stopped."""
     students = recipes(tmp_path, NEW_METHODS)
-    r = kd_main(*train_args(image_folder, tmp_path / "full", *students, epochs=2, lr_schedule="constant"))
+    options = dict(student=STUDENT, lr_schedule="constant")
+    r = kd_main(*train_args(image_folder, tmp_path / "full", *students, epochs=2, **options))
     assert r.returncode == 0, r.stderr
-    r = kd_main(*train_args(image_folder, tmp_path / "part", *students, epochs=1, lr_schedule="constant"))
+    r = kd_main(*train_args(image_folder, tmp_path / "part", *students, epochs=1, **options))
     assert r.returncode == 0, r.stderr
     r = kd_main("train", "--out", tmp_path / "part", "--resume", "--epochs", 2)
     assert r.returncode == 0, r.stderr
@@ -101,11 +106,11 @@ def test_soft_labels_refuse_crd(tmp_path):
 def test_the_new_methods_beside_others_equal_their_separate_runs(image_folder, tmp_path):
     """One teacher forward with the union of every student's taps (pre-ReLU stages, pooled features),
     each student bit for bit its own run."""
-    r = kd_main(*train_args(image_folder, tmp_path / "table", *recipes(tmp_path, ["kd", *NEW_METHODS]),
-                            limit_train_batches=2))  # fmt: skip
+    options = dict(student=STUDENT, limit_train_batches=2)
+    r = kd_main(*train_args(image_folder, tmp_path / "table", *recipes(tmp_path, ["kd", *NEW_METHODS]), **options))
     assert r.returncode == 0, r.stderr
     for method in NEW_METHODS:
-        r = kd_main(*train_args(image_folder, tmp_path / method, *recipes(tmp_path, [method]), limit_train_batches=2))
+        r = kd_main(*train_args(image_folder, tmp_path / method, *recipes(tmp_path, [method]), **options))
         assert r.returncode == 0, r.stderr
         together, alone = checkpoint(tmp_path / "table" / method), checkpoint(tmp_path / method)
         assert together["global_step"] == alone["global_step"] == 2
@@ -148,7 +153,7 @@ def test_crd_reads_each_sample_index_from_a_prepared_copy(image_folder, tmp_path
     copy = tmp_path / "copy"
     r = kd_main("prepare", image_folder, copy, "--max-side", 48)
     assert r.returncode == 0, r.stderr
-    r = kd_main(*train_args(copy, tmp_path / "run", "--loss-arg", "negatives=64", kd_loss="crd"))
+    r = kd_main(*train_args(copy, tmp_path / "run", "--loss-arg", "negatives=64", kd_loss="crd", student=STUDENT))
     assert r.returncode == 0, r.stderr
     state = checkpoint(tmp_path / "run")["loss"]["_extra_state"]
     memory = state[:-2].view(2, 24, 128)
