@@ -255,6 +255,11 @@ def test_a_prepared_copy_gives_the_folders_strong_views(image_folder, tmp_path, 
 
 # ---------------------------------------------------------------- through the engine
 
+#: the students of the one-process runs: timm's test_resnet (BatchNorm, 0.4 M parameters), taught by
+#: resnet18; a resnet18 student's checkpoints, each epoch with momentum and a best copy, cost more
+#: than its training
+STUDENT = "timm:test_resnet"
+
 
 def checkpoint(out):
     return torch.load(out / "checkpoints" / "last.pt", weights_only=True)
@@ -274,9 +279,10 @@ def assert_same_student(a, b, what):
 def test_mlkd_trains_and_a_resumed_run_equals_the_uninterrupted_one(image_folder, tmp_path):
     """Two epochs, and one epoch then a resume: the same weights bit for bit (the strong views drawn
     again from each sample's seed); the three levels logged."""
-    r = kd_main(*train_args(image_folder, tmp_path / "full", kd_loss="mlkd", epochs=2, lr_schedule="constant"))
+    options = dict(student=STUDENT, kd_loss="mlkd", lr_schedule="constant")
+    r = kd_main(*train_args(image_folder, tmp_path / "full", epochs=2, **options))
     assert r.returncode == 0, r.stderr
-    r = kd_main(*train_args(image_folder, tmp_path / "part", kd_loss="mlkd", epochs=1, lr_schedule="constant"))
+    r = kd_main(*train_args(image_folder, tmp_path / "part", epochs=1, **options))
     assert r.returncode == 0, r.stderr
     r = kd_main("train", "--out", tmp_path / "part", "--resume", "--epochs", 2)
     assert r.returncode == 0, r.stderr
@@ -314,10 +320,11 @@ def test_one_teacher_forward_per_view_for_every_student(image_folder, tmp_path):
 def test_mlkd_beside_kd_equals_their_separate_runs(image_folder, tmp_path):
     """One run of kd and mlkd (its loaders make the strong view, its teacher forwards it): each student
     bit for bit its own run; kd's batches and targets are those of a run without a second view."""
-    r = kd_main(*train_args(image_folder, tmp_path / "table", kd_loss="kd,mlkd", limit_train_batches=2))
+    options = dict(student=STUDENT, limit_train_batches=2)
+    r = kd_main(*train_args(image_folder, tmp_path / "table", kd_loss="kd,mlkd", **options))
     assert r.returncode == 0, r.stderr
     for method in ("kd", "mlkd"):
-        r = kd_main(*train_args(image_folder, tmp_path / method, kd_loss=method, limit_train_batches=2))
+        r = kd_main(*train_args(image_folder, tmp_path / method, kd_loss=method, **options))
         assert r.returncode == 0, r.stderr
         assert_same_student(checkpoint(tmp_path / "table" / method), checkpoint(tmp_path / method), method)
 
@@ -330,7 +337,7 @@ def test_soft_labels_refuse_mlkd(tmp_path):
 
 
 def test_mlkd_trains_on_synthetic_tensors_with_logit_standardisation(tmp_path):
-    options = dict(student="resnet18", teacher="resnet18", teacher_weights="none", image_size=32, batch_size=8)
+    options = dict(student=STUDENT, teacher="resnet18", teacher_weights="none", image_size=32, batch_size=8)
     r = kd_main(*train_args("synthetic", tmp_path / "run", "--logit-standardisation", kd_loss="mlkd",
                             limit_train_batches=2, **options))  # fmt: skip
     assert r.returncode == 0, r.stderr
