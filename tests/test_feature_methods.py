@@ -1,6 +1,6 @@
 """The methods that need more than logits and module outputs, through the engine as a user runs them:
-pre-ReLU stages and pooled features tapped on real models, CRD's memory and CTKD's temperature over
-several processes, beside other students and across a resume."""
+pre-ReLU stages and pooled features tapped on real models, CRD's memory, CTKD's temperature and MLKD's
+second view over several processes, beside other students and across a resume."""
 
 from __future__ import annotations
 
@@ -57,19 +57,23 @@ def test_resumed_students_equal_the_uninterrupted_ones(image_folder, tmp_path):
         assert records[-1][f"train_{method}"] > 0
 
 
-#: the two-process runs' students: CRD (its memory and negatives) and CTKD (its temperature), of
-#: ConvNeXt, whose LayerNorms keep no batch statistics, so that two processes can equal one
+#: the two-process runs' students that equal one process's: CRD (its memory and negatives) and CTKD
+#: (its temperature), of ConvNeXt, whose LayerNorms keep no batch statistics
 TOGETHER = ["crd", "ctkd"]
 TOGETHER_RUN = dict(student="timm:convnext_atto", lr_schedule="constant", workers=0)
+#: the students of those runs: :data:`TOGETHER`, and MLKD beside them, whose strong views the
+#: processes shard with the first views (its lane leaves the others' batches and targets as they
+#: were: test_mlkd)
+TWO_PROCESS_STUDENTS = [*TOGETHER, "mlkd"]
 
 
 @pytest.fixture(scope="module")
 def two_processes(image_folder, tmp_path_factory):
-    """One epoch of the :data:`TOGETHER` students under torch_ddp in two processes: its folder."""
+    """One epoch of the :data:`TWO_PROCESS_STUDENTS` under torch_ddp in two processes: its folder."""
     root = tmp_path_factory.mktemp("two_processes")
     out = root / "two"
     ddp = ("--backend", "torch_ddp", "--nproc", 2)
-    r = run_kd(*train_args(image_folder, out, *recipes(root, TOGETHER), *ddp, **TOGETHER_RUN))
+    r = run_kd(*train_args(image_folder, out, *recipes(root, TWO_PROCESS_STUDENTS), *ddp, **TOGETHER_RUN))
     assert r.returncode == 0, r.stderr
     return out
 
@@ -135,8 +139,9 @@ def test_two_processes_equal_one_process_of_the_same_global_batch(image_folder, 
     can equal one process: the same global batches; CRD's negatives, Z and every memory update;
     CTKD's one temperature, its gradient all-reduced with the student's. Both methods are students
     of one run (each its own wrapper and reductions), so one run of each kind proves both; the
-    one-process run trains in this process (the processes under test are the two)."""
-    r = kd_main(*train_args(image_folder, tmp_path / "one", *recipes(tmp_path, TOGETHER), **TOGETHER_RUN))
+    one-process run trains in this process (the processes under test are the two), with the same
+    students."""
+    r = kd_main(*train_args(image_folder, tmp_path / "one", *recipes(tmp_path, TWO_PROCESS_STUDENTS), **TOGETHER_RUN))
     assert r.returncode == 0, r.stderr
     for method in TOGETHER:
         one, two = checkpoint(tmp_path / "one" / method), checkpoint(two_processes / method)
@@ -145,6 +150,18 @@ def test_two_processes_equal_one_process_of_the_same_global_batch(image_folder, 
         for part in ("student", "loss"):
             for key, value in one[part].items():
                 torch.testing.assert_close(two[part][key], value, rtol=1e-4, atol=1e-5, msg=f"{method} {part} {key}")
+
+
+@pytest.mark.slow
+def test_two_processes_train_mlkd(two_processes):
+    """Two processes (the strong views sharded with the first, the teacher's and the student's second
+    forward under DDP) train as one process does (the MLKD student of :func:`two_processes`). Not
+    equal to one process of the same global batch, by design: the median masks and the class- and
+    batch-level Gram matrices are taken over each process's batch, as the official DataParallel
+    replicas take them over each GPU's share."""
+    assert checkpoint(two_processes / "mlkd")["global_step"] == 3
+    last = json.loads((two_processes / "mlkd" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["train_skipped_steps"] == 0 and all(last[f"train_{t}"] > 0 for t in ("kd", "cc", "bc")), last
 
 
 def test_crd_reads_each_sample_index_from_a_prepared_copy(image_folder, tmp_path):

@@ -16,7 +16,7 @@ import json
 
 import pytest
 import torch
-from conftest import TINY_RUN, kd_main, run_kd, train_args
+from conftest import TINY_RUN, kd_main, train_args
 
 from kd.errors import KDError
 from kd.losses import DistillInputs, build_loss
@@ -254,6 +254,7 @@ def test_a_prepared_copy_gives_the_folders_strong_views(image_folder, tmp_path, 
 
 
 # ---------------------------------------------------------------- through the engine
+# (in two processes: test_feature_methods, a student beside CRD and CTKD in their two-process run)
 
 #: the students of the one-process runs: timm's test_resnet (BatchNorm, 0.4 M parameters), taught by
 #: resnet18; a resnet18 student's checkpoints, each epoch with momentum and a best copy, cost more
@@ -343,18 +344,3 @@ def test_mlkd_trains_on_synthetic_tensors_with_logit_standardisation(tmp_path):
     assert r.returncode == 0, r.stderr
     cfg = (tmp_path / "run" / "config.yaml").read_text()
     assert "standardise: 1" in cfg or "standardise: true" in cfg, cfg
-
-
-@pytest.mark.slow
-def test_two_processes_train_mlkd(image_folder, tmp_path):
-    """Two processes (the strong views sharded with the first, the teacher's and the student's second
-    forward under DDP) train as one process does. Not equal to one process of the same global batch,
-    by design: the median masks and the class- and batch-level Gram matrices are taken over each
-    process's batch, as the official DataParallel replicas take them over each GPU's share."""
-    options = dict(student="timm:convnext_atto", kd_loss="mlkd", lr_schedule="constant", workers=0)
-    r = run_kd(*train_args(image_folder, tmp_path / "two", "--backend", "torch_ddp", "--nproc", 2, **options))
-    assert r.returncode == 0, r.stderr
-    two = checkpoint(tmp_path / "two")
-    assert two["global_step"] == 3
-    last = records(tmp_path / "two")[-1]
-    assert last["train_skipped_steps"] == 0 and all(last[f"train_{t}"] > 0 for t in ("kd", "cc", "bc")), last
