@@ -1,6 +1,6 @@
 """The methods that need more than logits and module outputs, through the engine as a user runs them:
-pre-ReLU stages and pooled features tapped on real models, CRD's memory and CTKD's temperature over
-several processes, beside other students and across a resume."""
+pre-ReLU stages and pooled features tapped on real models, CRD's memory, CTKD's temperature and MLKD's
+second view over several processes, beside other students and across a resume."""
 
 from __future__ import annotations
 
@@ -14,6 +14,10 @@ from conftest import kd_main, run_kd, train_args
 NEW_METHODS = ["crd", "ofd", "reviewkd"]
 #: a few negatives: CRD's 16,384 would be drawn from the same 16 samples again and again here
 SMALL = {"crd": {"negatives": 64}}
+#: the students of the one-process runs: timm's test_resnet (BatchNorm and a ReLU after each stage's
+#: residual sum, as resnet18, whose checkpoints, written each epoch with their momentum and a best
+#: copy, cost more than its training), taught by resnet18, tapped as torchvision's BasicBlocks are
+STUDENT = "timm:test_resnet"
 
 
 def checkpoint(out):
@@ -34,9 +38,10 @@ def test_resumed_students_equal_the_uninterrupted_ones(image_folder, tmp_path):
     """The new methods' students together, stopped after an epoch and resumed: their weights,
     connectors, CRD's memory and Z equal those of the run that was not stopped."""
     students = recipes(tmp_path, NEW_METHODS)
-    r = kd_main(*train_args(image_folder, tmp_path / "full", *students, epochs=2, lr_schedule="constant"))
+    options = dict(student=STUDENT, lr_schedule="constant")
+    r = kd_main(*train_args(image_folder, tmp_path / "full", *students, epochs=2, **options))
     assert r.returncode == 0, r.stderr
-    r = kd_main(*train_args(image_folder, tmp_path / "part", *students, epochs=1, lr_schedule="constant"))
+    r = kd_main(*train_args(image_folder, tmp_path / "part", *students, epochs=1, **options))
     assert r.returncode == 0, r.stderr
     r = kd_main("train", "--out", tmp_path / "part", "--resume", "--epochs", 2)
     assert r.returncode == 0, r.stderr
@@ -52,19 +57,23 @@ def test_resumed_students_equal_the_uninterrupted_ones(image_folder, tmp_path):
         assert records[-1][f"train_{method}"] > 0
 
 
-#: the two-process runs' students: CRD (its memory and negatives) and CTKD (its temperature), of
-#: ConvNeXt, whose LayerNorms keep no batch statistics, so that two processes can equal one
+#: the two-process runs' students that equal one process's: CRD (its memory and negatives) and CTKD
+#: (its temperature), of ConvNeXt, whose LayerNorms keep no batch statistics
 TOGETHER = ["crd", "ctkd"]
 TOGETHER_RUN = dict(student="timm:convnext_atto", lr_schedule="constant", workers=0)
+#: the students of those runs: :data:`TOGETHER`, and MLKD beside them, whose strong views the
+#: processes shard with the first views (its lane leaves the others' batches and targets as they
+#: were: test_mlkd)
+TWO_PROCESS_STUDENTS = [*TOGETHER, "mlkd"]
 
 
 @pytest.fixture(scope="module")
 def two_processes(image_folder, tmp_path_factory):
-    """One epoch of the :data:`TOGETHER` students under torch_ddp in two processes: its folder."""
+    """One epoch of the :data:`TWO_PROCESS_STUDENTS` under torch_ddp in two processes: its folder."""
     root = tmp_path_factory.mktemp("two_processes")
     out = root / "two"
     ddp = ("--backend", "torch_ddp", "--nproc", 2)
-    r = run_kd(*train_args(image_folder, out, *recipes(root, TOGETHER), *ddp, **TOGETHER_RUN))
+    r = run_kd(*train_args(image_folder, out, *recipes(root, TWO_PROCESS_STUDENTS), *ddp, **TOGETHER_RUN))
     assert r.returncode == 0, r.stderr
     return out
 
@@ -101,11 +110,11 @@ def test_soft_labels_refuse_crd(tmp_path):
 def test_the_new_methods_beside_others_equal_their_separate_runs(image_folder, tmp_path):
     """One teacher forward with the union of every student's taps (pre-ReLU stages, pooled features),
     each student bit for bit its own run."""
-    r = kd_main(*train_args(image_folder, tmp_path / "table", *recipes(tmp_path, ["kd", *NEW_METHODS]),
-                            limit_train_batches=2))  # fmt: skip
+    options = dict(student=STUDENT, limit_train_batches=2)
+    r = kd_main(*train_args(image_folder, tmp_path / "table", *recipes(tmp_path, ["kd", *NEW_METHODS]), **options))
     assert r.returncode == 0, r.stderr
     for method in NEW_METHODS:
-        r = kd_main(*train_args(image_folder, tmp_path / method, *recipes(tmp_path, [method]), limit_train_batches=2))
+        r = kd_main(*train_args(image_folder, tmp_path / method, *recipes(tmp_path, [method]), **options))
         assert r.returncode == 0, r.stderr
         together, alone = checkpoint(tmp_path / "table" / method), checkpoint(tmp_path / method)
         assert together["global_step"] == alone["global_step"] == 2
@@ -118,7 +127,7 @@ def test_the_new_methods_beside_others_equal_their_separate_runs(image_folder, t
 def test_crd_trains_on_synthetic_tensors(tmp_path):
     """kd bench times on synthetic tensors: their listing names classes for CRD to draw negatives by
     (it named class 0 for every sample, and CRD refused the data)."""
-    options = dict(student="resnet18", teacher="resnet18", teacher_weights="none", image_size=32, batch_size=8)
+    options = dict(student=STUDENT, teacher="resnet18", teacher_weights="none", image_size=32, batch_size=8)
     r = kd_main(*train_args("synthetic", tmp_path / "run", "--loss-arg", "negatives=64", kd_loss="crd",
                             limit_train_batches=2, **options))  # fmt: skip
     assert r.returncode == 0, r.stderr
@@ -130,8 +139,9 @@ def test_two_processes_equal_one_process_of_the_same_global_batch(image_folder, 
     can equal one process: the same global batches; CRD's negatives, Z and every memory update;
     CTKD's one temperature, its gradient all-reduced with the student's. Both methods are students
     of one run (each its own wrapper and reductions), so one run of each kind proves both; the
-    one-process run trains in this process (the processes under test are the two)."""
-    r = kd_main(*train_args(image_folder, tmp_path / "one", *recipes(tmp_path, TOGETHER), **TOGETHER_RUN))
+    one-process run trains in this process (the processes under test are the two), with the same
+    students."""
+    r = kd_main(*train_args(image_folder, tmp_path / "one", *recipes(tmp_path, TWO_PROCESS_STUDENTS), **TOGETHER_RUN))
     assert r.returncode == 0, r.stderr
     for method in TOGETHER:
         one, two = checkpoint(tmp_path / "one" / method), checkpoint(two_processes / method)
@@ -142,13 +152,25 @@ def test_two_processes_equal_one_process_of_the_same_global_batch(image_folder, 
                 torch.testing.assert_close(two[part][key], value, rtol=1e-4, atol=1e-5, msg=f"{method} {part} {key}")
 
 
+@pytest.mark.slow
+def test_two_processes_train_mlkd(two_processes):
+    """Two processes (the strong views sharded with the first, the teacher's and the student's second
+    forward under DDP) train as one process does (the MLKD student of :func:`two_processes`). Not
+    equal to one process of the same global batch, by design: the median masks and the class- and
+    batch-level Gram matrices are taken over each process's batch, as the official DataParallel
+    replicas take them over each GPU's share."""
+    assert checkpoint(two_processes / "mlkd")["global_step"] == 3
+    last = json.loads((two_processes / "mlkd" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["train_skipped_steps"] == 0 and all(last[f"train_{t}"] > 0 for t in ("kd", "cc", "bc")), last
+
+
 def test_crd_reads_each_sample_index_from_a_prepared_copy(image_folder, tmp_path):
     """A kd prepare copy carries every sample's index to the loss as the folder does: after one epoch
     every memory row was written (a unit vector; the initial rows are not)."""
     copy = tmp_path / "copy"
     r = kd_main("prepare", image_folder, copy, "--max-side", 48)
     assert r.returncode == 0, r.stderr
-    r = kd_main(*train_args(copy, tmp_path / "run", "--loss-arg", "negatives=64", kd_loss="crd"))
+    r = kd_main(*train_args(copy, tmp_path / "run", "--loss-arg", "negatives=64", kd_loss="crd", student=STUDENT))
     assert r.returncode == 0, r.stderr
     state = checkpoint(tmp_path / "run")["loss"]["_extra_state"]
     memory = state[:-2].view(2, 24, 128)

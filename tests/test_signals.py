@@ -16,12 +16,16 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import HANG_GUARD, ROOT, TINY_PAIR, kd_main, make_image_folder
 
 TINY = [*TINY_PAIR, "--log-every", "1", "--loader", "gpu", "-j", "2", "--no-progress"]
+#: the stopped training runs: timm's test_resnet teaching itself (0.4 M parameters), whose checkpoint,
+#: written at the stop, is a tenth of resnet10t's
+STOPPED = ["--teacher", "timm:test_resnet", "--teacher-weights", "none", "--student", "timm:test_resnet", *TINY[6:]]
 
 
 @pytest.fixture(scope="module")
@@ -92,11 +96,11 @@ SIGNALS = {"sigterm": (signal.SIGTERM, 143), "ctrl-c": (signal.SIGINT, 130)}
 
 
 def stops(extra=()):
-    run = [*TINY, "--epochs", 50, *extra]
+    run = [*STOPPED, "--epochs", 50, *extra]
     return {
         "sigterm": run,
         "ctrl-c": run,
-        "error": [*TINY, "--epochs", 50, "--lr", "1e38", "--max-nonfinite-steps", 2, *extra],
+        "error": [*STOPPED, "--epochs", 50, "--lr", "1e38", "--max-nonfinite-steps", 2, *extra],
     }
 
 
@@ -203,28 +207,54 @@ def test_ctrl_c_during_set_up_leaves_the_disk_as_it_was(long_val, tmp_path, mome
     assert not out.exists()
 
 
-@pytest.mark.slow
-def test_ctrl_c_during_validation_keeps_the_epoch_and_resumes_it(long_val, tmp_path):
-    """The stop lands in the end-of-epoch validation (the teacher's, which comes after the first
-    epoch): the epoch's training is saved (its validation pending, not the stop's partial one), and
-    --resume validates it, then trains on."""
+@pytest.fixture(scope="module")
+def stopped_in_validation(long_val, tmp_path_factory):
+    """A two-epoch run under torch_ddp with loader workers, Ctrl-C sent to its group in the
+    end-of-epoch validation (the teacher's, which comes after the first epoch): its folder, exit
+    code, output and, as they were before :func:`resumed_then_sigterm` continued it, its checkpoint
+    and whether it had written metrics."""
     marker = uuid.uuid4().hex
-    out = tmp_path / "run"
+    out = tmp_path_factory.mktemp("stopped") / "run"
     # the stop's moment is the teacher's validation; a small student's validations cost less
     args = ["--data", long_val, *TEACHER[:4], "--student", "mobilenet_v3_small", *DDP, "--image-size", 64]
     args += ["-b", 12, "--epochs", 2]
     proc = start(marker, *args, "--teacher-precision", "float32", "--out", out, group=True)
     ctrl_c(proc, "first step done", 0.3)
     text = assert_gone(proc, marker)
-    assert proc.returncode == 130, text  # where it stopped is in its line, not in how long it took
+    last = out / "checkpoints" / "last.pt"
+    state = torch.load(last, weights_only=True) if last.is_file() else None
+    return SimpleNamespace(out=out, returncode=proc.returncode, text=text, state=state,
+                           wrote_metrics=(out / "metrics.jsonl").exists())  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def resumed_then_sigterm(stopped_in_validation):
+    """:func:`stopped_in_validation` continued with --resume (no loader workers: the stop's, above,
+    were those under test), and SIGTERM sent to its launcher once the last epoch is logged: its
+    exit code and output."""
+    marker = uuid.uuid4().hex
+    proc = start(marker, "--out", stopped_in_validation.out, "--resume", "-j", 0, group=True)
+    text = wait_line(proc, "epoch 2/2 |")
+    proc.send_signal(signal.SIGTERM)
+    text += assert_gone(proc, marker)
+    return SimpleNamespace(returncode=proc.returncode, text=text)
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_validation_keeps_the_epoch_and_resumes_it(stopped_in_validation, resumed_then_sigterm):
+    """The stop lands in the end-of-epoch validation: the epoch's training is saved (its validation
+    pending, not the stop's partial one), and --resume validates it, then trains on."""
+    stopped = stopped_in_validation
+    text = stopped.text
+    assert stopped.returncode == 130, text  # where it stopped is in its line, not in how long it took
     assert "Traceback" not in text and "kd: stopped by SIGINT at step 1; checkpoint written" in text, text
-    state = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
+    state = stopped.state
+    assert state is not None, text
     assert (state["epoch"], state["global_step"]) == (0, 1) and state["pending_epoch"]["train"]["images"] == 12
-    assert not (out / "metrics.jsonl").exists()
-    proc = start(marker, "--out", out, "--resume", "-j", 0, group=True)  # loader workers: the stop's, above
-    text = assert_gone(proc, marker, grace=300)
-    assert proc.returncode == 0, text
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert not stopped.wrote_metrics
+    text = resumed_then_sigterm.text
+    assert "holds it complete" in text, text  # the resume ran to its end (its exit code: the SIGTERM's, below)
+    records = [json.loads(line) for line in (stopped.out / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in records] == [1, 2] and records[0]["train_images"] == 12 and "val_top1" in records[0]
     assert "teacher_top1" in records[0] and "teacher resnet18: val top-1" in text
 
@@ -274,24 +304,18 @@ def test_a_late_copy_of_the_signal_after_the_run_is_no_new_stop():
 
 # ----------------------------------------------------------------------------- SIGTERM before and after the run
 @pytest.mark.slow
-def test_sigterm_as_a_launched_run_ends_exits_143_with_its_line(data, tmp_path):
+def test_sigterm_as_a_launched_run_ends_exits_143_with_its_line(stopped_in_validation, resumed_then_sigterm):
     """SIGTERM to kd's launcher once the last epoch is logged (its checkpoint, the workers' end, the
     launcher's collection of the results): exit 143 with kd's stop line at once, the run complete
-    (it was 130, 'kd: interrupted', after the agent's 30 s wait for the workers)."""
-    marker = uuid.uuid4().hex
-    out = tmp_path / "run"
-    args = ["--data", data, *TINY[:8], "--image-size", 32, "-b", 12, "--epochs", 1, *DDP, "--out", out]
-    args += ["-j", 0]  # the launcher and its ranks; no loader workers to end with them
-    proc = start(marker, *args)
-    wait_line(proc, "epoch 1/1 |")
-    proc.send_signal(signal.SIGTERM)
-    text = assert_gone(proc, marker)
-    assert proc.returncode == 143, text  # the agent's 30 s wait ended 130, 'kd: interrupted'
+    (it was 130, 'kd: interrupted', after the agent's 30 s wait for the workers). The run: the
+    resume of :func:`stopped_in_validation`, its launcher and two ranks."""
+    out, text = stopped_in_validation.out, resumed_then_sigterm.text
+    assert resumed_then_sigterm.returncode == 143, text  # the agent's 30 s wait ended 130, 'kd: interrupted'
     assert "Traceback" not in text and text.strip().splitlines()[-1] == (
         f"kd: stopped by SIGTERM as the run ended; {out} holds it complete"
     ), text
-    assert [json.loads(line)["epoch"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1]
-    assert torch.load(out / "checkpoints" / "last.pt", weights_only=True)["epoch"] == 1
+    assert [json.loads(line)["epoch"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert torch.load(out / "checkpoints" / "last.pt", weights_only=True)["epoch"] == 2
 
 
 def test_sigterm_while_torch_is_imported_is_one_line(data, tmp_path):
