@@ -6,7 +6,7 @@ import csv
 import json
 
 import pytest
-from conftest import kd_main, make_image_folder
+from conftest import kd_main, make_image_folder, one_error_line
 
 SETS = ["--set", "fuse_teacher=false", "--set", "momentum=0.5"]
 
@@ -160,6 +160,31 @@ def test_bench_vs_synthetic_skips_the_synthetic_run_of_a_failed_row(tmp_path):
     (row,) = json.loads((out / "bench.json").read_text())["rows"]
     assert row["img_per_s"] == "-" and "CUDA" in row["note"], row  # dp needs GPUs
     assert row["of_synthetic_pct"] == "-" and not (out / "runs" / "dp_O0_synthetic").exists()
+
+
+def test_a_backend_that_cannot_run_here_is_refused_without_starting_its_runs(tmp_path, monkeypatch):
+    """dp on a machine without CUDA: each dp row says what kd train says of it (on the CPU, or with
+    --device auto), and no kd train process is started only to be refused."""
+    import subprocess
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("dp runs where CUDA is usable")
+    started = []
+    run = subprocess.run
+    monkeypatch.setattr(subprocess, "run", lambda cmd, *a, **kw: started.append(cmd) or run(cmd, *a, **kw))
+    models = ["--teacher", "resnet18", "--student", "resnet18"]
+    for device in ("cpu", "auto"):
+        out = tmp_path / device
+        args = [*models, "--backends", "dp", "--opt", "O0,O1", "--device", device, "--iters", "1", "--warmup", "1"]
+        r = kd_main("bench", *args, "--out", out / "bench")
+        assert r.returncode == 0, r.stderr
+        rows = json.loads((out / "bench" / "bench.json").read_text())["rows"]
+        train = [*models, "--teacher-weights", "none", "--backend", "dp", "--device", device, "--data", "synthetic"]
+        said = one_error_line(kd_main("train", *train, "--out", out / "train"))[len("kd: error: ") :]
+        assert [(x["img_per_s"], x["note"]) for x in rows] == [("-", said)] * 2, (rows, said)
+    assert started == [], started
 
 
 def test_bench_vs_synthetic_needs_a_folder_and_one_method(tmp_path):
