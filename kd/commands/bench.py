@@ -2,7 +2,9 @@
 
 Every combination runs ``kd train`` as a subprocess (the real launch path), times the steps
 after a warm-up, and reports seconds per 20 iterations, images/s, the peak memory of every
-GPU, and the speed-up against the first row that ran (``dp O0`` when asked for).
+GPU, and the speed-up against the first row that ran (``dp O0`` when asked for). A combination
+whose backend cannot run on this machine (dp without CUDA) starts no process: its row gives
+the line kd train refuses it with.
 """
 
 from __future__ import annotations
