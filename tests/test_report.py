@@ -389,7 +389,12 @@ def test_a_part_killed_outright_is_said_to_be_missing_from_the_wall_time(image_f
     """kill -9 leaves no end line: kd report marks the wall time as a lower bound (``+``) and says
     which part is missing, also after the run was resumed and finished."""
     out = tmp_path / "run"
-    proc = start_kd(*train_args(image_folder, out, "--save-every-steps", 1, epochs=3, no_teacher=True))
+    # squeezenet1_1 (at a learning rate it trains at) writes a tenth of resnet18's checkpoint at every step; five
+    # epochs: the kill lands while the process still trains, after its first epoch's line
+    args = train_args(
+        image_folder, out, "--save-every-steps", 1, epochs=5, no_teacher=True, student="squeezenet1_1", lr=0.01
+    )
+    proc = start_kd(*args)
     deadline = time.time() + HANG_GUARD
     while not (out / "metrics.jsonl").exists():
         assert proc.poll() is None and time.time() < deadline, proc.communicate()

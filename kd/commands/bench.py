@@ -2,7 +2,9 @@
 
 Every combination runs ``kd train`` as a subprocess (the real launch path), times the steps
 after a warm-up, and reports seconds per 20 iterations, images/s, the peak memory of every
-GPU, and the speed-up against the first row that ran (``dp O0`` when asked for).
+GPU, and the speed-up against the first row that ran (``dp O0`` when asked for). A combination
+whose backend cannot run on this machine (dp without CUDA) starts no process: its row gives
+the line kd train refuses it with.
 """
 
 from __future__ import annotations
@@ -31,16 +33,16 @@ SYNTHETIC_COLUMNS = ["synthetic_img_per_s", "of_synthetic_pct"]
 STORE_COLUMNS = ["teacher", "of_alone_pct"]
 
 
-def combo_command(backend: str, opt: str, args: Dict[str, Any], out: Path, verb: str = "train") -> List[str]:
-    """The ``kd train`` (or ``kd teach``, ``verb``) command of one combination: its timed steps
-    after ``warmup`` untimed ones, models without weights."""
+def combo_options(backend: str, opt: str, args: Dict[str, Any], out: Path, verb: str = "train") -> Dict[str, Any]:
+    """The options of one combination's ``kd train`` (or ``kd teach``, ``verb``), named as its run
+    config names them (``top_k``: kd teach's ``--top-k``): its timed steps after ``warmup`` untimed
+    ones, models without weights. Values are True (a bare flag) or the option's text."""
     synthetic = args.get("data", "synthetic") == "synthetic"
-    cmd = [sys.executable, "-m", "cli", verb, "--backend", backend, "--opt", opt, "--epochs", "1"]
-    cmd += ["--out", str(out), "--no-progress", "--timed-after", str(args["warmup"])]
+    options: Dict[str, Any] = {"backend": backend, "opt": opt, "epochs": "1", "out": str(out)}
     if verb == "train" or synthetic:  # kd teach labels a folder's whole epoch; synthetic tensors have none
-        cmd += ["--limit-train-batches", str(args["warmup"] + args["iters"])]
+        options["limit_train_batches"] = str(args["warmup"] + args["iters"])
     if verb == "train":
-        cmd += ["--overwrite", "--student-weights", "none"]
+        options["student_weights"] = "none"
     backends = own("backends")
     multiprocess = backend in backends.BACKENDS and backends.get(backend).multiprocess
     keys = ["data", "batch_size", "image_size", "device", "gpus", "nproc", "amp_dtype", "workers", "loader", "compile"]
@@ -51,19 +53,60 @@ def combo_command(backend: str, opt: str, args: Dict[str, Any], out: Path, verb:
             continue
         if value is None or value is False:
             continue
+        options[key] = True if value is True else str(value)
+    if args.get("teacher"):
+        options["teacher_weights"] = "none"
+    return options
+
+
+def combo_command(backend: str, opt: str, args: Dict[str, Any], out: Path, verb: str = "train") -> List[str]:
+    """The ``kd train`` (or ``kd teach``, ``verb``) command of one combination: its options
+    (:func:`combo_options`) and ``--set`` items."""
+    cmd = [sys.executable, "-m", "cli", verb, "--no-progress", "--timed-after", str(args["warmup"])]
+    if verb == "train":
+        cmd.append("--overwrite")
+    for key, value in combo_options(backend, opt, args, out, verb).items():
         flag = "--" + key.replace("_", "-")
-        cmd += [flag] if value is True else [flag, str(value)]
+        cmd += [flag] if value is True else [flag, value]
     for item in args.get("sets") or ():
         cmd += ["--set", item]
-    if args.get("teacher"):
-        cmd += ["--teacher-weights", "none"]
     return cmd
+
+
+def refused_here(backend: str, opt: str, args: Dict[str, Any], out: Path) -> Optional[str]:
+    """Why ``kd train`` refuses a combination whose backend cannot run on this machine at all (dp
+    without CUDA), found without starting its process: its options are checked as kd train checks
+    them, then its backend's checks before any work give the line. None where the backend can run
+    here, or where kd train would refuse the options first: the combination's process says why."""
+    backends = own("backends")
+    if backend not in backends.BACKENDS or backends.get(backend).unavailable() is None:
+        return None
+    from kd import config as kd_config
+    from kd.run.jobs import TrainJob
+    from kd.run.launch import processes_here
+    from kd.run.students import for_command
+
+    options = combo_options(backend, opt, args, out)
+    try:
+        kd_config.refuse_unused(options)
+        job = TrainJob(for_command((), options, args.get("sets") or (), overwrite=True))
+        job.check_early(overwrite=True)
+    except KDError:
+        return None
+    try:
+        processes_here(job.cfg, backends.get(backend))
+    except KDError as exc:
+        return str(exc)
+    return None
 
 
 def run_combo(
     backend: str, opt: str, args: Dict[str, object], out: Path, timeout: Optional[float], verb: str = "train"
 ) -> Dict[str, object]:
     row: Dict[str, object] = {"backend": backend, "opt": opt}
+    refused = refused_here(backend, opt, args, out) if verb == "train" else None
+    if refused:
+        return {**row, "note": refused[:200]}
     env = {
         **os.environ,
         "PYTHONUNBUFFERED": "1",

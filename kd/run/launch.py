@@ -87,8 +87,7 @@ def _train(job: Job, overwrite: bool):
         _check_available(cfg, backend_cls)
         job.check(overwrite)
         return run_worker(job, place)
-    nproc = backend_cls.num_processes(cfg)  # refuses requests that cannot be met, before any work
-    _check_available(cfg, backend_cls)
+    nproc = processes_here(cfg, backend_cls)
     job.check(overwrite)
     folders = job.unstarted()
     existed = {folder for folder in folders if folder.exists()}
@@ -100,6 +99,14 @@ def _train(job: Job, overwrite: bool):
         for folder in folders:  # a stop before the first checkpoint leaves the disk as it was
             RunFolder(folder).discard_unstarted(keep_folder=folder in existed)
         raise
+
+
+def processes_here(cfg, backend_cls) -> int:
+    """The processes ``backend_cls`` starts for ``cfg`` on this machine; a KDError, before any
+    work, where the request cannot be met or the backend cannot run here at all."""
+    nproc = backend_cls.num_processes(cfg)
+    _check_available(cfg, backend_cls)
+    return nproc
 
 
 def _check_available(cfg, backend_cls) -> None:
