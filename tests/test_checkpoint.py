@@ -95,7 +95,8 @@ def test_sigterm_mid_epoch_then_resume_is_exact(data, reference, reference_threa
     assert "stopped by SIGTERM" in err and f"kd train --out {out} --resume" in err
     state = torch.load(out / "checkpoints" / "last.pt", weights_only=True)
     assert 0 < state["batch_in_epoch"] < 12, state["batch_in_epoch"]  # 48 images / batch 4
-    r = run_kd("train", "--out", out, "--resume")  # with its two workers, from the saved config
+    # with its two workers, from the saved config; in this process (the stopped run is the fresh interpreter)
+    r = kd_main("train", "--out", out, "--resume", threads=THREADS)
     assert r.returncode == 0, r.stderr
     assert_same_run(reference, out)
 

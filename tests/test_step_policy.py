@@ -23,6 +23,10 @@ from kd.losses import DistillInputs, DistillLoss
 from kd.precision import MasterWeightPrecision
 from kd.run.step import BufferGuard, StepHook
 
+#: the student of the runs that need no BatchNorm: what they count is the same for any model, and
+#: squeezenet1_1's checkpoint, written each epoch, is a tenth of resnet18's
+SMALL_STUDENT = "squeezenet1_1"
+
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
@@ -159,7 +163,7 @@ def first_skip_and_stop(out: Path, stderr: str):
 def test_the_streak_limit_does_not_shrink_with_the_number_of_processes(data, tmp_path):
     """Every step after the first diverges (lr 1e12); the run stops after --max-nonfinite-steps skipped
     steps, with one process and with two (it had stopped after 2 of 4 with two: summed streaks)."""
-    args = ["train", "--data", data, "--no-teacher", "--student", "resnet18", "--image-size", 32, "-b", 8]
+    args = ["train", "--data", data, "--no-teacher", "--student", SMALL_STUDENT, "--image-size", 32, "-b", 8]
     args += ["-j", 0, "--device", "cpu", "--lr", "1e12", "--log-every", 1, "--epochs", 4]
     args += ["--max-nonfinite-steps", 4]
     stops = []
@@ -212,9 +216,8 @@ def test_one_unreadable_file_counts_once_over_epochs_and_processes(tmp_path):
     # the seed makes every case happen: rank 1 alone, both ranks in one epoch (the padding), rank 0 alone
     assert {ranks_meeting_it(e) for e in range(epochs)} == {(0,), (1,), (0, 1)}
     out = tmp_path / "run"
-    student = "squeezenet1_1"  # any counts alike; its checkpoint, written each epoch, is a tenth of resnet18's
     r = run_kd(
-        *["train", "--data", data, "--no-teacher", "--student", student, "--image-size", 32, "-b", 8, "-j", 0],
+        *["train", "--data", data, "--no-teacher", "--student", SMALL_STUDENT, "--image-size", 32, "-b", 8, "-j", 0],
         *["--device", "cpu", "--epochs", epochs, "--eval-every", 5, "--max-bad-images", 2, "--log-every", 1],
         *["--backend", "torch_ddp", "--nproc", 2, "--seed", seed, "--out", out],
         env={"OMP_NUM_THREADS": "1"},
@@ -229,7 +232,7 @@ def test_an_epoch_line_without_its_checkpoint_is_not_kept_twice(data, tmp_path):
     """A stop between an epoch's metrics line and its checkpoint: the resumed run trains that epoch
     again and metrics.jsonl holds each epoch once."""
     out = tmp_path / "run"
-    args = ["--data", data, "--no-teacher", "--student", "resnet18", "--image-size", 32, "-b", 8, "-j", 0]
+    args = ["--data", data, "--no-teacher", "--student", SMALL_STUDENT, "--image-size", 32, "-b", 8, "-j", 0]
     r = kd_main("train", *args, "--device", "cpu", "--epochs", 1, "--out", out)
     assert r.returncode == 0, r.stderr
     metrics = out / "metrics.jsonl"
