@@ -16,8 +16,10 @@ def data(tmp_path_factory):
     return make_image_folder(tmp_path_factory.mktemp("workers"), classes=2, train_per_class=8, val_per_class=3)
 
 
-#: apex_ddp starts its processes and their workers as torch_ddp does (both are process-group
-#: backends of one launcher); it runs under kd's default start method, the others under each.
+#: apex_ddp is left out: it starts its processes, shards the data and starts their workers as
+#: torch_ddp does (both are backends.process_group's, of one launcher; they differ only in how the
+#: gradients are averaged), and test_launch's srun run trains apex_ddp with workers under kd's
+#: default start method.
 START_METHOD_BACKENDS = ["single", "torch_ddp"]
 
 #: the teacher and student of the runs with workers, which never see the models: squeezenet1_1
@@ -28,7 +30,7 @@ SMALL_PAIR = dict(teacher="squeezenet1_1", student="squeezenet1_1")
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "context,backend",
-    [(c, b) for c in ("fork", "forkserver") for b in START_METHOD_BACKENDS] + [("forkserver", "apex_ddp")],
+    [(c, b) for c in ("fork", "forkserver") for b in START_METHOD_BACKENDS],
 )
 def test_two_workers_under_every_backend_and_start_method(data, tmp_path, backend, context):
     """fork and forkserver (Linux; kd's default); spawn, where every worker imports torch, in
