@@ -27,11 +27,17 @@ START_METHOD_BACKENDS = ["single", "torch_ddp"]
 SMALL_PAIR = dict(teacher="squeezenet1_1", student="squeezenet1_1")
 
 
+#: what a run with workers must not print: their errors, and a traceback of any kind
+WORKER_ERRORS = ("can only test a child process", "can only join a child process", "Traceback", "daemonic")
+
+#: the cells of this file: torch_ddp under forkserver is test_launch's run of kd's launcher with
+#: workers (test_kd_starts_two_cpu_processes_with_loader_workers_and_only_main_writes: the same
+#: options for two epochs, its worker errors looked for there), which compares it with one process too
+CELLS = [("fork", "single"), ("fork", "torch_ddp"), ("forkserver", "single")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "context,backend",
-    [(c, b) for c in ("fork", "forkserver") for b in START_METHOD_BACKENDS],
-)
+@pytest.mark.parametrize("context,backend", CELLS)
 def test_two_workers_under_every_backend_and_start_method(data, tmp_path, backend, context):
     """fork and forkserver (Linux; kd's default); spawn, where every worker imports torch, in
     tests/test_loader_spawn.py (its own file, so that pytest -n runs the two on two workers)."""
@@ -45,7 +51,7 @@ def train_two_epochs_with_two_workers(data, tmp_path, backend: str, context: str
     options = dict(batch_size=4, epochs=2, workers=2, mp_context=context, backend=backend, **SMALL_PAIR)
     r = run_kd(*train_args(data, tmp_path / "run", *procs, **options))
     assert r.returncode == 0, r.stderr
-    for bad in ("can only test a child process", "can only join a child process", "Traceback", "daemonic"):
+    for bad in WORKER_ERRORS:
         assert bad not in r.stderr, r.stderr
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
 
