@@ -19,8 +19,9 @@ from kd.teacher import store as kd_store
 pytestmark = pytest.mark.slow
 
 
-#: the teacher (its weights: ``world``'s) and the student of the runs: timm's test ResNet, a store and
-#: its replay being the same for any model (resnet18 made every run train and checkpoint 11 M parameters)
+#: the teacher (its weights: ``world``'s) and the student of the runs: timm's test ResNet (0.4 M
+#: parameters), a store, its replay and its refusals being the same for any model (with resnet18 each
+#: training run trained and checkpointed 11 M parameters)
 TEACHER = STUDENT = "timm:test_resnet"
 
 
