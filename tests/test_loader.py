@@ -16,8 +16,10 @@ def data(tmp_path_factory):
     return make_image_folder(tmp_path_factory.mktemp("workers"), classes=2, train_per_class=8, val_per_class=3)
 
 
-#: apex_ddp starts its processes and their workers as torch_ddp does (both are process-group
-#: backends of one launcher); it runs under kd's default start method, the others under each.
+#: apex_ddp is left out: it starts its processes, shards the data and starts their workers as
+#: torch_ddp does (both are backends.process_group's, of one launcher; they differ only in how the
+#: gradients are averaged), and test_launch's srun run trains apex_ddp with workers under kd's
+#: default start method.
 START_METHOD_BACKENDS = ["single", "torch_ddp"]
 
 #: the teacher and student of the runs with workers, which never see the models: squeezenet1_1
@@ -25,11 +27,17 @@ START_METHOD_BACKENDS = ["single", "torch_ddp"]
 SMALL_PAIR = dict(teacher="squeezenet1_1", student="squeezenet1_1")
 
 
+#: what a run with workers must not print: their errors, and a traceback of any kind
+WORKER_ERRORS = ("can only test a child process", "can only join a child process", "Traceback", "daemonic")
+
+#: the cells of this file: torch_ddp under forkserver is test_launch's run of kd's launcher with
+#: workers (test_kd_starts_two_cpu_processes_with_loader_workers_and_only_main_writes: the same
+#: options for two epochs, its worker errors looked for there), which compares it with one process too
+CELLS = [("fork", "single"), ("fork", "torch_ddp"), ("forkserver", "single")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "context,backend",
-    [(c, b) for c in ("fork", "forkserver") for b in START_METHOD_BACKENDS] + [("forkserver", "apex_ddp")],
-)
+@pytest.mark.parametrize("context,backend", CELLS)
 def test_two_workers_under_every_backend_and_start_method(data, tmp_path, backend, context):
     """fork and forkserver (Linux; kd's default); spawn, where every worker imports torch, in
     tests/test_loader_spawn.py (its own file, so that pytest -n runs the two on two workers)."""
@@ -43,7 +51,7 @@ def train_two_epochs_with_two_workers(data, tmp_path, backend: str, context: str
     options = dict(batch_size=4, epochs=2, workers=2, mp_context=context, backend=backend, **SMALL_PAIR)
     r = run_kd(*train_args(data, tmp_path / "run", *procs, **options))
     assert r.returncode == 0, r.stderr
-    for bad in ("can only test a child process", "can only join a child process", "Traceback", "daemonic"):
+    for bad in WORKER_ERRORS:
         assert bad not in r.stderr, r.stderr
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
 

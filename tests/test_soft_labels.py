@@ -19,6 +19,12 @@ from kd.teacher import store as kd_store
 pytestmark = pytest.mark.slow
 
 
+#: the teacher (its weights: ``world``'s) and the student of the runs: timm's test ResNet (0.4 M
+#: parameters), a store, its replay and its refusals being the same for any model (with resnet18 each
+#: training run trained and checkpointed 11 M parameters)
+TEACHER = STUDENT = "timm:test_resnet"
+
+
 def common(data, *extra):
     return ["--data", data, "--image-size", 32, "-b", 8, "--epochs", 2, "--device", "cpu", "--no-progress", *extra]
 
@@ -28,10 +34,10 @@ def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("soft")
     data = make_image_folder(root / "data", classes=4, train_per_class=6, val_per_class=2)
     torch.manual_seed(3)
-    import torchvision
+    from kd import models
 
     weights = root / "teacher.pt"
-    torch.save(torchvision.models.resnet18(num_classes=4).state_dict(), weights)
+    torch.save(models.build(TEACHER, 4).state_dict(), weights)
     return root, data, weights
 
 
@@ -41,7 +47,7 @@ def store(world, tmp_path_factory):
     once: the tests below read it or are refused by it, none writes it."""
     root, data, weights = world
     out = tmp_path_factory.mktemp("store") / "store"
-    r = kd_main("teach", *common(data, "--teacher", "resnet18", "--teacher-weights", weights, "-j", 0, "--out", out))
+    r = kd_main("teach", *common(data, "--teacher", TEACHER, "--teacher-weights", weights, "-j", 0, "--out", out))
     assert r.returncode == 0, r.stderr
     return out
 
@@ -56,7 +62,7 @@ def exact_store(world, tmp_path_factory):
     what a grown store and a store of two processes must equal."""
     root, data, weights = world
     out = tmp_path_factory.mktemp("exact") / "store"
-    teacher = ["--teacher", "resnet18", "--teacher-weights", weights, "-j", 0, *EXACT]
+    teacher = ["--teacher", TEACHER, "--teacher-weights", weights, "-j", 0, *EXACT]
     r = kd_main("teach", *common(data, *teacher), "--out", out)
     assert r.returncode == 0, r.stderr
     return out
@@ -117,7 +123,7 @@ def test_a_store_of_every_logit_trains_the_live_runs_student_bit_for_bit(world, 
     bit for bit, on either loader (the store taught through the loader the students use: the two
     loaders' crops agree to rounding, not bit for bit)."""
     root, data, weights = world
-    teacher = ["--teacher", "resnet18", "--teacher-weights", weights]
+    teacher = ["--teacher", TEACHER, "--teacher-weights", weights]
     for loader, workers in (("pil", 2), ("gpu", 0)):
         store = tmp_path / f"store_{loader}"
         crops = ["--loader", loader, "-j", workers]
@@ -129,7 +135,7 @@ def test_a_store_of_every_logit_trains_the_live_runs_student_bit_for_bit(world, 
         assert manifest["epochs_done"] == 2 and manifest["k"] == 4 and manifest["dtype"] == "float32"
         assert manifest["teacher_weights_sha256"] == hashlib.sha256(weights.read_bytes()).hexdigest()
         live, replay = tmp_path / f"live_{loader}", tmp_path / f"replay_{loader}"
-        args = common(data, "--student", "resnet18", *crops)
+        args = common(data, "--student", STUDENT, *crops)
         r = kd_main("train", *args, *teacher, "--out", live)
         assert r.returncode == 0, r.stderr
         r = kd_main("train", *args, "--soft-labels", store, "--out", replay)
@@ -138,9 +144,9 @@ def test_a_store_of_every_logit_trains_the_live_runs_student_bit_for_bit(world, 
         a, b = students(live), students(replay)
         assert all(torch.equal(a[k], b[k]) for k in a), loader
     cfg = (tmp_path / "replay_pil" / "config.yaml").read_text()
-    assert "teacher: resnet18" in cfg and f"soft_labels: {tmp_path / 'store_pil'}" in cfg
+    assert f"teacher: {TEACHER}" in cfg and f"soft_labels: {tmp_path / 'store_pil'}" in cfg
     r = kd_main("report", tmp_path / "replay_pil", tmp_path / "live_pil")
-    assert r.returncode == 0 and "resnet18 (stored)" in r.stdout
+    assert r.returncode == 0 and f"{TEACHER} (stored)" in r.stdout
 
 
 def test_a_store_on_synthetic_tensors_is_the_live_teacher_and_pins_the_batch(tmp_path):
@@ -149,7 +155,7 @@ def test_a_store_on_synthetic_tensors_is_the_live_teacher_and_pins_the_batch(tmp
     synthetic samples differ (another batch per process) is refused."""
     synthetic = ["--data", "synthetic", "--image-size", 32, "--device", "cpu", "--no-progress", "--epochs", 1]
     synthetic += ["--limit-train-batches", 3, "--num-classes", 10, "-b", 4]
-    teacher = ["--teacher", "resnet18", "--teacher-weights", "none"]
+    teacher = ["--teacher", TEACHER, "--teacher-weights", "none"]
     store = tmp_path / "store"
     r = kd_main("teach", *synthetic, *teacher, "--top-k", "all", "--logits-dtype", "float32", "--out", store)
     assert r.returncode == 0, r.stderr
@@ -164,7 +170,7 @@ def test_a_store_on_synthetic_tensors_is_the_live_teacher_and_pins_the_batch(tmp
     (log,) = kd_store.teaching_log(timed)
     assert log["timed_steps"] == 2 and 0 < log["timed_seconds"] < log["seconds"], log
     assert kd_store.read_manifest(timed).get("teacher_val_top1") is None  # as a timed training, no validation
-    student = [*synthetic, "--student", "resnet18"]
+    student = [*synthetic, "--student", STUDENT]
     assert kd_main("train", *student, *teacher, "--out", tmp_path / "live").returncode == 0
     r = kd_main("train", *student, "--soft-labels", store, "--out", tmp_path / "replay")
     assert r.returncode == 0, r.stderr
@@ -180,7 +186,7 @@ def test_top_k_store_size_and_replay(world, tmp_path):
     sizes, not others); a row never written is refused when a run asks for it."""
     root, data, weights = world
     store = tmp_path / "store"
-    teacher = ["--teacher", "resnet18", "--teacher-weights", weights]
+    teacher = ["--teacher", TEACHER, "--teacher-weights", weights]
     args = common(data, *teacher, "-j", 0, "--top-k", 2, "--out", store)
     args[args.index("-b") + 1] = 16  # 24 images: a last batch of 8
     r = kd_main("teach", *args)
@@ -195,7 +201,7 @@ def test_top_k_store_size_and_replay(world, tmp_path):
     for e in (1, 2):
         assert np.load(store / f"epoch-00{e}.written.npy").all()
     assert "kd teach: 2 epoch(s) of 24 samples, 312 B an epoch" in r.stderr  # 24 x (2 x (2 + 2) + 4 + 1)
-    run = common(data, "--student", "resnet18", "-j", 0, "--soft-labels", store, "--kd-loss", "dkd")
+    run = common(data, "--student", STUDENT, "-j", 0, "--soft-labels", store, "--kd-loss", "dkd")
     r = kd_main("train", *run, "--out", tmp_path / "run")
     assert r.returncode == 0, r.stderr
     assert "the top 2 logits" in r.stderr
@@ -210,7 +216,7 @@ def test_top_k_store_size_and_replay(world, tmp_path):
 
 def test_a_stopped_or_shorter_store_is_continued_not_redone(world, exact_store, tmp_path):
     root, data, weights = world
-    teacher = ["--teacher", "resnet18", "--teacher-weights", weights, "-j", 0, *EXACT]
+    teacher = ["--teacher", TEACHER, "--teacher-weights", weights, "-j", 0, *EXACT]
     grown, fresh = tmp_path / "grown", exact_store  # fresh: the same teaching in one go
     args = [a if a != 2 else 1 for a in common(data, *teacher)]  # --epochs 1 (and -b 8 stays)
     r = kd_main("teach", *args, "--out", grown)
@@ -230,7 +236,7 @@ def test_a_stopped_or_shorter_store_is_continued_not_redone(world, exact_store, 
 
 def test_two_processes_write_the_same_store(world, exact_store, tmp_path):
     root, data, weights = world
-    teacher = ["--teacher", "resnet18", "--teacher-weights", weights, "-j", 0, *EXACT]
+    teacher = ["--teacher", TEACHER, "--teacher-weights", weights, "-j", 0, *EXACT]
     one, two = exact_store, tmp_path / "two"
     r = run_kd("teach", *common(data, *teacher), "--backend", "torch_ddp", "--nproc", 2, "--out", two)
     assert r.returncode == 0, r.stderr
@@ -241,15 +247,15 @@ def test_two_processes_write_the_same_store(world, exact_store, tmp_path):
 
 def test_a_store_for_another_run_is_refused_in_one_line(world, store, tmp_path):
     root, data, weights = world
-    teacher = ["--teacher", "resnet18", "--teacher-weights", weights]
+    teacher = ["--teacher", TEACHER, "--teacher-weights", weights]
     before = {**snapshot(tmp_path), **snapshot(store)}
-    train = ["train", "--student", "resnet18", "-j", 0, "--soft-labels", store, "--out", tmp_path / "run"]
+    train = ["train", "--student", STUDENT, "-j", 0, "--soft-labels", store, "--out", tmp_path / "run"]
     cases = {
         "--image-size": (common(data)[:2] + ["--image-size", 48] + common(data)[4:], "--image-size differ"),
         "--seed": (common(data, "--seed", 5), "--seed differ"),
         "--epochs": ([a if a != 2 else 3 for a in common(data)], "holds 2 epoch(s)"),
         "fitnet": (common(data, "--kd-loss", "fitnet"), "needs the teacher's features"),
-        "teacher": (common(data, "--teacher", "resnet34"), "its teacher is resnet18"),
+        "teacher": (common(data, "--teacher", "resnet34"), f"its teacher is {TEACHER}"),
     }
     for name, (args, why) in cases.items():
         line = one_line(kd_main(*train[:1], *args, *train[1:]))
@@ -260,13 +266,13 @@ def test_a_store_for_another_run_is_refused_in_one_line(world, store, tmp_path):
     damaged = tmp_path / "damaged"
     shutil.copytree(store, damaged)
     (damaged / "epoch-002.written.npy").unlink()
-    args = common(data, "--student", "resnet18", "-j", 0, "--soft-labels", damaged, "--out", tmp_path / "d")
+    args = common(data, "--student", STUDENT, "-j", 0, "--soft-labels", damaged, "--out", tmp_path / "d")
     line = one_line(kd_main("train", *args))
     assert "is damaged: epoch-002.written.npy cannot be read" in line
     not_store = tmp_path / "data_copy"
     not_store.mkdir()
     assert "not a soft-label store" in one_line(
-        kd_main("train", *common(data, "--student", "resnet18", "--soft-labels", not_store, "--out", tmp_path / "r2"))
+        kd_main("train", *common(data, "--student", STUDENT, "--soft-labels", not_store, "--out", tmp_path / "r2"))
     )
     assert "holds a store for another teaching" in one_line(
         kd_main("teach", *common(data, *teacher, "-j", 0, "--top-k", 3, "--out", store))
@@ -300,7 +306,7 @@ def test_a_store_for_another_run_is_refused_in_one_line(world, store, tmp_path):
 def test_a_run_from_a_store_resumes_as_it_would_have_run(world, store, tmp_path):
     """Stopped after epoch 1 and resumed, a student from a store ends as the run that went on."""
     root, data, weights = world
-    student = ["--student", "resnet18", "-j", 0, "--soft-labels", store, "--lr-schedule", "constant"]
+    student = ["--student", STUDENT, "-j", 0, "--soft-labels", store, "--lr-schedule", "constant"]
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     assert kd_main("train", *common(data, *student, "--out", whole)).returncode == 0
     one = [a if a != 2 else 1 for a in common(data, *student, "--out", parts)]  # --epochs 1
@@ -313,7 +319,7 @@ def test_a_run_from_a_store_resumes_as_it_would_have_run(world, store, tmp_path)
 
 def test_several_students_from_one_store_each_equal_their_own_run(world, store, tmp_path):
     root, data, weights = world
-    student = ["--student", "resnet18", "-j", 0, "--soft-labels", store]
+    student = ["--student", STUDENT, "-j", 0, "--soft-labels", store]
     r = kd_main("train", *common(data, *student, "--kd-loss", "kd,dkd", "--out", tmp_path / "both"))
     assert r.returncode == 0, r.stderr
     for method in ("kd", "dkd"):
