@@ -16,12 +16,6 @@ def data(tmp_path_factory):
     return make_image_folder(tmp_path_factory.mktemp("workers"), classes=2, train_per_class=8, val_per_class=3)
 
 
-#: apex_ddp is left out: it starts its processes, shards the data and starts their workers as
-#: torch_ddp does (both are backends.process_group's, of one launcher; they differ only in how the
-#: gradients are averaged), and test_launch's srun run trains apex_ddp with workers under kd's
-#: default start method.
-START_METHOD_BACKENDS = ["single", "torch_ddp"]
-
 #: the teacher and student of the runs with workers, which never see the models: squeezenet1_1
 #: checkpoints a tenth of resnet18's weights and took the least CPU of the torchvision models tried
 SMALL_PAIR = dict(teacher="squeezenet1_1", student="squeezenet1_1")
@@ -30,9 +24,13 @@ SMALL_PAIR = dict(teacher="squeezenet1_1", student="squeezenet1_1")
 #: what a run with workers must not print: their errors, and a traceback of any kind
 WORKER_ERRORS = ("can only test a child process", "can only join a child process", "Traceback", "daemonic")
 
-#: the cells of this file: torch_ddp under forkserver is test_launch's run of kd's launcher with
-#: workers (test_kd_starts_two_cpu_processes_with_loader_workers_and_only_main_writes: the same
-#: options for two epochs, its worker errors looked for there), which compares it with one process too
+#: the backends and start methods of this file's runs. torch_ddp under forkserver is test_launch's
+#: run of kd's launcher with workers (test_kd_starts_two_cpu_processes_with_loader_workers_and_only_main_writes:
+#: the same options for two epochs, its worker errors looked for there), which compares it with one
+#: process too. apex_ddp is left out: it starts its processes, shards the data and starts their
+#: workers as torch_ddp does (both are backends.process_group's, of one launcher; they differ only
+#: in how the gradients are averaged), and test_launch's srun run trains apex_ddp with workers under
+#: kd's default start method.
 CELLS = [("fork", "single"), ("fork", "torch_ddp"), ("forkserver", "single")]
 
 

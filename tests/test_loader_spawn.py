@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import make_image_folder
-from test_loader import START_METHOD_BACKENDS, train_two_epochs_with_two_workers
+from test_loader import train_two_epochs_with_two_workers
 
 
 @pytest.fixture(scope="module")
@@ -14,6 +14,9 @@ def data(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", START_METHOD_BACKENDS)
-def test_two_workers_under_every_backend_with_spawn(data, tmp_path, backend):
-    train_two_epochs_with_two_workers(data, tmp_path, backend, "spawn")
+def test_two_workers_with_spawn(data, tmp_path):
+    """The single process (macOS's and Windows' usual run). Not a rank of torch_ddp: it starts its
+    spawned workers as this process does (its ``__main__`` is cli too, which each worker imports
+    again), and its dataset pickles as under forkserver, which test_launch's run of kd's launcher
+    with workers covers."""
+    train_two_epochs_with_two_workers(data, tmp_path, "single", "spawn")
