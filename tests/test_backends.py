@@ -1,10 +1,9 @@
 """Backends for real: two gloo processes on the CPU against one process, with tiny test models.
 
-The multi-process tests start two processes with torch.multiprocessing, forked from this one (no
-mocks of torch.distributed; no second import of torch and timm in each), give them torchrun's
-environment and run the engine's own entry point (``kd.run.launch.worker``) there, one job after
-another. The models are registered with timm, as a user registers their own models, so
-``--student timm:kd_test_net`` works in every process.
+The multi-process tests start two processes with torch.multiprocessing (no mocks of
+torch.distributed), give them torchrun's environment and run the engine's own entry point
+(``kd.run.launch.worker``) there, one job after another. The models are registered with timm, as a
+user registers their own models, so ``--student timm:kd_test_net`` works in every process.
 """
 
 from __future__ import annotations
@@ -263,8 +262,7 @@ JOBS = {  # name: (student, backend, find_unused_parameters)
 
 @pytest.fixture(scope="module")
 def two_process_runs(data7, tmp_path_factory):
-    """Every job of JOBS (plus an evaluation and an averaging job) in the same two processes. Forked:
-    each sets one thread before any work, so no OpenMP pool of this process is used after the fork."""
+    """Every job of JOBS (plus an evaluation and an averaging job) in the same two processes."""
     root = tmp_path_factory.mktemp("two")
     jobs = [
         {
@@ -302,7 +300,7 @@ def two_process_runs(data7, tmp_path_factory):
         )
         (root / name).mkdir()  # what the parent's prepare_out does before a launch
         jobs.append({"kind": "train", "name": name, "cfg": cfg, "port": free_port()})
-    tmp.start_processes(_run_jobs, args=(2, jobs, str(root / "errors")), nprocs=2, join=True, start_method="fork")
+    tmp.spawn(_run_jobs, args=(2, jobs, str(root / "errors")), nprocs=2, join=True)
     return root
 
 
