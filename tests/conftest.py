@@ -75,6 +75,8 @@ HANG_GUARD = float(os.environ.get("KD_TEST_HANG_GUARD", 1800))
 
 
 #: a tiny teacher and student pair (timm's resnet10t at 32 px, batch 4) for runs in real processes
+#: what a run with loader workers must not print: their errors, and a traceback of any kind
+WORKER_ERRORS = ("can only test a child process", "can only join a child process", "Traceback", "daemonic")
 TINY_PAIR = ["--teacher", "timm:resnet10t", "--teacher-weights", "none", "--student", "timm:resnet10t"]
 TINY_PAIR += ["--image-size", "32", "-b", "4"]
 

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HANG_GUARD, ROOT, kd_main, make_image_folder, run_kd
-from test_loader import WORKER_ERRORS
+from conftest import HANG_GUARD, ROOT, WORKER_ERRORS, kd_main, make_image_folder, run_kd
 
 STUDENT = "timm:test_convnext"  # LayerNorm, no BatchNorm: N processes equal one
 

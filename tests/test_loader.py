@@ -7,7 +7,7 @@ import multiprocessing
 
 import pytest
 import torch
-from conftest import HANG_GUARD, kd_main, make_image_folder, run_kd, train_args
+from conftest import HANG_GUARD, WORKER_ERRORS, kd_main, make_image_folder, run_kd, train_args
 from torch.utils.data import DataLoader, Dataset
 
 
@@ -19,10 +19,6 @@ def data(tmp_path_factory):
 #: the teacher and student of the runs with workers, which never see the models: squeezenet1_1
 #: checkpoints a tenth of resnet18's weights and took the least CPU of the torchvision models tried
 SMALL_PAIR = dict(teacher="squeezenet1_1", student="squeezenet1_1")
-
-
-#: what a run with workers must not print: their errors, and a traceback of any kind
-WORKER_ERRORS = ("can only test a child process", "can only join a child process", "Traceback", "daemonic")
 
 #: the backends and start methods of this file's runs. torch_ddp under forkserver is test_launch's
 #: run of kd's launcher with workers (test_kd_starts_two_cpu_processes_with_loader_workers_and_only_main_writes:
