@@ -62,18 +62,23 @@ run() {  # NAME LIMIT ARGS...: one kd train, timed
   grep -h "teacher\|first step\|^kd:\|error\|Thread\|File " "$OUT/$name.log" | head -12 | sed "s/^/    /" | tee -a "$OUT/summary.txt"
 }
 
+students() {  # NAME METHODS ARGS...: one kd train of several students (--kd-loss METHODS), a line for each
+  local name=$1 methods=$2; shift 2
+  local start=$(date +%s%N)
+  $T 420 $KD train "$@" --kd-loss $methods --out "$RUNS/$name" > "$OUT/$name.log" 2>&1
+  local rc=$? secs="$(( ($(date +%s%N) - start) / 1000000 ))e-3"
+  for m in ${methods//,/ }; do report "$name/$m" $rc "$secs"; done
+  grep -h "first step\|^kd:\|error\|Traceback\|view\|DOT\|dot" "$OUT/$name.log" | head -8 | sed "s/^/    /" | tee -a "$OUT/summary.txt"
+}
+
 for part in "$@"; do case "$part" in
   data) $PY benchmarks/learnable_folders.py stripes "$DATA" 2>&1 | tee "$OUT/data.log" ;;
   shapes) $PY benchmarks/learnable_folders.py shapes "$DATA" 2>&1 | tee "$OUT/shapes.log" ;;
   learn) T34=$RUNS/teacher34/checkpoints/best.pt E=${TABLE_EPOCHS:-8}
          for variant in ${LEARN_VARIANTS:-"learn:ce,kd,dkd,mlkd:0.05"}; do
            IFS=: read -r name methods lr <<< "$variant"
-           start=$(date +%s%N)
-           $T 420 $KD train $COMMON --teacher resnet34 --teacher-weights "$T34" --student resnet18 --kd-loss $methods \
-             --opt O1 --amp-dtype bfloat16 --epochs $E --lr $lr --out "$RUNS/$name" > "$OUT/$name.log" 2>&1
-           rc=$? secs="$(( ($(date +%s%N) - start) / 1000000 ))e-3"
-           for m in ${methods//,/ }; do report "$name/$m" $rc "$secs"; done
-           grep -h "first step\|^kd:\|error\|Traceback\|view" "$OUT/$name.log" | head -6 | sed "s/^/    /" | tee -a "$OUT/summary.txt"
+           students "$name" "$methods" $COMMON --teacher resnet34 --teacher-weights "$T34" --student resnet18 \
+             --opt O1 --amp-dtype bfloat16 --epochs $E --lr $lr
          done ;;
   teacher) run teacher 300 $COMMON --no-teacher --student resnet101 --opt O1 --amp-dtype bfloat16 --epochs ${TEACHER_EPOCHS:-5} --lr 0.2 \
              --lr-schedule cosine --warmup-epochs 1 --limit-val-batches 2 ;;
@@ -272,12 +277,8 @@ PYEOF
          T34=$RUNS/teacher34/checkpoints/best.pt E=${TABLE_EPOCHS:-8}
          for variant in ${LATEST_VARIANTS:-"latest:kd,dkd,mlkd,nkd,ctkd,ctdkd:" "latest_dot:kd,dkd,nkd,mlkd:--dot"}; do
            IFS=: read -r name methods flag <<< "$variant"
-           start=$(date +%s%N)
-           $T 420 $KD train $COMMON --teacher resnet34 --teacher-weights "$T34" --student resnet18 --kd-loss $methods $flag \
-             --opt O1 --amp-dtype ${LATEST_DTYPE:-float16} --epochs $E --lr ${LATEST_LR:-0.2} --out "$RUNS/$name" > "$OUT/$name.log" 2>&1
-           rc=$? secs="$(( ($(date +%s%N) - start) / 1000000 ))e-3"
-           for m in ${methods//,/ }; do report "$name/$m" $rc "$secs"; done
-           grep -h "first step\|^kd:\|error\|Traceback\|view\|DOT\|dot" "$OUT/$name.log" | head -8 | sed "s/^/    /" | tee -a "$OUT/summary.txt"
+           students "$name" "$methods" $COMMON --teacher resnet34 --teacher-weights "$T34" --student resnet18 $flag \
+             --opt O1 --amp-dtype ${LATEST_DTYPE:-float16} --epochs $E --lr ${LATEST_LR:-0.2}
          done
          for combo in ${LATEST_COMBOS:-single:O1 dp:O1 torch_ddp:O1 apex_ddp:O1 apex_ddp:O2 single:O3}; do
            set -- ${combo/:/ }
