@@ -132,7 +132,12 @@ def cli(local_rank):
     flag_value="last",
     default=None,
     metavar="[PATH]",
-    help="Continue from OUT/checkpoints/last.pt, or from PATH.",
+    help=(
+        "Continue from OUT/checkpoints/last.pt, or from PATH, with the config the run trained with. "
+        "--epochs (to extend it), --data (moved) and the machine's options (devices, backend, processes, "
+        "precision, compilation, loader workers, logging and saving) may change; any other option must "
+        "repeat the run's value, and another is refused."
+    ),
 )
 @click.option("--overwrite", is_flag=True, help="Replace a run already in --out.")
 @click.option("--local_rank", "--local-rank", "local_rank", type=int, default=None, hidden=True)

@@ -567,6 +567,30 @@ def run_settings(weights: str) -> Dict[str, Any]:
     }
 
 
+def run_classes(weights: Optional[str]) -> Optional[List[str]]:
+    """The class names a kd checkpoint's run trained on (its folders' names, in label order), or
+    None for any other weights."""
+    obj = _kd_checkpoint(weights) if weights else None
+    classes = obj.get("classes") if obj else None
+    return [str(c) for c in classes] if isinstance(classes, (list, tuple)) and classes else None
+
+
+def check_classes(kept: Optional[Sequence[str]], found: Sequence[str], what: str, data: Any) -> None:
+    """The class names ``found`` in ``data`` must be those ``what`` (a kd checkpoint) was trained on,
+    in the same order: other classes would score every label against another class's output."""
+    if not kept or list(kept) == list(found):
+        return
+    missing = [c for c in kept if c not in set(found)]
+    extra = [c for c in found if c not in set(kept)]
+    parts = [f"{', '.join(names[:3])}{' ...' if len(names) > 3 else ''} {how}" for names, how in
+             ((missing, "missing"), (extra, "not trained on")) if names]  # fmt: skip
+    differ = "; ".join(parts) or "the same names in another order"
+    raise KDError(
+        f"{data} has other classes than {what} was trained on: {differ} ({len(kept)} trained, {len(found)} here); "
+        "give the data it was trained on"
+    )
+
+
 def teacher_preprocessing_note(cfg) -> Optional[str]:
     """Where a kd-trained teacher was validated at other sizes than this run: why its top-1 differs."""
     trained = run_settings(cfg.teacher_weights).get("config") or {}

@@ -96,8 +96,9 @@ class RunFolder:
 
     def discard_unstarted(self, keep_folder: bool) -> None:
         """Remove what a run wrote before its first checkpoint (a stop during set-up: config.yaml,
-        tb/, students.yaml), and the folder itself unless ``keep_folder`` (it was there before)."""
-        if self.last.exists() or not self.root.is_dir():
+        tb/, students.yaml), and the folder itself unless ``keep_folder`` (it was there before). A
+        folder of several students is started once any student's checkpoint is written."""
+        if self.last.exists() or not self.root.is_dir() or any(self.root.glob("*/checkpoints/last.pt")):
             return
         for name in (*self.RUN_FILES, "students.yaml"):
             target = self.root / name

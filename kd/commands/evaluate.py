@@ -142,6 +142,7 @@ def evaluate_model(
             f"{s.model} from {weights} has {n} classes ({s.sources['classes']}) but {data}/val has "
             f"{len(classes)} class folders; evaluate it on data with its own classes"
         )
+    models.check_classes(models.run_classes(weights), classes, weights, f"{data}/val")
     cfg = RunConfig(
         data=data,
         student=s.model,

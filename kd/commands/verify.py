@@ -69,6 +69,24 @@ def verify_files(paths: List[Path], echo: Echo, what: str) -> str:
     raise KDError(f"{names} {'is' if len(bad) == 1 else 'are'} damaged: {advice}")
 
 
+def check_best(runs: List[Path], echo: Echo) -> None:
+    """Each run's best.pt must hold the best epoch its last.pt records (sound files, already checked)."""
+    from kd.run.checkpoint import stale_best
+
+    stale = []
+    for run in runs:
+        why = stale_best(RunFolder(run))
+        if why:
+            echo(f"{RunFolder(run).best}: STALE: {why}")
+            stale.append(RunFolder(run).best)
+    if stale:
+        names = ", ".join(map(str, stale))
+        raise KDError(
+            f"{names} {'is' if len(stale) == 1 else 'are'} not the best epoch's checkpoint: "
+            "kd train --resume copies it again where last.pt is that epoch's"
+        )
+
+
 def verify(path: Path, echo: Echo = print) -> str:
     """Check ``path`` (see the module's docstring), a line per file through ``echo``; returns a
     one-line summary, or raises a KDError for the first damage (a run folder: after every file)."""
@@ -89,7 +107,9 @@ def verify(path: Path, echo: Echo = print) -> str:
         found = checkpoints(path)
         if not found:
             raise KDError(f"{path} is a run folder with no checkpoint yet")
-        return verify_files(found, echo, f"run {path}")
+        summary = verify_files(found, echo, f"run {path}")
+        check_best(sorted({p.parent.parent for p in found}), echo)
+        return summary
     raise KDError(
         f"{path} is nothing kd verifies: give a checkpoint file, a run folder, a prepared copy "
         f"(kd prepare) or a soft-label store (kd teach)"

@@ -98,6 +98,7 @@ def restore_run(lane, state: dict) -> None:
         batch_in_epoch=state.get("batch_in_epoch", 0),
         global_step=state["global_step"],
         best_top1=state["best_top1"],
+        best_epoch=state.get("best_epoch"),
         bad_files=set(state.get("bad_files", [])),
         pending_epoch=(pending["train"], pending["seconds"]) if pending else None,
     )
@@ -131,6 +132,7 @@ def run_state(lane, rng: Optional[Dict[str, Any]] = None, meter: Optional[dict] 
         "batch_in_epoch": at.batch_in_epoch,
         "global_step": at.global_step,
         "best_top1": at.best_top1,
+        "best_epoch": at.best_epoch,  # what best.pt holds: a copy of last.pt as that epoch ended
         "bad_images": len(at.bad_files),
         "bad_files": sorted(at.bad_files),
         # an epoch trained whose validation a stop cut short
@@ -210,3 +212,34 @@ def save_run(lane, best: bool, step_copy: bool = False) -> None:
             )
             raise KDError(f"could not write a checkpoint to {folder}: {write_failure(exc, folder)}; {intact}") from None
     lane.backend.barrier()
+
+
+# ----------------------------------------------------------------- best.pt against last.pt
+def stale_best(run: RunFolder) -> Optional[str]:
+    """Why ``run``'s best.pt is not the checkpoint of the best epoch last.pt records (a kill between
+    last.pt's write and best.pt's copy leaves it older), or None where it is (or nothing says)."""
+    if not run.last.is_file():
+        return None
+    best_epoch = read(run.last, "cannot load checkpoint", mmap=True).get("best_epoch")
+    if best_epoch is None:  # an earlier kd's checkpoint: nothing to compare
+        return None
+    if not run.best.is_file():
+        return f"missing: last.pt records epoch {best_epoch} as the best"
+    held = read(run.best, "cannot load checkpoint", mmap=True).get("epoch")
+    if held != best_epoch:
+        return f"holds epoch {held}, but the best epoch is {best_epoch} (last.pt)"
+    return None
+
+
+def repair_best(run: RunFolder) -> Optional[str]:
+    """Copy last.pt to best.pt where best.pt is stale and last.pt is the best epoch's checkpoint (a
+    kill between the two writes); the line that says so, or None where nothing was done."""
+    why = stale_best(run)
+    if why is None:
+        return None
+    verify(run.last)
+    state = read(run.last, "cannot load checkpoint", mmap=True)
+    if state.get("epoch") != state.get("best_epoch") or state.get("batch_in_epoch") or state.get("pending_epoch"):
+        return None  # last.pt has moved on: verify names the stale best.pt; nothing here can rebuild it
+    copy_atomic(run.last, run.best)
+    return f"kd: {run.best} {why}: copied again from last.pt"

@@ -168,6 +168,15 @@ class TrainJob:
         for _, cfg in students.training():
             check_out(Path(cfg.out), students.resuming, overwrite)
 
+    def repairs(self) -> List[str]:
+        """Before a resumed run goes on: each student's best.pt copied again from last.pt where a kill
+        between their writes left it older than the best epoch (a line for each)."""
+        from kd.run.checkpoint import repair_best
+
+        if not self.students.resuming:
+            return []
+        return [line for line in (repair_best(RunFolder(c.out)) for c in self.students.cfgs) if line]
+
     def finished(self) -> Optional[str]:
         """The line that says so where every resumed student has trained its epochs already, else None."""
         return self.students.finished()
@@ -225,6 +234,9 @@ class TeachJob:
         preflight(self.cfg, student=False)
         check_inputs(self.cfg)
         check_store(self.out)
+
+    def repairs(self) -> List[str]:
+        return []  # a store has no best.pt
 
     def finished(self) -> Optional[str]:
         return None  # a store that holds its epochs says so itself (and validates its teacher if it had not)

@@ -169,6 +169,8 @@ class Lane:
         if self.device.type == "cuda":
             record["gpu_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         best = record.get("val_top1", -1.0) > self.state.best_top1
+        if best:
+            self.state.best_epoch = self.state.epoch + 1
         self.state.best_top1 = max(self.state.best_top1, record.get("val_top1", -1.0))
         record["best_top1"] = self.state.best_top1
         if self.first_step is not None:

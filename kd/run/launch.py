@@ -62,6 +62,8 @@ def train(job: Job, overwrite: bool = False):
                     file=sys.stderr,
                     flush=True,
                 )
+        for line in job.repairs() if main and not overwrite else ():
+            print(line, file=sys.stderr, flush=True)
         finished = None if overwrite else job.finished()
         if finished:
             if main:

@@ -62,6 +62,23 @@ def own_generators(lane: Lane):
         checkpoint.set_rng_state(outer)
 
 
+def check_classes(students: Students, resumed: Dict[str, Any], classes: Sequence[str]) -> None:
+    """The data's class names must be those each kd checkpoint the run reads was trained on: a
+    resumed student's, a kd-trained teacher's, and a student's starting weights of as many classes."""
+    first = students.first
+    if first.data == "synthetic":  # made-up images: no class names to hold
+        return
+    if not first.no_teacher and first.teacher_weights:
+        models.check_classes(models.run_classes(first.teacher_weights), classes, first.teacher_weights, first.data)
+    for name, cfg in students.training():
+        if name in resumed:
+            path, state = resumed[name]
+            models.check_classes(state.get("classes"), classes, path, cfg.data)
+        kept = models.run_classes(cfg.student_weights)
+        if kept and len(kept) == len(classes):  # other classes in number: a new head, built as asked
+            models.check_classes(kept, classes, cfg.student_weights, cfg.data)
+
+
 def start_folder(lane: Lane, resumed: bool) -> None:
     """Once set-up has succeeded, the main process starts ``lane``'s run folder (a failed start leaves no
     run behind; a resumed one is kept) and writes config.yaml and provenance.json."""
@@ -123,6 +140,7 @@ class Trainer:
                 cfg, num_replicas, rank, backend.local_batch(cfg.batch_size), backend.device, runtime.channels_last,
                 views=views,
             )  # fmt: skip
+            check_classes(students, resumed, self.data.classes)
             if cfg.soft_labels:  # checked before any student is built: a store for another run stays one line
                 classes = cfg.num_classes or len(self.data.classes)
                 wanted = wanted_manifest(cfg, self.data.train_samples, classes)

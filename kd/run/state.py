@@ -16,6 +16,7 @@ class TrainState:
     batch_in_epoch: int = 0
     global_step: int = 0
     best_top1: float = -1.0
+    best_epoch: Optional[int] = None  # the epoch (counted from 1) best.pt holds
     bad_files: Set[str] = field(default_factory=set)  # the unreadable files met so far, on every process
     # an epoch trained whose validation a stop cut short: its training totals and seconds
     pending_epoch: Optional[Tuple[Dict[str, float], float]] = None

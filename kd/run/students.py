@@ -31,6 +31,7 @@ import yaml
 
 from kd import config as kd_config
 from kd.errors import KDError
+from kd.run.resume import resumed_config
 from kd.runfolder import RunFolder
 
 STUDENTS_FILE = "students.yaml"
@@ -129,10 +130,40 @@ def is_students_folder(out: Path) -> bool:
 
 def stopped_students(out: Path) -> Dict[str, str]:
     """The students of the run in ``out`` that a non-finite loss stopped: name -> why."""
+    return read_students_file(out)[1] if is_students_folder(out) else {}
+
+
+def student_folders(out: Path) -> List[str]:
+    """The names of the folders below ``out`` that hold a student's run (its config or checkpoints)."""
+    runs = (RunFolder(p) for p in Path(out).iterdir() if p.is_dir())
+    return sorted(run.root.name for run in runs if run.config.is_file() or run.last.is_file())
+
+
+def read_students_file(out: Path) -> Tuple[Tuple[str, ...], Dict[str, str]]:
+    """``out``/students.yaml: the students' names and those stopped, checked against the students'
+    folders beside it (a cut or edited list would leave students behind without a word)."""
     path = Path(out) / STUDENTS_FILE
-    if not path.is_file():
-        return {}
-    return dict((yaml.safe_load(path.read_text()) or {}).get("stopped") or {})
+    folders = student_folders(out)
+    restore = f"restore it (students: [{', '.join(folders)}]) or resume each student alone with --out {out}/NAME"
+    try:
+        content = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise KDError(f"{path} is damaged (not YAML: {type(exc).__name__}); {restore}") from None
+    names = content.get("students") if isinstance(content, dict) else None
+    stopped = (content.get("stopped") or {}) if isinstance(content, dict) else {}
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+        raise KDError(f"{path} is damaged (it holds no list of students); {restore}")
+    if not isinstance(stopped, dict):
+        raise KDError(f"{path} is damaged (its stopped students are not a mapping); {restore}")
+    if sorted(names) != folders:
+        unnamed = [f for f in folders if f not in names]
+        absent = [n for n in names if n not in folders]
+        what = "; ".join(
+            [*([f"it leaves out {', '.join(unnamed)}, whose folders are in {out}"] if unnamed else []),
+             *([f"it names {', '.join(absent)}, which has no run folder in {out}"] if absent else [])]
+        )  # fmt: skip
+        raise KDError(f"{path} does not list the students of the run: {what}; {restore}")
+    return tuple(names), {str(k): str(v) for k, v in stopped.items()}
 
 
 def write_students(out: Path, names: Sequence[str], stopped: Dict[str, str]) -> None:
@@ -165,16 +196,13 @@ def for_command(
     several = len(recipes) > 1 or "," in str(options.get("kd_loss") or "")
     if several or (resume and is_students_folder(out)):
         return _resume_students(out, recipes, options, sets, resume) if resume else plan(recipes, options, sets)
-    base = None
-    checkpoint = None
     if resume:
         run = RunFolder(options.get("out") or (Path(resume).parent.parent if resume != "last" else DEFAULT_OUT))
-        options = {**options, "out": str(run.root)}
         checkpoint = checkpoint_to_resume(run.root, resume)
-        if run.config.is_file():
-            base = kd_config.load(run.config)
-    cfg = kd_config.resolve(recipe=recipes[0] if recipes else None, options=options, sets=list(sets), base=base)
-    return Students.alone(cfg, checkpoint)
+        recipe = recipes[0] if recipes else None
+        return Students.alone(resumed_config(run.root, checkpoint, options, sets, recipe), checkpoint)
+    cfg = kd_config.resolve(recipe=recipes[0] if recipes else None, options=options, sets=list(sets))
+    return Students.alone(cfg)
 
 
 def checkpoint_to_resume(out: Path, resume: str) -> Path:
@@ -327,21 +355,28 @@ def check_shared(names: Sequence[str], cfgs: Sequence[Any]) -> None:
 
 
 def load(out: Path) -> Students:
-    """The students of the run in ``out`` (its students.yaml and each student's config.yaml)."""
-    names = tuple((yaml.safe_load((Path(out) / STUDENTS_FILE).read_text()) or {}).get("students") or ())
+    """The students of the run in ``out`` (its students.yaml), each with the config it trained with
+    (its last checkpoint's, checked against its config.yaml; its config.yaml where it has none yet)
+    in its folder below ``out`` wherever ``out`` is now (a copied or moved run continues in place)."""
+    names, stopped = read_students_file(out)
     cfgs = []
     for name in names:
-        config = RunFolder(Path(out) / name).config
-        if not config.is_file():
-            raise KDError(f"{out}/{STUDENTS_FILE} names the student {name}, but {config} does not exist")
-        cfgs.append(kd_config.load(config))
-    return Students(Path(out), names, tuple(cfgs))
+        run = RunFolder(Path(out) / name)
+        if run.last.is_file():
+            cfgs.append(resumed_config(run.root, run.last, {}, ()))
+        elif run.config.is_file():
+            cfgs.append(dataclasses.replace(kd_config.load(run.config), out=str(run.root)))
+        else:
+            raise KDError(f"{out}/{STUDENTS_FILE} names {name}, but {run.root} holds no config.yaml or checkpoint")
+    return Students(Path(out), names, tuple(cfgs), stopped=stopped)
 
 
 def resumed(out: Path, options: Dict[str, Any], sets: Sequence[str], held: Optional[Students] = None) -> Students:
     """The students ``out`` holds (``held``, where already loaded), with the options of ``kd train
-    --resume`` (``--epochs``, say) applied to each."""
+    --resume`` (``--epochs``, say) applied to each as :func:`kd.run.resume.continued` allows."""
+    from kd.run.resume import continued
+
     students = held if held is not None else load(out)
-    cfgs = [kd_config.resolve(options={**options, "out": cfg.out}, sets=list(sets), base=cfg) for cfg in students.cfgs]
+    cfgs = [continued(cfg, options, sets) for cfg in students.cfgs]
     check_shared(students.names, cfgs)
     return dataclasses.replace(students, cfgs=tuple(cfgs))

@@ -1,0 +1,148 @@
+"""What a resume continues: the config the run trained with (stored in its checkpoint), with only
+the options that cannot change its result taken from the command line.
+
+* The checkpoint's config is the run's. ``config.yaml`` must say the same (an edit or a cut is
+  refused, naming what differs); deleted, it is written again from the checkpoint.
+* :data:`RESUMABLE`: the options a resume may change: ``--epochs`` (to extend the run), where the
+  data is, the machine (devices, backend, processes, precision, compilation, loader) and logging.
+  Any other option given with ``--resume`` must repeat the run's own value (the same command again
+  is fine); another value is refused in one line, as a new run in another ``--out`` is what it asks.
+* The run folder may be copied or moved: its own path replaces the one recorded (``out``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Dict, Optional, Sequence
+
+from kd import config as kd_config
+from kd.errors import KDError
+
+#: options a resume may change (each continues the same training: where the data is, the machine,
+#: how it is logged and saved), beside ``--epochs``, which extends it
+RESUMABLE = frozenset(
+    {
+        "epochs",
+        "out",
+        "data",
+        "soft_labels",
+        "loader",
+        "workers",
+        "mp_context",
+        "cpu_decode_share",
+        "val_cache_gb",
+        "max_bad_images",
+        "device",
+        "backend",
+        "gpus",
+        "nproc",
+        "dist_backend",
+        "dp_output_device",
+        "find_unused_parameters",
+        "static_graph",
+        "opt",
+        "amp_dtype",
+        "amp_impl",
+        "teacher_precision",
+        "channels_last",
+        "compile",
+        "compile_mode",
+        "cudnn_benchmark",
+        "fuse_teacher",
+        "fused_optimizer",
+        "max_restarts",
+        "log_every",
+        "progress_bar",
+        "eval_every",
+        "save_every_steps",
+        "keep_last",
+        "max_nonfinite_steps",
+    }
+)
+#: keys kd derives (from the recipe, the lr's batch, the schedule's scaling): never compared
+DERIVED = frozenset({"recipe", "description", "reference", "lr_for_batch", "schedule_note"})
+
+
+def flag(key: str) -> str:
+    """The command-line option that sets ``key`` (``--set key=...`` where none does)."""
+    option = next((o for o in kd_config.TRAIN_OPTIONS if o.field == key), None)
+    return option.flags[0].split("/")[0] if option is not None else f"--set {key}"
+
+
+def said(value: Any) -> str:
+    """A config value in the command line's words."""
+    if value is None:
+        return "auto"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, (list, tuple)):
+        return ",".join(map(str, value)) or "none"
+    return str(value)
+
+
+def ran_config(state: Dict[str, Any], path: Path, out: Path) -> kd_config.RunConfig:
+    """The config the run of checkpoint ``path`` trained with (its ``state``), in the folder ``out``."""
+    values = state.get("config")
+    if not isinstance(values, dict):
+        raise KDError(f"{path} holds no run config: it is not a kd training checkpoint; start a new run")
+    known = {k: v for k, v in values.items() if k in kd_config.FIELDS}
+    return dataclasses.replace(kd_config.apply(kd_config.RunConfig(), known, str(path)), out=str(out))
+
+
+def differences(a: kd_config.RunConfig, b: kd_config.RunConfig, keys) -> list:
+    return [k for k in keys if getattr(a, k) != getattr(b, k)]
+
+
+def check_saved(ran: kd_config.RunConfig, config_file: Path, checkpoint: Path) -> None:
+    """``config_file`` (config.yaml) must say what the checkpoint's config says; a missing one is
+    written again when the run starts."""
+    if not config_file.exists():
+        return
+    try:
+        saved = kd_config.load(config_file)
+    except KDError as exc:
+        raise KDError(
+            f"{config_file} is damaged ({str(exc).split(': ', 1)[-1]}); delete it and kd writes it again "
+            f"from {checkpoint.name}"
+        ) from None
+    keys = [k for k in kd_config.FIELDS if k not in DERIVED and k != "out"]
+    differ = differences(saved, ran, keys)
+    if differ:
+        shown = ", ".join(f"{k} ({said(getattr(saved, k))}; trained with {said(getattr(ran, k))})" for k in differ[:4])
+        more = f" and {len(differ) - 4} more" if len(differ) > 4 else ""
+        raise KDError(
+            f"{config_file} differs from the config the run trained with (kept in {checkpoint.name}): "
+            f"{shown}{more}; restore it, or delete it and kd writes it again"
+        )
+
+
+def continued(
+    ran: kd_config.RunConfig, options: Dict[str, Any], sets: Sequence[str], recipe: Optional[str] = None
+) -> kd_config.RunConfig:
+    """``ran`` with the options of ``kd train --resume`` applied: those of :data:`RESUMABLE` taken,
+    every other one refused in one line unless it repeats the run's value."""
+    asked = kd_config.resolve(recipe=recipe, options={**options, "out": ran.out}, sets=list(sets), base=ran)
+    keys = [k for k in kd_config.FIELDS if k not in DERIVED and k not in RESUMABLE]
+    differ = differences(asked, ran, keys)
+    if differ:
+        shown = ", ".join(f"{flag(k)} {said(getattr(asked, k))} (the run: {said(getattr(ran, k))})" for k in differ)
+        raise KDError(
+            f"--resume continues the run as it trained and cannot change {shown}; leave "
+            f"{'it' if len(differ) == 1 else 'them'} out, or start a new run in another --out"
+        )
+    changes = {k: getattr(asked, k) for k in RESUMABLE}
+    return kd_config.validate(dataclasses.replace(ran, **changes))
+
+
+def resumed_config(
+    folder: Path, checkpoint: Path, options: Dict[str, Any], sets: Sequence[str], recipe: Optional[str] = None
+) -> kd_config.RunConfig:
+    """The config that continues the run in ``folder`` from ``checkpoint``: the one it trained with
+    (checked against its config.yaml), with the options of ``kd train --resume`` applied."""
+    from kd.run.checkpoint import load
+    from kd.runfolder import RunFolder
+
+    ran = ran_config(load(checkpoint, mmap=True), checkpoint, folder)
+    check_saved(ran, RunFolder(folder).config, checkpoint)
+    return continued(ran, options, sets, recipe)
