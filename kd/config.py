@@ -25,7 +25,7 @@ TEACHER_PRECISIONS = ("auto", "float16", "bfloat16", "float32")
 DEVICES = ("auto", "cpu", "cuda")
 AMP_DTYPES = ("float16", "bfloat16")
 AMP_IMPLS = ("auto", "native", "apex")
-LR_SCHEDULES = ("step", "cosine", "constant")
+LR_SCHEDULES = ("step", "cosine", "constant", "timm-cosine")
 MP_CONTEXTS = ("fork", "forkserver", "spawn")
 #: how kd teach stores the logits (--logits-dtype): auto chooses one of the others (kd.teacher.store)
 SOFT_LABEL_DTYPES = ("auto", "float16", "float32")
@@ -80,6 +80,11 @@ class RunConfig:
     epochs: int = 100
     batch_size: int = 256  # the GLOBAL batch, whatever the backend
     lr: float = 0.1
+    # sgd: kd's SGD (torchvision's reference); any other name: timm's create_optimizer_v2 (adamw, lamb, ...)
+    optimizer: str = "sgd"
+    opt_eps: Optional[float] = None  # the optimizer's epsilon (timm's --opt-eps); None: its own default
+    opt_betas: Optional[List[float]] = None  # Adam-style betas (timm's --opt-betas); None: its own default
+    layer_decay: Optional[float] = None  # timm's layer-wise lr decay (ViTs, ConvNeXts: models with group_matcher)
     momentum: float = 0.9
     nesterov: bool = False
     weight_decay: float = 1e-4
@@ -88,6 +93,8 @@ class RunConfig:
     lr_milestones: List[int] = field(default_factory=lambda: [30, 60, 90])
     lr_gamma: float = 0.1
     warmup_epochs: float = 0.0
+    min_lr: float = 0.0  # the cosine schedules' floor
+    warmup_lr: Optional[float] = None  # timm-cosine's warm-up start (timm's --warmup-lr); None: timm's 1e-5
     grad_clip: Optional[float] = None
     dot: bool = False  # DOT (Zhao et al. ICCV 2023): the label and distillation gradients with momenta of their own
     dot_delta: float = 0.075  # DOT's momentum - delta (label) and momentum + delta (distillation); mdistiller's default
@@ -152,6 +159,7 @@ LOSS_OPTIONS = ("ce_weight", "label_smoothing", "temperature", "standardise")
 # The former top-level option: the label weight of Hinton KD (kd); only that method takes it.
 FORMER_ALPHA = "alpha"
 _LIST_INT = {"lr_milestones", "gpus"}
+_LIST_FLOAT = {"opt_betas"}
 _LIST_STR = {"feature_layers"}
 
 
@@ -172,15 +180,16 @@ def coerce(name: str, value: Any) -> Any:
             return None
         raise KDError(f"option {name!r} cannot be empty")
     try:
-        if name in _LIST_INT or name in _LIST_STR:
+        if name in _LIST_INT or name in _LIST_STR or name in _LIST_FLOAT:
             if isinstance(value, str):
                 value = [v for v in value.replace(" ", "").split(",") if v]
             elif isinstance(value, (int, float)):
                 value = [value]
+            kind = int if name in _LIST_INT else float if name in _LIST_FLOAT else str
             try:
-                return [int(v) for v in value] if name in _LIST_INT else [str(v) for v in value]
+                return [kind(v) for v in value]
             except (TypeError, ValueError):
-                raise ValueError("a list of integers" if name in _LIST_INT else "a list") from None
+                raise ValueError({int: "a list of integers", float: "a list of numbers"}.get(kind, "a list")) from None
         if name == "loss_args":
             if not isinstance(value, dict):
                 raise ValueError("a mapping")
@@ -447,6 +456,25 @@ def validate(cfg: RunConfig, teaching: bool = False) -> RunConfig:
     need(cfg.epochs >= 1, "--epochs must be at least 1")
     need(cfg.batch_size >= 1, "--batch-size must be at least 1")
     need(cfg.lr > 0, "--lr must be positive")
+    need(cfg.min_lr >= 0, "--min-lr must be at least 0")
+    need(
+        cfg.min_lr == 0 or cfg.lr_schedule in ("cosine", "timm-cosine"),
+        f"--min-lr is the floor of the cosine schedules; --lr-schedule {cfg.lr_schedule} has none",
+    )
+    need(
+        cfg.warmup_lr is None or cfg.lr_schedule == "timm-cosine",
+        "--warmup-lr is where timm-cosine's warm-up starts; kd's schedules warm up from lr/steps: "
+        "give --lr-schedule timm-cosine or leave --warmup-lr out",
+    )
+    need(cfg.layer_decay is None or 0 < cfg.layer_decay <= 1, "--layer-decay must be in (0, 1]")
+    need(
+        cfg.optimizer == "sgd" or not cfg.dot,
+        f"--dot is SGD with two momenta; it cannot run with --optimizer {cfg.optimizer}",
+    )
+    need(
+        cfg.optimizer != "sgd" or (cfg.opt_eps is None and cfg.opt_betas is None),
+        "--opt-eps and --opt-betas are the Adam-style optimizers' (--optimizer adamw, lamb, ...); SGD has neither",
+    )
     need(0.0 < cfg.min_crop_scale <= 1.0, "--min-crop-scale must be in (0, 1]")
     need(cfg.image_size >= 8, "--image-size must be at least 8")
     check_loader(cfg.loader)
@@ -684,14 +712,32 @@ TRAIN_OPTIONS = (
     Option("epochs", ("--epochs",), "Epochs."),
     Option("batch_size", ("--batch-size", "-b"), "GLOBAL batch size, whatever the backend."),
     Option("lr", ("--lr",), "Peak learning rate."),
+    Option(
+        "optimizer",
+        ("--optimizer",),
+        "sgd: kd's SGD (torchvision's reference); any other name is timm's create_optimizer_v2 "
+        "(adamw, lamb, lion, ...), with no weight decay on norms and biases as timm decides.",
+        "NAME",
+    ),
+    Option("opt_eps", ("--opt-eps",), "Optimizer epsilon (Adam-style optimizers).", note="the optimizer's"),
+    Option("opt_betas", ("--opt-betas",), "Optimizer betas (Adam-style optimizers).", "B1,B2", note="the optimizer's"),
+    Option("layer_decay", ("--layer-decay",), "timm's layer-wise lr decay (models with a group_matcher)."),
     Option("momentum", ("--momentum",), "SGD momentum."),
     Option("nesterov", ("--nesterov/--no-nesterov",), "Nesterov momentum."),
     Option("weight_decay", ("--weight-decay", "--wd"), "Weight decay."),
     Option("wd_bn_bias", ("--wd-bn-bias/--no-wd-bn-bias",), "Decay BatchNorm and bias too."),
-    Option("lr_schedule", ("--lr-schedule",), "Learning-rate schedule.", choices=LR_SCHEDULES),
+    Option(
+        "lr_schedule",
+        ("--lr-schedule",),
+        "Learning-rate schedule, per step (cosine: torchvision's reference; timm-cosine: timm's "
+        "CosineLRScheduler stepped per update, warm-up from --warmup-lr).",
+        choices=LR_SCHEDULES,
+    ),
     Option("lr_milestones", ("--lr-milestones",), "Epochs of the step schedule.", "E1,E2,.."),
     Option("lr_gamma", ("--lr-gamma",), "Factor at each milestone."),
     Option("warmup_epochs", ("--warmup-epochs",), "Linear LR warm-up."),
+    Option("min_lr", ("--min-lr",), "The lr the cosine schedules end at."),
+    Option("warmup_lr", ("--warmup-lr",), "timm-cosine's warm-up starts at this lr.", note="timm's 1e-5"),
     Option("grad_clip", ("--grad-clip",), "Clip the gradient norm to this value."),
     Option(
         "dot",

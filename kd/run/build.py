@@ -78,7 +78,7 @@ def build_lane(
     if cfg.dot:  # once its connectors, heads and memory exist; the loss hands over its two parts
         check_applies(loss, precision.splits_gradients, cfg.kd_loss)
         loss.split_parts = True
-    optimizer = build_optimizer(cfg, side.named_parameters(), fused_ok=precision.fused_optimizer_ok)
+    optimizer = build_optimizer(cfg, side, fused_ok=precision.fused_optimizer_ok)
     side, optimizer = precision.convert(side, optimizer)
     model = backend.wrap(side)
     torch.manual_seed(cfg.seed + backend.rank)  # each process its own dropout / drop-path masks

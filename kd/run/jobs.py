@@ -35,8 +35,11 @@ def preflight(cfg, student: bool = True) -> None:
     if reason:
         raise KDError(reason)
     if student:
+        from kd.run.optim import check_optimizer
+
         models.check_name(cfg.student)
         LOSSES.get("ce" if cfg.no_teacher else cfg.kd_loss)
+        check_optimizer(cfg)
     if not cfg.no_teacher and not cfg.soft_labels:
         models.check_name(cfg.teacher)
     if cfg.soft_labels:
