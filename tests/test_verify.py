@@ -282,10 +282,14 @@ def test_flipped_bytes_in_a_train_shard_stop_a_run_in_one_line(copy, data, tmp_p
     """Raw pixels decode whatever their bytes, so a flipped byte trained unnoticed: each image's
     CRC-32, checked as a loader worker reads it, stops the run naming the shard and the image."""
     shard = spoiled(copy, tmp_path, lambda root: flip(root / "train-00001.bin", 3))  # image 6's pixels
-    r = kd_main("train", "--data", shard, *TINY, "-j", 1, "-b", 4, "--epochs", 1, "--out", tmp_path / "r")
+    r = kd_main("train", "--data", shard, *TINY, *SMALL, "-j", 1, "-b", 4, "--epochs", 1, "--out", tmp_path / "r")
     image = data.resolve() / "train" / "class_01" / "002.jpg"
     one_line(r, f"is damaged: train-00001.bin, image 6 ({image}): its bytes do not match their CRC-32")
     assert f"kd prepare {data.resolve()} {shard} --overwrite" in r.stderr
+
+
+#: a student of 0.4 M parameters in place of TINY's resnet18, where what is tested is the data
+SMALL = ["--student", "timm:test_resnet"]
 
 
 def as_format_1(root: Path) -> None:
@@ -305,7 +309,7 @@ def as_format_1(root: Path) -> None:
 
 def test_a_copy_of_format_1_trains_with_a_note_and_kd_prepare_adds_the_check(copy, data, tmp_path):
     old = spoiled(copy, tmp_path, as_format_1)
-    r = kd_main("train", "--data", old, *TINY, "--epochs", 1, "--out", tmp_path / "r")
+    r = kd_main("train", "--data", old, *TINY, *SMALL, "--epochs", 1, "--out", tmp_path / "r")
     assert r.returncode == 0, r.stderr
     note = f"format 1: its images are not checked as they are read; kd prepare {data.resolve()} {old} adds the check"
     assert note in r.stderr, r.stderr
