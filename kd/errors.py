@@ -18,6 +18,15 @@ class KDError(Exception):
     Anything else that escapes is a bug in kd and keeps its traceback.
     """
 
+    def __init__(self, *args):
+        # raised in a DataLoader worker (a prepared copy's damaged image), it is made again in the run's
+        # process from the worker's whole traceback (torch's ExceptionWrapper): its own line is kept
+        if len(args) == 1 and isinstance(args[0], str) and args[0].startswith("Caught "):
+            head, _, traceback = args[0].partition("\nOriginal Traceback")
+            if traceback and " in DataLoader worker process " in head:
+                args = (traceback.rstrip().rsplit("\n", 1)[-1].split(": ", 1)[-1],)
+        super().__init__(*args)
+
 
 class NonFinite(KDError):
     """A run's loss stayed NaN/inf (``--max-nonfinite-steps``), decided alike on every process: with

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -72,9 +73,10 @@ def test_training_images_are_the_source_reduced_and_validation_images_its_bytes(
 
 
 def test_the_manifest_records_the_source_the_settings_and_each_shards_checksum(copies):
+    """The manifest records the source, the settings and each shard's SHA-256; the index, each image's CRC-32."""
     src, raw, _ = copies
     manifest = json.loads((raw / MANIFEST).read_text())
-    assert manifest["complete"] and manifest["source"] == str(src.resolve()) and manifest["format_version"] == 1
+    assert manifest["complete"] and manifest["source"] == str(src.resolve()) and manifest["format_version"] == 2
     assert manifest["settings"] == {"format": "raw", "max_side": 96, "quality": 90, "shard_images": 4}
     assert set(manifest["listing_sha256"]) == {"train", "val"}
     shards = manifest["splits"]["train"]["shards"]
@@ -82,6 +84,9 @@ def test_the_manifest_records_the_source_the_settings_and_each_shards_checksum(c
     for shard in shards:
         data = (raw / shard["file"]).read_bytes()
         assert len(data) == shard["bytes"] and hashlib.sha256(data).hexdigest() == shard["sha256"]
+    for record in np.load(raw / "train.index.npy"):
+        data = (raw / shards[record["shard"]]["file"]).read_bytes()
+        assert zlib.crc32(data[record["offset"] : record["offset"] + record["length"]]) == record["crc32"]
     assert not list(raw.glob("*.json.tmp")) and not list(raw.glob("*.bin.tmp")) and not list(raw.glob("*.idx.npy"))
 
 
@@ -172,7 +177,7 @@ def test_training_refuses_an_unfinished_damaged_or_newer_copy(copies, tmp_path):
     cases = {
         "unfinished": (lambda m, d: m.update(complete=False), "unfinished prepared copy"),
         "damaged": (lambda m, d: (d / "train-00001.bin").write_bytes(b"x"), "is damaged: train-00001.bin is 1 bytes"),
-        "newer": (lambda m, d: m.update(format_version=2), "in format 2; this kd reads format 1"),
+        "newer": (lambda m, d: m.update(format_version=3), "in format 3; this kd reads format 1 or 2"),
     }
     for name, (spoil, expected) in cases.items():
         copy = tmp_path / name
@@ -185,7 +190,7 @@ def test_training_refuses_an_unfinished_damaged_or_newer_copy(copies, tmp_path):
         with pytest.raises(KDError, match=expected):
             scan(str(copy))
     r = kd_main("train", "--data", tmp_path / "newer", "--student", "resnet18", "--no-teacher", "--device", "cpu")
-    assert r.returncode == 2 and "in format 2" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.returncode == 2 and "in format 3" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 @pytest.mark.slow

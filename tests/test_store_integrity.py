@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -142,7 +144,16 @@ def test_verify_names_damaged_bytes_and_non_finite_rows(world, tmp_path):
     del values
     manifest["epoch_files"][1]["values"]["sha256"] = kd_store.file_sha256(str(path))
     kd_store.write_manifest(store, manifest)
-    with pytest.raises(KDError, match=r"epoch-002.values.npy holds non-finite logits \(row 3\)"):
+    with pytest.raises(KDError, match="epoch-002.values.npy, row 3: a non-finite logit"):
+        kd_store.verify(store)
+    # and one whose checksums agree with a class outside the store's
+    classes = store / "epoch-001.classes.npy"
+    with_class = np.load(classes)
+    with_class[6, 1] = 4
+    np.save(classes, with_class)
+    manifest["epoch_files"][0]["classes"]["sha256"] = kd_store.file_sha256(str(classes))
+    kd_store.write_manifest(store, manifest)
+    with pytest.raises(KDError, match="epoch-001.classes.npy, row 6: class 4, the store's classes are 0 to 3"):
         kd_store.verify(store)
 
 
@@ -182,6 +193,59 @@ def test_an_edited_or_old_manifest_is_refused_in_one_line(world, tmp_path):
         f.write(b"\0" * 8)
     line = one_line(kd_main(*train, "--out", tmp_path / "run"))
     assert "epoch-001.values.npy" in line and "bytes" in line, line
+
+
+@pytest.fixture(scope="module")
+def top_k_store(world, tmp_path_factory):
+    """One epoch of the top 2 of 4 logits in float16 (timm's test ResNet, random weights): the
+    tests below copy it before they damage it."""
+    root, data, sane, loud = world
+    out = tmp_path_factory.mktemp("top_k") / "store"
+    teacher = ["--teacher", "timm:test_resnet", "--teacher-weights", "none", "--top-k", 2, "--logits-dtype", "float16"]
+    r = kd_main("teach", *common(data, *teacher, "--epochs", 1, "--out", out))
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def damage(store: Path, folder: Path, part: str, row: int, value) -> Path:
+    """A copy of ``store`` with ``value`` written into row ``row`` of its first epoch's ``part``
+    file, in place: its size kept, as a run's start checks it."""
+    copy = folder / f"{part}-{row}"
+    shutil.copytree(store, copy)
+    array = np.load(copy / f"epoch-001.{part}.npy", mmap_mode="r+")
+    array[row] = value
+    array.flush()
+    del array
+    return copy
+
+
+def test_an_inf_read_from_a_store_stops_the_run_in_one_line(world, top_k_store, tmp_path):
+    """An inf in float16 (one value, the file's size kept): the run stops where it reads it, naming
+    the file and the training image, instead of a step skipped and the run done."""
+    root, data, sane, loud = world
+    damaged = damage(top_k_store, tmp_path, "values", 3, np.inf)
+    student = ["--student", "timm:test_resnet", "--epochs", 1, "--soft-labels", damaged]
+    line = one_line(kd_main("train", *common(data, *student, "--out", tmp_path / "run")))
+    assert "epoch-001.values.npy, training image 3: a non-finite logit" in line, line
+    assert "kd teach" in line and "kd verify" in line, line
+
+
+@pytest.mark.parametrize(
+    "part, value, what",
+    [
+        ("values", np.nan, "epoch-001.values.npy, training image 5: a non-finite logit"),
+        ("rest", np.inf, "epoch-001.rest.npy, training image 5: a non-finite logit"),
+        ("classes", 300, "epoch-001.classes.npy, training image 5: class 300, the store's classes are 0 to 3"),
+        ("classes", -2, "epoch-001.classes.npy, training image 5: class -2, the store's classes are 0 to 3"),
+    ],
+)
+def test_a_damaged_row_is_refused_as_it_is_read(top_k_store, tmp_path, part, value, what):
+    manifest = kd_store.read_manifest(top_k_store)
+    wanted = {key: manifest[key] for key in kd_store.PINNED}
+    labels = kd_store.SoftLabels(damage(top_k_store, tmp_path, part, 5, value), wanted, epochs=1)
+    assert labels.logits(0, torch.arange(5), torch.device("cpu")).isfinite().all()  # the rows before it
+    with pytest.raises(KDError, match=re.escape(what)):
+        labels.logits(0, torch.arange(4, 8), torch.device("cpu"))
 
 
 @contextlib.contextmanager

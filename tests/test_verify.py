@@ -11,12 +11,14 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import kd_main, make_image_folder, train_args
 
+from kd.checksum import file_sha256
 from kd.data.prepare import Settings, prepare
-from kd.data.prepared import MANIFEST
+from kd.data.prepared import FORMAT_VERSION, MANIFEST, read_manifest, sealed
 from kd.errors import KDError
 from kd.utils import checkpoint_io
 
@@ -270,16 +272,58 @@ def test_flipped_bytes_in_a_shard_are_found_by_kd_verify(copy, data, tmp_path):
     assert kd_main("verify", shard).returncode == 0
 
 
-def rewrite(data: Path, copy: Path) -> None:
-    """kd prepare --overwrite, with the settings of the ``copy`` fixture."""
+def rewrite(data: Path, copy: Path, overwrite: bool = True) -> None:
+    """kd prepare (--overwrite unless told), with the settings of the ``copy`` fixture."""
     settings = Settings(max_side=48, shard_images=4)
-    prepare(str(data), str(copy), settings, workers=1, overwrite=True, progress=False, echo=lambda s: None)
+    prepare(str(data), str(copy), settings, workers=1, overwrite=overwrite, progress=False, echo=lambda s: None)
+
+
+def test_flipped_bytes_in_a_train_shard_stop_a_run_in_one_line(copy, data, tmp_path):
+    """Raw pixels decode whatever their bytes, so a flipped byte trained unnoticed: each image's
+    CRC-32, checked as a loader worker reads it, stops the run naming the shard and the image."""
+    shard = spoiled(copy, tmp_path, lambda root: flip(root / "train-00001.bin", 3))  # image 6's pixels
+    r = kd_main("train", "--data", shard, *TINY, *SMALL, "-j", 1, "-b", 4, "--epochs", 1, "--out", tmp_path / "r")
+    image = data.resolve() / "train" / "class_01" / "002.jpg"
+    one_line(r, f"is damaged: train-00001.bin, image 6 ({image}): its bytes do not match their CRC-32")
+    assert f"kd prepare {data.resolve()} {shard} --overwrite" in r.stderr
+
+
+#: a student of 0.4 M parameters in place of TINY's resnet18, where what is tested is the data
+SMALL = ["--student", "timm:test_resnet"]
+
+
+def as_format_1(root: Path) -> None:
+    """The copy in ``root`` as kd prepare wrote it before each image had its CRC-32: index records
+    without one, and a sealed manifest of format 1."""
+    manifest = json.loads((root / MANIFEST).read_text())
+    for split in ("train", "val"):
+        path = root / f"{split}.index.npy"
+        records = np.load(path)
+        old = np.empty(len(records), dtype=[(n, records.dtype[n]) for n in records.dtype.names if n != "crc32"])
+        for name in old.dtype.names:
+            old[name] = records[name]
+        np.save(path, old)
+        manifest["splits"][split]["index_sha256"] = file_sha256(path)
+    (root / MANIFEST).write_text(json.dumps(sealed({**manifest, "format_version": 1})))
+
+
+def test_a_copy_of_format_1_trains_with_a_note_and_kd_prepare_adds_the_check(copy, data, tmp_path):
+    old = spoiled(copy, tmp_path, as_format_1)
+    r = kd_main("train", "--data", old, *TINY, *SMALL, "--epochs", 1, "--out", tmp_path / "r")
+    assert r.returncode == 0, r.stderr
+    note = f"format 1: its images are not checked as they are read; kd prepare {data.resolve()} {old} adds the check"
+    assert note in r.stderr, r.stderr
+    assert "its images are not checked as a run reads them" in kd_main("verify", old).stdout
+    rewrite(data, old, overwrite=False)  # what the note advises
+    assert read_manifest(old)["format_version"] == FORMAT_VERSION > 1
+    assert "crc32" in np.load(old / "train.index.npy").dtype.names
+    assert kd_main("verify", old).returncode == 0
 
 
 def test_a_flipped_byte_in_an_index_is_refused_at_the_start(copy, data, tmp_path):
-    def relabel(root: Path) -> None:  # the last record's label (its 21st byte of 29) changed
+    def relabel(root: Path) -> None:  # the last record's label (its 21st byte of 37) changed
         data = bytearray((root / "val.index.npy").read_bytes())
-        data[-9] ^= 0x01
+        data[-17] ^= 0x01
         (root / "val.index.npy").write_bytes(bytes(data))
 
     index = spoiled(copy, tmp_path, relabel)

@@ -16,6 +16,7 @@ from PIL import Image
 
 from kd.data.prepared import Prepared, open_image
 from kd.data.views import STRONG_AUGMENT, STRONG_CROP, strong_augment, view_seed
+from kd.errors import KDError
 
 # Pillow defines these in a loop over its enums, which mypy cannot see (Image.Resampling needs Pillow >= 9.1)
 BILINEAR = Image.BILINEAR  # type: ignore[attr-defined]
@@ -184,6 +185,8 @@ class ImageFolderPIL:
                     new_w, new_h, left, top = val_geometry(height, width, self.size, self.resize)
                     img = rgb(im).resize((new_w, new_h), self.val_filter)
                     img = img.crop((left, top, left + self.size, top + self.size))
+        except KDError:  # a prepared copy's image damaged since kd prepare wrote it: a refusal
+            raise
         except Exception:  # any decoder failure: truncated, not an image, unreadable
             return None, label, path
         if self.train and flip_coin(gen):
@@ -224,6 +227,8 @@ class ImageFolderPIL:
                     part = rgb(im).resize((self.size, self.size), BILINEAR, box=(x1, y1, x2, y2))
                 else:
                     part = rgb(im.crop((left, top, right, bottom)))
+        except KDError:  # a prepared copy's image damaged since kd prepare wrote it: a refusal
+            raise
         except Exception:  # any decoder failure: truncated, not an image, unreadable
             return None, (0.0, 0.0, 0.0, 0.0), False, label, path
         flip = flip_coin(gen)

@@ -22,6 +22,7 @@ import os
 import shutil
 import sys
 import time
+import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -155,7 +156,7 @@ def write_shard(job: Job) -> Dict[str, Any]:
                 continue
             fh.write(data)
             digest.update(data)
-            rows.append((job.shard, offset, len(data), label, height, width, code))
+            rows.append((job.shard, offset, len(data), label, height, width, code, zlib.crc32(data)))
             paths.append(path)
             offset += len(data)
         fh.flush()
@@ -212,9 +213,14 @@ def prepare(
     listing = {"train": listing_digest(source, train), "val": listing_digest(source, val)}
     wanted = {"source": str(source), "listing_sha256": listing, "settings": asdict(settings)}
     done = check_destination(out, wanted, overwrite)
-    if done is not None:
+    if done is not None and done["format_version"] == FORMAT_VERSION:
         echo(f"kd prepare: {dst} is complete already ({done['splits']['train']['images']:,} train images)")
         return done
+    if done is not None:
+        echo(
+            f"kd prepare: {dst} is a copy in format {done['format_version']}, its images not checked as they are "
+            f"read; writing it again in format {FORMAT_VERSION}, with a CRC-32 of each image"
+        )
     per_image = estimate(train, settings)
     val_bytes = sum(os.path.getsize(p) for p, _ in val)
     echo(

@@ -3,20 +3,24 @@ few large shard files, with training images reduced so that the loaders do less 
 
 A copy is a folder with a manifest (MANIFEST, JSON), and per split shard files
 (``train-00000.bin``, ...), one index (``train.index.npy``: for every image its shard, byte
-offset and length, label, height, width and format) and the source paths (``train.paths.txt``). A
-training image is stored as ``raw`` RGB pixels (HWC uint8, nothing to decode) or re-encoded as
-``jpeg``, its longer side capped; a validation image is its source file's bytes, unchanged, so
-validation crops stay torchvision's bit for bit. :class:`Prepared` is a split's sample list: it
-reads like the ``(path, label)`` list of a folder, and opens each image from its shard
-(:meth:`Prepared.image`, :meth:`Prepared.data`). Module-level and picklable: DataLoader workers
-receive the folder and split only, and open the index (memory-mapped) and the shards themselves.
+offset and length, label, height, width, format and the CRC-32 of its bytes) and the source
+paths (``train.paths.txt``). A training image is stored as ``raw`` RGB pixels (HWC uint8,
+nothing to decode) or re-encoded as ``jpeg``, its longer side capped; a validation image is its
+source file's bytes, unchanged, so validation crops stay torchvision's bit for bit.
+:class:`Prepared` is a split's sample list: it reads like the ``(path, label)`` list of a
+folder, and opens each image from its shard (:meth:`Prepared.image`, :meth:`Prepared.data`).
+Module-level and picklable: DataLoader workers receive the folder and split only, and open the
+index (memory-mapped) and the shards themselves.
 
-What is checked: the manifest carries the SHA-256 of its own listing (``contents_sha256``: source,
-settings, classes, and per split the shards with their sizes and SHA-256s and the index's and
-paths' SHA-256s), so a manifest edited by hand is refused wherever it is read, and the class names
-a run takes come from a verified manifest. At a run's start (:func:`open_copy`) the cheap checks:
-every shard's size, the index files' SHA-256 (29 bytes an image) and length. ``kd verify COPY``
-(:func:`verify_copy`) reads everything: every shard's SHA-256, the paths, each record within its shard.
+What is checked: the manifest carries the SHA-256 of its own listing (``contents_sha256``:
+source, settings, classes, and per split the shards with their sizes and SHA-256s and the
+index's and paths' SHA-256s), so a manifest edited by hand is refused wherever it is read, and
+the class names a run takes come from a verified manifest. At a run's start (:func:`open_copy`)
+the cheap checks: every shard's size, the index files' SHA-256 (37 bytes an image) and length.
+As an image is read (:meth:`Prepared.data`, in the loaders' workers) its bytes against its
+CRC-32: a KDError naming the shard and the image (format 1, without CRC-32s, is read unchecked,
+and says so in the loader's log line). ``kd verify COPY`` (:func:`verify_copy`) reads
+everything: every shard's SHA-256, the paths, each record within its shard.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import hashlib
 import io
 import json
 import os
+import zlib
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -38,8 +43,12 @@ from kd.errors import KDError
 MANIFEST = "kd-prepared.json"
 #: shard files a process keeps open at once (a sampler's order visits them all, every batch)
 MAX_OPEN_SHARDS = 64
-FORMAT_VERSION = 1
-#: the index's record: where an image's bytes are, what they are, and where they came from
+#: 2: each image's CRC-32 in its index record, checked as the image is read
+FORMAT_VERSION = 2
+#: the formats this kd reads: format 1's images are read unchecked (its index has no CRC-32s)
+READ_FORMATS = (1, 2)
+#: the index's record: where an image's bytes are, what they are, where they came from, and the
+#: CRC-32 of its bytes (format 2 on; format 1's records end with ``format``)
 INDEX_DTYPE = np.dtype(
     [
         ("shard", "<i4"),
@@ -49,6 +58,7 @@ INDEX_DTYPE = np.dtype(
         ("height", "<i4"),
         ("width", "<i4"),
         ("format", "<i1"),
+        ("crc32", "<u4"),
     ]
 )
 #: index ``format`` codes: raw RGB pixels, a JPEG kd encoded, the source file's bytes
@@ -73,10 +83,11 @@ def read_manifest(root: Path) -> Dict[str, Any]:
     if not isinstance(manifest, dict) or manifest.get("kind") != "kd-prepared":
         raise KDError(f"{path} is not a kd prepared-copy manifest")
     version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
+    if version not in READ_FORMATS:
         raise KDError(
-            f"{root} is a prepared copy in format {version}; this kd reads format {FORMAT_VERSION}: "
-            f"prepare it again with this kd (kd prepare SOURCE {root} --overwrite)"
+            f"{root} is a prepared copy in format {version}; this kd reads format "
+            f"{' or '.join(map(str, READ_FORMATS))}: prepare it again with this kd "
+            f"(kd prepare SOURCE {root} --overwrite)"
         )
     # a manifest from before kd sealed them has no checksum (nor its index files' sums), and is read as it was
     splits = manifest.get("splits") or {}
@@ -166,6 +177,11 @@ def verify_copy(root: Path, echo=print) -> str:
         source = manifest.get("source")
         raise KDError(f"{root} is an unfinished prepared copy; finish it with: kd prepare {source} {root}")
     sealed_note = "" if "contents_sha256" in manifest else " (no checksum of its own: written by an older kd)"
+    if manifest["format_version"] != FORMAT_VERSION:
+        sealed_note += (
+            f" (format {manifest['format_version']}: its images are not checked as a run reads them; "
+            f"kd prepare {manifest.get('source')} {root} adds the check)"
+        )
     echo(f"{root / MANIFEST}: OK{sealed_note}")
     shards = files = 0
     for split in ("train", "val"):
@@ -258,11 +274,26 @@ class Prepared(Sequence[Tuple[str, int]]):
         record = self.records[i]
         return f"{self.root / shard_name(self.split, int(record['shard']))}#{i}", int(record["label"])
 
+    @property
+    def checked(self) -> bool:
+        """Whether its images are checked as they are read (their CRC-32s: format 2 on)."""
+        names = self.records.dtype.names
+        return names is not None and "crc32" in names
+
     def describe(self) -> str:
-        """What the loaders read: the copy and its training images' format (for the loader's log line)."""
-        settings = read_manifest(self.root)["settings"]
+        """What the loaders read: the copy and its training images' format (for the loader's log line);
+        for a copy of format 1, that its images are not checked as they are read."""
+        manifest = read_manifest(self.root)
+        settings = manifest["settings"]
         kind = "raw RGB pixels" if settings["format"] == "raw" else f"JPEG (quality {settings['quality']})"
-        return f"the prepared copy {self.root} ({self.split}: {kind}, longer side at most {settings['max_side']})"
+        unchecked = (
+            ""
+            if self.checked
+            else f"; format {manifest['format_version']}: its images are not checked as they are read; "
+            f"kd prepare {manifest.get('source')} {self.root} adds the check"
+        )
+        reduced = f"longer side at most {settings['max_side']}"
+        return f"the prepared copy {self.root} ({self.split}: {kind}, {reduced}{unchecked})"
 
     def left_out(self) -> List[str]:
         """The source files of this split that ``kd prepare`` could not read and left out of the copy
@@ -274,10 +305,23 @@ class Prepared(Sequence[Tuple[str, int]]):
         return int(self.records[i]["format"])
 
     def data(self, i: int) -> bytes:
-        """Image ``i``'s stored bytes (raw pixels, or an encoded file)."""
+        """Image ``i``'s stored bytes (raw pixels, or an encoded file), checked against its CRC-32
+        where the copy has them: damaged bytes are a KDError naming the shard and the image."""
         record = self.records[i]
         fd = self._fd(int(record["shard"]))
-        return os.pread(fd, int(record["length"]), int(record["offset"]))
+        data = os.pread(fd, int(record["length"]), int(record["offset"]))
+        if self.checked and zlib.crc32(data) != int(record["crc32"]):
+            raise self.damaged_image(i, "its bytes do not match their CRC-32")
+        return data
+
+    def damaged_image(self, i: int, why: str) -> KDError:
+        """The refusal of image ``i``: its shard, its place in the split and its source file."""
+        try:
+            source = (self.root / f"{self.split}.paths.txt").read_text(encoding="utf-8").splitlines()[i]
+        except (OSError, IndexError, UnicodeDecodeError):
+            source = "its source unknown"
+        shard = shard_name(self.split, int(self.records[i]["shard"]))
+        return damaged(self.root, read_manifest(self.root), f"{shard}, image {i} ({source}): {why}")
 
     def image(self, i: int) -> Image.Image:
         """Image ``i`` as a PIL image (an opened file, or RGB pixels with no copy)."""

@@ -32,7 +32,9 @@ stopped ``kd teach`` starts again at its first incomplete epoch.
 A store never holds a non-finite value: the stored dtype follows the teacher's largest |logit| on
 its probe batches (:func:`choose_dtype`), every batch is checked as stored (on the device) before
 its epoch is committed, and a run from the store checks the manifest's record of those checks and
-its files' sizes at its start; :func:`verify` reads every byte again (``kd verify``).
+its files' sizes at its start, and every row it reads (its logits finite, its classes in range:
+:func:`damaged_row`, on the host, where the rows are read); :func:`verify` reads every byte again
+(``kd verify``).
 """
 
 from __future__ import annotations
@@ -305,6 +307,31 @@ def check_listing(root: Path, manifest: Dict[str, Any], flag: str = "--soft-labe
                 )
 
 
+#: a float dtype a store holds: its bits read as an unsigned integer, and its exponent's bits (all
+#: set: inf or NaN)
+EXPONENT_BITS = {np.dtype(np.float16): (np.uint16, 0x7C00), np.dtype(np.float32): (np.uint32, 0x7F800000)}
+
+
+def damaged_row(part: str, block: np.ndarray, classes: int) -> Optional[Tuple[int, str]]:
+    """The first of ``block``'s rows (rows of a store's ``part`` file) that kd teach never writes,
+    and what it holds: a logit that is not finite (``values``, ``rest``), a class outside the
+    ``classes`` (``classes``); None where every row is sound. Integer comparisons, vectorised: a
+    float16 batch of 256 x 1,000 logits in about 20 us (docs/benchmarks.md)."""
+    if part not in ("values", "rest", "classes") or not block.size:
+        return None
+    if part == "classes":
+        if block.min() >= 0 and block.max() < classes:
+            return None
+        bad = (block < 0) | (block >= classes)
+        row = int(np.argmax(bad.any(axis=1)))
+        return row, f"class {int(block[row][bad[row]][0])}, the store's classes are 0 to {classes - 1}"
+    uint, exponent = EXPONENT_BITS[block.dtype]
+    bits = np.ascontiguousarray(block).view(uint) & exponent
+    if bits.max() < exponent:
+        return None
+    return int(np.argmax((bits == exponent).reshape(len(block), -1).any(axis=1))), "a non-finite logit"
+
+
 def verify(root: Path) -> str:
     """Every byte of the store at ``root`` read again: each file against its sha256 in the manifest
     (itself checked against its own), and every stored logit (the top-k rows' log-sum-exp too)
@@ -323,19 +350,18 @@ def verify(root: Path) -> str:
             if digest != record["sha256"]:
                 raise KDError(f"{where} is damaged: {path.name} does not match its checksum; teach the store again")
             total += record["bytes"]
-            if part in ("values", "rest"):
-                array = np.load(path, mmap_mode="r")
-                for start in range(0, len(array), 1 << 16):  # a block of rows at a time: bounded memory
-                    finite = np.isfinite(array[start : start + (1 << 16)])
-                    if not finite.all():
-                        row = start + int(np.argmin(finite.reshape(len(finite), -1).all(axis=1)))
-                        raise KDError(f"{where} is damaged: {path.name} holds non-finite logits (row {row})")
-                del array
+            array = np.load(path, mmap_mode="r")
+            for start in range(0, len(array), 1 << 16):  # a block of rows at a time: bounded memory
+                found = damaged_row(part, array[start : start + (1 << 16)], int(manifest["classes"]))
+                if found is not None:
+                    raise KDError(f"{where} is damaged: {path.name}, row {start + found[0]}: {found[1]}")
+            del array
     m = manifest
     kept = "every logit" if m["k"] >= m["classes"] else f"the top {m['k']} logits"
     return (
         f"{root}: a sound soft-label store: {m['epochs_done']} epoch(s) of {m['samples']:,} samples, {kept} in "
-        f"{m['dtype']}; {human(total)} read, every file matches its sha256 and every logit is finite"
+        f"{m['dtype']}; {human(total)} read, every file matches its sha256, every logit is finite and every "
+        f"class one of the {m['classes']}"
     )
 
 
@@ -413,7 +439,16 @@ class SoftLabels:
                 f"--soft-labels {self.root} has no logits for training image {missing} in epoch {epoch + 1} "
                 f"(it was unreadable when the store was taught); teach the store again, or fix the image"
             )
-        got = {p: torch.from_numpy(np.ascontiguousarray(a[rows])) for p, a in files.items() if p != "written"}
+        read = {p: np.ascontiguousarray(a[rows]) for p, a in files.items() if p != "written"}
+        for part, block in read.items():
+            found = damaged_row(part, block, self.classes)
+            if found is not None:
+                raise KDError(
+                    f"--soft-labels {self.root} is damaged: {_name(self.root, epoch, part).name}, training image "
+                    f"{int(rows[found[0]])}: {found[1]}; kd verify {self.root} checks the whole store, kd teach "
+                    f"writes it again"
+                )
+        got = {p: torch.from_numpy(a) for p, a in read.items()}
         on = {p: (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True) for p, t in got.items()}
         return expand(on["values"], on.get("classes"), on.get("rest"), self.classes)
 
