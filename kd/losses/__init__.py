@@ -31,6 +31,8 @@ LOSSES.register_lazy("mlkd", "kd.losses.mlkd:MultiLevelKD")
 LOSSES.register_lazy("nkd", "kd.losses.nkd:NormalizedKD")
 LOSSES.register_lazy("ofd", "kd.losses.ofd:OverhaulDistillation")
 LOSSES.register_lazy("reviewkd", "kd.losses.reviewkd:ReviewKD")
+LOSSES.register_lazy("ttm", "kd.losses.ttm:TransformedTeacherMatching")
+LOSSES.register_lazy("wttm", "kd.losses.ttm:WeightedTTM")
 
 __all__ = ["LOSSES", "DistillInputs", "DistillLoss", "build_loss", "register", "split_layers"]
 
