@@ -124,6 +124,14 @@ PUBLISHED = {
         MDISTILLER, teacher="resnet34", student="resnet18", kd_loss="mlkd", lr=0.1, top1=71.90,
         loss={"ce_weight": 0.5, "kd_weight": 0.5, "temperature": 1.0},
     ),
+    "imagenet/r34_r18_luminet": dict(  # ismail31416/LumiNet@8cf749b r34_r18/luminet.yaml: ALPHA 2 squared
+        MDISTILLER, teacher="resnet34", student="resnet18", kd_loss="luminet", top1=72.16,
+        loss={"ce_weight": 1.0, "kd_weight": 4.0, "temperature": 0.7, "warmup": 1},
+    ),
+    "imagenet/r50_mv1_luminet": dict(  # ismail31416/LumiNet@8cf749b r50_mv1/luminet.yaml: batch 256, lr 0.1
+        MDISTILLER, teacher="resnet50", student="timm:mobilenetv1_100", kd_loss="luminet", batch_size=256, lr=0.1,
+        top1=72.55, loss={"ce_weight": 1.0, "kd_weight": 4.0, "temperature": 0.7, "warmup": 1},
+    ),
     "imagenet/baseline_r18": dict(  # pytorch/vision references/classification/train.py@017e9b9 defaults
         student="resnet18", no_teacher=True, batch_size=256, lr=0.1, epochs=90, lr_schedule="step",
         lr_milestones=[30, 60], lr_gamma=0.1, momentum=0.9, nesterov=False, weight_decay=1e-4, wd_bn_bias=True,
@@ -291,7 +299,7 @@ def loss_outputs(cfg):
 
 
 #: methods added after the renaming: their recipes never had other names
-NAMED_SINCE = {"crd", "ofd", "reviewkd", "nkd", "ctkd", "ctdkd", "mlkd"}
+NAMED_SINCE = {"crd", "ofd", "reviewkd", "nkd", "ctkd", "ctdkd", "mlkd", "luminet"}
 #: recipes of earlier methods added after the renaming (DOT's)
 RECIPES_SINCE = {"imagenet/r34_r18_kd_dot", "imagenet/r50_mv1_kd_dot"}
 
