@@ -132,6 +132,16 @@ PUBLISHED = {
         MDISTILLER, teacher="resnet50", student="timm:mobilenetv1_100", kd_loss="luminet", batch_size=256, lr=0.1,
         top1=72.55, loss={"ce_weight": 1.0, "kd_weight": 4.0, "temperature": 0.7, "warmup": 1},
     ),
+    "imagenet/r34_r18_crld": dict(  # arcanienz/CRLD r34_r18/crld.yaml (scx-822/CRLD-main@c9d6657) + cfg.py's CRLD block
+        MDISTILLER, teacher="resnet34", student="resnet18", kd_loss="crld", top1=None,
+        loss={"ce_weight": 2.0, "within_weight": 2.0, "cross_weight": 0.5, "temperature": 1.0, "weak_threshold": 0.9,
+              "strong_threshold": 0.2},
+    ),
+    "imagenet/r50_mv1_crld": dict(  # the same repository's r50_mv1/crld.yaml: the same values
+        MDISTILLER, teacher="resnet50", student="timm:mobilenetv1_100", kd_loss="crld", top1=None,
+        loss={"ce_weight": 2.0, "within_weight": 2.0, "cross_weight": 0.5, "temperature": 1.0, "weak_threshold": 0.9,
+              "strong_threshold": 0.2},
+    ),
     "imagenet/baseline_r18": dict(  # pytorch/vision references/classification/train.py@017e9b9 defaults
         student="resnet18", no_teacher=True, batch_size=256, lr=0.1, epochs=90, lr_schedule="step",
         lr_milestones=[30, 60], lr_gamma=0.1, momentum=0.9, nesterov=False, weight_decay=1e-4, wd_bn_bias=True,
@@ -299,7 +309,7 @@ def loss_outputs(cfg):
 
 
 #: methods added after the renaming: their recipes never had other names
-NAMED_SINCE = {"crd", "ofd", "reviewkd", "nkd", "ctkd", "ctdkd", "mlkd", "luminet"}
+NAMED_SINCE = {"crd", "ofd", "reviewkd", "nkd", "ctkd", "ctdkd", "mlkd", "luminet", "crld"}
 #: recipes of earlier methods added after the renaming (DOT's)
 RECIPES_SINCE = {"imagenet/r34_r18_kd_dot", "imagenet/r50_mv1_kd_dot"}
 

@@ -32,7 +32,7 @@ ORDER = [
 TITLES = {
     "kd": "KD", "at": "AT", "fitnet": "FitNet", "ofd": "OFD", "crd": "CRD", "reviewkd": "ReviewKD",
     "dkd": "DKD", "dist": "DIST", "nkd": "NKD", "ctkd": "KD + CTKD", "ctdkd": "DKD + CTKD", "mlkd": "MLKD",
-    "lskd": "KD + LS", "ttm": "TTM", "wttm": "WTTM", "luminet": "LumiNet",
+    "lskd": "KD + LS", "ttm": "TTM", "wttm": "WTTM", "luminet": "LumiNet", "crld": "CRLD",
 }  # fmt: skip
 FORMATS = ("markdown", "latex")
 HEADER = ["method", "top-1", "top-5", "paper top-1", "diff"]
