@@ -12,22 +12,9 @@ from kd.commands import table
 
 #: the order of the rows of the papers' ImageNet tables, then the later methods
 ORDER = [
-    "kd",
-    "at",
-    "fitnet",
-    "ofd",
-    "crd",
-    "reviewkd",
-    "dkd",
-    "dist",
-    "nkd",
-    "ctkd",
-    "ctdkd",
-    "mlkd",
-    "lskd",
-    "ttm",
-    "wttm",
-]
+    "kd", "at", "fitnet", "ofd", "crd", "reviewkd", "dkd", "dist", "nkd", "ctkd", "ctdkd", "mlkd", "lskd",
+    "ttm", "wttm", "luminet", "crld",
+]  # fmt: skip
 #: how papers print each method's name
 TITLES = {
     "kd": "KD", "at": "AT", "fitnet": "FitNet", "ofd": "OFD", "crd": "CRD", "reviewkd": "ReviewKD",
