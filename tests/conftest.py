@@ -269,3 +269,21 @@ def in_process_trainer(cfg, precision=None):
         return Trainer(Students.alone(cfg), backend)
     with unittest.mock.patch.object(kd.run.build, "make_precision", lambda *args, **kwargs: precision):
         return Trainer(Students.alone(cfg), backend)
+
+
+# ---------------------------------------------------------------- golden values of the official code
+
+
+def golden_logits(batch, classes, a, b, scale):
+    """Deterministic float64 logits, sin(a k + b) * scale over the flat index k: the inputs the scripts
+    that computed the official golden values fed the official code."""
+    i = torch.arange(batch * classes, dtype=torch.float64)
+    return (torch.sin(i * a + b) * scale).reshape(batch, classes)
+
+
+def gradient_probes(grad):
+    """Three numbers of a gradient that the golden values keep: two weighted sums and the squared norm."""
+    n = grad.numel()
+    w1 = torch.arange(1, n + 1, dtype=torch.float64).reshape(grad.shape)
+    w2 = torch.cos(torch.arange(n, dtype=torch.float64) * 0.37).reshape(grad.shape)
+    return [(grad * w1).sum().item(), (grad * w2).sum().item(), (grad**2).sum().item()]

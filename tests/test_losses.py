@@ -497,6 +497,13 @@ SETTINGS = {
         "kd_only": {"ce_weight": 0.0},
     },
     "mlkd": {"args": {"temperature": 2.0, "kd_weight": 1.0, "standardise": 1}, "kd_only": {"ce_weight": 0.0}},
+    "crld": {
+        "args": {"within_weight": 1.0, "cross_weight": 1.0, "temperature": 2.0, "weak_threshold": 0.1},
+        "kd_only": {"ce_weight": 0.0},
+    },
+    "luminet": {"args": {"kd_weight": 2.0, "temperature": 2.0, "warmup": 5.0}, "kd_only": {"ce_weight": 0.0}},
+    "ttm": {"args": {"gamma": 0.5, "kd_weight": 3.0}, "kd_only": {"ce_weight": 0.0}},
+    "wttm": {"args": {"gamma": 0.5, "kd_weight": 3.0}, "kd_only": {"ce_weight": 0.0}},
     "crd": {
         "features": {"student": {"fc<1": (4, 8)}, "teacher": {"fc<1": (4, 12)}},
         "args": {"feat_dim": 16, "negatives": 30, "temperature": 0.1, "momentum": 0.9, "crd_weight": 1.0},

@@ -7,7 +7,7 @@ f6e5aa5172bad618e801163c3385322eea673754. A script outside this repository impor
 unmodified, gave the distiller a student and a teacher that return the fixed float64 logits of
 :func:`inputs` for each view, summed its losses as the official trainer does (``AugTrainer``) and
 printed with ``repr`` each loss, the total and three probes of the gradient with respect to the
-student's logits of each view (:func:`probes`).
+student's logits of each view (:func:`conftest.gradient_probes`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import json
 
 import pytest
 import torch
-from conftest import TINY_RUN, kd_main, train_args
+from conftest import TINY_RUN, golden_logits, gradient_probes, kd_main, train_args
 
 from kd.errors import KDError
 from kd.losses import DistillInputs, build_loss
@@ -84,28 +84,16 @@ OFFICIAL = {
 }
 
 
-def logits(batch, classes, a, b, scale):
-    i = torch.arange(batch * classes, dtype=torch.float64)
-    return (torch.sin(i * a + b) * scale).reshape(batch, classes)
-
-
 def inputs(batch, classes, tie):
     """Student weak, student strong, teacher weak, teacher strong logits and labels (float64)."""
-    sw = logits(batch, classes, 0.7, 0.1, 3.0)
-    ss = logits(batch, classes, 1.3, 0.4, 2.5)
-    tw = logits(batch, classes, 0.9, 0.2, 4.0)
-    ts = logits(batch, classes, 1.1, 0.5, 3.5)
+    sw = golden_logits(batch, classes, 0.7, 0.1, 3.0)
+    ss = golden_logits(batch, classes, 1.3, 0.4, 2.5)
+    tw = golden_logits(batch, classes, 0.9, 0.2, 4.0)
+    ts = golden_logits(batch, classes, 1.1, 0.5, 3.5)
     if tie:  # three samples the teacher is equally sure of, the median among them
         tw[1] = tw[0]
         tw[2] = tw[0]
     return sw, ss, tw, ts, torch.arange(batch) * 2 % classes
-
-
-def probes(grad):
-    n = grad.numel()
-    w1 = torch.arange(1, n + 1, dtype=torch.float64).reshape(grad.shape)
-    w2 = torch.cos(torch.arange(n, dtype=torch.float64) * 0.37).reshape(grad.shape)
-    return [(grad * w1).sum().item(), (grad * w2).sum().item(), (grad**2).sum().item()]
 
 
 @pytest.mark.parametrize("case", list(OFFICIAL), ids=lambda c: f"b{c[0]}-c{c[1]}-T{c[2]}-tie{c[5]}-ls{c[6]}")
@@ -128,8 +116,8 @@ def test_mlkd_equals_the_official_code(case):
     assert out["bc"].item() == pytest.approx(parts["loss_bc"], rel=RTOL)
     assert out["loss"].item() == pytest.approx(golden["total"], rel=RTOL)
     out["loss"].backward()
-    assert probes(sw.grad) == pytest.approx(golden["grad_weak"], rel=RTOL)
-    assert probes(ss.grad) == pytest.approx(golden["grad_strong"], rel=RTOL)
+    assert gradient_probes(sw.grad) == pytest.approx(golden["grad_weak"], rel=RTOL)
+    assert gradient_probes(ss.grad) == pytest.approx(golden["grad_strong"], rel=RTOL)
 
 
 def test_confidence_shares_take_the_median_as_numpy_does():

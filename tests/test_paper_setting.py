@@ -160,3 +160,14 @@ def test_a_dot_run_resembles_the_dot_recipe_and_departs_from_the_others():
     assert papers.cell(off, method_defaults) == "unlike imagenet/r34_r18_kd_dot: no DOT"
     on = kd_config.resolve(recipe="imagenet/r34_r18_kd", options={"data": "/imagenet", "dot": True}).to_dict()
     assert papers.cell(on, method_defaults) == "unlike imagenet/r34_r18_kd: DOT"
+
+
+def test_a_standardised_run_resembles_the_logit_standardisation_recipe():
+    """--logit-standardisation is part of the paper setting: a DKD run with it resembles DKD + LS of its
+    pair (and departs from its T 2), one without it DKD's recipe."""
+    ls = setting(teacher="resnet34", student="resnet18", kd_loss="dkd", standardise=True, wd_bn_bias=True)
+    assert papers.cell(ls, method_defaults) == "unlike imagenet/r34_r18_dkd_ls: T 1"
+    plain = setting(teacher="resnet34", student="resnet18", kd_loss="dkd", wd_bn_bias=True)
+    assert papers.cell(plain, method_defaults) == "as imagenet/r34_r18_dkd"
+    recipe = kd_config.resolve(recipe="imagenet/r50_mv1_mlkd_ls", options={"data": "/imagenet"}).to_dict()
+    assert papers.cell(recipe, method_defaults) == "as imagenet/r50_mv1_mlkd_ls"

@@ -124,6 +124,54 @@ PUBLISHED = {
         MDISTILLER, teacher="resnet34", student="resnet18", kd_loss="mlkd", lr=0.1, top1=71.90,
         loss={"ce_weight": 0.5, "kd_weight": 0.5, "temperature": 1.0},
     ),
+    "imagenet/r34_r18_luminet": dict(  # ismail31416/LumiNet@8cf749b r34_r18/luminet.yaml: ALPHA 2 squared
+        MDISTILLER, teacher="resnet34", student="resnet18", kd_loss="luminet", top1=72.16,
+        loss={"ce_weight": 1.0, "kd_weight": 4.0, "temperature": 0.7, "warmup": 1},
+    ),
+    "imagenet/r50_mv1_luminet": dict(  # ismail31416/LumiNet@8cf749b r50_mv1/luminet.yaml: batch 256, lr 0.1
+        MDISTILLER, teacher="resnet50", student="timm:mobilenetv1_100", kd_loss="luminet", batch_size=256, lr=0.1,
+        top1=72.55, loss={"ce_weight": 1.0, "kd_weight": 4.0, "temperature": 0.7, "warmup": 1},
+    ),
+    "imagenet/r34_r18_crld": dict(  # arcanienz/CRLD r34_r18/crld.yaml (scx-822/CRLD-main@c9d6657) + cfg.py's CRLD block
+        MDISTILLER, teacher="resnet34", student="resnet18", kd_loss="crld", top1=None,
+        loss={"ce_weight": 2.0, "within_weight": 2.0, "cross_weight": 0.5, "temperature": 1.0, "weak_threshold": 0.9,
+              "strong_threshold": 0.2},
+    ),
+    "imagenet/r50_mv1_crld": dict(  # the same repository's r50_mv1/crld.yaml: the same values
+        MDISTILLER, teacher="resnet50", student="timm:mobilenetv1_100", kd_loss="crld", top1=None,
+        loss={"ce_weight": 2.0, "within_weight": 2.0, "cross_weight": 0.5, "temperature": 1.0, "weak_threshold": 0.9,
+              "strong_threshold": 0.2},
+    ),
+    # the logit-standardisation rows (sunshangquan/logit-standardization-KD@f6e5aa5, Table 3): each method's config
+    # there with what tools/train.py's --logit-stand --base-temp 2 --kd-weight 9 makes of it (r50_mv2 names mdistiller's
+    # MobileNet-V1 MobileNetV2); CTKD's from its CTKD/scripts/run_imagenet_distill.sh (-a 2, standardised KD)
+    "imagenet/r34_r18_dkd_ls": dict(
+        MDISTILLER, teacher="resnet34", student="resnet18", kd_loss="dkd", top1=71.88,
+        loss={"ce_weight": 1.0, "tckd_weight": 9.0, "nckd_weight": 4.5, "temperature": 2.0, "warmup": 1,
+              "standardise": 1},
+    ),
+    "imagenet/r34_r18_mlkd_ls": dict(  # MLKD's config: lr 0.1, CE 0.5
+        MDISTILLER, teacher="resnet34", student="resnet18", kd_loss="mlkd", lr=0.1, top1=72.08,
+        loss={"ce_weight": 0.5, "kd_weight": 9.0, "temperature": 2.0, "standardise": 1},
+    ),
+    "imagenet/r34_r18_ctkd_ls": dict(
+        MDISTILLER, teacher="resnet34", student="resnet18", kd_loss="ctkd", batch_size=256, lr=0.1, epochs=120,
+        top1=71.81, loss={"ce_weight": 1.0, "kd_weight": 2.0, "min_temperature": 1.0, "max_temperature": 21.0,
+                          "reversal_weight": 1.0, "reversal_epochs": 5, "standardise": 1},
+    ),
+    "imagenet/r50_mv1_lskd": dict(  # r50_mv2/kd.yaml: CE 0.5
+        MDISTILLER, teacher="resnet50", student="timm:mobilenetv1_100", kd_loss="lskd", top1=72.18,
+        loss={"ce_weight": 0.5, "kd_weight": 9.0, "temperature": 2.0},
+    ),
+    "imagenet/r50_mv1_dkd_ls": dict(  # r50_mv2/dkd.yaml: BETA 2
+        MDISTILLER, teacher="resnet50", student="timm:mobilenetv1_100", kd_loss="dkd", top1=72.85,
+        loss={"ce_weight": 1.0, "tckd_weight": 9.0, "nckd_weight": 18.0, "temperature": 2.0, "warmup": 1,
+              "standardise": 1},
+    ),
+    "imagenet/r50_mv1_mlkd_ls": dict(  # r50_mv2/mlkd.yaml: lr 0.2, CE 0.5
+        MDISTILLER, teacher="resnet50", student="timm:mobilenetv1_100", kd_loss="mlkd", top1=73.22,
+        loss={"ce_weight": 0.5, "kd_weight": 9.0, "temperature": 2.0, "standardise": 1},
+    ),
     "imagenet/baseline_r18": dict(  # pytorch/vision references/classification/train.py@017e9b9 defaults
         student="resnet18", no_teacher=True, batch_size=256, lr=0.1, epochs=90, lr_schedule="step",
         lr_milestones=[30, 60], lr_gamma=0.1, momentum=0.9, nesterov=False, weight_decay=1e-4, wd_bn_bias=True,
@@ -291,9 +339,12 @@ def loss_outputs(cfg):
 
 
 #: methods added after the renaming: their recipes never had other names
-NAMED_SINCE = {"crd", "ofd", "reviewkd", "nkd", "ctkd", "ctdkd", "mlkd"}
+NAMED_SINCE = {"crd", "ofd", "reviewkd", "nkd", "ctkd", "ctdkd", "mlkd", "luminet", "crld"}
 #: recipes of earlier methods added after the renaming (DOT's)
-RECIPES_SINCE = {"imagenet/r34_r18_kd_dot", "imagenet/r50_mv1_kd_dot"}
+RECIPES_SINCE = {
+    "imagenet/r34_r18_kd_dot", "imagenet/r50_mv1_kd_dot", "imagenet/r34_r18_dkd_ls", "imagenet/r50_mv1_lskd",
+    "imagenet/r50_mv1_dkd_ls",
+}  # fmt: skip
 
 
 def test_every_kd_recipe_has_its_former_settings_listed():

@@ -374,6 +374,25 @@ def test_report_prints_the_papers_table_in_markdown_and_latex(tmp_path):
     assert body[-2:] == [r"\bottomrule", r"\end{tabular}"]
 
 
+def test_the_2024_logit_rows_follow_the_earlier_methods_with_their_references(tmp_path):
+    """The logit-standardisation recipes are titled '+ LS' beside their method, with Table 3's numbers; the
+    later methods follow in the order of kd.commands.paper.ORDER (CRLD's recipe has no reference number)."""
+    for recipe, top1 in (("r34_r18_crld", 72.0), ("r34_r18_luminet", 72.1), ("r34_r18_dkd_ls", 71.8),
+                         ("r34_r18_dkd", 71.6), ("r34_r18_lskd", 71.4), ("r34_r18_mlkd_ls", 72.0)):  # fmt: skip
+        _table_run(tmp_path, f"imagenet/{recipe}", top1)
+    r = kd_main("report", tmp_path, "--format", "latex")
+    assert r.returncode == 0, r.stderr
+    rows = [line for line in r.stdout.splitlines() if line.endswith(r"\\")][1:]
+    assert rows == [
+        r"DKD & 71.60 & 91.10 & 71.70 & -0.10 \\",
+        r"DKD + LS & 71.80 & 91.30 & 71.88 & -0.08 \\",
+        r"MLKD + LS & 72.00 & 91.50 & 72.08 & -0.08 \\",
+        r"KD + LS & 71.40 & 90.90 & 71.42 & -0.02 \\",
+        r"LumiNet & 72.10 & 91.60 & 72.16 & -0.06 \\",
+        r"CRLD & 72.00 & 91.50 & - & - \\",
+    ], r.stdout
+
+
 def test_the_papers_table_of_a_small_folder_has_no_references(tmp_path):
     """Runs on a few images are not the published setting: no reference, and no baseline row without a
     student-alone run (said on stderr)."""

@@ -107,7 +107,7 @@ def collect(run: Path) -> Dict[str, object]:
         "_teacher_top1": records[0].get("teacher_top1"),
         "_teacher_top5": records[0].get("teacher_top5"),
         "_teacher_weights": cfg.get("teacher_weights"),
-        "_standardised": bool(cfg.get("standardise") or (cfg.get("loss_args") or {}).get("standardise")),
+        "_standardised": papers.standardised(cfg),
         "_dot": bool(cfg.get("dot")),
         "_imagenet": bool(records) and records[0].get("train_images", 0) >= 0.99 * IMAGENET_TRAIN_IMAGES,
         "_no_wall": None if parts or unended else "no wall.jsonl (a run of an older kd): its wall time is not known",

@@ -110,8 +110,9 @@ class DistillLoss(nn.Module):
     BatchNorm before each tapped stage's ReLU (OFD's margin). ``uses_samples`` methods (CRD) see each
     sample's index in the training set (:attr:`DistillInputs.indices`): :meth:`setup_samples` gets
     every training sample's class first, and :meth:`after_step` runs after each optimizer step.
-    ``views = 2`` methods (MLKD) see a second, strongly augmented view of each sample: the loaders
-    make it, the teacher and the student forward it too (:attr:`DistillInputs.second_student_logits`).
+    ``views = 2`` methods (:class:`TwoViewLoss`: MLKD, CRLD) see a second, strongly augmented view of
+    each sample: the loaders make it, the teacher and the student forward it too
+    (:attr:`DistillInputs.second_student_logits`).
     """
 
     #: computed in float32 at every opt level: the precisions keep its parameters and inputs float32
@@ -211,3 +212,18 @@ class DistillLoss(nn.Module):
         if self.split_parts and part is not None:
             return {"loss": total, "ce": ce, **terms, TASK_PART: task, DISTILL_PART: part}
         return {"loss": total, "ce": ce, **terms}
+
+
+class TwoViewLoss(DistillLoss):
+    """Base of the methods on a weak and a strong view of each sample (``views = 2``: the loaders make the
+    strong view, :mod:`kd.data.views`; the student and the teacher forward both). The label term is the
+    cross-entropy of both views, summed, as the official trainers of MLKD and CRLD sum it."""
+
+    views = 2
+
+    def label_term(self, x: DistillInputs) -> torch.Tensor:
+        assert x.second_student_logits is not None  # a views = 2 method always gets the second view
+        smoothing = self.hparams["label_smoothing"]
+        weak = F.cross_entropy(float32_or_wider(x.student_logits), x.labels, label_smoothing=smoothing)
+        strong = F.cross_entropy(float32_or_wider(x.second_student_logits), x.labels, label_smoothing=smoothing)
+        return weak + strong

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from kd.losses.base import DistillInputs, DistillLoss, register
-from kd.losses.logits import dkd_parts, standardise_switch, standardised
+from kd.losses.logits import dkd_parts, standardise_switch, standardised, warmup_ramp
 
 
 @register("dkd")
@@ -45,6 +44,4 @@ class DecoupledKD(DistillLoss):
         student, teacher = standardised(x.student_logits, x.teacher_logits, self.standardise)
         tckd, nckd = dkd_parts(student, teacher, x.labels, h["temperature"])
         kd = h["tckd_weight"] * tckd + h["nckd_weight"] * nckd
-        epoch = math.floor(x.progress) + 1  # 1-based, as mdistiller's trainer passes it
-        ramp = min(epoch / h["warmup"], 1.0) if h["warmup"] > 0 else 1.0
-        return ramp * kd, {"kd": kd, "tckd": tckd, "nckd": nckd}
+        return warmup_ramp(x.progress, h["warmup"]) * kd, {"kd": kd, "tckd": tckd, "nckd": nckd}

@@ -1,8 +1,10 @@
 """Terms on logits that several KD methods share: float32 or wider, logit standardisation (kd, dkd,
-lskd, ctkd), DKD's two parts (dkd, ctdkd). Pure functions on tensors, below :mod:`kd.losses.base`."""
+lskd, ctkd), DKD's two parts (dkd, ctdkd), mdistiller's warm-up (dkd, luminet). Pure functions on
+tensors, below :mod:`kd.losses.base`."""
 
 from __future__ import annotations
 
+import math
 from typing import Any, Tuple, Union
 
 import torch
@@ -28,6 +30,13 @@ def standardise(logits: torch.Tensor, eps: float = STANDARDISE_EPS) -> torch.Ten
     Distillation", CVPR): (z - mean) / (std + eps), unbiased std, in float32 (float64 stays)."""
     z = float32_or_wider(logits)
     return (z - z.mean(dim=1, keepdim=True)) / (z.std(dim=1, keepdim=True) + eps)
+
+
+def warmup_ramp(progress: float, warmup: float) -> float:
+    """mdistiller's warm-up factor min(epoch / warmup, 1) at ``progress`` (epochs), the epoch counted from
+    1 as its trainer passes it and fixed within an epoch; ``warmup`` 0: no warm-up (1)."""
+    epoch = math.floor(progress) + 1
+    return min(epoch / warmup, 1.0) if warmup > 0 else 1.0
 
 
 def standardise_switch(method: str, value: Any) -> bool:

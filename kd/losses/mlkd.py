@@ -8,7 +8,7 @@ from typing import Any, Tuple
 import torch
 import torch.nn.functional as F
 
-from kd.losses.base import DistillInputs, DistillLoss, kd_divergence, register
+from kd.losses.base import DistillInputs, TwoViewLoss, kd_divergence, register
 from kd.losses.logits import float32_or_wider, standardise_switch, standardised
 
 #: the temperatures the official code sums at after ``temperature`` (KD_ours.forward_train); at the
@@ -76,7 +76,7 @@ def mlkd_parts(
 
 
 @register("mlkd")
-class MultiLevelKD(DistillLoss):
+class MultiLevelKD(TwoViewLoss):
     """MLKD: ``ce_weight * (CE(weak) + CE(strong)) + kd_weight * (instance + class + batch levels)``
     (:func:`mlkd_parts`) on a weak and a strong view of each sample (``views = 2``: the loaders make the
     strong view, the student and the teacher forward both).
@@ -91,20 +91,11 @@ class MultiLevelKD(DistillLoss):
     logged ``kd``, ``cc`` and ``bc`` are the weighted terms, as the official trainer logs them.
     """
 
-    views = 2
     defaults = {"ce_weight": 0.5, "kd_weight": 0.5, "temperature": 1.0, "standardise": 0}
 
     def __init__(self, num_classes: int, **hparams: Any):
         super().__init__(num_classes, **hparams)
         self.standardise = standardise_switch(self.name, self.hparams["standardise"])
-
-    def label_term(self, x: DistillInputs) -> torch.Tensor:
-        """The cross-entropy of both views, summed (the official trainer's)."""
-        assert x.second_student_logits is not None  # a views = 2 method always gets the second view
-        smoothing = self.hparams["label_smoothing"]
-        weak = F.cross_entropy(float32_or_wider(x.student_logits), x.labels, label_smoothing=smoothing)
-        strong = F.cross_entropy(float32_or_wider(x.second_student_logits), x.labels, label_smoothing=smoothing)
-        return weak + strong
 
     def distill(self, x: DistillInputs):
         h = self.hparams

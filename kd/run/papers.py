@@ -71,6 +71,11 @@ def _recipe(name: str) -> Dict[str, Any]:
 IMAGENET_CLASSES = 1000
 
 
+def standardised(values: Dict[str, Any]) -> bool:
+    """Whether a config or recipe (as a dict) z-scores the logits: ``standardise`` or ``loss_args.standardise``."""
+    return bool(values.get("standardise") or (values.get("loss_args") or {}).get("standardise"))
+
+
 def resembled(cfg: Dict[str, Any]) -> Optional[Tuple[str, Dict[str, Any]]]:
     """(name, values) of the recipe whose setting the run of ``cfg`` (a config as a dict) resembles, or None."""
     if cfg.get("recipe"):
@@ -88,10 +93,13 @@ def resembled(cfg: Dict[str, Any]) -> Optional[Tuple[str, Dict[str, Any]]]:
             continue
         same_method = alone or recipe.get("kd_loss", "kd") == cfg.get("kd_loss", "kd")
         same_trainer = bool(recipe.get("dot")) == bool(cfg.get("dot"))  # DOT's recipes for a --dot run
-        ranked.append((not same_method, not same_trainer, recipe.get("student") != student, name, recipe))
+        same_logits = standardised(recipe) == standardised(cfg)  # the + LS recipes for a standardised run
+        ranked.append(
+            (not same_method, not same_trainer, not same_logits, recipe.get("student") != student, name, recipe)
+        )
     if not ranked:
         return None
-    *_, name, recipe = min(ranked, key=lambda r: r[:4])
+    *_, name, recipe = min(ranked, key=lambda r: r[:5])
     return name, recipe
 
 
