@@ -7,7 +7,7 @@
 # teacher precision, losses and skipped steps.
 # Usage: bash benchmarks/user_path_gpu.sh PART...  (PART: data | teacher | backends | together | overflow | stops | ctrlc | field |
 #        apex | fast | resolution | store | integrity | teacher34 | table | newer | methods | latest | inception |
-#        shapes | learn)
+#        shapes | learn | runfolder)
 # fast: the command as typed (kd's defaults) beside the best flags known and prepared copies, each as a share of
 #       the synthetic step, and the first step's breakdown; resolution: a short run on the folder and on a copy.
 # teacher34, table: a resnet34 teacher trained by kd, then the six rows of the papers' R34 -> R18 table as one command.
@@ -227,6 +227,27 @@ PYEOF
          $KD verify "$RUNS/store_over" 2>&1 | tail -1 | sed "s/^/    verify: /" | tee -a "$OUT/summary.txt"
          run from_store_over 240 --data "$DATA" --loader gpu -j 15 -b 256 --no-progress --overwrite --soft-labels "$RUNS/store_over" \
            --student resnet18 --opt O1 --amp-dtype float16 --epochs 1 ;;
+  runfolder) # the run folder on the user's path: a several-students run (teacher34's teacher) stopped by SIGTERM
+             # mid-epoch and resumed, a copy of it moved and resumed for one more epoch, a resume asking another lr
+             # (refused, exit 2), and kd verify of both
+         T34=$RUNS/teacher34/checkpoints/best.pt
+         F="--data $DATA --loader gpu -j 15 -b 256 --no-progress --teacher resnet34 --teacher-weights $T34 --student resnet18"
+         F="$F --opt O1 --amp-dtype bfloat16 --lr 0.05 --lr-schedule cosine --epochs 2 --save-every-steps 20"
+         rm -rf "$RUNS/folder" "$RUNS/folder_moved"
+         $KD train $F --kd-loss kd,dkd --out "$RUNS/folder" > "$OUT/folder.log" 2>&1 &
+         pid=$!
+         for _ in $(seq 600); do [ -f "$RUNS/folder/dkd/checkpoints/last.pt" ] && break; sleep 0.5; done
+         sleep 3; kill -TERM $pid; wait $pid
+         echo "runfolder: SIGTERM mid-epoch: exit $?; $(tail -1 "$OUT/folder.log")" | tee -a "$OUT/summary.txt"
+         ls "$RUNS/folder" | tr '\n' ' ' | sed "s/^/    folder holds: /" | tee -a "$OUT/summary.txt"; echo | tee -a "$OUT/summary.txt"
+         $T 400 $KD train --out "$RUNS/folder" --resume > "$OUT/folder_resume.log" 2>&1
+         echo "    resumed: exit $?; $(grep -h "resumed from\|^done\|error" "$OUT/folder_resume.log" | head -4 | tr '\n' ' ')" | tee -a "$OUT/summary.txt"
+         cp -a "$RUNS/folder" "$RUNS/folder_copy" && mv "$RUNS/folder_copy" "$RUNS/folder_moved"
+         $T 60 $KD train --out "$RUNS/folder_moved" --resume --epochs 3 --lr 0.5 2>&1 | tail -1 | sed "s/^/    --lr 0.5 on resume: /" | tee -a "$OUT/summary.txt"
+         $T 400 $KD train --out "$RUNS/folder_moved" --resume --epochs 3 > "$OUT/folder_moved.log" 2>&1
+         echo "    moved copy, --epochs 3: exit $?; $(grep -c "$RUNS/folder/" "$OUT/folder_moved.log") lines name the first folder" | tee -a "$OUT/summary.txt"
+         for m in kd dkd; do report "folder_moved/$m" 0 0; done
+         for f in folder folder_moved; do $KD verify "$RUNS/$f" 2>&1 | tail -1 | sed "s/^/    verify $f: /" | tee -a "$OUT/summary.txt"; done ;;
   apex) for opt in O1; do
           run "apexamp_single" 240 $COMMON --teacher resnet101 --teacher-weights "$TEACHER" --student resnet18 \
             --amp-impl apex --opt $opt --gpus 0 --epochs 2 --lr 0.2
