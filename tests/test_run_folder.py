@@ -172,6 +172,28 @@ def test_a_resume_takes_the_same_values_and_what_may_change(single, copy_of, dat
     assert yaml.safe_load((run / "config.yaml").read_text())["data"] == str(moved)
 
 
+def test_a_moved_teacher_file_is_taken_and_another_refused(single, data, tmp_path):
+    """--teacher-weights at another path on --resume: the same bytes (the file moved) are taken,
+    another file is refused naming the option."""
+    moved, other = tmp_path / "moved.pt", tmp_path / "other.pt"
+    first = tmp_path / "teacher.pt"
+    shutil.copy(single / "checkpoints" / "last.pt", first)
+    run = tmp_path / "run"
+    args = ["--data", data, "--student", "timm:test_resnet", "--image-size", "32", "-b", "8", "--device", "cpu"]
+    args += ["--workers", "0", "--out", run]
+    assert kd_main("train", *args, "--teacher-weights", first, "--epochs", "1").returncode == 0
+    shutil.copy(first, other)
+    with open(other, "ab") as fh:
+        fh.write(b"\0")  # other bytes
+    first.rename(moved)
+    one_line_error(
+        kd_main("train", *args, "--teacher-weights", other, "--epochs", "2", "--resume"), "--teacher-weights"
+    )
+    r = kd_main("train", *args, "--teacher-weights", moved, "--epochs", "2", "--resume")
+    assert r.returncode == 0, r.stderr
+    assert epoch_of(run / "checkpoints" / "last.pt") == 2
+
+
 # ----------------------------------------------------------------------------- best.pt, class names
 def test_a_best_checkpoint_older_than_the_best_epoch_is_found_and_repaired(single, copy_of, data):
     """The state a kill between last.pt's write and best.pt's copy leaves: last.pt says its own

@@ -7,7 +7,9 @@ the options that cannot change its result taken from the command line.
   data is, the machine (devices, backend, processes, precision, compilation, loader) and logging.
   Any other option given with ``--resume`` must repeat the run's own value (the same command again
   is fine); another value is refused in one line, as a new run in another ``--out`` is what it asks.
-* The run folder may be copied or moved: its own path replaces the one recorded (``out``).
+* The run folder may be copied or moved: its own path replaces the one recorded (``out``); so may
+  the teacher's or the student's weights file, where the file at the new path holds the bytes the
+  run read (the SHA-256 its provenance.json recorded).
 """
 
 from __future__ import annotations
@@ -90,6 +92,24 @@ def ran_config(state: Dict[str, Any], path: Path, out: Path) -> kd_config.RunCon
     return dataclasses.replace(kd_config.apply(kd_config.RunConfig(), known, str(path)), out=str(out))
 
 
+#: weights files a resume may find at another path, holding the same bytes
+WEIGHTS = {"teacher_weights": "teacher", "student_weights": "student"}
+
+
+def same_file(new: Optional[str], old: Optional[str], folder: Path, key: str) -> bool:
+    """Whether weights file ``new`` holds what ``old`` held when the run read it (a moved file): the
+    SHA-256 the run's provenance.json recorded for that side, or ``old``'s own where it still exists."""
+    if not new or not old or new == old or not Path(new).is_file():
+        return False
+    from kd.run import provenance
+
+    parts = provenance.load(folder)
+    recorded = (parts[-1].get(WEIGHTS[key]) or {}).get("sha256") if parts else None
+    if recorded is None and Path(old).is_file():
+        recorded = provenance.sha256(Path(old))
+    return recorded is not None and provenance.sha256(Path(new)) == recorded
+
+
 def differences(a: kd_config.RunConfig, b: kd_config.RunConfig, keys) -> list:
     return [k for k in keys if getattr(a, k) != getattr(b, k)]
 
@@ -124,14 +144,15 @@ def continued(
     every other one refused in one line unless it repeats the run's value."""
     asked = kd_config.resolve(recipe=recipe, options={**options, "out": ran.out}, sets=list(sets), base=ran)
     keys = [k for k in kd_config.FIELDS if k not in DERIVED and k not in RESUMABLE]
-    differ = differences(asked, ran, keys)
+    moved = [k for k in WEIGHTS if same_file(getattr(asked, k), getattr(ran, k), Path(ran.out), k)]
+    differ = [k for k in differences(asked, ran, keys) if k not in moved]
     if differ:
         shown = ", ".join(f"{flag(k)} {said(getattr(asked, k))} (the run: {said(getattr(ran, k))})" for k in differ)
         raise KDError(
             f"--resume continues the run as it trained and cannot change {shown}; leave "
             f"{'it' if len(differ) == 1 else 'them'} out, or start a new run in another --out"
         )
-    changes = {k: getattr(asked, k) for k in RESUMABLE}
+    changes = {k: getattr(asked, k) for k in (*RESUMABLE, *moved)}
     return kd_config.validate(dataclasses.replace(ran, **changes))
 
 
