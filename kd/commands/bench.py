@@ -132,7 +132,7 @@ def run_combo(
         metrics = RunFolder(out).metrics
         if not metrics.is_file():  # several students: each its own folder, each timed on the same steps
             metrics = RunFolder(out / str(args["kd_loss"]).split(",")[0]).metrics
-        record = json.loads(metrics.read_text().splitlines()[-1])
+        record = RunFolder(metrics.parent).records()[-1]
     lines = [
         line.split("] ", 1)[1] if line.startswith("[") and "] " in line else line for line in proc.stderr.splitlines()
     ]

@@ -23,7 +23,6 @@ worker reaches the user as one line and exit code 2 from the parent.
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import shutil
@@ -34,7 +33,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Dict, Optional, Type
 
-from kd.errors import KDError
+from kd.errors import WRITE_ONLY_ERRNOS, KDError, cannot_write
 from kd.run.log import wall_clock
 from kd.runfolder import RunFolder
 from kd.runlock import describe_holder, locked
@@ -224,11 +223,10 @@ def worker(job: Job, error_dir: str, visible: Optional[str], launcher: Optional[
         Path(error_dir, f"rank{rank:05d}.txt").write_text(str(exc), encoding="utf-8")
         raise SystemExit(2) from None
     except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+        if exc.errno not in WRITE_ONLY_ERRNOS:
             raise _crashed(exc, error_dir) from None
-        where = f" writing {exc.filename}" if exc.filename else ""
         Path(error_dir, f"rank{rank:05d}.txt").write_text(
-            f"no space left on the device{where}; free space, then continue with --resume", encoding="utf-8"
+            str(cannot_write(exc, then="continue with --resume")), encoding="utf-8"
         )
         raise SystemExit(2) from None
     except Exception as exc:  # a bug, or an error kd does not translate (out of memory): its traceback stays
