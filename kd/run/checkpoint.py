@@ -175,9 +175,7 @@ def save_run(lane, best: bool, step_copy: bool = False) -> None:
     # unreadable files each met since the last check
     gathered = lane.backend.all_gather_object((rng_state(), sorted(lane.new_bad_files)))
     rng = {str(rank): state for rank, (state, _) in enumerate(gathered)}
-    for _, paths in gathered:
-        lane.state.bad_files.update(paths)
-    lane.new_bad_files.clear()
+    lane.gather_bad_files([paths for _, paths in gathered])
     # a mid-epoch checkpoint holds the epoch's sums over every process; rank 0 alone restores them
     meter = lane.meter.global_state(lane.backend) if lane.state.batch_in_epoch else None
     if lane.backend.is_main and lane.meter.streak.item() > 0:
