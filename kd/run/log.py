@@ -306,4 +306,5 @@ class RunLogger(NullLogger):
 
     def close(self) -> None:
         if self._writer is not None:
-            self._writer.close()
+            with writing(RunFolder(self.out).tensorboard, RESUME):
+                self._writer.close()
