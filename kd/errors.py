@@ -62,8 +62,8 @@ def write_fix(exc: OSError) -> str:
 
 def cannot_write(exc: OSError, path: Union[str, os.PathLike, None] = None, then: str = "run again") -> KDError:
     """A failed write as one line: ``cannot write FILE: reason; what to do, then THEN`` (``path`` is
-    what was being written; the failing file's own name where the error names one and ``path`` is None)."""
-    where = path if path is not None else exc.filename
+    what was being written; where it is None, the file the error names: a rename's target, else its file)."""
+    where = path if path is not None else (exc.filename2 or exc.filename)
     return KDError(f"cannot write{f' {where}' if where else ''}: {write_reason(exc)}; {write_fix(exc)}, then {then}")
 
 

@@ -111,7 +111,8 @@ def test_a_stopped_and_resumed_run_reports_both_parts(image_folder, tmp_path):
 def test_a_line_cut_by_a_kill_is_dropped_and_damage_is_one_line(teacher_run, tmp_path):
     """A kill mid-write leaves metrics.jsonl's last line cut short: kd report reads the run and
     --resume drops the line and goes on. A line elsewhere that is not JSON, or bytes that are not
-    UTF-8 (in metrics.jsonl or config.yaml), are one line naming the file, for report and resume."""
+    UTF-8 (in metrics.jsonl or config.yaml), are one line naming the file, for report and resume;
+    so is a run file that cannot be written at the resume's start (a folder in its place)."""
     run = tmp_path / "run"
     shutil.copytree(teacher_run[1], run)
     metrics = run / "metrics.jsonl"
@@ -133,6 +134,12 @@ def test_a_line_cut_by_a_kill_is_dropped_and_damage_is_one_line(teacher_run, tmp
         if damaged == metrics:
             assert expected in one_error_line(kd_main("train", "--out", run, "--resume", "--epochs", 3))
         damaged.write_bytes(clean if damaged == metrics else config)
+    (run / "provenance.json").unlink()
+    (run / "provenance.json").mkdir()
+    r = kd_main("train", "--out", run, "--resume", "--epochs", 3)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"kd: error: cannot write {run / 'provenance.json'}: is a directory; "), line
 
 
 def test_a_run_log_that_cannot_be_written_is_one_line(tmp_path):

@@ -20,7 +20,7 @@ from kd import config as kd_config
 from kd import models
 from kd.data.loader import Batch
 from kd.data.pipeline import build as build_data
-from kd.errors import KDError, NonFinite
+from kd.errors import KDError, NonFinite, writing
 from kd.losses import LOSSES
 from kd.run import checkpoint, provenance
 from kd.run.build import build_lane
@@ -67,12 +67,13 @@ def start_folder(lane: Lane, resumed: bool) -> None:
     """Once set-up has succeeded, the main process starts ``lane``'s run folder (a failed start leaves no
     run behind; a resumed one is kept) and writes config.yaml and provenance.json."""
     if lane.backend.is_main:
-        if not resumed:
-            RunFolder(lane.out).start()
-        else:
-            lane.out.mkdir(parents=True, exist_ok=True)
-        kd_config.save(lane.cfg, RunFolder(lane.out).config, notes=lane.notes)
-        provenance.write(lane.out, lane.cfg, lane.backend, resumed)
+        with writing(None, "run again" + (" with --resume" if resumed else "")):
+            if not resumed:
+                RunFolder(lane.out).start()
+            else:
+                lane.out.mkdir(parents=True, exist_ok=True)
+            kd_config.save(lane.cfg, RunFolder(lane.out).config, notes=lane.notes)
+            provenance.write(lane.out, lane.cfg, lane.backend, resumed)
         open_part(lane.out, lane.clock.started)
 
 
