@@ -5,7 +5,6 @@ Every user error ends with one line on stderr and exit code 2.
 
 from __future__ import annotations
 
-import errno
 import os
 import sys
 import threading
@@ -19,7 +18,7 @@ from click.core import ParameterSource
 from kd.commands import demo as kd_demo
 from kd.config import AMP_DTYPES, DEVICES, FIELDS, MP_CONTEXTS, SOFT_LABEL_DTYPES, TRAIN_OPTIONS, Option
 from kd.data.registry import check_loader, loader_choices
-from kd.errors import KDError
+from kd.errors import WRITE_ONLY_ERRNOS, KDError, cannot_write, writing
 from kd.siblings import own
 
 #: kd's own ``cli`` (kd.siblings.own checks it: another module of this name has none)
@@ -422,7 +421,8 @@ def report(runs, csv_path, plot_path, fmt, provenance):
     if provenance:
         click.echo("\n" + provenance_table(rows, note))
     if csv_path:
-        csv_path.write_text(to_csv(rows))
+        with writing(csv_path):
+            csv_path.write_text(to_csv(rows), encoding="utf-8")
     if plot_path:  # the table is out first: a missing matplotlib costs only the figure
         click.echo(f"figure: {plot(runs, plot_path)}")
 
@@ -689,10 +689,9 @@ def main(argv=None) -> int:
         click.echo("kd: interrupted", err=True)
         code = 130
     except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+        if exc.errno not in WRITE_ONLY_ERRNOS:
             raise
-        where = f" writing {exc.filename}" if exc.filename else ""
-        click.echo(f"kd: error: no space left on the device{where}; free space, then run again", err=True)
+        click.echo(f"kd: error: {cannot_write(exc)}", err=True)
         code = 2
     finally:
         os.environ.pop(START_ENV, None)

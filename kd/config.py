@@ -263,6 +263,8 @@ def load_yaml(path: Union[str, Path], what: str = "recipe") -> Dict[str, Any]:
             data = yaml.safe_load(fh)
     except OSError as exc:
         raise KDError(f"cannot read {what} {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise KDError(f"{what} {path} is damaged: it is not UTF-8 text") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""

@@ -20,6 +20,9 @@ A DataLoader worker hands each batch's shared memory to its process through mult
 resource sharer, a thread that prints any error to stderr. Where the receiving process is killed in
 the hand-over, that thread's dropped connection is not news (the launcher names the killed process);
 :func:`quiet_resource_sharer` keeps it off the user's screen.
+
+A rank whose collective fails because a peer died waits to be stopped (:func:`ended_in_failure`
+tells it the peer has failed), so that the launcher names the dead peer, not it.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import sys
 import threading
 import traceback
 from multiprocessing import resource_sharer
+from pathlib import Path
 from types import TracebackType
 from typing import Iterator, Optional, Type
 
@@ -61,6 +65,17 @@ def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> None:
     thread of it, that started this one) ends; where it has ended already, now."""
     if _prctl_pdeathsig(sig) and os.getppid() != parent:  # it died before the request
         os.kill(os.getpid(), sig)
+
+
+def ended_in_failure(pid: int) -> bool:
+    """Whether the child ``pid`` of this process's parent has ended with a signal or a non-zero
+    exit code and waits to be reaped (Linux: its /proc entry; elsewhere always False)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text(encoding="ascii").rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return False
+    # field 3, the state; field 52, the exit status as waitpid reports it (Linux 3.5 on)
+    return fields[0] == "Z" and len(fields) >= 50 and fields[49] != "0"
 
 
 def _arm_forkserver() -> None:

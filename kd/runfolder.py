@@ -21,7 +21,9 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Optional, Tuple, Union
+from typing import Any, ClassVar, Dict, List, Optional, Tuple, Union
+
+from kd.errors import KDError
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,14 @@ class RunFolder:
     @property
     def tensorboard(self) -> Path:
         return self.root / "tb"
+
+    def metric_lines(self) -> List[Tuple[str, Dict[str, Any]]]:
+        """metrics.jsonl's lines, each ending in a newline, with its record (:func:`read_json_lines`)."""
+        return read_json_lines(self.metrics)
+
+    def records(self) -> List[Dict[str, Any]]:
+        """metrics.jsonl's records in order (:func:`read_json_lines`)."""
+        return [record for _, record in self.metric_lines()]
 
     def held(self) -> Tuple[str, ...]:
         """The run files already present (empty for a new or empty folder)."""
@@ -140,6 +150,45 @@ def write_json(path: Path, data: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
     os.replace(tmp, path)
+
+
+#: what to do about a damaged run file
+REPAIR = "restore it from a copy, or repair the line named"
+
+
+def not_text(exc: UnicodeDecodeError) -> str:
+    """Where a file is not UTF-8 text, in words (the line and byte)."""
+    line = exc.object[: exc.start].count(b"\n") + 1
+    return f"line {line} is not UTF-8 text (byte {exc.start})"
+
+
+def read_json_lines(path: Path) -> List[Tuple[str, Dict[str, Any]]]:
+    """The lines of a JSON-lines file (metrics.jsonl), each ending in a newline, with its record;
+    empty where there is no file. A last line cut short (a kill mid-write) is left out: it is no
+    damage. A line elsewhere that is no JSON record, or bytes that are not UTF-8, are a KDError
+    of one line naming the line."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    try:
+        lines = raw.decode("utf-8").splitlines(keepends=True)
+    except UnicodeDecodeError as exc:
+        raise KDError(f"{path} is damaged: {not_text(exc)}; {REPAIR}") from None
+    read = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines) and not line.endswith("\n"):
+                break  # cut short by a kill mid-write
+            record = None
+        if not isinstance(record, dict):
+            raise KDError(f"{path} is damaged: line {number} is not a JSON record; {REPAIR}")
+        read.append((line.rstrip("\r\n") + "\n", record))
+    return read
 
 
 #: The lock file of a folder a run writes (a run folder, each student's, kd teach's store;

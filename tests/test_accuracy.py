@@ -4,6 +4,7 @@ errors, are named, count under --max-bad-images, and every accuracy says how man
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -101,10 +102,15 @@ def test_unreadable_val_images_count_under_max_bad_images(damaged, tmp_path):
 def test_two_processes_count_as_one(damaged, tmp_path):
     """The val sampler shards without padding and the counts are summed: a 2-process run logs the
     val_images and val_top1 that one process (kd eval) gives for its checkpoint, and names each
-    unreadable file once."""
+    unreadable file once. An unreadable training image in the batch of one image of the second
+    process (-b 2) is named by the first, and a readable batch stands in for that batch: the run goes on."""
+    data = tmp_path / "data"
+    shutil.copytree(damaged, data)
+    (data / "train" / "class_01" / "001.jpg").write_bytes(b"")
     out = tmp_path / "two"
+    args = ["--no-teacher", "--student", "timm:test_convnext", "--image-size", 32, "-b", 2, "--device", "cpu"]
     r = run_kd(
-        *["train", "--data", damaged, *ARGS, "-j", 0, "--epochs", 1, "--out", out],
+        *["train", "--data", data, *args, "-j", 0, "--epochs", 1, "--max-bad-images", 10, "--out", out],
         *["--backend", "torch_ddp", "--nproc", 2],
         env={"OMP_NUM_THREADS": "1"},
         timeout=HANG_GUARD,
@@ -114,6 +120,8 @@ def test_two_processes_count_as_one(damaged, tmp_path):
     assert rec["val_images"] == 20 and rec["val_unreadable"] == 2, rec
     for name in ("val/class_00/003.jpg", "val/class_01/007.jpg"):
         assert r.stderr.count(name) == 1, r.stderr
+    assert f"skipped unreadable image {data / 'train' / 'class_01' / '001.jpg'} (process 1)" in r.stderr, r.stderr
+    assert rec["train_bad_images"] == 1, rec
     e = kd_main("eval", "--weights", out / "checkpoints" / "last.pt", "--data", damaged, "-j", 0)
     assert e.returncode == 0, e.stderr
     assert f"top-1 {rec['val_top1']:.2f}  top-5 {rec['val_top5']:.2f}" in e.stdout, (rec, e.stdout)

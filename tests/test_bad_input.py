@@ -161,6 +161,8 @@ CASES = {
         T("--kd-loss", "nkd", "--logit-standardisation"),
         "KD loss 'nkd' has no standardisation switch; the methods with it: ctdkd, ctkd, dkd, kd, mlkd",
     ),
+    "one image a step with BatchNorm": (T("-b", "1"), "BatchNorm layers, which need more than one value per channel"),
+    "one image a step with MLKD": (T("-b", "1", "--kd-loss", "mlkd"), "use --batch-size 2 or more"),
     "num classes mismatch": (T("--num-classes", "7"), "class folders"),
     "no-teacher with dkd": (T("--no-teacher", "--kd-loss", "dkd"), "conflicts"),
     "fp16 on cpu": (T("--opt", "O1", "--amp-dtype", "float16"), "float16 needs CUDA"),

@@ -222,3 +222,25 @@ def test_keep_last_holds_at_every_moment_of_a_step_checkpoint(data, tmp_path, mo
     )
     assert r.returncode == 0, r.stderr
     assert len(seen) >= 4 and max(seen) <= 2, seen
+
+
+def test_a_file_size_limit_at_a_checkpoint_write_is_one_line(data, tmp_path):
+    """A write past the file-size limit (ulimit -f: EFBIG, which torch.save reports as a RuntimeError
+    of its own) stops the run in one line saying so and what to do; no partial file is left."""
+    import resource
+
+    out = tmp_path / "run"
+    args = ["train", "--data", data, "--no-teacher", "--student", TINY_RESNET, "--image-size", 32, "-b", 8]
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))  # the checkpoint is 3 MB; the rest far less
+    try:
+        r = kd_main(*args, "-j", 0, "--epochs", 1, "--device", "cpu", "--out", out)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    line = r.stderr.strip().splitlines()[-1]
+    assert f"could not write a checkpoint to {out / 'checkpoints'}: file too large; no checkpoint was written" in line
+    assert line.endswith(
+        "raise the file-size limit (ulimit -f) or write to a filesystem that takes larger files, then start again"
+    )
+    assert not list((out / "checkpoints").iterdir()), "a partial file was left behind"

@@ -27,6 +27,13 @@ def test_a_folder_that_holds_no_demo_is_refused(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
 
 
+def test_a_demo_out_that_cannot_be_written_is_one_line(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    line = one_error_line(kd_main("demo", "--out", tmp_path / "a_file" / "demo", "--epochs", 1))
+    assert f"cannot write {tmp_path / 'a_file' / 'demo'}: not a directory; " in line, line
+    assert line.endswith(f"then run kd demo --out {tmp_path / 'a_file' / 'demo'} --epochs 1 again"), line
+
+
 def test_a_demo_of_other_epochs_is_refused_and_overwrite_starts_over(tmp_path):
     out = tmp_path / "demo"
     out.mkdir()
@@ -90,7 +97,7 @@ def test_a_run_stopped_mid_way_resumes_from_its_last_checkpoint(tmp_path, monkey
     (out / "teacher" / "checkpoints").mkdir(parents=True)
     (out / "teacher" / "checkpoints" / "last.pt").write_bytes(b"")
     (out / demo.DEMO_FILE).write_text(json.dumps({"epochs": 1, "finished": []}))
-    with pytest.raises(FileNotFoundError):  # the fake train wrote no metrics to read
+    with pytest.raises(ValueError):  # the fake train wrote no metrics: no best epoch to read
         demo.run_demo(out, epochs=1)
     ((job, overwrite),) = calls
     assert job.students.resume == (out / "teacher" / "checkpoints" / "last.pt",) and not overwrite

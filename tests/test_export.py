@@ -11,7 +11,7 @@ import pytest
 import timm
 import torch
 import torchvision
-from conftest import kd_main, make_image_folder
+from conftest import kd_main, make_image_folder, one_error_line
 
 TINY = ["--no-teacher", "--image-size", 32, "-b", 8, "-j", 0, "--device", "cpu", "--epochs", 1]
 
@@ -86,3 +86,9 @@ def test_export_refuses_what_it_cannot_write_in_one_line(runs, tmp_path):
     r = kd_main("export", runs["resnet18"], "-o", tmp_path / "w.txt")
     assert r.returncode == 2 and "give a file ending in .pt, .pth, .safetensors" in r.stderr
     assert not list(tmp_path.glob("w.*"))
+    # a target that cannot be written (root writes through permission bits: a file as its folder, /proc)
+    (tmp_path / "a_file").write_text("")
+    line = one_error_line(kd_main("export", runs["resnet18"], "-o", tmp_path / "a_file" / "w.pt"))
+    assert line.startswith(f"kd: error: cannot write {tmp_path / 'a_file' / 'w.pt'}: file exists; "), line
+    line = one_error_line(kd_main("export", runs["resnet18"], "-o", "/proc/w.safetensors"))
+    assert line.startswith("kd: error: cannot write /proc/w.safetensors: no such file or directory; "), line

@@ -376,6 +376,8 @@ def test_a_rank_failing_outside_kd_s_errors_is_one_line_with_its_cause(fault, da
         assert "more detail" not in last and "Traceback" in r.stderr  # the rank's own traceback, above
     else:
         assert r.returncode == 2, r.stderr[-3000:]
-        expected = "no space left on the device writing run/metrics.jsonl; free space, then continue with --resume"
+        expected = (
+            "cannot write run/metrics.jsonl: no space left on the device; free space, then continue with --resume"
+        )
         assert last == f"kd: error: {expected}", last
         assert "Traceback" not in r.stderr, r.stderr[-3000:]

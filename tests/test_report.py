@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import HANG_GUARD, ROOT, kd_main, make_image_folder, run_kd, start_kd, train_args
+from conftest import HANG_GUARD, ROOT, kd_main, make_image_folder, one_error_line, run_kd, start_kd, train_args
 
 from kd.errors import KDError
 
@@ -105,6 +106,71 @@ def test_a_stopped_and_resumed_run_reports_both_parts(image_folder, tmp_path):
 
     rows = report([out])
     assert rows[0]["wall_s"] == round(wall, 1) and rows[0]["train_s"] == round(train, 1), rows
+
+
+def test_a_line_cut_by_a_kill_is_dropped_and_damage_is_one_line(teacher_run, tmp_path):
+    """A kill mid-write leaves metrics.jsonl's last line cut short: kd report reads the run and
+    --resume drops the line and goes on. A line elsewhere that is not JSON, or bytes that are not
+    UTF-8 (in metrics.jsonl or config.yaml), are one line naming the file, for report and resume;
+    so is a run file that cannot be written at the resume's start (a folder in its place)."""
+    run = tmp_path / "run"
+    shutil.copytree(teacher_run[1], run)
+    metrics = run / "metrics.jsonl"
+    with open(metrics, "a", encoding="utf-8") as fh:
+        fh.write('{"epoch": 2, "train_lo')
+    assert kd_main("report", run).returncode == 0
+    r = kd_main("train", "--out", run, "--resume", "--epochs", 2)
+    assert r.returncode == 0, r.stderr
+    lines = metrics.read_text(encoding="utf-8").splitlines(keepends=True)
+    assert [json.loads(line)["epoch"] for line in lines] == [1, 2] and lines[-1].endswith("\n"), lines
+    clean, config = metrics.read_bytes(), (run / "config.yaml").read_bytes()
+    for damaged, content, expected in [
+        (metrics, clean.replace(b"\n", b"\n{not json\n", 1), f"{metrics} is damaged: line 2 is not a JSON record"),
+        (metrics, clean.replace(b"\n", b"\n\xff\xfe\n", 1), f"{metrics} is damaged: line 2 is not UTF-8 text"),
+        (run / "config.yaml", config + b"# \xff\n", f"saved config {run / 'config.yaml'} is damaged: it is not UTF-8"),
+    ]:
+        damaged.write_bytes(content)
+        assert expected in one_error_line(kd_main("report", run))
+        if damaged == metrics:
+            assert expected in one_error_line(kd_main("train", "--out", run, "--resume", "--epochs", 3))
+        damaged.write_bytes(clean if damaged == metrics else config)
+    (run / "provenance.json").unlink()
+    (run / "provenance.json").mkdir()
+    r = kd_main("train", "--out", run, "--resume", "--epochs", 3)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"kd: error: cannot write {run / 'provenance.json'}: is a directory; "), line
+
+
+def test_a_run_log_that_cannot_be_written_is_one_line(tmp_path):
+    """metrics.jsonl and tb/ where no file can be written (root writes through permission bits: a
+    folder where the file goes, a file where the folder goes) stop the run in one line naming
+    the file and what to do (kd.run.log.RunLogger)."""
+    from kd.run.log import RunLogger
+
+    (tmp_path / "metrics.jsonl").mkdir()
+    with pytest.raises(KDError) as caught:
+        RunLogger(tmp_path).epoch({"epoch": 1, "train_loss": 1.0})
+    assert str(caught.value).startswith(f"cannot write {tmp_path / 'metrics.jsonl'}: is a directory; a folder"), caught
+    assert str(caught.value).endswith("then continue with --resume"), caught
+    (tmp_path / "tb").write_text("")
+    with pytest.raises(KDError, match=f"^cannot write {tmp_path / 'tb'}: file exists; a file stands where a folder"):
+        RunLogger(tmp_path).scalars("train", {"loss": 1.0}, 1)
+
+
+def test_report_outputs_that_cannot_be_written_are_one_line(tmp_path):
+    """--csv and --plot where no file can be made (root writes through permission bits: a file as
+    their folder) are one line naming the file, the table printed first."""
+    run = _fake_run(tmp_path / "a", 60.0, 90.0)
+    (tmp_path / "a_file").write_text("")
+    for option, target, reason in [("--csv", "x.csv", "not a directory"), ("--plot", "x.png", "file exists")]:
+        r = kd_main("report", run, option, tmp_path / "a_file" / target)
+        assert r.returncode == 2 and "Traceback" not in r.stderr and "| 60.0 |" in r.stdout, r.stderr
+        assert (
+            r.stderr.strip()
+            .splitlines()[-1]
+            .startswith(f"kd: error: cannot write {tmp_path / 'a_file' / target}: {reason}; ")
+        ), r.stderr
 
 
 def _fake_run(folder: Path, top1: float, seconds: float) -> Path:

@@ -118,24 +118,35 @@ def test_explicit_float32_teacher_under_o1(data, trained, tmp_path):
 
 def test_teacher_broken_even_in_float32_stops_before_training(data, trained, tmp_path):
     """At O0 such a teacher used to train epochs of NaN and exit 0: at O0 on the CPU (nothing to
-    choose, no probe) its weights are checked; under O1 its float32 fallback's probe says so."""
+    choose) its weights are checked, and its logits on the probe batches, which finite weights can
+    overflow; under O1 its float32 fallback's probe says so."""
     weights = with_bias(trained, float("inf"), tmp_path)
     with pytest.raises(KDError, match="teacher timm:resnet10t has non-finite weights .*its weights are broken"):
         kd.train(cfg_for(data, tmp_path / "broken", teacher_weights=str(weights), opt="O0"))
     with pytest.raises(KDError, match="non-finite logits even in float32"):
         kd.train(cfg_for(data, tmp_path / "broken1", teacher_weights=str(weights), opt="O1"))
     assert not (tmp_path / "broken" / "metrics.jsonl").exists()
+    state = torch.load(trained, weights_only=True)
+    state["student"]["fc.weight"] = torch.full_like(state["student"]["fc.weight"], 3e38)  # finite; its logits inf
+    torch.save(state, tmp_path / "overflowing.pt")
+    pair = dict(teacher=NET, teacher_weights=tmp_path / "overflowing.pt", student=NET)
+    r = kd_main(*train_args(data, tmp_path / "broken2", **pair, opt="O0"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.startswith("kd: ")]
+    assert len(lines) == 1 and f"teacher {NET} gives non-finite logits in float32" in lines[0], r.stderr
+    assert "epoch 1" not in r.stderr and not (tmp_path / "broken2" / "metrics.jsonl").exists()
 
 
 @pytest.mark.parametrize("how", [dict(opt="O0"), dict(opt="O1", teacher_precision="float32")])
-def test_no_probe_where_float32_is_the_only_choice(data, trained, tmp_path, how):
+def test_nothing_to_choose_where_float32_is_the_only_choice(data, trained, tmp_path, how):
     """On the CPU at O0 (or with --teacher-precision float32) there is nothing to choose: the
-    teacher's probe batches are not run, the log says so, and the run trains."""
+    teacher's probe batches run in float32 alone, to check its logits, the log says so, and the
+    run trains."""
     r = kd_main(*train_args(data, tmp_path / "run", teacher=NET, teacher_weights=trained, student=NET, **how))
     assert r.returncode == 0, r.stderr
     why = "as given" if "teacher_precision" in how else "auto: the only precision at O0 on the CPU"
-    assert f"teacher {NET}: runs in float32 ({why}; not probed: nothing to choose)" in r.stderr, r.stderr
-    assert "probes float32" not in r.stderr and "probe images" not in r.stderr, r.stderr
+    assert f"teacher {NET}: runs in float32 ({why}; nothing to choose: top-1 100.00 on " in r.stderr, r.stderr
+    assert re.search(r"probes float32 [\d.]+ s\n", r.stderr), r.stderr  # float32's alone
     assert records(tmp_path / "run")[-1]["teacher_top1"] == pytest.approx(100.0)
 
 

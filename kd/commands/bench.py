@@ -129,10 +129,10 @@ def run_combo(
         record.setdefault("timed_img_per_s", record["img_per_s"])
         record.setdefault("s_per_20_iters", 20 * record["seconds"] / max(record["batches"], 1))
     else:
-        metrics = RunFolder(out).metrics
-        if not metrics.is_file():  # several students: each its own folder, each timed on the same steps
-            metrics = RunFolder(out / str(args["kd_loss"]).split(",")[0]).metrics
-        record = json.loads(metrics.read_text().splitlines()[-1])
+        run = RunFolder(out)
+        if not run.is_run():  # several students: each its own folder, each timed on the same steps
+            run = RunFolder(out / str(args["kd_loss"]).split(",")[0])
+        record = run.records()[-1]
     lines = [
         line.split("] ", 1)[1] if line.startswith("[") and "] " in line else line for line in proc.stderr.splitlines()
     ]

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 from kd.commands.table import markdown
-from kd.errors import KDError
+from kd.errors import KDError, writing
 from kd.runfolder import RunFolder
 from kd.siblings import own
 
@@ -80,7 +80,7 @@ def keep_best(run: Path) -> None:
 
 
 def _best(run: Path) -> Dict[str, float]:
-    records = [json.loads(line) for line in RunFolder(run).metrics.read_text().splitlines() if line.strip()]
+    records = RunFolder(run).records()
     return max(records, key=lambda r: r.get("val_top1", -1))
 
 
@@ -133,11 +133,13 @@ def _run_demo(out: Path, epochs: Optional[int], overwrite: bool) -> Dict[str, fl
     from kd.utils.signals import before_next_run
 
     own("backends")  # which the runs import: another package's is one line here
-    state = demo_state(out, epochs, overwrite)
+    again = f"run {continue_with(out, epochs)} again"
+    with writing(out, again):
+        state = demo_state(out, epochs, overwrite)
+        data = write_digits(out / "data")  # the same files again where a demo continues
+        few = few_labels(data, out / f"data_{STUDENT_PER_CLASS}_per_class", STUDENT_PER_CLASS)
     teacher_epochs = epochs or TEACHER_EPOCHS
     student_epochs = epochs or STUDENT_EPOCHS
-    data = write_digits(out / "data")  # the same files again where a demo continues
-    few = few_labels(data, out / f"data_{STUDENT_PER_CLASS}_per_class", STUDENT_PER_CLASS)
     common: Dict[str, Any] = dict(
         image_size=IMAGE_SIZE,
         val_resize=IMAGE_SIZE,
@@ -190,7 +192,8 @@ def _run_demo(out: Path, epochs: Optional[int], overwrite: bool) -> Dict[str, fl
             train(TrainJob(Students.alone(validate(runs[name]), stopped)), overwrite=stopped is None)
             keep_best(run.root)
             state["finished"].append(name)
-            (out / DEMO_FILE).write_text(json.dumps(state), encoding="utf-8")
+            with writing(out / DEMO_FILE, again):
+                (out / DEMO_FILE).write_text(json.dumps(state), encoding="utf-8")
         results[name] = _best(run.root)
     minutes = (time.perf_counter() - started) / 60
     n_train = sum(1 for _ in (data / "train").rglob("*.jpg"))

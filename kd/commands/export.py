@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any, Dict
 
-from kd.errors import KDError
+from kd.errors import KDError, writing
 from kd.models import DataConfig
 from kd.run import checkpoint
 from kd.runfolder import RunFolder
@@ -66,16 +66,21 @@ def export(run: Path, out: Path) -> Dict[str, Any]:
         "epoch": state.get("epoch"),
         "best_top1": state.get("best_top1"),
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if out.suffix == ".safetensors":
-        from safetensors.torch import save_file
+    with writing(out):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if out.suffix == ".safetensors":  # serialised here, written by Python: a failed write is an OSError
+            from safetensors.torch import save
 
-        tmp = out.with_name(f".{out.name}.tmp")
-        save_file(weights, str(tmp), metadata={"model": str(info["model"]), "num_classes": str(info["num_classes"])})
-        tmp.replace(out)
-    else:
-        checkpoint_io.save_atomic(weights, out)
-    out.with_suffix(".json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+            tmp = out.with_name(f".{out.name}.tmp")
+            try:
+                tmp.write_bytes(save(weights, {"model": str(info["model"]), "num_classes": str(info["num_classes"])}))
+                tmp.replace(out)
+            finally:
+                tmp.unlink(missing_ok=True)
+        else:
+            checkpoint_io.save_atomic(weights, out)
+    with writing(out.with_suffix(".json")):
+        out.with_suffix(".json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
     return info
 
 

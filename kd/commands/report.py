@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import os
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-import yaml
-
 from kd.commands import table
-from kd.errors import KDError
+from kd.errors import KDError, writing
 from kd.run import papers
 from kd.run.log import unended_parts, wall_parts
 from kd.runfolder import RunFolder
@@ -56,21 +53,22 @@ def duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f}h"
 
 
+def saved_config(folder: RunFolder) -> Dict[str, Any]:
+    """A run's config.yaml as written (empty where it has none); a damaged one is one line."""
+    from kd.config import load_yaml
+
+    return load_yaml(folder.config, "saved config") if folder.config.is_file() else {}
+
+
 def collect(run: Path) -> Dict[str, object]:
     folder = RunFolder(run)
-    metrics = folder.metrics
     if not folder.is_run():
         raise KDError(f"{run} has no metrics.jsonl (is it a kd run folder?)")
-    try:
-        records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    except json.JSONDecodeError:
-        raise KDError(f"{metrics} is not valid JSON lines") from None
+    records = folder.records()
     evals = [r for r in records if "val_top1" in r]
     if not evals:
         raise KDError(f"{run} has no evaluated epoch yet")
-    cfg: Dict[str, Any] = {}
-    if folder.config.is_file():
-        cfg = yaml.safe_load(folder.config.read_text()) or {}
+    cfg = saved_config(folder)
     best = max(evals, key=lambda r: r["val_top1"])
     train = sum(r.get("seconds", 0.0) for r in records)
     parts = wall_parts(run)
@@ -144,7 +142,7 @@ def summary_line(run: Path, seconds: float, name: str = "") -> str:
     """The line ``kd train`` ends with: best and last top-1, the wall time (of a resumed run: this
     part's, and the run's in all), the run folder and the best checkpoint (what a user opens next)."""
     folder = RunFolder(run)
-    records = [json.loads(line) for line in folder.metrics.read_text().splitlines() if line.strip()]
+    records = folder.records()
     evals = [r for r in records if "val_top1" in r]
     prefix = f"[{name}] " if name else ""
     epochs = f"{records[-1]['epoch']} epoch(s)" if records else "no epoch"
@@ -316,9 +314,12 @@ def plot(runs: Sequence[Path], path: Path, note: Optional[Callable[[str], None]]
     plt = pyplot()
     fig = figure(runs, note)
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        with writing(path):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fig.savefig(path, dpi=120)
+    finally:
+        plt.close(fig)
     return path
 
 
@@ -337,8 +338,7 @@ def figure(runs: Sequence[Path], note: Optional[Callable[[str], None]] = None):
     dashed = False
     for run, label, (color, style) in zip(found, names, run_styles(len(found))):
         folder = RunFolder(run)
-        records = [json.loads(line) for line in folder.metrics.read_text().splitlines() if line.strip()]
-        cfg = (yaml.safe_load(folder.config.read_text()) or {}) if folder.config.is_file() else {}
+        records, cfg = folder.records(), saved_config(folder)
         look = dict(color=color, linestyle=style, marker=".", label=label)
         evals = [r for r in records if "val_top1" in r]
         top1.plot([r["epoch"] for r in evals], [r["val_top1"] for r in evals], **look)

@@ -62,6 +62,7 @@ def build_lane(
         logger.info(warning)
     torch.manual_seed(cfg.seed)  # the same initial student on every process, and beside other students
     student, loss, teacher, s_layers, t_layers = build_models(cfg, num_classes, shared.teacher_model)
+    check_batch_norm(student, cfg, backend)
     if teacher is not None:
         shared.teacher_model = teacher  # built after this student, as its own run builds it
     clock.mark("models")
@@ -193,6 +194,19 @@ def teacher_norms(teacher: nn.Module, norms: Dict[str, Optional[str]], method: s
             raise KDError(f"KD loss {method!r} needs the BatchNorm before {role}'s ReLU at {key!r}; there is none")
         out[key] = (bn.weight.detach().float().clone(), bn.bias.detach().float().clone())
     return out
+
+
+def check_batch_norm(student: nn.Module, cfg, backend) -> None:
+    """A KDError, before any step, where each process trains on one image a step and ``student``
+    has BatchNorm layers (in training they need more than one value per channel)."""
+    if backend.local_batch(cfg.batch_size) > 1:
+        return
+    if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in student.modules()):
+        raise KDError(
+            f"--batch-size {cfg.batch_size} gives each of the {backend.world_size} process(es) one image a step, "
+            f"and {cfg.student} has BatchNorm layers, which need more than one value per channel in training; "
+            f"use --batch-size {2 * backend.world_size} or more"
+        )
 
 
 def build_models(cfg, num_classes: int, teacher: Optional[nn.Module] = None):

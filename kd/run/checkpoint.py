@@ -16,7 +16,7 @@ from typing import Any, Dict, Optional, Tuple, cast
 import numpy as np
 import torch
 
-from kd.errors import KDError
+from kd.errors import KDError, write_fix, write_reason
 from kd.run.state import TrainState
 from kd.runfolder import RunFolder
 from kd.utils.checkpoint_io import copy_atomic, read, remove, save_atomic, verify
@@ -147,14 +147,14 @@ def run_state(lane, rng: Optional[Dict[str, Any]] = None, meter: Optional[dict] 
     }
 
 
-def write_failure(exc: BaseException, folder: Path) -> str:
+def write_failure(exc: OSError, folder: Path) -> str:
     """What stopped a write to ``folder``, in words (a full disk with the space it has)."""
-    if getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         try:
-            return f"no space left on the device ({shutil.disk_usage(folder).free / 2**20:.1f} MiB free)"
+            return f"{write_reason(exc)} ({shutil.disk_usage(folder).free / 2**20:.1f} MiB free)"
         except OSError:
-            return "no space left on the device"
-    return getattr(exc, "strerror", None) or str(exc).splitlines()[0]
+            pass
+    return write_reason(exc)
 
 
 def nonfinite_keys(state: Dict[str, torch.Tensor]) -> list:
@@ -177,9 +177,7 @@ def save_run(lane, best: bool, step_copy: bool = False) -> None:
     # unreadable files each met since the last check
     gathered = lane.backend.all_gather_object((rng_state(), sorted(lane.new_bad_files)))
     rng = {str(rank): state for rank, (state, _) in enumerate(gathered)}
-    for _, paths in gathered:
-        lane.state.bad_files.update(paths)
-    lane.new_bad_files.clear()
+    lane.gather_bad_files([paths for _, paths in gathered])
     # a mid-epoch checkpoint holds the epoch's sums over every process; rank 0 alone restores them
     meter = lane.meter.global_state(lane.backend) if lane.state.batch_in_epoch else None
     if lane.backend.is_main and lane.meter.streak.item() > 0:
@@ -204,11 +202,11 @@ def save_run(lane, best: bool, step_copy: bool = False) -> None:
                         remove(old)
                     copy_atomic(path, folder / f"step_{lane.state.global_step:08d}.pt")
         except OSError as exc:  # (save_atomic turns torch.save's short write on a full disk into one)
-            todo = "free space, then " if exc.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+            todo = write_fix(exc)
             intact = (
-                f"the previous checkpoint is intact: {todo}continue with --resume"
+                f"the previous checkpoint is intact: {todo}, then continue with --resume"
                 if path.is_file()
-                else f"no checkpoint was written yet: {todo}start again"
+                else f"no checkpoint was written yet: {todo}, then start again"
             )
             raise KDError(f"could not write a checkpoint to {folder}: {write_failure(exc, folder)}; {intact}") from None
     lane.backend.barrier()

@@ -196,6 +196,16 @@ class Lane:
         self.val_bad_files.update(new)
         self._check_bad_images()
 
+    def gather_bad_files(self, gathered: List[List[str]]) -> None:
+        """Each process's unreadable files since the last check (``gathered``, by rank) into the run's
+        count; the main process names those the others met (its own it named as it met them)."""
+        for rank, paths in enumerate(gathered):
+            for path in paths:
+                if rank != self.backend.rank and path not in self.state.bad_files:
+                    self.logger.info(f"skipped unreadable image {path} (process {rank})")
+            self.state.bad_files.update(paths)
+        self.new_bad_files.clear()
+
     def _check_bad_images(self) -> None:
         """KDError where the distinct unreadable files (training's and validation's) pass --max-bad-images."""
         bad = len(self.state.bad_files | self.val_bad_files)  # distinct files: one bad file is met every epoch
@@ -308,9 +318,7 @@ class Lane:
             stats = self._interval.reduce(backend, extra=[float(self.stop.requested), too_long, new_bad])
             stop_all, too_long_anywhere, new_bad_anywhere = stats.pop("_extra")
             if new_bad_anywhere > 0:  # rare: the unreadable files met for the first time, from every process
-                for paths in backend.all_gather_object(sorted(self.new_bad_files)):
-                    self.state.bad_files.update(paths)
-                self.new_bad_files.clear()
+                self.gather_bad_files(backend.all_gather_object(sorted(self.new_bad_files)))
             self._log_interval(stats, time.perf_counter() - self._t_interval, self._bar)
             self._interval = Meter(self.device)
             self._t_interval = time.perf_counter()

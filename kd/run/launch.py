@@ -23,17 +23,17 @@ worker reaches the user as one line and exit code 2 from the parent.
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import shutil
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Dict, Optional, Type
 
-from kd.errors import KDError
+from kd.errors import WRITE_ONLY_ERRNOS, KDError, cannot_write
 from kd.run.log import wall_clock
 from kd.runfolder import RunFolder
 from kd.runlock import describe_holder, locked
@@ -211,7 +211,9 @@ def worker(job: Job, error_dir: str, visible: Optional[str], launcher: Optional[
 
     if launcher is not None:
         die_with_parent(launcher)
-    main = Placement.from_environment(None).rank == 0
+    rank = Placement.from_environment(None).rank
+    main = rank == 0
+    Path(error_dir, f"pid{rank:05d}.txt").write_text(str(os.getpid()), encoding="utf-8")  # for its peers
     try:
         install_early(launched=True)  # first: the signals held while this process started arrive now
         result = _worker(job, visible)
@@ -220,16 +222,13 @@ def worker(job: Job, error_dir: str, visible: Optional[str], launcher: Optional[
             Path(error_dir, "interrupted.txt").write_text(f"{exc.signame}\n{exc}", encoding="utf-8")
         raise SystemExit(143 if exc.signame == "SIGTERM" else 130) from None
     except KDError as exc:
-        rank = Placement.from_environment(None).rank
         Path(error_dir, f"rank{rank:05d}.txt").write_text(str(exc), encoding="utf-8")
         raise SystemExit(2) from None
     except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+        if exc.errno not in WRITE_ONLY_ERRNOS:
             raise _crashed(exc, error_dir) from None
-        rank = Placement.from_environment(None).rank
-        where = f" writing {exc.filename}" if exc.filename else ""
         Path(error_dir, f"rank{rank:05d}.txt").write_text(
-            f"no space left on the device{where}; free space, then continue with --resume", encoding="utf-8"
+            str(cannot_write(exc, then="continue with --resume")), encoding="utf-8"
         )
         raise SystemExit(2) from None
     except Exception as exc:  # a bug, or an error kd does not translate (out of memory): its traceback stays
@@ -254,10 +253,37 @@ def _crashed(exc: BaseException, error_dir: str) -> SystemExit:
     import traceback
 
     rank = Placement.from_environment(None).rank
+    if peer_failed(error_dir, rank):  # its collective lost that peer: this error is not the run's cause
+        wait_to_be_stopped()
     cause = (str(exc).strip().splitlines() or [""])[0][:300]
     trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     Path(error_dir, f"crash{rank:05d}.txt").write_text(f"{type(exc).__name__}: {cause}\n{trace}", encoding="utf-8")
     return SystemExit(1)
+
+
+def peer_failed(error_dir: str, rank: int, within: float = 1.0) -> bool:
+    """Whether another rank of this launch (its pid in ``error_dir``) has ended with a failure,
+    watched for ``within`` seconds: a killed peer's connections close as it dies."""
+    from kd.lifeline import ended_in_failure
+
+    pids = [int(p.read_text(encoding="utf-8")) for p in Path(error_dir).glob("pid*.txt") if p.stem != f"pid{rank:05d}"]
+    deadline = time.monotonic() + within
+    while not any(ended_in_failure(pid) for pid in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def wait_to_be_stopped(limit: float = 60.0) -> None:
+    """Stay alive while the launcher sees a failed peer and stops this rank: the launcher reports
+    the rank it sees end first, and that must be the peer. A stop signal ends the process as it
+    comes, without a word; after ``limit`` seconds the caller goes on."""
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_DFL)
+    time.sleep(limit)
 
 
 def _worker(job: Job, visible: Optional[str]):

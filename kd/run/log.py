@@ -13,12 +13,16 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
+from kd.errors import writing
 from kd.runfolder import RunFolder
 
 try:
     from tqdm import tqdm
 except ImportError:  # pragma: no cover - tqdm is a dependency
     tqdm = None
+
+#: how a run stopped by a failed write goes on
+RESUME = "continue with --resume"
 
 
 #: The wall-clock time the ``kd`` command started, handed to the processes it launches.
@@ -255,7 +259,8 @@ class RunLogger(NullLogger):
         if self._writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(log_dir=str(RunFolder(self.out).tensorboard), flush_secs=30)
+            with writing(RunFolder(self.out).tensorboard, RESUME):
+                self._writer = SummaryWriter(log_dir=str(RunFolder(self.out).tensorboard), flush_secs=30)
         return self._writer
 
     def info(self, msg: str) -> None:
@@ -266,28 +271,33 @@ class RunLogger(NullLogger):
             print(msg, file=sys.stderr, flush=True)
 
     def scalars(self, prefix: str, values: Dict[str, float], step: int) -> None:
-        for key, value in values.items():
-            self.writer.add_scalar(f"{prefix}/{key}", value, step)
+        writer = self.writer
+        with writing(RunFolder(self.out).tensorboard, RESUME):
+            for key, value in values.items():
+                writer.add_scalar(f"{prefix}/{key}", value, step)
 
     def resume_at(self, epochs_done: int) -> None:
         """Drop the metrics.jsonl lines of epochs after ``epochs_done`` (the checkpoint resumed from):
-        a run stopped between an epoch's line and its checkpoint trains that epoch again."""
+        a run stopped between an epoch's line and its checkpoint trains that epoch again; a last
+        line a kill cut short goes too."""
         path = self.metrics_path
         if not path.is_file():
             return
-        lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-        kept = [line for line in lines if line.strip() and json.loads(line).get("epoch", 0) <= epochs_done]
-        if len(kept) < len(lines):
+        lines = RunFolder(self.out).metric_lines()
+        kept = "".join(line for line, record in lines if record.get("epoch", 0) <= epochs_done)
+        if kept.encode("utf-8") != path.read_bytes():
             tmp = path.with_name(f".{path.name}.tmp")
-            tmp.write_text("".join(kept), encoding="utf-8")
-            os.replace(tmp, path)
+            with writing(path, RESUME):
+                tmp.write_text(kept, encoding="utf-8")
+                os.replace(tmp, path)
 
     def epoch(self, record: Dict[str, float]) -> None:
-        with open(self.metrics_path, "a", encoding="utf-8") as fh:
+        with writing(self.metrics_path, RESUME), open(self.metrics_path, "a", encoding="utf-8") as fh:
             fh.write(json.dumps(record) + "\n")
         step = int(record["epoch"])
         self.scalars("epoch", {k: v for k, v in record.items() if k != "epoch" and isinstance(v, (int, float))}, step)
-        self.writer.flush()
+        with writing(RunFolder(self.out).tensorboard, RESUME):
+            self.writer.flush()
 
     def progress(self, total: int, desc: str):
         if tqdm is None or not self.bar_enabled:
@@ -296,4 +306,5 @@ class RunLogger(NullLogger):
 
     def close(self) -> None:
         if self._writer is not None:
-            self._writer.close()
+            with writing(RunFolder(self.out).tensorboard, RESUME):
+                self._writer.close()

@@ -18,15 +18,16 @@ import torch
 
 from kd import config as kd_config
 from kd import models
+from kd.data.loader import Batch
 from kd.data.pipeline import build as build_data
-from kd.errors import KDError, NonFinite
+from kd.errors import KDError, NonFinite, writing
 from kd.losses import LOSSES
 from kd.run import checkpoint, provenance
 from kd.run.build import build_lane
 from kd.run.lane import Lane, stop_in_setup
 from kd.run.log import SetupClock, command_start, open_part
 from kd.run.runtime import resolve as resolve_runtime
-from kd.run.step import StepHook, StepOutput, check_batch
+from kd.run.step import StepHook, StepOutput, check_batch, stand_in
 from kd.runfolder import RunFolder
 from kd.teacher.frozen import Teacher, build_teacher
 from kd.teacher.store import SoftLabels, wanted_manifest
@@ -83,12 +84,13 @@ def start_folder(lane: Lane, resumed: bool) -> None:
     """Once set-up has succeeded, the main process starts ``lane``'s run folder (a failed start leaves no
     run behind; a resumed one is kept) and writes config.yaml and provenance.json."""
     if lane.backend.is_main:
-        if not resumed:
-            RunFolder(lane.out).start()
-        else:
-            lane.out.mkdir(parents=True, exist_ok=True)
-        kd_config.save(lane.cfg, RunFolder(lane.out).config, notes=lane.notes)
-        provenance.write(lane.out, lane.cfg, lane.backend, resumed)
+        with writing(None, "run again" + (" with --resume" if resumed else "")):
+            if not resumed:
+                RunFolder(lane.out).start()
+            else:
+                lane.out.mkdir(parents=True, exist_ok=True)
+            kd_config.save(lane.cfg, RunFolder(lane.out).config, notes=lane.notes)
+            provenance.write(lane.out, lane.cfg, lane.backend, resumed)
         open_part(lane.out, lane.clock.started)
 
 
@@ -320,18 +322,23 @@ class Trainer:
         for lane in self.active:
             lane.begin_epoch(steps)
         it = iter(loader)
+        last: Optional[Batch] = None  # the last batch with a readable image
+        ahead: List[Batch] = []  # a batch drawn early to stand in for an unreadable one, trained on at its own step
         try:
             first_wait = None
             while self.active:
                 t0 = time.perf_counter()
-                batch = next(it, None)
+                batch = ahead.pop() if ahead else next(it, None)
                 waited = time.perf_counter() - t0
                 first_wait = waited if first_wait is None else first_wait
                 for lane in self.active:
                     lane.meter.wait += waited
                 if batch is None:
                     break
-                check_batch(batch, self.active[0].logger.info)
+                check_batch(batch, self.active[0].logger.info, empty_ok=True)
+                if len(batch) == 0:  # every process steps alike: a readable batch stands in
+                    batch = stand_in(batch, last, it, ahead, self.active[0].logger.info)
+                last = batch
                 targets = self.targets(batch)
                 stop = False
                 outs: List[StepOutput] = []

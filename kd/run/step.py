@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 from torch import nn
@@ -93,14 +94,33 @@ def apply_gradients(
     return found > 0
 
 
-def check_batch(batch, log) -> None:
-    """Unreadable images of a batch named through ``log``; a batch of nothing else stops the run."""
+def check_batch(batch, log, empty_ok: bool = False) -> None:
+    """Unreadable images of a batch named through ``log``; a batch of nothing else stops the run
+    unless ``empty_ok`` (the caller finds a :func:`stand_in`)."""
     from kd.errors import KDError
 
     for path in batch.bad:
         log(f"skipped unreadable image {path}")
-    if len(batch) == 0:
+    if len(batch) == 0 and not empty_ok:
         raise KDError("a whole batch of images was unreadable; check the data folder")
+
+
+def stand_in(empty, last, batches: Iterator, ahead: List, log):
+    """What a process trains on where every image of its batch ``empty`` was unreadable, so that it
+    steps with the others (under DDP it cannot skip a step alone): the last readable batch ``last``,
+    else the next one drawn from ``batches`` (put in ``ahead``, trained on again at its own step).
+    Its unreadable files stay counted; a KDError where no readable batch comes."""
+    from kd.errors import KDError
+
+    which = "the previous batch"
+    if last is None:
+        last = next(batches, None)
+        if last is None or len(last) == 0:
+            raise KDError("a whole batch of images was unreadable, and the next one too; check the data folder")
+        ahead.append(last)
+        which = "the next batch"
+    log(f"no readable image in this batch: {which} stands in for it")
+    return dataclasses.replace(last, bad=list(empty.bad))
 
 
 class BufferGuard:

@@ -19,9 +19,10 @@ would use, and compares it with float32:
 * an explicit ``float16``, ``bfloat16`` or ``float32`` runs as given, or stops with one line
   naming the teacher and what to do;
 * a teacher whose logits are not finite even in float32 stops the run: its weights are broken.
-* where float32 is the only choice on the CPU (O0, or ``float32`` given) nothing is probed: the
-  log says so, and a teacher with non-finite weights stops the run (on a GPU the probe still
-  runs, once: it also checks that the fused teacher runs there).
+* where float32 is the only choice on the CPU (O0, or ``float32`` given) there is nothing to
+  choose: the log says so, and a teacher with non-finite weights, or non-finite logits on the
+  probe batches (finite weights can overflow), stops the run (on a GPU the probe runs as
+  elsewhere: it also checks that the fused teacher runs there).
 
 Every process of a run takes part in the probe (the counts are summed), so all choose alike.
 """
@@ -154,19 +155,6 @@ def choose(
         if start == torch.bfloat16 and not bf16_supported(device):
             raise KDError("--teacher-precision bfloat16: this GPU has no bfloat16; use float16 or float32")
     candidates = fallbacks(start, device) if not explicit else [start]
-    # nothing to choose: no probe, the weights checked instead (a GPU's probe also tests that the
-    # fused teacher runs there, and costs about a second)
-    if candidates == [torch.float32] and device.type == "cpu":
-        broken = nonfinite_weights(teacher)
-        if broken:
-            raise KDError(
-                f"teacher {name} has non-finite weights ({', '.join(broken[:3])}): its weights are broken; "
-                f"check --teacher-weights"
-            )
-        how = "as given" if explicit else "auto: the only precision at O0 on the CPU"
-        precision = TeacherPrecision(device, torch.float32, outer)
-        line = f"teacher {name}: runs in {precision.describe()} ({how}; not probed: nothing to choose)"
-        return precision, teacher, line
     probes: Dict[torch.dtype, Probe] = {}
 
     def probe_in(dtype: torch.dtype, model: nn.Module, autotune: bool = True) -> Probe:
@@ -177,6 +165,25 @@ def choose(
             seconds[dtype_name(dtype)] = time.perf_counter() - began  # run's counts reach the host: synced
         return probes[dtype]
 
+    # nothing to choose: the weights checked, then the logits of the probe batches, which finite
+    # weights can overflow (a GPU's probe also tests that the fused teacher runs there)
+    if candidates == [torch.float32] and device.type == "cpu":
+        broken = nonfinite_weights(teacher)
+        if broken:
+            raise KDError(
+                f"teacher {name} has non-finite weights ({', '.join(broken[:3])}): its weights are broken; "
+                f"check --teacher-weights"
+            )
+        probe = probe_in(torch.float32, teacher)
+        if probe.nonfinite:
+            raise KDError(
+                f"teacher {name} gives non-finite logits in float32 ({probe.summary()}): "
+                f"its weights are broken; check --teacher-weights"
+            )
+        how = "as given" if explicit else "auto: the only precision at O0 on the CPU"
+        precision = TeacherPrecision(device, torch.float32, outer)
+        line = f"teacher {name}: runs in {precision.describe()} ({how}; nothing to choose: {probe.summary()})"
+        return precision, teacher, line
     tried: List[str] = []
     for dtype in candidates:
         precision = TeacherPrecision(device, dtype, outer)

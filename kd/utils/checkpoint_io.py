@@ -123,10 +123,15 @@ def save_atomic(obj: Dict[str, Any], path: Path) -> str:
         digest = file_sha256(tmp)  # what is on the disk, read back
         _commit(tmp, path, digest)
     except BaseException as exc:
-        full = isinstance(exc, RuntimeError) and disk_full(path.parent)  # seen before the partial file goes
+        # torch.save's writer reports a failed write as a RuntimeError: the OSError it met, where
+        # Python saw one (a file-size limit), or a full disk, seen before the partial file goes
+        behind = exc.__context__ if isinstance(exc, RuntimeError) else None
+        full = isinstance(exc, RuntimeError) and disk_full(path.parent)
         if os.path.exists(tmp):
             os.unlink(tmp)
-        if full:  # torch.save's writer reports a short write as a RuntimeError
+        if isinstance(behind, OSError):
+            raise behind from None
+        if full:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) from exc
         raise
     return digest
