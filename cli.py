@@ -384,11 +384,19 @@ def recipes_show(name):
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(["runs", "markdown", "latex"]),
+    type=click.Choice(["runs", "markdown", "latex", "csv"]),
     default="runs",
     show_default=True,
-    help="runs: one row per run with every column; markdown or latex: the paper's table of each teacher and "
-    "student pair (teacher, student alone, each method: top-1, top-5, paper top-1, difference).",
+    help="runs: one row per run with every column; markdown, latex or csv: the paper's table of each teacher "
+    "and student pair (teacher, student alone, each method: top-1, top-5, paper top-1, difference).",
+)
+@click.option(
+    "--epoch",
+    type=click.Choice(["both", "best", "last"]),
+    default="both",
+    show_default=True,
+    help="The paper's table: the best epoch's top-1/top-5 (chosen on the validation set; what the papers "
+    "report), the last epoch's, or both side by side.",
 )
 @click.option(
     "--provenance",
@@ -396,7 +404,7 @@ def recipes_show(name):
     help="Also print what each run was made of (its provenance.json): each side's weights as resolved, with "
     "their SHA-256, the versions of torch, torchvision, timm and apex, kd's version and commit, devices, processes.",
 )
-def report(runs, csv_path, plot_path, fmt, provenance):
+def report(runs, csv_path, plot_path, fmt, epoch, provenance):
     """Several runs' results as one table: best/last top-1/top-5, reference, difference, times.
 
     RUNS are run folders or folders of runs (kd report runs/demo); what is not a run is skipped with a note.
@@ -413,7 +421,8 @@ def report(runs, csv_path, plot_path, fmt, provenance):
     if fmt == "runs":
         click.echo(markdown(rows))
     else:
-        click.echo(paper.markdown(rows, note) if fmt == "markdown" else paper.latex(rows, note))
+        write = {"markdown": paper.markdown, "latex": paper.latex, "csv": paper.to_csv}[fmt]
+        click.echo(write(rows, note, epoch), nl=fmt != "csv")
     if provenance:
         click.echo("\n" + provenance_table(rows, note))
     if csv_path:
