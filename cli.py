@@ -107,8 +107,8 @@ def train_options(fn):
 @click.option("--local_rank", "--local-rank", "local_rank", type=int, default=None, hidden=True)
 def cli(local_rank):
     """kd: knowledge-distillation training for image classification."""
-    from kd.installed import check_torch_pair
     from kd.run.launch import accept_legacy_local_rank
+    from kd.utils.installed import check_torch_pair
 
     check_torch_pair()  # before torchvision is imported: a pair that cannot work is one line
 

@@ -211,7 +211,7 @@ LAYERS: List[Tuple[str, List[str]]] = [
     ("the parts of a run", ["kd.models", "kd.losses", "kd.precision", "kd.data", "kd.teacher", "backends"]),
     ("the run's options", ["kd.config"]),  # checked against the registries of losses and models
     ("the engine", ["kd.run"]),
-    ("the entry points", ["kd.commands", "cli", "kd.siblings", "kd.installed", "kd"]),
+    ("the entry points", ["kd.commands", "cli", "kd.siblings", "kd"]),
 ]
 
 #: Which parts of a run import which others; any other import between two parts is refused.

@@ -1,11 +1,11 @@
-"""torch and torchvision as installed (kd.installed): a pair that cannot work together is one line and
+"""torch and torchvision as installed (kd.utils.installed): a pair that cannot work together is one line and
 exit code 2 before torchvision is imported, not the 50-line ``torchvision::nms`` traceback."""
 
 from __future__ import annotations
 
 from conftest import one_error_line, run_kd
 
-from kd.installed import mismatch, version_of
+from kd.utils.installed import mismatch, version_of
 
 
 def test_a_cpu_torch_beside_a_cuda_torchvision_is_named_with_what_to_install():
