@@ -188,6 +188,8 @@ def setting_gaps(cfg: Dict[str, Any], recipe: Dict[str, Any], records: List[Dict
     """Where a run (its config as a dict, its metrics.jsonl records) departs from ``recipe``'s setting:
     data other than ImageNet-1k first, then each setting key, trainer switch or hyper-parameter given
     outside the recipe's keys (``--logit-standardisation``) that differs."""
+    from kd.config import cli_value
+
     gaps: List[Departure] = []
     images = records[0].get("train_images") if records else None
     if images is not None and images < 0.99 * IMAGENET_TRAIN_IMAGES:
@@ -204,19 +206,9 @@ def setting_gaps(cfg: Dict[str, Any], recipe: Dict[str, Any], records: List[Dict
     for k in differ:
         ours, theirs = cfg.get(k), recipe.get(k)
         words = f"{k} {ours!r}" + (f" (recipe: {theirs!r})" if k in recipe else "")
-        gaps.append(Departure(k, f"{k} {_cell(ours)}" + (f" ({_cell(theirs)})" if k in recipe else ""), words))
+        short = f"{k} {cli_value(ours)}" + (f" ({cli_value(theirs)})" if k in recipe else "")
+        gaps.append(Departure(k, short, words))
     return gaps
-
-
-def _cell(value: Any) -> str:
-    """A setting's value as a table's cell shows it: ``32``, ``0.1``, ``on``, ``auto``, ``30,60,90``."""
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    if value is None:
-        return "auto"
-    if isinstance(value, (list, tuple)):
-        return ",".join(_cell(v) for v in value)
-    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def paper_reference(cfg: Dict[str, Any], records: List[Dict[str, Any]]) -> Tuple[Optional[float], Optional[str]]:
