@@ -20,15 +20,25 @@ from conftest import HANG_GUARD, ROOT, kd_main, make_image_folder, run_kd, start
 from kd.errors import KDError
 
 
+#: each duration kd prints (kd.commands.report.duration): 42s, 4.5m, 12m, 3.4h
+DURATION = r"\d+s|\d+\.\dm|\d+m|\d+\.\dh"
+
+
 def test_a_run_ends_with_where_its_result_is(teacher_run):
+    """Its time is the one kd report gives the run (the line timed from after the imports: 10 min
+    where kd report said 11)."""
+    from kd.commands.report import collect
+
     r, out = teacher_run
     line = r.stdout.strip().splitlines()[-1]
-    assert re.fullmatch(
+    found = re.fullmatch(
         rf"done: best top-1 \d+\.\d\d at epoch 1, last top-1 \d+\.\d\d at epoch 1 \(\d+ val images, 0 unreadable\), "
-        rf"\d+s; run {re.escape(str(out))}, "
+        rf"({DURATION}); run {re.escape(str(out))}, "
         rf"best checkpoint {re.escape(str(out / 'checkpoints' / 'best.pt'))}",
         line,
-    ), r.stdout
+    )
+    assert found, r.stdout
+    assert found.group(1) == collect(out)["wall_time"], (line, collect(out)["wall_time"])
 
 
 def _wall(run: Path):

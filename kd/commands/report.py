@@ -145,7 +145,8 @@ def val_count(record: Dict[str, Any]) -> str:
 
 def summary_line(run: Path, seconds: float, name: str = "") -> str:
     """The line ``kd train`` ends with: best and last top-1, the wall time (of a resumed run: this
-    part's, and the run's in all), the run folder and the best checkpoint (what a user opens next)."""
+    part's, and the run's in all), the run folder and the best checkpoint (what a user opens next).
+    ``seconds`` is this part's time where its wall.jsonl has none (a run of an older kd)."""
     folder = RunFolder(run)
     records = [json.loads(line) for line in folder.metrics.read_text().splitlines() if line.strip()]
     evals = [r for r in records if "val_top1" in r]
@@ -156,6 +157,8 @@ def summary_line(run: Path, seconds: float, name: str = "") -> str:
     best, last = max(evals, key=lambda r: r["val_top1"]), evals[-1]
     checkpoint = folder.best if folder.best.is_file() else folder.last
     parts, unended = wall_parts(run), unended_parts(run)
+    if parts:  # this part's line, just written: timed from the command's start, as kd report sums them
+        seconds = parts[-1]["seconds"]
     if unended:  # a part before this one was killed outright: its time is not known
         known = duration(sum(p["seconds"] for p in parts))
         took = f"{duration(seconds)} (more than {known} in all: {len(unended)} earlier part(s) wrote no end)"
