@@ -17,6 +17,7 @@ import click
 from click.core import ParameterSource
 
 from kd.commands import demo as kd_demo
+from kd.commands import paper as paper_table
 from kd.config import AMP_DTYPES, DEVICES, FIELDS, MP_CONTEXTS, SOFT_LABEL_DTYPES, TRAIN_OPTIONS, Option
 from kd.data.registry import check_loader, loader_choices
 from kd.errors import KDError
@@ -387,7 +388,7 @@ def recipes_show(name):
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(["runs", "markdown", "latex", "csv"]),
+    type=click.Choice(["runs", *paper_table.FORMATS]),
     default="runs",
     show_default=True,
     help="runs: one row per run with every column; markdown, latex or csv: the paper's table of each teacher "
@@ -395,7 +396,7 @@ def recipes_show(name):
 )
 @click.option(
     "--epoch",
-    type=click.Choice(["both", "best", "last"]),
+    type=click.Choice(paper_table.EPOCHS),
     default="both",
     show_default=True,
     help="The paper's table: the best epoch's top-1/top-5 (chosen on the validation set; what the papers "
@@ -415,7 +416,6 @@ def report(runs, csv_path, plot_path, fmt, epoch, provenance):
     validation included); train_time: the epochs' training seconds only. A run of an older kd has no
     wall_time (-).
     """
-    from kd.commands import paper
     from kd.commands.report import markdown, plot, provenance_table, to_csv
     from kd.commands.report import report as collect
 
@@ -424,7 +424,7 @@ def report(runs, csv_path, plot_path, fmt, epoch, provenance):
     if fmt == "runs":
         click.echo(markdown(rows))
     else:
-        write = {"markdown": paper.markdown, "latex": paper.latex, "csv": paper.to_csv}[fmt]
+        write = {"markdown": paper_table.markdown, "latex": paper_table.latex, "csv": paper_table.to_csv}[fmt]
         click.echo(write(rows, note, epoch), nl=fmt != "csv")
     if provenance:
         click.echo("\n" + provenance_table(rows, note))
