@@ -20,6 +20,7 @@ def test_a_cpu_torch_beside_a_cuda_torchvision_is_named_with_what_to_install():
         ("2.14.1+cu130", "0.29.1+cu130"),
         ("2.13.0", "0.28.0"),
         ("2.13.0+cpu", "0.28.1+cpu"),
+        ("2.14.0a0+git5c48869", "0.29.0a0+1f1a920"),  # built from source: tags of commits
     ]:
         assert mismatch(torch_version, vision_version) is None, (torch_version, vision_version)
 

@@ -17,6 +17,8 @@ from kd.errors import KDError
 #: torchvision 0.N goes with torch 2.(N - 15): 0.15 with 2.0, 0.29 with 2.14
 TORCHVISION_MINOR_OFFSET = 15
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+#: the local version tags of PyTorch's builds: ``+cpu``, ``+cu130``, ``+rocm6.4``, ``+xpu``
+BUILD_TAGS = r"cpu|cu\d+|rocm[\d.]+|xpu"
 
 
 def version_of(package: str) -> Optional[str]:
@@ -61,7 +63,9 @@ def mismatch(torch_version: str, torchvision_version: str) -> Optional[str]:
         return None
     wanted = f"0.{torch_num[1] + TORCHVISION_MINOR_OFFSET}"
     other_release = torch_num[0] == 2 and vision_num[0] == 0 and f"0.{vision_num[1]}" != wanted
-    other_build = bool(torch_build and vision_build and torch_build != vision_build)
+    # only the builds PyTorch's indexes name (a source build's tag is its commit: nothing to compare)
+    known = all(re.fullmatch(BUILD_TAGS, build) for build in (torch_build, vision_build))
+    other_build = known and torch_build != vision_build
     if not (other_release or other_build):
         return None
     why = (
