@@ -16,6 +16,7 @@ import click
 from click.core import ParameterSource
 
 from kd.commands import demo as kd_demo
+from kd.commands import paper as paper_table
 from kd.config import AMP_DTYPES, DEVICES, FIELDS, MP_CONTEXTS, SOFT_LABEL_DTYPES, TRAIN_OPTIONS, Option
 from kd.data.registry import check_loader, loader_choices
 from kd.errors import WRITE_ONLY_ERRNOS, KDError, cannot_write, writing
@@ -107,6 +108,9 @@ def train_options(fn):
 def cli(local_rank):
     """kd: knowledge-distillation training for image classification."""
     from kd.run.launch import accept_legacy_local_rank
+    from kd.utils.installed import check_torch_pair
+
+    check_torch_pair()  # before torchvision is imported: a pair that cannot work is one line
 
     accept_legacy_local_rank(local_rank)  # torch.distributed.launch puts it before the command
 
@@ -388,11 +392,19 @@ def recipes_show(name):
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(["runs", "markdown", "latex"]),
+    type=click.Choice(["runs", *paper_table.FORMATS]),
     default="runs",
     show_default=True,
-    help="runs: one row per run with every column; markdown or latex: the paper's table of each teacher and "
-    "student pair (teacher, student alone, each method: top-1, top-5, paper top-1, difference).",
+    help="runs: one row per run with every column; markdown, latex or csv: the paper's table of each teacher "
+    "and student pair (teacher, student alone, each method: top-1, top-5, paper top-1, difference).",
+)
+@click.option(
+    "--epoch",
+    type=click.Choice(paper_table.EPOCHS),
+    default="both",
+    show_default=True,
+    help="The paper's table: the best epoch's top-1/top-5 (chosen on the validation set; what the papers "
+    "report), the last epoch's, or both side by side.",
 )
 @click.option(
     "--provenance",
@@ -400,7 +412,7 @@ def recipes_show(name):
     help="Also print what each run was made of (its provenance.json): each side's weights as resolved, with "
     "their SHA-256, the versions of torch, torchvision, timm and apex, kd's version and commit, devices, processes.",
 )
-def report(runs, csv_path, plot_path, fmt, provenance):
+def report(runs, csv_path, plot_path, fmt, epoch, provenance):
     """Several runs' results as one table: best/last top-1/top-5, reference, difference, times.
 
     RUNS are run folders or folders of runs (kd report runs/demo); what is not a run is skipped with a note.
@@ -408,7 +420,6 @@ def report(runs, csv_path, plot_path, fmt, provenance):
     validation included); train_time: the epochs' training seconds only. A run of an older kd has no
     wall_time (-).
     """
-    from kd.commands import paper
     from kd.commands.report import markdown, plot, provenance_table, to_csv
     from kd.commands.report import report as collect
 
@@ -417,7 +428,8 @@ def report(runs, csv_path, plot_path, fmt, provenance):
     if fmt == "runs":
         click.echo(markdown(rows))
     else:
-        click.echo(paper.markdown(rows, note) if fmt == "markdown" else paper.latex(rows, note))
+        write = {"markdown": paper_table.markdown, "latex": paper_table.latex, "csv": paper_table.to_csv}[fmt]
+        click.echo(write(rows, note, epoch), nl=fmt != "csv")
     if provenance:
         click.echo("\n" + provenance_table(rows, note))
     if csv_path:

@@ -1,10 +1,34 @@
-"""Parallel backends, one module each, registered by name (``--backend NAME``)."""
+"""Parallel backends, one module each, registered by name (``--backend NAME``).
 
-from backends import apex_ddp as _apex_ddp  # noqa: F401  (each backend registers itself)
-from backends import dp as _dp  # noqa: F401
-from backends import single as _single  # noqa: F401
-from backends import torch_ddp as _torch_ddp  # noqa: F401
-from backends.base import BACKENDS, Backend, register
+Every backend is listed here by name and imported when first used, so that the command line knows
+the names without importing torch (``kd train --help``); its module registers it with
+:func:`backends.base.register` as well. A new backend is one line below.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kd.registry import Registry
+
+if TYPE_CHECKING:
+    from backends.base import Backend, register
+
+#: ``--backend NAME``: each backend's :class:`backends.base.Backend` subclass
+BACKENDS: Registry = Registry("backend", entry_point_group="kd.backends")
+BACKENDS.register_lazy("apex_ddp", "backends.apex_ddp:ApexDDP")
+BACKENDS.register_lazy("dp", "backends.dp:DataParallelBackend")
+BACKENDS.register_lazy("single", "backends.single:Single")
+BACKENDS.register_lazy("torch_ddp", "backends.torch_ddp:TorchDDP")
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("Backend", "register"):  # from the module that imports torch, when first asked for
+        import importlib
+
+        return getattr(importlib.import_module("backends.base"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 #: kd's own ``backends`` (kd.siblings.own checks it: another package of this name has none)
 KD_SIBLING = True

@@ -31,11 +31,10 @@ from typing import ClassVar, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from backends import BACKENDS
 from kd.errors import KDError
-from kd.registry import Registry
 from kd.utils.placement import Placement
 
-BACKENDS: Registry = Registry("backend", entry_point_group="kd.backends")
 register = BACKENDS.register
 
 

@@ -618,6 +618,17 @@ def load(path: Union[str, Path]) -> RunConfig:
     return apply(RunConfig(), values, str(path))
 
 
+def cli_value(value: Any) -> str:
+    """A setting as kd train's command line writes it: ``on``/``off``, ``auto`` for None, ``0.1``, ``30,60,90``."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if value is None:
+        return "auto"
+    if isinstance(value, (list, tuple)):
+        return ",".join(cli_value(v) for v in value)
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
 @dataclass(frozen=True)
 class Option:
     """How one :class:`RunConfig` field appears on ``kd train``'s command line.
@@ -648,14 +659,7 @@ class Option:
         value = self.default()
         if self.switch and "/" not in self.flags[0]:
             return ""  # a flag that turns something on: off unless given
-        if isinstance(value, bool):
-            text = "on" if value else "off"
-        elif isinstance(value, float):
-            text = f"{value:g}"
-        elif isinstance(value, list):
-            text = ",".join(map(str, value))
-        else:
-            text = "" if value is None else str(value)
+        text = "" if value is None else cli_value(value)
         text = ": ".join(t for t in (text, self.note) if t)
         return f"[{text}]" if text else ""
 

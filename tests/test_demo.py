@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -74,6 +75,9 @@ def test_a_stopped_demo_continues_where_it_stopped(tmp_path):
     r = kd_main("demo", "--out", out, "--epochs", 1)
     assert r.returncode == 0, r.stderr
     assert "== kd demo: teacher" not in r.stdout and "== kd demo: student_kd ==" in r.stdout, r.stdout
+    # each run's start says how long the rest will take: first as on an idle machine, then at this one's pace
+    assert re.search(r"kd demo: run 2 of 3, about \S+ left on 2 idle cores", r.stdout), r.stdout
+    assert re.search(r"kd demo: run 3 of 3, about \S+ left at this machine's pace", r.stdout), r.stdout
     assert "KD's gain over the student alone: " in r.stdout and "| teacher resnet18" in r.stdout, r.stdout
     assert "student timm:resnet10t with KD from the teacher, the same 200" in r.stdout, r.stdout
     for name in ("teacher", "student", "student_kd"):

@@ -58,6 +58,29 @@ def test_an_unknown_kd_method_is_answered_with_near_names_before_torch(image_fol
     assert r.stdout == "False", "torch was imported before the method was refused"
 
 
+def test_the_help_of_kd_train_is_shown_before_torch():
+    """Its choices (backends, KD methods) come from the registries' names, which import no torch
+    (kd train --help took 16 s at load where kd --help took 1 s)."""
+    r = kd_then_torch("train", "--help")
+    shown = " ".join(r.stdout.split())
+    assert r.returncode == 0 and "Parallel backend: apex_ddp, dp, single, torch_ddp;" in shown, r.stdout
+    assert "KD method: at, ce, crd, ctdkd," in shown
+    assert r.stdout.endswith("False"), "torch was imported for kd train --help"
+
+
+def test_every_backend_module_registers_the_name_backends_lists_for_it():
+    import backends
+    from kd.registry import _Lazy
+
+    listed = backends.BACKENDS.names()
+    for module in pkgutil.iter_modules(backends.__path__):
+        importlib.import_module(f"backends.{module.name}")
+    assert backends.BACKENDS.names() == listed, "a backend module registers a name backends/__init__.py does not list"
+    for name in listed:
+        assert backends.get(name).name == name
+        assert not isinstance(backends.BACKENDS._items[name], _Lazy), f"{name}: its module registers it otherwise"
+
+
 def test_every_method_module_registers_the_name_kd_losses_lists_for_it():
     from kd.registry import _Lazy
 

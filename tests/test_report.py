@@ -3,6 +3,7 @@ CSV, the figure (and what is said without matplotlib), and the line each kd trai
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import re
@@ -20,15 +21,25 @@ from conftest import HANG_GUARD, ROOT, kd_main, make_image_folder, one_error_lin
 from kd.errors import KDError
 
 
+#: each duration kd prints (kd.commands.report.duration): 42s, 4.5m, 12m, 3.4h
+DURATION = r"\d+s|\d+\.\dm|\d+m|\d+\.\dh"
+
+
 def test_a_run_ends_with_where_its_result_is(teacher_run):
+    """Its time is the one kd report gives the run (the line timed from after the imports: 10 min
+    where kd report said 11)."""
+    from kd.commands.report import collect
+
     r, out = teacher_run
     line = r.stdout.strip().splitlines()[-1]
-    assert re.fullmatch(
+    found = re.fullmatch(
         rf"done: best top-1 \d+\.\d\d at epoch 1, last top-1 \d+\.\d\d at epoch 1 \(\d+ val images, 0 unreadable\), "
-        rf"\d+s; run {re.escape(str(out))}, "
+        rf"({DURATION}); run {re.escape(str(out))}, "
         rf"best checkpoint {re.escape(str(out / 'checkpoints' / 'best.pt'))}",
         line,
-    ), r.stdout
+    )
+    assert found, r.stdout
+    assert found.group(1) == collect(out)["wall_time"], (line, collect(out)["wall_time"])
 
 
 def _wall(run: Path):
@@ -360,9 +371,10 @@ def test_missing_matplotlib_is_said_not_skipped(tmp_path, no_matplotlib):
     assert (tmp_path / "bench.csv").is_file()
 
 
-def _table_run(root: Path, recipe: str, top1: float, options=None, teacher=None, images=1_281_167) -> Path:
+def _table_run(root: Path, recipe: str, top1: float, options=None, teacher=None, images=1_281_167, then=None) -> Path:
     """A run folder as kd writes it for ``recipe``: config.yaml and two evaluated epochs of ``images``
-    training images, the first with the teacher's measured accuracy ``teacher`` (top-1, top-5)."""
+    training images, the first with the teacher's measured accuracy ``teacher`` (top-1, top-5); ``then``:
+    the top-1 of a third, last epoch."""
     from kd import config as kd_config
 
     out = root / recipe.split("/")[-1]
@@ -372,8 +384,39 @@ def _table_run(root: Path, recipe: str, top1: float, options=None, teacher=None,
     if teacher:
         first.update(teacher_top1=teacher[0], teacher_top5=teacher[1])
     last = {"epoch": 2, "train_images": images, "val_top1": top1, "val_top5": top1 + 19.5, "seconds": 60}
-    (out / "metrics.jsonl").write_text(json.dumps(first) + "\n" + json.dumps(last) + "\n")
+    records = [first, last] + ([{**last, "epoch": 3, "val_top1": then, "val_top5": then + 10}] if then else [])
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     return out
+
+
+def test_a_recipe_run_on_a_small_folder_is_never_labelled_the_papers_setting_and_shows_its_last_epoch(tmp_path):
+    """A run of a recipe at another batch and epoch count on 600 images is 'unlike' it, with why, in every
+    format (it was 'as imagenet/r34_r18_crd' in the runs table); the paper's table shows the last epoch
+    beside the best (the best, chosen on the validation set, hid that CRD ended below the student alone)."""
+    small = dict(images=600, options={"batch_size": 32, "epochs": 8})
+    _table_run(tmp_path, "imagenet/r34_r18_crd", 73.0, then=70.0, **small)
+    _table_run(tmp_path, "imagenet/baseline_r18", 72.0, **small)
+    why = "unlike imagenet/r34_r18_crd: not ImageNet (600 train images), batch_size 32 (256), epochs 8 (100) ..."
+    r = kd_main("report", tmp_path, "--csv", tmp_path / "runs.csv")
+    assert r.returncode == 0 and "as imagenet" not in r.stdout + (tmp_path / "runs.csv").read_text(), r.stdout
+    assert f"| {why} |" in r.stdout and why in (tmp_path / "runs.csv").read_text(), r.stdout
+    r = kd_main("report", tmp_path, "--format", "markdown")
+    rows = [line for line in r.stdout.splitlines() if line.startswith("| ")]
+    assert rows[0] == "| method | best top-1 | best top-5 | last top-1 | last top-5 | paper top-1 | diff (best) |"
+    assert rows[1:] == [
+        "| student alone (resnet18) [1] | 72.00 | 91.50 | 72.00 | 91.50 | - | - |",
+        "| CRD [2] | 73.00 | 92.50 | 70.00 | 80.00 | - | - |",
+    ], r.stdout
+    assert "best: the epoch of the highest val top-1, chosen on the validation set (what the papers report)" in r.stdout
+    assert f"[2] {why}" in r.stdout, r.stdout
+    r = kd_main("report", tmp_path, "--format", "latex", "--epoch", "last")
+    assert r"CRD [2] & 70.00 & 80.00 & - & - \\" in r.stdout.splitlines(), r.stdout
+    assert r"Method & Last top-1 & Last top-5 & Paper top-1 & $\Delta$ (last) \\" in r.stdout, r.stdout
+    assert why.replace("_", r"\_") in r.stdout
+    r = kd_main("report", tmp_path, "--format", "csv", "--epoch", "best")
+    lines = list(csv.reader(r.stdout.splitlines()))
+    assert lines[0] == "teacher,student,method,best top-1,best top-5,paper top-1,diff (best),paper_setting".split(",")
+    assert lines[2] == ["resnet34", "resnet18", "CRD", "73.00", "92.50", "-", "-", why], r.stdout
 
 
 def test_a_dot_run_is_titled_so_and_compared_with_the_dot_recipe_only(tmp_path):
@@ -385,8 +428,8 @@ def test_a_dot_run_is_titled_so_and_compared_with_the_dot_recipe_only(tmp_path):
     assert r.returncode == 0, r.stderr
     lines = [line for line in r.stdout.splitlines() if line.startswith("| KD")]
     assert lines == [
-        "| KD + DOT (dot/r34_r18_kd_dot) | 71.60 | 91.10 | 71.72 | -0.12 |",
-        "| KD + DOT (kd/r34_r18_kd) [1] | 71.30 | 90.80 | - | - |",
+        "| KD + DOT (dot/r34_r18_kd_dot) | 71.60 | 91.10 | 71.60 | 91.10 | 71.72 | -0.12 |",
+        "| KD + DOT (kd/r34_r18_kd) [1] | 71.30 | 90.80 | 71.30 | 90.80 | - | - |",
     ], r.stdout
     assert "[1] unlike imagenet/r34_r18_kd: DOT" in r.stdout  # the paper setting it departs from
     assert (
@@ -408,14 +451,14 @@ def test_report_prints_the_papers_table_in_markdown_and_latex(tmp_path):
     assert r.returncode == 0, r.stderr
     lines = [line for line in r.stdout.splitlines() if line.startswith("| ")]
     assert lines == [
-        "| method | top-1 | top-5 | paper top-1 | diff |",
-        "| teacher (resnet34) | 73.30 | 91.40 | 73.31 | -0.01 |",
-        "| student alone (resnet18) | 69.60 | 89.10 | 69.76 | -0.16 |",
-        "| KD | 70.90 | 90.40 | 71.03 | -0.13 |",
-        "| CRD | 71.00 | 90.50 | 71.17 | -0.17 |",
-        "| DKD (again/r34_r18_dkd) | 71.40 | 90.90 | 71.70 | -0.30 |",  # two DKD runs: told apart
-        f"| DKD ({tmp_path.name}/r34_r18_dkd) | 71.50 | 91.00 | 71.70 | -0.20 |",
-        "| DKD + CTKD + LS | 71.20 | 90.70 | - | - |",  # not the recipe's setting: no reference
+        "| method | best top-1 | best top-5 | last top-1 | last top-5 | paper top-1 | diff (best) |",
+        "| teacher (resnet34) | 73.30 | 91.40 | 73.30 | 91.40 | 73.31 | -0.01 |",
+        "| student alone (resnet18) | 69.60 | 89.10 | 69.60 | 89.10 | 69.76 | -0.16 |",
+        "| KD | 70.90 | 90.40 | 70.90 | 90.40 | 71.03 | -0.13 |",
+        "| CRD | 71.00 | 90.50 | 71.00 | 90.50 | 71.17 | -0.17 |",
+        "| DKD (again/r34_r18_dkd) | 71.40 | 90.90 | 71.40 | 90.90 | 71.70 | -0.30 |",  # two DKD runs: told apart
+        f"| DKD ({tmp_path.name}/r34_r18_dkd) | 71.50 | 91.00 | 71.50 | 91.00 | 71.70 | -0.20 |",
+        "| DKD + CTKD + LS [1] | 71.20 | 90.70 | 71.20 | 90.70 | - | - |",  # not the recipe's setting: no reference
     ], r.stdout
     assert r.stdout.startswith("resnet34 -> resnet18\n")
     assert (
@@ -426,18 +469,18 @@ def test_report_prints_the_papers_table_in_markdown_and_latex(tmp_path):
     assert r.returncode == 0, r.stderr
     body = r.stdout.splitlines()
     assert body[1:5] == [
-        r"\begin{tabular}{lrrrr}",
+        r"\begin{tabular}{lrrrrrr}",
         r"\toprule",
-        r"Method & Top-1 & Top-5 & Paper top-1 & $\Delta$ \\",
+        r"Method & Best top-1 & Best top-5 & Last top-1 & Last top-5 & Paper top-1 & $\Delta$ (best) \\",
         r"\midrule",
     ]
     assert body[5:9] == [
-        r"teacher (resnet34) & 73.30 & 91.40 & 73.31 & -0.01 \\",
-        r"student alone (resnet18) & 69.60 & 89.10 & 69.76 & -0.16 \\",
+        r"teacher (resnet34) & 73.30 & 91.40 & 73.30 & 91.40 & 73.31 & -0.01 \\",
+        r"student alone (resnet18) & 69.60 & 89.10 & 69.60 & 89.10 & 69.76 & -0.16 \\",
         r"\midrule",
-        r"KD & 70.90 & 90.40 & 71.03 & -0.13 \\",
+        r"KD & 70.90 & 90.40 & 70.90 & 90.40 & 71.03 & -0.13 \\",
     ], r.stdout
-    assert body[-2:] == [r"\bottomrule", r"\end{tabular}"]
+    assert body[-1] == r"\end{tabular}" and r"\bottomrule" in body[-5:]
 
 
 def test_the_2024_logit_rows_follow_the_earlier_methods_with_their_references(tmp_path):
@@ -466,7 +509,11 @@ def test_the_papers_table_of_a_small_folder_has_no_references(tmp_path):
     r = kd_main("report", tmp_path, "--format", "markdown")
     assert r.returncode == 0, r.stderr
     rows = [line for line in r.stdout.splitlines() if line.startswith("| ")][1:]
-    assert rows == ["| teacher (resnet34) | 50.00 | 80.00 | - | - |", "| OFD | 40.00 | 59.50 | - | - |"], r.stdout
+    assert rows == [
+        "| teacher (resnet34) | 50.00 | 80.00 | 50.00 | 80.00 | - | - |",
+        "| OFD [1] | 40.00 | 59.50 | 40.00 | 59.50 | - | - |",
+    ], r.stdout
+    assert "[1] unlike imagenet/r34_r18_ofd: not ImageNet (1,200 train images)" in r.stdout
     assert "no run of resnet18 alone among the runs" in r.stderr
 
 

@@ -148,11 +148,18 @@ def test_a_diverging_student_stops_alone(data, tmp_path):
 
 
 def test_students_must_agree_on_what_they_share(data, tmp_path):
+    """The refusal names only the keys that differ, in kd train's words (on/off, auto), each with the
+    option that makes them one (it printed Python's False and None and listed 30 keys)."""
     a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
-    a.write_text(yaml.safe_dump({"kd_loss": "kd", "batch_size": 8, "lr": 0.1}))
-    b.write_text(yaml.safe_dump({"kd_loss": "dist", "batch_size": 16, "lr": 0.2}))
-    with pytest.raises(KDError, match=r"disagree on what they share: batch_size \(a: 8, b: 16\)"):
+    a.write_text(yaml.safe_dump({"kd_loss": "kd", "batch_size": 8, "lr": 0.1, "compile": False}))
+    b.write_text(yaml.safe_dump({"kd_loss": "dist", "batch_size": 16, "lr": 0.2, "compile": None}))
+    with pytest.raises(KDError) as refused:
         multi.plan([str(a), str(b)], {k: v for k, v in options(data, tmp_path / "t").items() if k != "batch_size"}, [])
+    assert str(refused.value) == (
+        "the students of one run share what they train on, and these differ: --batch-size (a: 8, b: 16): give one "
+        "--batch-size; --compile (a: off, b: auto): give --compile or --no-compile (each student keeps its own "
+        "model, method and optimisation)"
+    )
     with pytest.raises(KDError, match="not both"):
         multi.plan([str(a), str(b)], options(data, tmp_path / "t", kd_loss="kd,dkd"), [])
 

@@ -257,3 +257,37 @@ def test_a_missing_bytecode_cache_is_named_with_its_fix(tmp_path):
     assert bytecode_note(module) is None
     assert bytecode_note(types.ModuleType("builtin_like")) is None  # no source file: nothing to say
     assert sys.modules.get("fakepkg") is None
+
+
+def test_a_run_that_cannot_learn_says_so_once_while_it_trains(tmp_path):
+    """The same images in every class at an lr too small to memorise their crops: the cross-entropy
+    cannot leave log C, nor val top-1 chance. After the second epoch one line says the run is not
+    learning, with what to try (a teacher at chance for 10 epochs said nothing)."""
+    import shutil
+
+    from conftest import make_image_folder
+
+    data = make_image_folder(tmp_path / "same", classes=4, train_per_class=6, val_per_class=3)
+    for split in ("train", "val"):
+        first, *others = sorted((data / split).iterdir())
+        for folder in others:
+            shutil.rmtree(folder)
+            shutil.copytree(first, folder)
+    r = kd_main(*train_args(data, tmp_path / "run", no_teacher=True, epochs=2, lr=0.0001))
+    assert r.returncode == 0, r.stderr
+    said = [line for line in r.stderr.splitlines() if line.startswith("not learning:")]
+    assert len(said) == 1 and "after 2 epoch(s) is still at chance (chance is log 4 = 1.39)" in said[0], r.stderr
+    assert "try --lr 5e-05 --lr-schedule cosine --warmup-epochs 1 --min-crop-scale 0.25" in said[0]
+
+
+def test_a_loss_far_above_chance_is_said_with_a_smaller_lr_to_try():
+    """MLKD at KD's lr: its cross-entropy reached 16.6 on 10 classes in the first epoch."""
+    from kd.run.meter import LearningWatch
+
+    watch = LearningWatch(10, 0.1)
+    line = watch.see({"epoch": 1, "train_ce": 16.6, "val_top1": 27.0})
+    assert line.startswith("not learning: training cross-entropy 16.60 after 1 epoch(s), far above where it started")
+    assert "try --lr 0.01 (a tenth)" in line
+    assert watch.see({"epoch": 2, "train_ce": 20.0}) is None  # said once
+    learning = LearningWatch(10, 0.1)  # still near log 10 after two epochs, but above chance on val: learning
+    assert learning.see({"epoch": 2, "train_ce": 2.5, "val_top1": 20.5}) is None

@@ -212,6 +212,11 @@ def test_kd_verify_names_each_checkpoint_of_a_run_and_each_damaged_one(run, tmp_
     assert f"{copy / 'checkpoints' / 'last.pt'}: DAMAGED" in r.stdout
     r = kd_main("verify", copy / "checkpoints" / "last.pt")
     one_line(r, "last.pt is damaged")
+    # a checkpoint deleted from beside its checksum is not sound (kd verify said so)
+    (copy / "checkpoints" / "best.pt").unlink()
+    r = kd_main("verify", copy)
+    assert f"{copy / 'checkpoints' / 'best.pt'}: DAMAGED: missing, though best.pt.sha256 is here" in r.stdout, r.stdout
+    one_line(r, "best.pt, ")
     for nothing in (tmp_path / "nowhere", tmp_path):
         one_line(kd_main("verify", nothing), "does not exist" if nothing.name == "nowhere" else "nothing kd verifies")
 

@@ -32,6 +32,11 @@ STUDENT_EPOCHS = 60  # ... and students that see few of them (the epochs are sho
 STUDENT_PER_CLASS = 20  # labelled training digits per class the students see
 RUNS = ("teacher", "student", "student_kd")
 DEMO_FILE = "demo.json"  # in OUT: the demo's epochs and its finished runs
+#: each run's cost per training image and epoch, against the teacher's resnet18 step (resnet10t's step
+#: is about 0.6 of it; with the teacher's forward, 0.9): the shares of the progress line's estimate
+STEP_COST = {"teacher": 1.0, "student": 0.6, "student_kd": 0.9}
+#: the demo's seconds at its default epochs on 2 idle cores (docs/benchmarks.md), for the first estimate
+IDLE_SECONDS = 149.0
 
 
 def write_digits(root: Path, size: int = IMAGE_SIZE, val_fraction: float = 0.25, seed: int = 0) -> Path:
@@ -125,6 +130,26 @@ def run_demo(out: Path, epochs: Optional[int] = None, overwrite: bool = False) -
         raise Interrupted(exc.signame, message=f"{done}; continue with: {continue_with(out, epochs)}") from None
 
 
+def _count(folder: Path) -> int:
+    return sum(1 for _ in folder.rglob("*.jpg"))
+
+
+def progress_line(index: int, left: float, done: float, seconds: float, idle: float) -> str:
+    """``kd demo: run 2 of 3, about 1.5m left ...``: the time the runs not finished will take, at this
+    command's pace where it has trained (``seconds`` for ``done`` work), else at an idle machine's
+    (``idle`` seconds per unit of work)."""
+    from kd.commands.report import duration
+
+    if done:
+        return (
+            f"kd demo: run {index} of {len(RUNS)}, about {duration(left * seconds / done)} left at this machine's pace"
+        )
+    return (
+        f"kd demo: run {index} of {len(RUNS)}, about {duration(left * idle)} left on 2 idle cores "
+        "(longer while other work shares them; the next runs' line says at this machine's pace)"
+    )
+
+
 def _run_demo(out: Path, epochs: Optional[int], overwrite: bool) -> Dict[str, float]:
     from kd.config import RunConfig, validate
     from kd.run.jobs import TrainJob
@@ -168,8 +193,15 @@ def _run_demo(out: Path, epochs: Optional[int], overwrite: bool) -> Dict[str, fl
         ),
     }
     started = time.perf_counter()
+    images = {"teacher": _count(data / "train"), "student": _count(few / "train"), "student_kd": _count(few / "train")}
+    epochs_of = {"teacher": teacher_epochs, "student": student_epochs, "student_kd": student_epochs}
+    work = {name: images[name] * epochs_of[name] * STEP_COST[name] for name in RUNS}
+    idle = IDLE_SECONDS / sum(
+        images[n] * (TEACHER_EPOCHS if n == "teacher" else STUDENT_EPOCHS) * STEP_COST[n] for n in RUNS
+    )
+    done = 0.0  # the work this command has trained
     results = {}
-    for name in RUNS:
+    for index, name in enumerate(RUNS, 1):
         if name == "student_kd":
             runs[name] = RunConfig(
                 **common,
@@ -189,14 +221,17 @@ def _run_demo(out: Path, epochs: Optional[int], overwrite: bool) -> Dict[str, fl
             before_next_run()
             stopped = run.last if run.last.is_file() else None  # else nothing of it is kept: it starts over
             print(f"== kd demo: {name}{' (continued)' if stopped else ''} ==", flush=True)
+            left = sum(work[n] for n in RUNS[index - 1 :] if n not in state["finished"])
+            print(progress_line(index, left, done, time.perf_counter() - started, idle), flush=True)
             train(TrainJob(Students.alone(validate(runs[name]), stopped)), overwrite=stopped is None)
             keep_best(run.root)
             state["finished"].append(name)
+            done += work[name]
             with writing(out / DEMO_FILE, again):
                 (out / DEMO_FILE).write_text(json.dumps(state), encoding="utf-8")
         results[name] = _best(run.root)
     minutes = (time.perf_counter() - started) / 60
-    n_train = sum(1 for _ in (data / "train").rglob("*.jpg"))
+    n_train = images["teacher"]
     rows = [
         (f"teacher {TEACHER}, {n_train} labelled digits", "teacher"),
         (f"student {STUDENT} alone, {STUDENT_PER_CLASS * 10} labelled digits", "student"),

@@ -1,10 +1,15 @@
-"""``kd report --format markdown|latex``: the table a paper prints from kd runs, one per teacher and
-student pair: the teacher, the student alone, then each method, with top-1, top-5 and, where the run
-was the published setting on ImageNet, the paper's top-1 and the difference to it; a footnote marks
-a run whose teacher weights, weight decay or temperature depart from the paper setting it resembles."""
+"""``kd report --format markdown|latex|csv``: the table a paper prints from kd runs, one per teacher and
+student pair: the teacher, the student alone, then each method, with top-1 and top-5 of the best and
+of the last epoch (``--epoch``) and, where the run was the published setting on ImageNet, the paper's
+top-1 and the difference to it; a footnote marks a run that departs from the paper setting it resembles.
+
+The best epoch is chosen on the validation set; the methods' official code prints it (mdistiller's
+``best_acc``) and the papers report it. The last epoch is the one nothing chose."""
 
 from __future__ import annotations
 
+import csv
+import io
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -21,8 +26,25 @@ TITLES = {
     "dkd": "DKD", "dist": "DIST", "nkd": "NKD", "ctkd": "KD + CTKD", "ctdkd": "DKD + CTKD", "mlkd": "MLKD",
     "lskd": "KD + LS", "ttm": "TTM", "wttm": "WTTM", "luminet": "LumiNet", "crld": "CRLD",
 }  # fmt: skip
-FORMATS = ("markdown", "latex")
-HEADER = ["method", "top-1", "top-5", "paper top-1", "diff"]
+FORMATS = ("markdown", "latex", "csv")
+#: ``--epoch``: the epochs whose top-1 and top-5 the table shows
+EPOCHS = ("both", "best", "last")
+#: what each epoch is, under the table
+EPOCH_WORDS = {
+    "best": "best: the epoch of the highest val top-1, chosen on the validation set (what the papers report)",
+    "last": "last: the final epoch",
+}
+
+
+def header(epoch: str) -> List[str]:
+    """The columns of the table of ``epoch`` (both, best or last); diff is the first epoch's top-1 less the paper's."""
+    shown = ["best", "last"] if epoch == "both" else [epoch]
+    return ["method", *(f"{e} {k}" for e in shown for k in ("top-1", "top-5")), "paper top-1", f"diff ({shown[0]})"]
+
+
+def caption(epoch: str) -> str:
+    """The line under a table that says which epoch each column is."""
+    return "; ".join(EPOCH_WORDS[e] for e in (["best", "last"] if epoch == "both" else [epoch]))
 
 
 def published(model: str, weights: str) -> Optional[Tuple[float, float]]:
@@ -74,9 +96,22 @@ def _marked(title: str, row: Dict[str, object], footnotes: List[str]) -> str:
     return f"{title} [{footnotes.index(setting) + 1}]"
 
 
-def pair_rows(rows: Sequence[Dict[str, object]], note: Callable[[str], None]) -> Dict[Tuple[str, str], Table]:
-    """The rows of each (teacher, student) table: [name, top-1, top-5, paper top-1, diff], and its
-    footnotes: where a row's run departs from the paper setting (``[1] unlike RECIPE: ...``)."""
+def _cells(row: Dict[str, object], epoch: str) -> List[str]:
+    """A run's top-1 and top-5 of ``epoch`` (both: best, then last), its paper top-1 and the first epoch's diff."""
+    shown = ["best", "last"] if epoch == "both" else [epoch]
+    ref = row["reference_top1"]
+    top1 = row[f"{shown[0]}_top1"]
+    diff = None if ref in (None, "-") else float(top1) - float(ref)  # type: ignore[arg-type]
+    numbers = [_number(row[f"{e}_{k}"]) for e in shown for k in ("top1", "top5")]
+    return [*numbers, _number(ref), _diff(diff)]
+
+
+def pair_rows(
+    rows: Sequence[Dict[str, object]], note: Callable[[str], None], epoch: str = "both"
+) -> Dict[Tuple[str, str], Table]:
+    """The rows of each (teacher, student) table: [name, top-1 and top-5 of ``epoch`` (both: best and
+    last), paper top-1, diff], and its footnotes: where a row's run departs from the paper setting
+    (``[1] unlike RECIPE: ...``)."""
     pairs: Dict[Tuple[str, str], List[Dict[str, object]]] = {}
     alone: Dict[str, Dict[str, object]] = {}
     for row in rows:
@@ -92,15 +127,15 @@ def pair_rows(rows: Sequence[Dict[str, object]], note: Callable[[str], None]) ->
         if first.get("_teacher_top1") is not None:
             ref = published(teacher, str(first.get("_teacher_weights"))) if first.get("_imagenet") else None
             top1 = float(first["_teacher_top1"])  # type: ignore[arg-type]
+            measured = [_number(top1), _number(first.get("_teacher_top5"))]  # once, before the first epoch
             lines.append(
-                [f"teacher ({teacher})", _number(top1), _number(first.get("_teacher_top5")),
+                [f"teacher ({teacher})", *measured * (2 if epoch == "both" else 1),
                  _number(ref[0] if ref else None), _diff(top1 - ref[0] if ref else None)]
             )  # fmt: skip
         base = alone.get(student)
         if base is not None:
             alone_title = _marked(f"student alone ({student})", base, footnotes)
-            lines.append([alone_title, _number(base["best_top1"]), _number(base["best_top5"]),
-                          _number(base["reference_top1"]), _diff(base["diff"])])  # fmt: skip
+            lines.append([alone_title, *_cells(base, epoch)])
         else:
             note(f"no run of {student} alone among the runs: train one with --no-teacher for the table's baseline row")
         rank = {name: i for i, name in enumerate(ORDER)}
@@ -118,18 +153,34 @@ def pair_rows(rows: Sequence[Dict[str, object]], note: Callable[[str], None]) ->
             if titles.count(title) > 1:  # the same method in two runs: told apart by their folders
                 run = Path(str(row["run"]))
                 title = f"{title} ({run.parent.name}/{run.name})"
-            lines.append([_marked(title, row, footnotes), _number(row["best_top1"]), _number(row["best_top5"]),
-                          _number(row["reference_top1"]), _diff(row["diff"])])  # fmt: skip
+            lines.append([_marked(title, row, footnotes), *_cells(row, epoch)])
         tables[(teacher, student)] = (lines, [f"[{i}] {text}" for i, text in enumerate(footnotes, 1)])
     return tables
 
 
-def markdown(rows: Sequence[Dict[str, object]], note: Callable[[str], None]) -> str:
+def markdown(rows: Sequence[Dict[str, object]], note: Callable[[str], None], epoch: str = "both") -> str:
+    """One markdown table per pair, its caption (which epoch each column is) and footnotes below it."""
     out = []
-    for (teacher, student), (lines, footnotes) in pair_rows(rows, note).items():
-        text = table.markdown([dict(zip(HEADER, line)) for line in lines], HEADER)
-        out.append(f"{teacher} -> {student}\n\n{text}" + "".join(f"\n\n{line}" for line in footnotes))
+    columns = header(epoch)
+    for (teacher, student), (lines, footnotes) in pair_rows(rows, note, epoch).items():
+        text = table.markdown([dict(zip(columns, line)) for line in lines], columns)
+        below = [caption(epoch), *footnotes]
+        out.append(f"{teacher} -> {student}\n\n{text}" + "".join(f"\n\n{line}" for line in below))
     return "\n\n".join(out)
+
+
+def to_csv(rows: Sequence[Dict[str, object]], note: Callable[[str], None], epoch: str = "both") -> str:
+    """The tables as one CSV: a row per table row, led by its teacher and student; its footnote's text
+    in a column of its own."""
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    writer.writerow(["teacher", "student", *header(epoch), "paper_setting"])
+    for (teacher, student), (lines, footnotes) in pair_rows(rows, note, epoch).items():
+        for line in lines:
+            mark = line[0].rsplit(" [", 1)
+            footnote = footnotes[int(mark[1][:-1]) - 1].split("] ", 1)[1] if len(mark) == 2 else ""
+            writer.writerow([teacher, student, mark[0], *line[1:], footnote])
+    return buf.getvalue()
 
 
 def _tex(text: str) -> str:
@@ -138,10 +189,18 @@ def _tex(text: str) -> str:
     return text
 
 
-def latex(rows: Sequence[Dict[str, object]], note: Callable[[str], None]) -> str:
+def latex(rows: Sequence[Dict[str, object]], note: Callable[[str], None], epoch: str = "both") -> str:
     """One booktabs tabular per pair (``\\usepackage{booktabs}``)."""
     out = []
-    for (teacher, student), (lines, footnotes) in pair_rows(rows, note).items():
+    columns = header(epoch)
+    titles = [
+        "Method",
+        *(c[0].upper() + c[1:] for c in columns[1:-2]),
+        "Paper top-1",
+        rf"$\Delta$ ({columns[-1][6:-1]})",
+    ]
+    width = len(columns)
+    for (teacher, student), (lines, footnotes) in pair_rows(rows, note, epoch).items():
         body = []
         for i, line in enumerate(lines):
             if (
@@ -154,15 +213,18 @@ def latex(rows: Sequence[Dict[str, object]], note: Callable[[str], None]) -> str
         out.append(
             "\n".join(
                 [
-                    f"% {_tex(teacher)} -> {_tex(student)}: top-1 / top-5 (%) of the best epoch; "
+                    f"% {_tex(teacher)} -> {_tex(student)}: top-1 / top-5 (%); "
                     "the paper's top-1 where the run was its setting",
-                    r"\begin{tabular}{lrrrr}",
+                    rf"\begin{{tabular}}{{l{'r' * (width - 1)}}}",
                     r"\toprule",
-                    r"Method & Top-1 & Top-5 & Paper top-1 & $\Delta$ \\",
+                    " & ".join(titles) + r" \\",
                     r"\midrule",
                     *body,
                     r"\bottomrule",
-                    *(rf"\multicolumn{{5}}{{l}}{{\footnotesize {_tex(line)}}} \\" for line in footnotes),
+                    *(
+                        rf"\multicolumn{{{width}}}{{l}}{{\footnotesize {_tex(line)}}} \\"
+                        for line in [caption(epoch), *footnotes]
+                    ),
                     r"\end{tabular}",
                 ]
             )

@@ -20,6 +20,7 @@ from kd.commands import table
 from kd.errors import KDError, writing
 from kd.run import papers
 from kd.run.log import unended_parts, wall_parts
+from kd.run.papers import Departure
 from kd.runfolder import RunFolder
 
 COLUMNS = [
@@ -92,7 +93,9 @@ def collect(run: Path) -> Dict[str, object]:
         "diff": round(best["val_top1"] - ref, 2) if ref is not None else "-",
         # the classes the run trained (its config leaves the folder's count out)
         "paper_setting": papers.cell(
-            {**cfg, "num_classes": last.get("classes", cfg.get("num_classes"))}, method_defaults
+            {**cfg, "num_classes": last.get("classes", cfg.get("num_classes"))},
+            method_defaults,
+            lambda recipe: setting_gaps(cfg, recipe, records),
         )
         if cfg
         else "-",
@@ -140,7 +143,8 @@ def val_count(record: Dict[str, Any]) -> str:
 
 def summary_line(run: Path, seconds: float, name: str = "") -> str:
     """The line ``kd train`` ends with: best and last top-1, the wall time (of a resumed run: this
-    part's, and the run's in all), the run folder and the best checkpoint (what a user opens next)."""
+    part's, and the run's in all), the run folder and the best checkpoint (what a user opens next).
+    ``seconds`` is this part's time where its wall.jsonl has none (a run of an older kd)."""
     folder = RunFolder(run)
     records = folder.records()
     evals = [r for r in records if "val_top1" in r]
@@ -151,6 +155,8 @@ def summary_line(run: Path, seconds: float, name: str = "") -> str:
     best, last = max(evals, key=lambda r: r["val_top1"]), evals[-1]
     checkpoint = folder.best if folder.best.is_file() else folder.last
     parts, unended = wall_parts(run), unended_parts(run)
+    if parts:  # this part's line, just written: timed from the command's start, as kd report sums them
+        seconds = parts[-1]["seconds"]
     if unended:  # a part before this one was killed outright: its time is not known
         known = duration(sum(p["seconds"] for p in parts))
         took = f"{duration(seconds)} (more than {known} in all: {len(unended)} earlier part(s) wrote no end)"
@@ -179,6 +185,33 @@ NOT_THE_SETTING = {
 TRAINER_SWITCHES = ("dot",)
 
 
+def setting_gaps(cfg: Dict[str, Any], recipe: Dict[str, Any], records: List[Dict[str, Any]]) -> List[Departure]:
+    """Where a run (its config as a dict, its metrics.jsonl records) departs from ``recipe``'s setting:
+    data other than ImageNet-1k first, then each setting key, trainer switch or hyper-parameter given
+    outside the recipe's keys (``--logit-standardisation``) that differs."""
+    from kd.config import cli_value
+
+    gaps: List[Departure] = []
+    images = records[0].get("train_images") if records else None
+    if images is not None and images < 0.99 * IMAGENET_TRAIN_IMAGES:
+        words = f"trained on {int(images):,} images an epoch, not ImageNet-1k's {IMAGENET_TRAIN_IMAGES:,}"
+        gaps.append(Departure("train_images", f"not ImageNet ({int(images):,} train images)", words))
+    differ = [k for k in recipe if k not in NOT_THE_SETTING and cfg.get(k) != recipe[k]]
+    # a trainer switch a recipe may leave out (off there) changes the setting all the same
+    differ += [k for k in TRAINER_SWITCHES if k not in recipe and cfg.get(k)]
+    if not differ:
+        ran, published = _loss_settings(cfg), _loss_settings(recipe)
+        differ = [f"loss_args.{k}" for k in sorted(set(ran) | set(published)) if ran.get(k) != published.get(k)]
+        cfg = {**cfg, **{f"loss_args.{k}": v for k, v in ran.items()}}
+        recipe = {**recipe, **{f"loss_args.{k}": v for k, v in published.items()}}
+    for k in differ:
+        ours, theirs = cfg.get(k), recipe.get(k)
+        words = f"{k} {ours!r}" + (f" (recipe: {theirs!r})" if k in recipe else "")
+        short = f"{k} {cli_value(ours)}" + (f" ({cli_value(theirs)})" if k in recipe else "")
+        gaps.append(Departure(k, short, words))
+    return gaps
+
+
 def paper_reference(cfg: Dict[str, Any], records: List[Dict[str, Any]]) -> Tuple[Optional[float], Optional[str]]:
     """(the recipe's published top-1, None) for a run of that recipe's setting on ImageNet, else
     (None, why not) where the run's recipe has a reference: another model, method, hyper-parameter
@@ -187,31 +220,27 @@ def paper_reference(cfg: Dict[str, Any], records: List[Dict[str, Any]]) -> Tuple
     if ref is None:
         return None, None
     name = cfg.get("recipe")
+    recipe = _named_recipe(name)
+    if not recipe:
+        return None, f"its recipe {name} is not found here, so its setting cannot be checked"
+    gaps = setting_gaps(cfg, recipe, records)
+    keys = [gap for gap in gaps if gap.key != "train_images"]
+    if keys:
+        shown = ", ".join(gap.words for gap in keys[:3])
+        return None, f"not the setting of recipe {name}: {shown}{' ...' if len(keys) > 3 else ''}"
+    if gaps:
+        return None, gaps[0].words
+    return ref, None
+
+
+def _named_recipe(name: Any) -> Dict[str, Any]:
+    """The values of the recipe a run names ({} where it names none or it is not found here)."""
     try:
         from kd.config import find_recipe, load_yaml
 
-        recipe = load_yaml(find_recipe(str(name))) if name else {}
+        return load_yaml(find_recipe(str(name))) if name else {}
     except KDError:
-        recipe = {}
-    if not recipe:
-        return None, f"its recipe {name} is not found here, so its setting cannot be checked"
-    differ = [k for k in recipe if k not in NOT_THE_SETTING and cfg.get(k) != recipe[k]]
-    # a trainer switch a recipe may leave out (off there) changes the setting all the same
-    differ += [k for k in TRAINER_SWITCHES if k not in recipe and cfg.get(k)]
-    if not differ:  # a hyper-parameter given outside the recipe's keys (--logit-standardisation, say)
-        ran, published = _loss_settings(cfg), _loss_settings(recipe)
-        differ = [f"loss_args.{k}" for k in sorted(set(ran) | set(published)) if ran.get(k) != published.get(k)]
-        cfg = {**cfg, **{f"loss_args.{k}": v for k, v in ran.items()}}
-        recipe = {**recipe, **{f"loss_args.{k}": v for k, v in published.items()}}
-    if differ:
-        shown = ", ".join(
-            f"{k} {cfg.get(k)!r}" + (f" (recipe: {recipe[k]!r})" if k in recipe else "") for k in differ[:3]
-        )
-        return None, f"not the setting of recipe {name}: {shown}{' ...' if len(differ) > 3 else ''}"
-    images = records[0].get("train_images") if records else None
-    if images is not None and images < 0.99 * IMAGENET_TRAIN_IMAGES:
-        return None, f"trained on {int(images):,} images an epoch, not ImageNet-1k's {IMAGENET_TRAIN_IMAGES:,}"
-    return ref, None
+        return {}
 
 
 def method_defaults(method: str) -> Dict[str, Any]:

@@ -11,7 +11,7 @@ damaged ends in a KDError (``kd: error:``, exit 2) that names it and what to do.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, List
+from typing import Callable, List, Set
 
 from kd.errors import KDError
 from kd.runfolder import RunFolder
@@ -22,6 +22,8 @@ Echo = Callable[[str], None]
 
 def check_file(path: Path) -> str:
     """``OK ...`` or ``DAMAGED: why`` for one checkpoint or weights file (read in full, not cached)."""
+    if not path.exists() and checkpoint_io.sums_file(path).is_file():
+        return f"DAMAGED: missing, though {checkpoint_io.sums_file(path).name} is here (deleted, or not copied)"
     listed = checkpoint_io.listed_sums(path)
     if listed is None:
         try:
@@ -40,14 +42,17 @@ def check_file(path: Path) -> str:
 
 def checkpoints(folder: Path) -> List[Path]:
     """A run folder's checkpoints (last.pt, best.pt, step_*.pt; not the temporary files of a write),
-    or those of each student of a run of several (``OUT/NAME/checkpoints``)."""
+    or those of each student of a run of several (``OUT/NAME/checkpoints``); a checkpoint gone from
+    beside its ``.sha256`` is listed too (a deleted last.pt)."""
     runs = [folder] if RunFolder(folder).checkpoints.is_dir() else sorted(p for p in folder.iterdir() if p.is_dir())
-    return [
-        p
-        for run in runs
-        for p in sorted(RunFolder(run).checkpoints.glob("*.pt"))
-        if p.is_file() and not p.name.startswith(".")
-    ]
+    found: Set[Path] = set()
+    for run in runs:
+        where = RunFolder(run).checkpoints
+        found.update(p for p in where.glob("*.pt") if p.is_file())
+        found.update(
+            sums.with_name(sums.name[: -len(checkpoint_io.SUMS)]) for sums in where.glob(f"*.pt{checkpoint_io.SUMS}")
+        )
+    return sorted(p for p in found if not p.name.startswith("."))
 
 
 def verify_files(paths: List[Path], echo: Echo, what: str) -> str:

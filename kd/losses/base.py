@@ -187,10 +187,13 @@ class DistillLoss(nn.Module):
         """(weight, bias) of the teacher's BatchNorm before each tapped stage's final ReLU, by teacher
         feature key, float32 copies (``reads_teacher_norms`` methods override this)."""
 
-    def setup_samples(self, labels: torch.Tensor, seed: int, gather: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def setup_samples(
+        self, labels: torch.Tensor, seed: int, gather: Callable[[torch.Tensor], torch.Tensor]
+    ) -> Optional[str]:
         """Every training sample's class (int64, dataset order), the run's seed and ``gather(t)``, which
         concatenates ``t`` over every process of the run in rank order (a collective), once before
-        training (``uses_samples`` methods override this)."""
+        training (``uses_samples`` methods override this); returns a line for the log, or None."""
+        return None
 
     def after_step(self) -> None:
         """Runs on the loss after each optimizer step, on every process (``uses_samples`` methods

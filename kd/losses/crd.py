@@ -113,7 +113,9 @@ class CRD(DistillLoss):
         self.embed_student = Embed(math.prod(s_shape[1:]), dim)
         self.embed_teacher = Embed(math.prod(t_shape[1:]), dim)
 
-    def setup_samples(self, labels: torch.Tensor, seed: int, gather: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def setup_samples(
+        self, labels: torch.Tensor, seed: int, gather: Callable[[torch.Tensor], torch.Tensor]
+    ) -> Optional[str]:
         n = labels.numel()
         counts = torch.bincount(labels)
         if n == 0 or int(counts.max()) == n:
@@ -133,6 +135,13 @@ class CRD(DistillLoss):
         )
         self.seed = seed
         self.gather = gather
+        k, fewest = int(self.hparams["negatives"]), n - int(counts.max())
+        if k <= fewest:
+            return None
+        return (
+            f"crd: {k:,} negatives a sample from {fewest:,} samples of other classes (the fewest of a class): "
+            "drawn with replacement, so each recurs; --loss-arg negatives=N draws fewer"
+        )
 
     @property
     def n_data(self) -> int:

@@ -72,7 +72,9 @@ def build_lane(
     side = backend.convert_model(side)  # before the optimizer: sync-BN layers, parameter layout
     if loss.uses_samples:  # CRD's memory: one row per training sample, classes to draw negatives from
         labels = torch.tensor([label for _, label in data.train_samples], dtype=torch.long)
-        loss.setup_samples(labels, cfg.seed, backend.all_gather)
+        sampling = loss.setup_samples(labels, cfg.seed, backend.all_gather)
+        if sampling:
+            logger.info(sampling)
     # the loaders normalise for the (first) student; another student renormalises on the device
     renorm = models.renormaliser(getattr(data.train, "norm", None), cfg.student_data)
     stop_in_setup(shared.stop, backend)

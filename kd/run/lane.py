@@ -20,7 +20,7 @@ from kd.errors import KDError, NonFinite
 from kd.losses.base import DISTILL_PART, TASK_PART, DistillLoss
 from kd.run import checkpoint, dot
 from kd.run.log import NullBar, SetupClock, first_step_record
-from kd.run.meter import Meter, format_record, nonfinite_flags, nonfinite_message
+from kd.run.meter import LearningWatch, Meter, format_record, nonfinite_flags, nonfinite_message
 from kd.run.state import TrainState
 from kd.run.step import LOGITS_SUM, BufferGuard, StepOutput, apply_gradients
 from kd.runfolder import RunFolder
@@ -107,6 +107,7 @@ class Lane:
         self.new_bad_files: Set[str] = set()  # the unreadable files this process met since the last check
         self.val_bad_files: Set[str] = set()  # the unreadable val files, named once (the same on every process)
         self.meter = Meter(self.device)
+        self.learning = LearningWatch(num_classes, cfg.lr)  # says once where the loss shows no learning
         self.steps_in_epoch = len(data.train)
         self.stop_every = min(cfg.log_every, 10)  # steps between stop checks across processes
         self.epoch_ended: Optional[float] = None
@@ -179,6 +180,9 @@ class Lane:
         self.epoch_ended = time.perf_counter()
         self.logger.epoch(record)
         self.logger.info(format_record(record, cfg.epochs))
+        stalled = self.learning.see(record)
+        if stalled:
+            self.logger.info(stalled)
         self.state.epoch += 1
         self.state.batch_in_epoch = 0
         self.epoch_lrs = []

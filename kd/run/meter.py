@@ -1,7 +1,9 @@
-"""Loss and counter sums kept on the device, read only when reduced; the epoch line of the log."""
+"""Loss and counter sums kept on the device, read only when reduced; the epoch line of the log, and
+the line that says a run is not learning."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -171,3 +173,44 @@ def nonfinite_message(
         f"{what} not finite {how_long} (epoch {epoch}, step {step}): {source}; "
         f"those steps were skipped and the run stopped, {kept}; {hint}"
     )
+
+
+class LearningWatch:
+    """Says once, while a run trains, that its training cross-entropy shows it is not learning: still
+    at chance (log C, with val top-1 near chance) after two epochs, or far above chance (the steps
+    too large: MLKD at KD's lr reached 16.6 on a small folder), with what to try."""
+
+    #: a cross-entropy this many times log C is far above chance (a fresh network starts at log C)
+    FAR_ABOVE = 3.0
+    #: at chance: a cross-entropy above this share of log C, and val top-1 below this many times 100/C
+    STILL, NEAR_CHANCE = 0.95, 1.5
+
+    def __init__(self, classes: int, lr: float):
+        self.chance = math.log(classes) if classes > 1 else 0.0
+        self.classes = classes
+        self.lr = lr
+        self.said = False
+
+    def see(self, record: Dict[str, Any]) -> Optional[str]:
+        """The line to print after the epoch of ``record`` (a metrics.jsonl record), or None."""
+        ce = record.get("train_ce", record.get("train_loss"))
+        if self.said or not self.chance or ce is None or not math.isfinite(ce):
+            return None
+        at = f"training cross-entropy {ce:.2f} after {record['epoch']} epoch(s)"
+        chance = f"chance is log {self.classes} = {self.chance:.2f}"
+        if ce > self.FAR_ABOVE * self.chance:
+            self.said = True
+            return (
+                f"not learning: {at}, far above where it started ({chance}): the steps are too large; "
+                f"try --lr {self.lr / 10:g} (a tenth), or --warmup-epochs 1 and --grad-clip 5"
+            )
+        top1 = record.get("val_top1")
+        near = top1 is None or top1 <= self.NEAR_CHANCE * 100.0 / self.classes
+        if record["epoch"] >= 2 and ce >= self.STILL * self.chance and near:
+            self.said = True
+            shown = f", val top-1 {top1:.2f}" if top1 is not None else ""
+            return (
+                f"not learning: {at} is still at chance ({chance}){shown}; on a small folder try "
+                f"--lr {self.lr / 2:g} --lr-schedule cosine --warmup-epochs 1 --min-crop-scale 0.25"
+            )
+        return None

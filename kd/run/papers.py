@@ -174,12 +174,30 @@ def start_line(cfg: Dict[str, Any], method_defaults: MethodDefaults) -> Optional
     )
 
 
-def cell(cfg: Dict[str, Any], method_defaults: MethodDefaults) -> str:
+#: the settings :func:`departures` compares as their meaning (``pretrained`` is the papers' V1 for resnet34)
+COMPARED = {"teacher_weights", "weight_decay", "wd_bn_bias", "dot", "temperature"}
+#: the departures a paper_setting cell names; more are ``...``
+CELL_DEPARTURES = 3
+
+
+def cell(
+    cfg: Dict[str, Any],
+    method_defaults: MethodDefaults,
+    gaps: Optional[Callable[[Dict[str, Any]], List[Departure]]] = None,
+) -> str:
     """``kd report``'s paper_setting: ``-`` (no recipe resembles the run), ``as NAME``, or
-    ``unlike NAME: teacher IMAGENET1K_V2, T 4``."""
+    ``unlike NAME: teacher IMAGENET1K_V2, T 4``. ``gaps(recipe)`` names what else departs from the
+    resembled recipe's values (the data, the batch, the epochs: kd.commands.report.setting_gaps);
+    a run is ``as NAME`` only where neither finds a difference."""
     name, found = departures(cfg, method_defaults)
     if name is None:
         return "-"
+    if gaps is not None:
+        recipe = _recipe(name) if cfg.get("recipe") else dict(_recipes()).get(name, {})
+        others = [gap for gap in gaps(recipe) if gap.key not in COMPARED]
+        data = [gap for gap in others if gap.key == "train_images"]  # the data first: it alone decides
+        found = data + found + [gap for gap in others if gap.key != "train_images"]
     if not found:
         return f"as {name}"
-    return f"unlike {name}: {', '.join(d.short for d in found)}"
+    more = " ..." if len(found) > CELL_DEPARTURES else ""
+    return f"unlike {name}: {', '.join(d.short for d in found[:CELL_DEPARTURES])}{more}"

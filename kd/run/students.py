@@ -343,15 +343,29 @@ def check_shared(names: Sequence[str], cfgs: Sequence[Any]) -> None:
         if key in PER_STUDENT:
             continue
         group = [(n, c) for n, c in zip(names, cfgs) if key not in TEACHER_KEYS or not c.no_teacher]
-        values = {repr(getattr(c, key)) for _, c in group}
-        if len(values) > 1:
-            differ.append(f"{key} ({', '.join(f'{n}: {getattr(c, key)}' for n, c in group)})")
+        if len({repr(getattr(c, key)) for _, c in group}) > 1:
+            differ.append(_disagreement(key, group))
     if differ:
         raise KDError(
-            f"the students disagree on what they share: {'; '.join(differ)}. Students of one run share the "
-            f"data, the teacher, the batch, image size, epochs, seed, hardware and precision; each may set "
-            f"only {', '.join(k for k in PER_STUDENT if k not in NOT_OPTIONS)}"
+            f"the students of one run share what they train on, and these differ: {'; '.join(differ)} "
+            "(each student keeps its own model, method and optimisation)"
         )
+
+
+def _disagreement(key: str, group: Sequence[Tuple[str, Any]]) -> str:
+    """``--batch-size (crd: 256, dkd: 512): give one --batch-size`` in kd train's words: its option,
+    each student's value as the command line writes it, and the option that makes them one."""
+    option = next((o for o in kd_config.TRAIN_OPTIONS if o.field == key), None)
+    if option is None:
+        flag, fix = f"{key}", f"--set {key}=VALUE"
+    elif option.switch and "/" in option.flags[0]:
+        flag, _, off = option.flags[0].partition("/")
+        fix = f"{flag} or {off}"
+    else:
+        flag = next(f for f in option.flags if f.startswith("--"))
+        fix = f"one {flag}"
+    values = ", ".join(f"{name}: {kd_config.cli_value(getattr(cfg, key))}" for name, cfg in group)
+    return f"{flag} ({values}): give {fix}"
 
 
 def load(out: Path) -> Students:
