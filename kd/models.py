@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from kd import archs
 from kd.errors import KDError, suggest
 from kd.utils import checkpoint_io, model_names
 from kd.utils.model_names import TIMM_PREFIX
@@ -33,6 +34,7 @@ def torchvision_names() -> List[str]:
 def _timm_lists() -> Dict[str, List[str]]:
     import timm
 
+    archs.register()
     lists = {"models": timm.list_models(), "pretrained": timm.list_pretrained()}
     model_names.keep("timm", lists)
     return lists
@@ -186,6 +188,7 @@ def construct(name: str, num_classes: int, weights: Optional[str] = "none") -> n
     if name.startswith(TIMM_PREFIX):
         import timm
 
+        archs.register()
         return timm.create_model(name[len(TIMM_PREFIX) :], pretrained=False, num_classes=num_classes)
     import torchvision.models as tvm
 

@@ -91,3 +91,18 @@ def test_unknown_weight_names_list_the_choices():
         models.torchvision_weights("resnet50", "torchvision:IMAGENET1K_V3")
     with pytest.raises(KDError, match="timm:resnet50 is a timm model"):
         models.torchvision_weights("timm:resnet50", "torchvision:IMAGENET1K_V1")
+
+
+def test_the_papers_mobilenet_v1_has_relu_where_timms_has_relu6():
+    from kd.utils import model_names
+
+    ours = models.build("timm:mobilenetv1_100_relu", 10)
+    activations = [type(m) for m in ours.modules() if isinstance(m, (torch.nn.ReLU, torch.nn.ReLU6))]
+    assert activations == [torch.nn.ReLU] * 27  # the stem and both convs of each of the 13 blocks
+    theirs = timm.create_model("mobilenetv1_100", num_classes=10)
+    assert [n for n, _ in ours.named_parameters()] == [n for n, _ in theirs.named_parameters()]
+    assert {type(m) for m in theirs.modules() if isinstance(m, (torch.nn.ReLU, torch.nn.ReLU6))} == {torch.nn.ReLU6}
+    # named before timm knows it (lists kept by an earlier kd lack it), and refused with a tag
+    assert model_names.refusal("timm:mobilenetv1_100_relu", lambda library, key: []) is None
+    with pytest.raises(KDError, match="no weights for mobilenetv1_100_relu"):
+        models.build("timm:mobilenetv1_100_relu.ra4_e3600_r224_in1k", 10)

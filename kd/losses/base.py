@@ -179,6 +179,11 @@ class DistillLoss(nn.Module):
         """Layer names to tap when the user names none (feature methods override this)."""
         return []
 
+    def side_tap_point(self, side: str) -> str:
+        """Where the engine taps the stages of ``side`` (``student`` or ``teacher``): :attr:`tap_point`,
+        unless the method lets each side choose (ReviewKD)."""
+        return self.tap_point
+
     def setup_features(self, student_shapes: Dict[str, torch.Size], teacher_shapes: Dict[str, torch.Size]) -> None:
         """Create connectors once the feature shapes are known (feature methods override this)."""
 

@@ -155,12 +155,12 @@ def setup_feature_layers(
     probe = torch.randn(2, 3, cfg.image_size, cfg.image_size, generator=torch.Generator().manual_seed(0))
     keys: List[List[str]] = []
     norms: Dict[str, Optional[str]] = {}  # the teacher's BatchNorm before each pre-ReLU tap
-    for model, layers, role in (
-        (student, s_layers, f"student {cfg.student}"),
-        (teacher, t_layers, f"teacher {cfg.teacher}"),
+    for model, layers, role, which in (
+        (student, s_layers, f"student {cfg.student}", "student"),
+        (teacher, t_layers, f"teacher {cfg.teacher}", "teacher"),
     ):
         side = list(layers)
-        if loss.tap_point == "pre_relu":
+        if loss.side_tap_point(which) == "pre_relu":
             found = pre_relu_keys(model, layers, probe, loss.name, role)  # one forward for every stage
             side = [key for key, _ in found]
             if model is teacher:

@@ -19,6 +19,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from kd.archs import KD_ARCHS
 from kd.errors import KDError, suggest
 
 TIMM_PREFIX = "timm:"
@@ -51,6 +52,8 @@ def refusal(name: str, lists: Lists) -> Optional[str]:
 
     if name.startswith(TIMM_PREFIX):
         arch, tag = timm_parts(name)
+        if arch in KD_ARCHS and tag is None:  # kd's own, in timm's lists once kd registers it
+            return None
         archs = need("timm", "models")
         if arch not in archs:
             return f"unknown timm model {arch!r}{suggest(arch, archs)}"
