@@ -31,6 +31,9 @@ LOSSES.register_lazy("mlkd", "kd.losses.mlkd:MultiLevelKD")
 LOSSES.register_lazy("nkd", "kd.losses.nkd:NormalizedKD")
 LOSSES.register_lazy("ofd", "kd.losses.ofd:OverhaulDistillation")
 LOSSES.register_lazy("reviewkd", "kd.losses.reviewkd:ReviewKD")
+LOSSES.register_lazy("sddkd", "kd.losses.sdd:ScaleDecoupledDKD")
+LOSSES.register_lazy("sdkd", "kd.losses.sdd:ScaleDecoupledKD")
+LOSSES.register_lazy("sdnkd", "kd.losses.sdd:ScaleDecoupledNKD")
 
 __all__ = ["LOSSES", "DistillInputs", "DistillLoss", "build_loss", "register", "split_layers"]
 
