@@ -13,9 +13,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from kd import archs
 from kd.errors import KDError, suggest
-from kd.utils import checkpoint_io, model_names
+from kd.utils import archs, checkpoint_io, model_names
 from kd.utils.model_names import TIMM_PREFIX
 from kd.utils.weights import NamedWeights, timm_weights
 from kd.utils.weights import torchvision_weights as tv_weights

@@ -132,6 +132,28 @@ PUBLISHED = {
         MDISTILLER, teacher="resnet34", student="resnet18", kd_loss="mlkd", lr=0.1, top1=71.90,
         loss={"ce_weight": 0.5, "kd_weight": 0.5, "temperature": 1.0},
     ),
+    # shicaiwei123/SDD-CVPR2024@e412036 configs/imagenet/*/sdd_*.yaml, train.py (2 processes of BATCH_SIZE, M),
+    # cfg.py (SD-KD's KD defaults), trainer.py (clip at norm 40), SyncBatchNorm; its MobileNetV2_SDD is a V1
+    "imagenet/r50_mv1_sdkd": dict(
+        MDISTILLER, teacher="resnet50", student="timm:mobilenetv1_100_relu", kd_loss="sdkd", grad_clip=40.0,
+        sync_bn=True, top1=72.24, loss={"ce_weight": 0.1, "kd_weight": 0.9, "temperature": 4.0, "scales": [1, 2, 4],
+                                         "grid": 4, "complementary_weight": 2.0},
+    ),
+    "imagenet/r50_mv1_sddkd": dict(
+        MDISTILLER, teacher="resnet50", student="timm:mobilenetv1_100_relu", kd_loss="sddkd", grad_clip=40.0,
+        sync_bn=True, top1=73.08, loss={"ce_weight": 1.0, "tckd_weight": 1.0, "nckd_weight": 2.0, "temperature": 1.0,
+                                         "warmup": 1, "scales": [1, 2, 4], "grid": 4, "complementary_weight": 2.0},
+    ),
+    "imagenet/r50_mv1_sdnkd": dict(
+        MDISTILLER, teacher="resnet50", student="timm:mobilenetv1_100_relu", kd_loss="sdnkd", grad_clip=40.0,
+        sync_bn=True, top1=73.12, loss={"ce_weight": 1.0, "non_target_weight": 2.0, "temperature": 1.0,
+                                         "drop_target": 0, "scales": [1, 2, 4], "grid": 4, "complementary_weight": 2.0},
+    ),
+    "imagenet/r34_r18_sddkd": dict(  # BATCH_SIZE 4 in its config: 256 as its sibling configs (the recipe says so)
+        MDISTILLER, teacher="resnet34", student="resnet18", kd_loss="sddkd", grad_clip=40.0, sync_bn=True,
+        top1=72.02, loss={"ce_weight": 1.0, "tckd_weight": 1.0, "nckd_weight": 0.5, "temperature": 1.0, "warmup": 1,
+                          "scales": [1, 2], "grid": 4, "complementary_weight": 2.0},
+    ),
     "imagenet/baseline_r18": dict(  # pytorch/vision references/classification/train.py@017e9b9 defaults
         student="resnet18", no_teacher=True, batch_size=256, lr=0.1, epochs=90, lr_schedule="step",
         lr_milestones=[30, 60], lr_gamma=0.1, momentum=0.9, nesterov=False, weight_decay=1e-4, wd_bn_bias=True,
@@ -304,7 +326,7 @@ def loss_outputs(cfg):
 
 
 #: methods added after the renaming: their recipes never had other names
-NAMED_SINCE = {"crd", "ofd", "reviewkd", "nkd", "ctkd", "ctdkd", "mlkd"}
+NAMED_SINCE = {"crd", "ofd", "reviewkd", "nkd", "ctkd", "ctdkd", "mlkd", "sdkd", "sddkd", "sdnkd"}
 #: recipes of earlier methods added after the renaming (DOT's)
 RECIPES_SINCE = {"imagenet/r34_r18_kd_dot", "imagenet/r50_mv1_kd_dot"}
 

@@ -11,12 +11,13 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from kd.commands import table
 
 #: the order of the rows of the papers' ImageNet tables, then the later methods
-ORDER = ["kd", "at", "fitnet", "ofd", "crd", "reviewkd", "dkd", "dist", "nkd", "ctkd", "ctdkd", "mlkd", "lskd"]
+ORDER = ["kd", "at", "fitnet", "ofd", "crd", "reviewkd", "dkd", "dist", "nkd", "ctkd", "ctdkd", "mlkd", "lskd",
+         "sdkd", "sddkd", "sdnkd"]  # fmt: skip
 #: how papers print each method's name
 TITLES = {
     "kd": "KD", "at": "AT", "fitnet": "FitNet", "ofd": "OFD", "crd": "CRD", "reviewkd": "ReviewKD",
     "dkd": "DKD", "dist": "DIST", "nkd": "NKD", "ctkd": "KD + CTKD", "ctdkd": "DKD + CTKD", "mlkd": "MLKD",
-    "lskd": "KD + LS",
+    "lskd": "KD + LS", "sdkd": "SD-KD", "sddkd": "SD-DKD", "sdnkd": "SD-NKD",
 }  # fmt: skip
 FORMATS = ("markdown", "latex")
 HEADER = ["method", "top-1", "top-5", "paper top-1", "diff"]

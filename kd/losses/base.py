@@ -114,8 +114,9 @@ class DistillLoss(nn.Module):
     each side's final feature map (the only entry of each feature dict) and classifier:
     :meth:`setup_classifiers` gets the student's classifier's name and a copy of the teacher's, and
     :attr:`DistillInputs.student_classifier` is the student's own at each step. ``uses_samples``
-    methods (CRD) see each sample's index in the training set (:attr:`DistillInputs.indices`): :meth:`setup_samples` gets
-    every training sample's class first, and :meth:`after_step` runs after each optimizer step.
+    methods (CRD) see each sample's index in the training set (:attr:`DistillInputs.indices`):
+    :meth:`setup_samples` gets every training sample's class first, and :meth:`after_step` runs after
+    each optimizer step.
     ``views = 2`` methods (MLKD) see a second, strongly augmented view of each sample: the loaders
     make it, the teacher and the student forward it too (:attr:`DistillInputs.second_student_logits`).
     """

@@ -19,8 +19,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from kd.archs import KD_ARCHS
 from kd.errors import KDError, suggest
+from kd.utils.archs import KD_ARCHS
 
 TIMM_PREFIX = "timm:"
 #: the libraries whose names kd keeps, and the lists of each: a library's list key -> its lists' keys
