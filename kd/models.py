@@ -101,6 +101,27 @@ def torchvision_weights(name: str, weights: str):
     return enum[tag]
 
 
+#: the ImageNet weights every KD paper's torchvision teacher has (ResNet-50's 76.13, not V2's 80.86)
+PAPERS_WEIGHTS = "IMAGENET1K_V1"
+
+
+def pretrained_note(name: str, weights: Optional[str], option: str) -> Optional[str]:
+    """Where ``pretrained`` names torchvision weights of ``name`` other than the papers' IMAGENET1K_V1
+    that it also has (resnet50's default is V2): the words that say so and give ``option`` for V1."""
+    if weights != "pretrained" or name.startswith(TIMM_PREFIX):
+        return None
+    try:
+        member = torchvision_weights(name, weights)
+    except KDError:
+        return None
+    if member.name == PAPERS_WEIGHTS or PAPERS_WEIGHTS not in type(member).__members__:
+        return None
+    return (
+        f"pretrained is torchvision's default {member.name}, not the papers' {PAPERS_WEIGHTS}: "
+        f"{option} {TORCHVISION_WEIGHTS}{PAPERS_WEIGHTS}"
+    )
+
+
 def timm_arch(name: str, weights: str) -> str:
     """``arch`` or ``arch.tag`` for timm: ``pretrained`` is the name's own tag (``timm:arch.tag``)
     or timm's default tag, ``timm:TAG`` that one (which a tag in the name must not contradict)."""

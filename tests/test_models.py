@@ -106,3 +106,23 @@ def test_the_papers_mobilenet_v1_has_relu_where_timms_has_relu6():
     assert model_names.refusal("timm:mobilenetv1_100_relu", lambda library, key: []) is None
     with pytest.raises(KDError, match="no weights for mobilenetv1_100_relu"):
         models.build("timm:mobilenetv1_100_relu.ra4_e3600_r224_in1k", 10)
+
+
+def test_the_teacher_line_of_pretrained_v2_weights_names_the_papers_v1():
+    from types import SimpleNamespace
+
+    from kd import config as kd_config
+    from kd.run.lane import Lane
+
+    lines = []
+    for weights in ("pretrained", "torchvision:IMAGENET1K_V1"):
+        cfg = kd_config.resolve(options={"data": "/d", "teacher": "resnet50", "teacher_weights": weights,
+                                         "student": "resnet18"})  # fmt: skip
+        logger = SimpleNamespace(info=lines.append)
+        Lane.log_data_configs(SimpleNamespace(cfg=models.with_data_configs(cfg), logger=logger))  # type: ignore[arg-type]
+    v2, v1 = [line for line in lines if line.startswith("teacher resnet50:")]
+    assert v2.endswith(
+        "(torchvision ResNet50_Weights.IMAGENET1K_V2); pretrained is torchvision's default IMAGENET1K_V2, "
+        "not the papers' IMAGENET1K_V1: --teacher-weights torchvision:IMAGENET1K_V1"
+    ), v2
+    assert v1.endswith("(torchvision ResNet50_Weights.IMAGENET1K_V1)"), v1
