@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from kd.errors import KDError, suggest
-from kd.utils import checkpoint_io, model_names
+from kd.utils import archs, checkpoint_io, model_names
 from kd.utils.model_names import TIMM_PREFIX
 from kd.utils.weights import NamedWeights, timm_weights
 from kd.utils.weights import torchvision_weights as tv_weights
@@ -33,6 +33,7 @@ def torchvision_names() -> List[str]:
 def _timm_lists() -> Dict[str, List[str]]:
     import timm
 
+    archs.register()
     lists = {"models": timm.list_models(), "pretrained": timm.list_pretrained()}
     model_names.keep("timm", lists)
     return lists
@@ -98,6 +99,27 @@ def torchvision_weights(name: str, weights: str):
             f"{name} has no torchvision weights {tag!r}{suggest(tag, members)}; choose from: {', '.join(members)}"
         )
     return enum[tag]
+
+
+#: the ImageNet weights every KD paper's torchvision teacher has (ResNet-50's 76.13, not V2's 80.86)
+PAPERS_WEIGHTS = "IMAGENET1K_V1"
+
+
+def pretrained_note(name: str, weights: Optional[str], option: str) -> Optional[str]:
+    """Where ``pretrained`` names torchvision weights of ``name`` other than the papers' IMAGENET1K_V1
+    that it also has (resnet50's default is V2): the words that say so and give ``option`` for V1."""
+    if weights != "pretrained" or name.startswith(TIMM_PREFIX):
+        return None
+    try:
+        member = torchvision_weights(name, weights)
+    except KDError:
+        return None
+    if member.name == PAPERS_WEIGHTS or PAPERS_WEIGHTS not in type(member).__members__:
+        return None
+    return (
+        f"pretrained is torchvision's default {member.name}, not the papers' {PAPERS_WEIGHTS}: "
+        f"{option} {TORCHVISION_WEIGHTS}{PAPERS_WEIGHTS}"
+    )
 
 
 def timm_arch(name: str, weights: str) -> str:
@@ -186,6 +208,7 @@ def construct(name: str, num_classes: int, weights: Optional[str] = "none") -> n
     if name.startswith(TIMM_PREFIX):
         import timm
 
+        archs.register()
         return timm.create_model(name[len(TIMM_PREFIX) :], pretrained=False, num_classes=num_classes)
     import torchvision.models as tvm
 

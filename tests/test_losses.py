@@ -496,6 +496,19 @@ SETTINGS = {
         "args": {"reviewkd_weight": 8.0, "mid_channels": 8, "warmup": 4.0},
         "kd_only": {"ce_weight": 0.0},
     },
+    **{
+        name: {
+            "features": {"student": {"global_pool<1": (4, 6, 7, 7)}, "teacher": {"avgpool<1": (4, 8, 7, 7)}},
+            "classifier": True,
+            "args": args,
+            "kd_only": {"ce_weight": 0.0},
+        }
+        for name, args in (
+            ("sdkd", {"temperature": 2.0, "scales": [1, 2]}),
+            ("sddkd", {"nckd_weight": 2.0, "grid": 0}),
+            ("sdnkd", {"non_target_weight": 1.5, "drop_target": 1}),
+        )
+    },
     "mlkd": {"args": {"temperature": 2.0, "kd_weight": 1.0, "standardise": 1}, "kd_only": {"ce_weight": 0.0}},
     "crld": {
         "args": {"within_weight": 1.0, "cross_weight": 1.0, "temperature": 2.0, "weak_threshold": 0.1},
@@ -529,6 +542,9 @@ def test_readme_method_table_lists_every_hyper_parameter():
     for name in LOSSES.names():
         assert name in rows, f"README's method table has no row for {name}"
         for key, default in LOSSES.get(name).defaults.items():
+            if isinstance(default, (str, list)):  # a choice (reviewkd's taps) or a list (sdd's scales)
+                assert f" {key} {default}" in rows[name], f"README: {name} does not list {key} {default}"
+                continue
             m = re.search(rf"\b{key} ([0-9.e+-]+)", rows[name])
             assert m, f"README: {name} does not list {key} ({rows[name]})"
             assert float(m.group(1)) == pytest.approx(float(default)), (name, key)
@@ -553,6 +569,13 @@ def prepared(name, args, dtype=torch.float32, num_classes=10, batch=4):
         loss.setup_teacher(
             {k: (torch.linspace(0.5, 1.5, v[1]), torch.linspace(-1.0, 1.0, v[1])) for k, v in spec["teacher"].items()}
         )
+    head = None
+    if setting.get("classifier"):  # the student's linear classifier, and a copy of the teacher's
+        (s_map,), (t_map,) = spec["student"].values(), spec["teacher"].values()
+        loss.setup_classifiers(
+            "fc", torch.randn(num_classes, t_map[1], generator=g), torch.randn(num_classes, generator=g)
+        )
+        head = torch.nn.Linear(s_map[1], num_classes)
     labels_ = torch.randint(0, num_classes, (batch,), generator=g)
     indices = None
     if loss.uses_samples:  # a training set of 5 samples per class, the batch its first samples
@@ -564,7 +587,9 @@ def prepared(name, args, dtype=torch.float32, num_classes=10, batch=4):
             second_student_logits=torch.randn(batch, num_classes, generator=g).to(dtype).requires_grad_(),
             second_teacher_logits=torch.randn(batch, num_classes, generator=g).requires_grad_(),
         )
-    return loss, DistillInputs(student, labels_, teacher, s_feats, t_feats, progress=2.0, indices=indices, **second)
+    x = DistillInputs(student, labels_, teacher, s_feats, t_feats, progress=2.0, indices=indices, **second)
+    x.student_classifier = head
+    return loss, x
 
 
 @pytest.mark.parametrize("name", sorted(SETTINGS))

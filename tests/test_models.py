@@ -91,3 +91,38 @@ def test_unknown_weight_names_list_the_choices():
         models.torchvision_weights("resnet50", "torchvision:IMAGENET1K_V3")
     with pytest.raises(KDError, match="timm:resnet50 is a timm model"):
         models.torchvision_weights("timm:resnet50", "torchvision:IMAGENET1K_V1")
+
+
+def test_the_papers_mobilenet_v1_has_relu_where_timms_has_relu6():
+    from kd.utils import model_names
+
+    ours = models.build("timm:mobilenetv1_100_relu", 10)
+    activations = [type(m) for m in ours.modules() if isinstance(m, (torch.nn.ReLU, torch.nn.ReLU6))]
+    assert activations == [torch.nn.ReLU] * 27  # the stem and both convs of each of the 13 blocks
+    theirs = timm.create_model("mobilenetv1_100", num_classes=10)
+    assert [n for n, _ in ours.named_parameters()] == [n for n, _ in theirs.named_parameters()]
+    assert {type(m) for m in theirs.modules() if isinstance(m, (torch.nn.ReLU, torch.nn.ReLU6))} == {torch.nn.ReLU6}
+    # named before timm knows it (lists kept by an earlier kd lack it), and refused with a tag
+    assert model_names.refusal("timm:mobilenetv1_100_relu", lambda library, key: []) is None
+    with pytest.raises(KDError, match="no weights for mobilenetv1_100_relu"):
+        models.build("timm:mobilenetv1_100_relu.ra4_e3600_r224_in1k", 10)
+
+
+def test_the_teacher_line_of_pretrained_v2_weights_names_the_papers_v1():
+    from types import SimpleNamespace
+
+    from kd import config as kd_config
+    from kd.run.lane import Lane
+
+    lines = []
+    for weights in ("pretrained", "torchvision:IMAGENET1K_V1"):
+        cfg = kd_config.resolve(options={"data": "/d", "teacher": "resnet50", "teacher_weights": weights,
+                                         "student": "resnet18"})  # fmt: skip
+        logger = SimpleNamespace(info=lines.append)
+        Lane.log_data_configs(SimpleNamespace(cfg=models.with_data_configs(cfg), logger=logger))  # type: ignore[arg-type]
+    v2, v1 = [line for line in lines if line.startswith("teacher resnet50:")]
+    assert v2.endswith(
+        "(torchvision ResNet50_Weights.IMAGENET1K_V2); pretrained is torchvision's default IMAGENET1K_V2, "
+        "not the papers' IMAGENET1K_V1: --teacher-weights torchvision:IMAGENET1K_V1"
+    ), v2
+    assert v1.endswith("(torchvision ResNet50_Weights.IMAGENET1K_V1)"), v1

@@ -24,7 +24,7 @@ def test_kd_defaults_on_the_papers_pairs_are_told_apart_from_the_papers():
     name, found = papers.departures(setting(teacher="resnet50", student="timm:mobilenetv1_100"), method_defaults)
     assert name == "imagenet/r50_mv1_kd"
     assert [d.words for d in found] == [
-        "teacher weights pretrained = IMAGENET1K_V2 (the paper's: IMAGENET1K_V1)",
+        "teacher weights pretrained = IMAGENET1K_V2 (the paper's: IMAGENET1K_V1, --teacher-weights torchvision:IMAGENET1K_V1)",
         "BatchNorm and biases not decayed (the paper decays every parameter: --wd-bn-bias)",
         "T 4 (the paper's: 1)",
     ]

@@ -22,7 +22,13 @@ def test_expected_recipes_exist():
         assert f"imagenet/r50_mv1_{method}" in NAMES
     assert "imagenet/r34_r18_nkd" in NAMES
     assert "imagenet/r34_r18_mlkd" in NAMES
-    for name in ("imagenet/r50_mv1_kd", "imagenet/r50_mv1_dkd", "imagenet/r101_r18_kd", "imagenet/baseline_r18"):
+    for name in (
+        "imagenet/r50_mv1_kd",
+        "imagenet/r50_mv1_dkd",
+        "imagenet/r101_r18_kd",
+        "imagenet/baseline_r18",
+        "imagenet/baseline_mv1",
+    ):
         assert name in NAMES
 
 
@@ -59,7 +65,7 @@ PUBLISHED = {
         loss={"ce_weight": 1.0, "kd_weight": 2.0, "inter_weight": 1.0, "intra_weight": 1.0, "temperature": 1.0},
     ),
     "imagenet/r50_mv1_kd": dict(
-        MDISTILLER, teacher="resnet50", student="timm:mobilenetv1_100", kd_loss="kd", top1=70.50,
+        MDISTILLER, teacher="resnet50", student="timm:mobilenetv1_100_relu", kd_loss="kd", top1=70.50,
         loss={"ce_weight": 0.5, "kd_weight": 0.5, "temperature": 1.0},
     ),
     "imagenet/r34_r18_kd_dot": dict(  # mdistiller r34_r18/dot.yaml: KD trained by DOT, DELTA 0.09 (cfg.py's 0.075)
@@ -67,11 +73,11 @@ PUBLISHED = {
         loss={"ce_weight": 0.5, "kd_weight": 0.5, "temperature": 1.0}, top1=71.72,
     ),
     "imagenet/r50_mv1_kd_dot": dict(  # mdistiller r50_mv1/dot.yaml
-        MDISTILLER, teacher="resnet50", student="timm:mobilenetv1_100", kd_loss="kd", dot=True, dot_delta=0.09,
+        MDISTILLER, teacher="resnet50", student="timm:mobilenetv1_100_relu", kd_loss="kd", dot=True, dot_delta=0.09,
         loss={"ce_weight": 0.5, "kd_weight": 0.5, "temperature": 1.0}, top1=73.09,
     ),
     "imagenet/r50_mv1_dkd": dict(
-        MDISTILLER, teacher="resnet50", student="timm:mobilenetv1_100", kd_loss="dkd", top1=72.05,
+        MDISTILLER, teacher="resnet50", student="timm:mobilenetv1_100_relu", kd_loss="dkd", top1=72.05,
         loss={"ce_weight": 1.0, "tckd_weight": 1.0, "nckd_weight": 2.0, "temperature": 1.0, "warmup": 1},
     ),
     "imagenet/r34_r18_crd": dict(  # mdistiller r34_r18/crd.yaml: batch 256, lr 0.1; cfg.py's CRD block
@@ -80,21 +86,23 @@ PUBLISHED = {
               "momentum": 0.5},
     ),
     "imagenet/r50_mv1_crd": dict(
-        MDISTILLER, teacher="resnet50", student="timm:mobilenetv1_100", kd_loss="crd", batch_size=256, lr=0.1,
+        MDISTILLER, teacher="resnet50", student="timm:mobilenetv1_100_relu", kd_loss="crd", batch_size=256, lr=0.1,
         top1=71.37, loss={"ce_weight": 1.0, "crd_weight": 0.8, "feat_dim": 128, "negatives": 16384,
                           "temperature": 0.07, "momentum": 0.5},
     ),
     "imagenet/r34_r18_reviewkd": dict(  # mdistiller r34_r18/reviewkd.yaml = dvlab-research/ReviewKD@cede6ea
         MDISTILLER, teacher="resnet34", student="resnet18", kd_loss="reviewkd", batch_size=256, lr=0.1, top1=71.61,
-        loss={"ce_weight": 1.0, "reviewkd_weight": 1.0, "mid_channels": 512, "warmup": 1},
+        loss={"ce_weight": 1.0, "reviewkd_weight": 1.0, "mid_channels": 512, "warmup": 1,
+              "student_tap": "output", "teacher_tap": "output"},  # the in-place ReLU: post-ReLU stages
         feature_layers=["layer1", "layer2", "layer3", "layer4"],
     ),
     "imagenet/r50_mv1_reviewkd": dict(  # mdistiller r50_mv1/reviewkd.yaml; mid channels 256 as the official code
-        MDISTILLER, teacher="resnet50", student="timm:mobilenetv1_100", kd_loss="reviewkd", batch_size=256, lr=0.1,
-        top1=72.56, loss={"ce_weight": 1.0, "reviewkd_weight": 8.0, "mid_channels": 256, "warmup": 1},
+        MDISTILLER, teacher="resnet50", student="timm:mobilenetv1_100_relu", kd_loss="reviewkd", batch_size=256, lr=0.1,
+        top1=72.56, loss={"ce_weight": 1.0, "reviewkd_weight": 8.0, "mid_channels": 256, "warmup": 1,
+                    "student_tap": "pre_relu", "teacher_tap": "output"},  # MobileNet preReLU=True
     ),
     "imagenet/r50_mv1_ofd": dict(  # clovaai/overhaul-distillation@76344a8 ImageNet/train_with_distillation.py
-        MDISTILLER, teacher="resnet50", student="timm:mobilenetv1_100", kd_loss="ofd", batch_size=256, lr=0.1,
+        MDISTILLER, teacher="resnet50", student="timm:mobilenetv1_100_relu", kd_loss="ofd", batch_size=256, lr=0.1,
         nesterov=True, lr_milestones=[29, 59, 89], top1=71.25, loss={"ce_weight": 1.0, "ofd_weight": 1e-4},
     ),
     "imagenet/r34_r18_ofd": dict(  # the same official setting with this pair's models
@@ -107,7 +115,7 @@ PUBLISHED = {
         loss={"ce_weight": 1.0, "non_target_weight": 1.5, "temperature": 1.0},
     ),
     "imagenet/r50_mv1_nkd": dict(  # yzd-v/cls_KD@1e5d48f res50_distill_mv1_img.py: clip at norm 5
-        MDISTILLER, teacher="resnet50", student="timm:mobilenetv1_100", kd_loss="nkd", batch_size=256, lr=0.1,
+        MDISTILLER, teacher="resnet50", student="timm:mobilenetv1_100_relu", kd_loss="nkd", batch_size=256, lr=0.1,
         grad_clip=5.0, top1=72.58, loss={"ce_weight": 1.0, "non_target_weight": 1.5, "temperature": 1.0},
     ),
     "imagenet/r34_r18_ctkd": dict(  # zhengli97/CTKD@7d52522 scripts/run_imagenet_distill.sh
@@ -129,7 +137,7 @@ PUBLISHED = {
         loss={"ce_weight": 1.0, "kd_weight": 4.0, "temperature": 0.7, "warmup": 1},
     ),
     "imagenet/r50_mv1_luminet": dict(  # ismail31416/LumiNet@8cf749b r50_mv1/luminet.yaml: batch 256, lr 0.1
-        MDISTILLER, teacher="resnet50", student="timm:mobilenetv1_100", kd_loss="luminet", batch_size=256, lr=0.1,
+        MDISTILLER, teacher="resnet50", student="timm:mobilenetv1_100_relu", kd_loss="luminet", batch_size=256, lr=0.1,
         top1=72.55, loss={"ce_weight": 1.0, "kd_weight": 4.0, "temperature": 0.7, "warmup": 1},
     ),
     "imagenet/r34_r18_crld": dict(  # arcanienz/CRLD r34_r18/crld.yaml (scx-822/CRLD-main@c9d6657) + cfg.py's CRLD block
@@ -138,7 +146,7 @@ PUBLISHED = {
               "strong_threshold": 0.2},
     ),
     "imagenet/r50_mv1_crld": dict(  # the same repository's r50_mv1/crld.yaml: the same values
-        MDISTILLER, teacher="resnet50", student="timm:mobilenetv1_100", kd_loss="crld", top1=None,
+        MDISTILLER, teacher="resnet50", student="timm:mobilenetv1_100_relu", kd_loss="crld", top1=None,
         loss={"ce_weight": 2.0, "within_weight": 2.0, "cross_weight": 0.5, "temperature": 1.0, "weak_threshold": 0.9,
               "strong_threshold": 0.2},
     ),
@@ -160,22 +168,49 @@ PUBLISHED = {
                           "reversal_weight": 1.0, "reversal_epochs": 5, "standardise": 1},
     ),
     "imagenet/r50_mv1_lskd": dict(  # r50_mv2/kd.yaml: CE 0.5
-        MDISTILLER, teacher="resnet50", student="timm:mobilenetv1_100", kd_loss="lskd", top1=72.18,
+        MDISTILLER, teacher="resnet50", student="timm:mobilenetv1_100_relu", kd_loss="lskd", top1=72.18,
         loss={"ce_weight": 0.5, "kd_weight": 9.0, "temperature": 2.0},
     ),
     "imagenet/r50_mv1_dkd_ls": dict(  # r50_mv2/dkd.yaml: BETA 2
-        MDISTILLER, teacher="resnet50", student="timm:mobilenetv1_100", kd_loss="dkd", top1=72.85,
+        MDISTILLER, teacher="resnet50", student="timm:mobilenetv1_100_relu", kd_loss="dkd", top1=72.85,
         loss={"ce_weight": 1.0, "tckd_weight": 9.0, "nckd_weight": 18.0, "temperature": 2.0, "warmup": 1,
               "standardise": 1},
     ),
     "imagenet/r50_mv1_mlkd_ls": dict(  # r50_mv2/mlkd.yaml: lr 0.2, CE 0.5
-        MDISTILLER, teacher="resnet50", student="timm:mobilenetv1_100", kd_loss="mlkd", top1=73.22,
+        MDISTILLER, teacher="resnet50", student="timm:mobilenetv1_100_relu", kd_loss="mlkd", top1=73.22,
         loss={"ce_weight": 0.5, "kd_weight": 9.0, "temperature": 2.0, "standardise": 1},
+    ),
+    # shicaiwei123/SDD-CVPR2024@e412036 configs/imagenet/*/sdd_*.yaml, train.py (2 processes of BATCH_SIZE, M),
+    # cfg.py (SD-KD's KD defaults), trainer.py (clip at norm 40), SyncBatchNorm; its MobileNetV2_SDD is a V1
+    "imagenet/r50_mv1_sdkd": dict(
+        MDISTILLER, teacher="resnet50", student="timm:mobilenetv1_100_relu", kd_loss="sdkd", grad_clip=40.0,
+        sync_bn=True, top1=72.24, loss={"ce_weight": 0.1, "kd_weight": 0.9, "temperature": 4.0, "scales": [1, 2, 4],
+                                         "grid": 4, "complementary_weight": 2.0},
+    ),
+    "imagenet/r50_mv1_sddkd": dict(
+        MDISTILLER, teacher="resnet50", student="timm:mobilenetv1_100_relu", kd_loss="sddkd", grad_clip=40.0,
+        sync_bn=True, top1=73.08, loss={"ce_weight": 1.0, "tckd_weight": 1.0, "nckd_weight": 2.0, "temperature": 1.0,
+                                         "warmup": 1, "scales": [1, 2, 4], "grid": 4, "complementary_weight": 2.0},
+    ),
+    "imagenet/r50_mv1_sdnkd": dict(
+        MDISTILLER, teacher="resnet50", student="timm:mobilenetv1_100_relu", kd_loss="sdnkd", grad_clip=40.0,
+        sync_bn=True, top1=73.12, loss={"ce_weight": 1.0, "non_target_weight": 2.0, "temperature": 1.0,
+                                         "drop_target": 0, "scales": [1, 2, 4], "grid": 4, "complementary_weight": 2.0},
+    ),
+    "imagenet/r34_r18_sddkd": dict(  # BATCH_SIZE 4 in its config: 256 as its sibling configs (the recipe says so)
+        MDISTILLER, teacher="resnet34", student="resnet18", kd_loss="sddkd", grad_clip=40.0, sync_bn=True,
+        top1=72.02, loss={"ce_weight": 1.0, "tckd_weight": 1.0, "nckd_weight": 0.5, "temperature": 1.0, "warmup": 1,
+                          "scales": [1, 2], "grid": 4, "complementary_weight": 2.0},
     ),
     "imagenet/baseline_r18": dict(  # pytorch/vision references/classification/train.py@017e9b9 defaults
         student="resnet18", no_teacher=True, batch_size=256, lr=0.1, epochs=90, lr_schedule="step",
         lr_milestones=[30, 60], lr_gamma=0.1, momentum=0.9, nesterov=False, weight_decay=1e-4, wd_bn_bias=True,
         label_smoothing=None, image_size=224, min_crop_scale=0.08, top1=69.76,
+    ),
+    "imagenet/baseline_mv1": dict(  # no published config: the pair's KD solver (mdistiller r50_mv1/kd.yaml), no teacher
+        student="timm:mobilenetv1_100_relu", no_teacher=True, batch_size=512, lr=0.2, epochs=100, lr_schedule="step",
+        lr_milestones=[30, 60, 90], lr_gamma=0.1, momentum=0.9, nesterov=False, weight_decay=1e-4, wd_bn_bias=True,
+        label_smoothing=None, image_size=224, min_crop_scale=0.08, top1=68.87,
     ),
     "imagenet/r101_r18_kd": dict(  # kd's own pair in mdistiller's KD setting: no published number
         MDISTILLER, teacher="resnet101", student="resnet18", kd_loss="kd", top1=None,
@@ -339,7 +374,7 @@ def loss_outputs(cfg):
 
 
 #: methods added after the renaming: their recipes never had other names
-NAMED_SINCE = {"crd", "ofd", "reviewkd", "nkd", "ctkd", "ctdkd", "mlkd", "luminet", "crld"}
+NAMED_SINCE = {"crd", "ofd", "reviewkd", "nkd", "ctkd", "ctdkd", "mlkd", "luminet", "crld", "sdkd", "sddkd", "sdnkd"}
 #: recipes of earlier methods added after the renaming (DOT's)
 RECIPES_SINCE = {
     "imagenet/r34_r18_kd_dot", "imagenet/r50_mv1_kd_dot", "imagenet/r34_r18_dkd_ls", "imagenet/r50_mv1_lskd",

@@ -419,6 +419,17 @@ def test_a_recipe_run_on_a_small_folder_is_never_labelled_the_papers_setting_and
     assert lines[2] == ["resnet34", "resnet18", "CRD", "73.00", "92.50", "-", "-", why], r.stdout
 
 
+def test_the_scale_decoupled_rows_follow_the_methods_they_extend(tmp_path):
+    _table_run(tmp_path / "a", "imagenet/r34_r18_sddkd", 72.0)
+    _table_run(tmp_path / "b", "imagenet/r34_r18_dkd", 71.6)
+    _table_run(tmp_path / "c", "imagenet/r34_r18_kd", 71.0)
+    r = kd_main("report", tmp_path, "--format", "markdown")
+    assert r.returncode == 0, r.stderr
+    rows = [line.split(" | ")[0] for line in r.stdout.splitlines() if line.startswith(("| KD", "| DKD", "| SD"))]
+    assert rows == ["| KD", "| DKD", "| SD-DKD"]
+    assert "| SD-DKD | 72.00 | 91.50 | 72.00 | 91.50 | 72.02 | -0.02 |" in r.stdout, r.stdout
+
+
 def test_a_dot_run_is_titled_so_and_compared_with_the_dot_recipe_only(tmp_path):
     """--dot is a trainer switch outside the method's recipe keys: a KD recipe run with it is 'KD + DOT'
     and gets no paper reference (the KD recipe's is not its setting); the DOT recipe's run gets DOT's."""

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from kd.errors import KDError
 from kd.losses import DistillInputs, build_loss
 from kd.losses.reviewkd import ReviewKD, as_levels, context_mse, hcl, review
+from kd.utils.taps import pre_relu_keys, tap
 
 RTOL = 1e-9
 
@@ -184,6 +185,72 @@ def test_the_engine_is_asked_for_pre_relu_stages_and_the_pooled_feature():
     assert ReviewKD.uses_features and ReviewKD.uses_pooled and ReviewKD.tap_point == "pre_relu"
     names = ["conv1", "layer1", "layer2", "layer3", "layer4", "fc"]
     assert ReviewKD.default_layers(names, names) == ["layer1", "layer2", "layer3", "layer4"]
+    loss = build_loss("reviewkd", 10, {"teacher_tap": "output"})
+    assert (loss.side_tap_point("student"), loss.side_tap_point("teacher")) == ("pre_relu", "output")
+    with pytest.raises(KDError, match="student_tap must be one of pre_relu, output, got 'post'"):
+        build_loss("reviewkd", 10, {"student_tap": "post"})
+
+
+# The official ImageNet models (dvlab-research/ReviewKD@cede6ea ImageNet/models/resnet.py and
+# mobilenet.py, forward(x, is_feat=True)), run outside this repository in float64 with the state
+# dict of the kd model built here (torch.manual_seed(0)) and the input below: the sum of each stage
+# feature. The ResNet's in-place ReLU overwrites its stored stage sums (each stage's minimum 0.0);
+# the MobileNet's extract_feature(preReLU=True) keeps them before the ReLU.
+OFFICIAL_RESNET18_STAGE_SUMS = [6017.659506437427, 3346.267581653367, 1391.0619245549274, 325.24717207184915]
+OFFICIAL_MOBILENET_STAGE_SUMS = [7270.279195645158, -2458.5655062487876, 139.28204280655152, 63.55829941208265]
+OFFICIAL_MOBILENET_POOLED_SUM = 13.626773794845624
+
+
+def tapped(loss, student_name, teacher_name, size):
+    """(the student seeded as in the golden run; its tap keys from the engine)."""
+    from types import SimpleNamespace
+
+    from kd import models
+    from kd.run.build import setup_feature_layers
+
+    torch.manual_seed(0)
+    student = models.build(student_name, CLASSES_OFFICIAL[student_name]).eval()
+    teacher = models.build(teacher_name, CLASSES_OFFICIAL[student_name]).eval()
+    cfg = SimpleNamespace(feature_layers=None, student=student_name, teacher=teacher_name, image_size=size)
+    keys, _ = setup_feature_layers(loss, student, teacher, cfg)
+    return student, keys
+
+
+CLASSES_OFFICIAL = {"resnet18": 10, "timm:mobilenetv1_100_relu": 1000}  # as the golden run built them
+
+
+def forward_taps(model, keys, size):
+    """The tapped tensors of one forward of the golden run's float64 input."""
+    batch = 1 if size == 224 else 2
+    x = torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    feats = {}
+    with torch.no_grad(), tap(model, keys, feats):
+        model(x)
+    return feats
+
+
+def test_output_taps_are_the_official_resnets_post_relu_stages():
+    loss = build_loss("reviewkd", 10, {"student_tap": "output", "teacher_tap": "output"})
+    student, keys = tapped(loss, "resnet18", "timm:test_resnet", 32)
+    assert keys == ["layer1", "layer2", "layer3", "layer4", "fc<1"]
+    probe = torch.randn(2, 3, 32, 32)
+    pre_keys = [key for key, _ in pre_relu_keys(student, keys[:-1], probe, "reviewkd", "student")]
+    feats = forward_taps(student.double(), keys, 32)
+    before = forward_taps(student, pre_keys, 32)
+    for key, pre_key, expected in zip(keys, pre_keys, OFFICIAL_RESNET18_STAGE_SUMS):
+        assert feats[key].sum().item() == pytest.approx(expected, rel=RTOL)
+        assert feats[key].min().item() == 0.0 and torch.equal(feats[key], torch.relu(before[pre_key]))
+        assert before[pre_key].min().item() < 0.0
+
+
+def test_the_mobilenet_students_pre_relu_taps_are_the_official_mobilenets():
+    loss = build_loss("reviewkd", 1000, {"student_tap": "pre_relu", "teacher_tap": "output"})
+    student, keys = tapped(loss, "timm:mobilenetv1_100_relu", "timm:test_resnet", 32)
+    assert keys[-1] == "classifier<1" and all(key.endswith(".bn2.act<1") for key in keys[:-1])
+    feats = forward_taps(student.double(), keys, 224)
+    for key, expected in zip(keys, OFFICIAL_MOBILENET_STAGE_SUMS):
+        assert feats[key].sum().item() == pytest.approx(expected, rel=RTOL)
+    assert feats[keys[-1]].sum().item() == pytest.approx(OFFICIAL_MOBILENET_POOLED_SUM, rel=RTOL)
 
 
 @pytest.mark.parametrize(

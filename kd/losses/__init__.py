@@ -35,6 +35,9 @@ LOSSES.register_lazy("ofd", "kd.losses.ofd:OverhaulDistillation")
 LOSSES.register_lazy("reviewkd", "kd.losses.reviewkd:ReviewKD")
 LOSSES.register_lazy("ttm", "kd.losses.ttm:TransformedTeacherMatching")
 LOSSES.register_lazy("wttm", "kd.losses.ttm:WeightedTTM")
+LOSSES.register_lazy("sddkd", "kd.losses.sdd:ScaleDecoupledDKD")
+LOSSES.register_lazy("sdkd", "kd.losses.sdd:ScaleDecoupledKD")
+LOSSES.register_lazy("sdnkd", "kd.losses.sdd:ScaleDecoupledNKD")
 
 __all__ = ["LOSSES", "DistillInputs", "DistillLoss", "build_loss", "register", "split_layers"]
 

@@ -65,6 +65,9 @@ class DistillInputs:
     #: :mod:`kd.data.views`) for methods with ``views = 2``; None otherwise
     second_student_logits: Optional[torch.Tensor] = None
     second_teacher_logits: Optional[torch.Tensor] = None
+    #: the student's linear classifier, for methods with ``uses_classifier`` (its scores of the
+    #: final map's cells train it); None otherwise
+    student_classifier: Optional[nn.Module] = None
 
 
 def kd_divergence(
@@ -107,12 +110,15 @@ class DistillLoss(nn.Module):
     ``tap_point = "pre_relu"`` taps each named stage before its final ReLU (OFD, ReviewKD);
     ``uses_pooled`` adds the pooled feature (the classifier's input, (N, C)) as the last entry of
     both feature dicts; ``reads_teacher_norms`` has :meth:`setup_teacher` called with the teacher's
-    BatchNorm before each tapped stage's ReLU (OFD's margin). ``uses_samples`` methods (CRD) see each
-    sample's index in the training set (:attr:`DistillInputs.indices`): :meth:`setup_samples` gets
-    every training sample's class first, and :meth:`after_step` runs after each optimizer step.
-    ``views = 2`` methods (:class:`TwoViewLoss`: MLKD, CRLD) see a second, strongly augmented view of
-    each sample: the loaders make it, the teacher and the student forward it too
-    (:attr:`DistillInputs.second_student_logits`).
+    BatchNorm before each tapped stage's ReLU (OFD's margin). ``uses_classifier`` methods (SDD) read
+    each side's final feature map (the only entry of each feature dict) and classifier:
+    :meth:`setup_classifiers` gets the student's classifier's name and a copy of the teacher's, and
+    :attr:`DistillInputs.student_classifier` is the student's own at each step. ``uses_samples``
+    methods (CRD) see each sample's index in the training set (:attr:`DistillInputs.indices`):
+    :meth:`setup_samples` gets every training sample's class first, and :meth:`after_step` runs after
+    each optimizer step. ``views = 2`` methods (:class:`TwoViewLoss`: MLKD, CRLD) see a second,
+    strongly augmented view of each sample: the loaders make it, the teacher and the student forward
+    it too (:attr:`DistillInputs.second_student_logits`).
     """
 
     #: computed in float32 at every opt level: the precisions keep its parameters and inputs float32
@@ -126,6 +132,7 @@ class DistillLoss(nn.Module):
     tap_point: ClassVar[str] = "output"
     uses_pooled: ClassVar[bool] = False
     reads_teacher_norms: ClassVar[bool] = False
+    uses_classifier: ClassVar[bool] = False
     uses_samples: ClassVar[bool] = False
     views: ClassVar[int] = 1
     name: ClassVar[str] = ""
@@ -180,12 +187,23 @@ class DistillLoss(nn.Module):
         """Layer names to tap when the user names none (feature methods override this)."""
         return []
 
+    def side_tap_point(self, side: str) -> str:
+        """Where the engine taps the stages of ``side`` (``student`` or ``teacher``): :attr:`tap_point`,
+        unless the method lets each side choose (ReviewKD)."""
+        return self.tap_point
+
     def setup_features(self, student_shapes: Dict[str, torch.Size], teacher_shapes: Dict[str, torch.Size]) -> None:
         """Create connectors once the feature shapes are known (feature methods override this)."""
 
     def setup_teacher(self, norms: Dict[str, Tuple[torch.Tensor, torch.Tensor]]) -> None:
         """(weight, bias) of the teacher's BatchNorm before each tapped stage's final ReLU, by teacher
         feature key, float32 copies (``reads_teacher_norms`` methods override this)."""
+
+    def setup_classifiers(
+        self, student_head: str, teacher_weight: torch.Tensor, teacher_bias: Optional[torch.Tensor]
+    ) -> None:
+        """The student's linear classifier (its module name) and float32 copies of the teacher's weight
+        and bias (``uses_classifier`` methods override this)."""
 
     def setup_samples(
         self, labels: torch.Tensor, seed: int, gather: Callable[[torch.Tensor], torch.Tensor]

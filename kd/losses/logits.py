@@ -65,6 +65,32 @@ def binary_log_probs(log_p: torch.Tensor, gt: torch.Tensor) -> torch.Tensor:
     return torch.stack([target, others], dim=1)
 
 
+def dkd_rows(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: Union[float, torch.Tensor],
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(TCKD, NCKD) of each row, (N,) each, T^2-scaled, in float32 (float64 stays): :func:`dkd_parts`
+    before the batch mean."""
+    t = temperature
+    s = float32_or_wider(student_logits) / t
+    z = float32_or_wider(teacher_logits.detach()) / t
+    if labels.dim() != 1:
+        raise KDError("DKD (dkd, ctdkd) needs class-index labels; soft labels (mixup, cutmix) have no target class")
+    gt = torch.zeros_like(s, dtype=torch.bool).scatter_(1, labels.reshape(-1, 1), True)
+
+    log_bin_s = binary_log_probs(F.log_softmax(s, dim=1), gt)
+    log_bin_t = binary_log_probs(F.log_softmax(z, dim=1), gt)
+    tckd = F.kl_div(log_bin_s, log_bin_t, reduction="none", log_target=True).sum(1) * (t * t)
+
+    offset = NON_TARGET_MASK * gt.to(s.dtype)
+    log_q_s = F.log_softmax(s - offset, dim=1)
+    log_q_t = F.log_softmax(z - offset, dim=1)
+    nckd = F.kl_div(log_q_s, log_q_t, reduction="none", log_target=True).sum(1) * (t * t)
+    return tckd, nckd
+
+
 def dkd_parts(
     student_logits: torch.Tensor,
     teacher_logits: torch.Tensor,
@@ -79,20 +105,5 @@ def dkd_parts(
     is exactly 0 at the target class, and the gradient of a learned (tensor) ``temperature``
     through ``p * log p`` there is 0 here, where the official code's is NaN on current torch (0 * log 0).
     """
-    t = temperature
-    s = float32_or_wider(student_logits) / t
-    z = float32_or_wider(teacher_logits.detach()) / t
-    batch = s.shape[0]
-    if labels.dim() != 1:
-        raise KDError("DKD (dkd, ctdkd) needs class-index labels; soft labels (mixup, cutmix) have no target class")
-    gt = torch.zeros_like(s, dtype=torch.bool).scatter_(1, labels.reshape(-1, 1), True)
-
-    log_bin_s = binary_log_probs(F.log_softmax(s, dim=1), gt)
-    log_bin_t = binary_log_probs(F.log_softmax(z, dim=1), gt)
-    tckd = F.kl_div(log_bin_s, log_bin_t, reduction="sum", log_target=True) * (t * t) / batch
-
-    offset = NON_TARGET_MASK * gt.to(s.dtype)
-    log_q_s = F.log_softmax(s - offset, dim=1)
-    log_q_t = F.log_softmax(z - offset, dim=1)
-    nckd = F.kl_div(log_q_s, log_q_t, reduction="sum", log_target=True) * (t * t) / batch
-    return tckd, nckd
+    tckd, nckd = dkd_rows(student_logits, teacher_logits, labels, temperature)
+    return tckd.mean(), nckd.mean()

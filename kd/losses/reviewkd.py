@@ -14,6 +14,8 @@ from kd.losses.base import DistillInputs, DistillLoss, register
 from kd.losses.features import check_maps, default_stage_layers, feature_pairs
 from kd.losses.logits import float32_or_wider
 
+#: where each side's stages are tapped: before their final ReLU, or their output (after it)
+TAPS = ("pre_relu", "output")
 # The sides of the pooled maps that the hierarchical context loss compares besides the full map.
 CONTEXT_SIZES = (4, 2, 1)
 
@@ -123,8 +125,12 @@ def check_levels(method: str, shapes: Mapping[str, Sequence[int]]) -> None:
 class ReviewKD(DistillLoss):
     """ReviewKD: ``ce_weight * CE + ramp * reviewkd_weight * hcl(ABF chain(student levels), teacher levels)``.
 
-    The levels are the pre-ReLU stage outputs (the four stages by default) and the pooled feature
-    (the classifier's input) of each side; the engine appends the pooled one last. A chain of
+    The levels are the stage outputs (the four stages by default) and the pooled feature (the
+    classifier's input) of each side; the engine appends the pooled one last. ``student_tap`` and
+    ``teacher_tap`` say where each side's stages are read: ``pre_relu`` (before their final ReLU,
+    mdistiller's, the default) or ``output`` (after it). The official ImageNet code's ResNets give
+    ``output``: their in-place ReLU overwrites the stored pre-ReLU sum; its MobileNet gives
+    ``pre_relu``. The recipes set the official code's taps. A chain of
     :class:`ABF`, one per level, runs from the pooled level to the shallowest stage, each level
     fusing the student's map with the residual of the deeper ones; its outputs have the teacher's
     channels and size and are compared with the teacher's levels by :func:`hcl`. The chain's
@@ -143,14 +149,27 @@ class ReviewKD(DistillLoss):
     uses_features = True
     tap_point: ClassVar[str] = "pre_relu"
     uses_pooled: ClassVar[bool] = True
-    defaults = {"ce_weight": 1.0, "reviewkd_weight": 1.0, "mid_channels": 512, "warmup": 0.0}
+    defaults = {
+        "ce_weight": 1.0,
+        "reviewkd_weight": 1.0,
+        "mid_channels": 512,
+        "warmup": 0.0,
+        "student_tap": "pre_relu",
+        "teacher_tap": "pre_relu",
+    }
 
     def __init__(self, num_classes: int, **hparams):
         super().__init__(num_classes, **hparams)
         mid = self.hparams["mid_channels"]
         if not isinstance(mid, (int, float)) or isinstance(mid, bool) or not float(mid).is_integer() or mid < 1:
             raise KDError(f"KD loss 'reviewkd': mid_channels must be a positive whole number, got {mid!r}")
+        for key in ("student_tap", "teacher_tap"):
+            if self.hparams[key] not in TAPS:
+                raise KDError(f"KD loss 'reviewkd': {key} must be one of {', '.join(TAPS)}, got {self.hparams[key]!r}")
         self.abfs = nn.ModuleList()
+
+    def side_tap_point(self, side: str) -> str:
+        return self.hparams[f"{side}_tap"]
 
     @classmethod
     def default_layers(cls, student_layers: List[str], teacher_layers: List[str]) -> List[str]:

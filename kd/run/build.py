@@ -23,7 +23,7 @@ from kd.run.log import NullLogger, RunLogger
 from kd.run.optim import build_optimizer, build_scheduler, lr_note
 from kd.run.runtime import resolve as resolve_runtime
 from kd.run.sides import StudentSide
-from kd.utils.taps import check_layers, layer_names, pooled_key, pre_relu_keys, tap
+from kd.utils.taps import check_layers, final_map, layer_names, pooled_key, pre_relu_keys, tap
 
 
 def build_lane(
@@ -151,6 +151,8 @@ def setup_feature_layers(
     if not loss.uses_features:
         return [], []
     assert teacher is not None  # a feature method needs a teacher (needs_teacher), so build_models made one
+    if loss.uses_classifier:
+        return setup_final_maps(loss, student, teacher, cfg)
     specs = cfg.feature_layers or loss.default_layers(layer_names(student), layer_names(teacher))
     s_layers, t_layers = split_layers(specs)
     check_layers(student, s_layers, f"student {cfg.student}")
@@ -158,12 +160,12 @@ def setup_feature_layers(
     probe = torch.randn(2, 3, cfg.image_size, cfg.image_size, generator=torch.Generator().manual_seed(0))
     keys: List[List[str]] = []
     norms: Dict[str, Optional[str]] = {}  # the teacher's BatchNorm before each pre-ReLU tap
-    for model, layers, role in (
-        (student, s_layers, f"student {cfg.student}"),
-        (teacher, t_layers, f"teacher {cfg.teacher}"),
+    for model, layers, role, which in (
+        (student, s_layers, f"student {cfg.student}", "student"),
+        (teacher, t_layers, f"teacher {cfg.teacher}", "teacher"),
     ):
         side = list(layers)
-        if loss.tap_point == "pre_relu":
+        if loss.side_tap_point(which) == "pre_relu":
             found = pre_relu_keys(model, layers, probe, loss.name, role)  # one forward for every stage
             side = [key for key, _ in found]
             if model is teacher:
@@ -184,6 +186,21 @@ def setup_feature_layers(
     if loss.reads_teacher_norms:
         loss.setup_teacher(teacher_norms(teacher, norms, loss.name, f"teacher {cfg.teacher}"))
     return keys[0], keys[1]
+
+
+def setup_final_maps(loss: DistillLoss, student: nn.Module, teacher: nn.Module, cfg) -> Tuple[List[str], List[str]]:
+    """([student's final map key], [teacher's]) of a ``uses_classifier`` method (:func:`final_map`);
+    gives the loss the student's classifier by name and a float32 copy of the teacher's."""
+    if cfg.feature_layers:
+        raise KDError(f"KD loss {loss.name!r} reads each side's final feature map; --feature-layers does not apply")
+    probe = torch.randn(2, 3, cfg.image_size, cfg.image_size, generator=torch.Generator().manual_seed(0))
+    s_map, s_head = final_map(student, probe, loss.name, f"student {cfg.student}")
+    t_map, t_head = final_map(teacher, probe, loss.name, f"teacher {cfg.teacher}")
+    head = teacher.get_submodule(t_head)
+    assert isinstance(head, nn.Linear)  # final_map found it so
+    bias = None if head.bias is None else head.bias.detach().float().clone()
+    loss.setup_classifiers(s_head, head.weight.detach().float().clone(), bias)
+    return [s_map], [t_map]
 
 
 def teacher_norms(teacher: nn.Module, norms: Dict[str, Optional[str]], method: str, role: str):

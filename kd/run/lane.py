@@ -379,9 +379,9 @@ class Lane:
     def log_data_configs(self) -> None:
         """Each model's normalisation and evaluation transform, and where it came from."""
         cfg = self.cfg
-        for role, name, data in (
-            ("student", cfg.student, cfg.student_data),
-            ("teacher", cfg.teacher, cfg.teacher_data),
+        for role, name, data, weights in (
+            ("student", cfg.student, cfg.student_data, cfg.student_weights),
+            ("teacher", cfg.teacher, cfg.teacher_data, cfg.teacher_weights),
         ):
             if data:
                 config = models.DataConfig.from_dict(data)
@@ -390,7 +390,8 @@ class Lane:
                     line = f"train {cfg.image_size}; " + config.describe(cfg.image_size, *given)
                 else:  # the crops at its own size, its own evaluation
                     line = f"{config.training_line(cfg.image_size)}; " + config.describe(cfg.image_size, own=True)
-                self.logger.info(f"{role} {name}: {line}")
+                note = models.pretrained_note(name, weights, f"--{role}-weights")
+                self.logger.info(f"{role} {name}: {line}" + (f"; {note}" if note else ""))
 
     def use_teacher(self, teacher: Teacher) -> None:
         """The live teacher this student learns from (its own, or one shared with other students)."""

@@ -138,7 +138,9 @@ def departures(cfg: Dict[str, Any], method_defaults: MethodDefaults) -> Tuple[Op
         theirs = _teacher_weights(str(recipe.get("teacher")), recipe.get("teacher_weights"))
         if ours != theirs and (models.is_named(given) or given in (None, "none")):
             said = f"{given} = {ours}" if ours != given else str(given)
-            words = f"teacher weights {said} (the paper's: {theirs})"
+            option = recipe.get("teacher_weights")
+            hint = f", --teacher-weights {option}" if models.is_named(option) and option != "pretrained" else ""
+            words = f"teacher weights {said} (the paper's: {theirs}{hint})"
             out.append(Departure("teacher_weights", f"teacher {ours}", words))
     if "weight_decay" in cfg and cfg["weight_decay"] != recipe.get("weight_decay", cfg["weight_decay"]):
         wd, paper_wd = cfg.get("weight_decay"), recipe.get("weight_decay")

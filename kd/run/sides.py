@@ -46,6 +46,8 @@ class StudentSide(nn.Module):
         second = None if second_images is None else self.student(second_images)
         inputs = DistillInputs(logits, labels, teacher_logits, feats, teacher_feats or {}, progress, indices, step)
         inputs.second_student_logits, inputs.second_teacher_logits = second, second_teacher_logits
+        if getattr(self.loss, "uses_classifier", False):  # this replica's own classifier: its cell scores train it
+            inputs.student_classifier = self.student.get_submodule(str(self.loss.student_head))
         parts = self.loss(inputs)
         parts[LOGITS_SUM] = logits.detach().float().sum()  # finite iff every logit is: names a non-finite loss's source
         if second is not None:

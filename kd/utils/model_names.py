@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from kd.errors import KDError, suggest
+from kd.utils.archs import KD_ARCHS
 
 TIMM_PREFIX = "timm:"
 #: the libraries whose names kd keeps, and the lists of each: a library's list key -> its lists' keys
@@ -51,6 +52,8 @@ def refusal(name: str, lists: Lists) -> Optional[str]:
 
     if name.startswith(TIMM_PREFIX):
         arch, tag = timm_parts(name)
+        if arch in KD_ARCHS and tag is None:  # kd's own, in timm's lists once kd registers it
+            return None
         archs = need("timm", "models")
         if arch not in archs:
             return f"unknown timm model {arch!r}{suggest(arch, archs)}"

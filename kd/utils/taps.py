@@ -163,14 +163,65 @@ def pre_relu_keys(
     return found
 
 
-def pooled_key(model: nn.Module, method: str, role: str) -> str:
-    """The tap key of the pooled feature: the input of the classifier (timm's ``get_classifier()``,
-    torchvision's ``fc``, ``classifier`` or ``heads``)."""
+def classifier(model: nn.Module) -> Optional[Tuple[str, nn.Module]]:
+    """(name, module) of the classifier: timm's ``get_classifier()``, torchvision's ``fc``,
+    ``classifier`` or ``heads`` (or a ``head``); None where the model has none of these."""
     names = {id(m): n for n, m in model.named_modules() if n}
     getter = getattr(model, "get_classifier", None)
     head = getter() if callable(getter) else None
     if head is None or id(head) not in names:
         head = next((getattr(model, n) for n in ("fc", "classifier", "heads", "head") if hasattr(model, n)), None)
     if not isinstance(head, nn.Module) or id(head) not in names:
+        return None
+    return names[id(head)], head
+
+
+def pooled_key(model: nn.Module, method: str, role: str) -> str:
+    """The tap key of the pooled feature: the input of the classifier (:func:`classifier`)."""
+    found = classifier(model)
+    if found is None:
         raise KDError(f"KD loss {method!r} needs the pooled feature, but {role} has no classifier module kd knows")
-    return f"{names[id(head)]}<1"
+    return f"{found[0]}<1"
+
+
+#: modules that may stand beside the one linear layer of a classifier (torchvision's ``Dropout, Linear``)
+_BESIDE_LINEAR = (nn.Dropout, nn.Identity, nn.Flatten)
+#: the global pooling module before the classifier: timm's, torchvision's
+_POOLS = ("global_pool", "avgpool")
+
+
+def final_map(model: nn.Module, probe: torch.Tensor, method: str, role: str) -> Tuple[str, str]:
+    """(the tap key of the final feature map, the name of the linear classifier that reads its global
+    average), from one forward of ``probe``: the input of the global pooling module (timm's
+    ``global_pool``, torchvision's ``avgpool``) and the linear layer of the classifier. KDError in one
+    line where the model has none, or where the classifier does not read that map's average (a head
+    conv or a norm between them, another pooling)."""
+    refusal = (
+        f"KD loss {method!r} needs {role}'s final feature map and a linear classifier on its global average pool; "
+    )
+    modules = dict(model.named_modules())
+    found = classifier(model)
+    head = found[1] if found else None
+    parts = [head] if isinstance(head, nn.Linear) else list(head.children()) if head is not None else []
+    linears = [m for m in parts if isinstance(m, nn.Linear)]
+    if len(linears) != 1 or not all(isinstance(m, (nn.Linear, *_BESIDE_LINEAR)) for m in parts):
+        raise KDError(refusal + "its classifier is not one linear layer")
+    linear = next(n for n, m in modules.items() if m is linears[0])
+    pool = next((n for n in _POOLS if n in modules), None)
+    if pool is None:
+        raise KDError(refusal + f"it has no global pooling module ({', '.join(_POOLS)})")
+    keys = [f"{pool}<1", f"{linear}<1"]
+    feats: Dict[str, torch.Tensor] = {}
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), tap(model, keys, feats):
+            model(probe)
+    finally:
+        model.train(was_training)
+    fmap, pooled = feats.get(keys[0]), feats.get(keys[1])
+    if fmap is None or pooled is None or fmap.dim() != 4 or pooled.shape != fmap.shape[:2]:
+        raise KDError(refusal + f"its {pool!r} does not pool a (N, C, H, W) map into {linear!r}")
+    if not torch.allclose(fmap.float().mean((2, 3)), pooled.float(), rtol=1e-4, atol=1e-5):
+        raise KDError(refusal + f"its {linear!r} does not read the average of {pool!r}'s input")
+    return keys[0], linear
