@@ -64,7 +64,7 @@ def test_the_help_of_kd_train_is_shown_before_torch():
     r = kd_then_torch("train", "--help")
     shown = " ".join(r.stdout.split())
     assert r.returncode == 0 and "Parallel backend: apex_ddp, dp, single, torch_ddp;" in shown, r.stdout
-    assert "KD method: at, ce, crd, ctdkd," in shown
+    assert "KD method: at, ce, crd, crld, ctdkd," in shown
     assert r.stdout.endswith("False"), "torch was imported for kd train --help"
 
 
