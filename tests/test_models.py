@@ -91,3 +91,18 @@ def test_unknown_weight_names_list_the_choices():
         models.torchvision_weights("resnet50", "torchvision:IMAGENET1K_V3")
     with pytest.raises(KDError, match="timm:resnet50 is a timm model"):
         models.torchvision_weights("timm:resnet50", "torchvision:IMAGENET1K_V1")
+
+
+@pytest.mark.parametrize(
+    "name", ["timm:vit_tiny_patch16_224.augreg_in21k_ft_in1k", "timm:deit_tiny_distilled_patch16_224"]
+)
+def test_a_vit_at_another_size_is_built_for_it_with_its_own_shapes(name):
+    model = models.build(name, 4, "none", image_size=32).eval()
+    with torch.no_grad():
+        assert model(torch.randn(2, 3, 32, 32)).shape == (2, 4)
+    own = timm.create_model(name[len("timm:") :], num_classes=4)
+    assert {k: v.shape for k, v in model.state_dict().items()} == {k: v.shape for k, v in own.state_dict().items()}
+    line = models.other_size_line("teacher", name, 32)
+    assert line is not None and line.startswith(f"teacher {name} is a 224 px model: built with timm's dynamic_img_size")
+    assert models.other_size_line("teacher", name, 224) is None
+    assert models.other_size_line("student", "timm:convnext_atto", 32) is None  # takes any size as it is

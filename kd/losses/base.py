@@ -65,6 +65,10 @@ class DistillInputs:
     #: :mod:`kd.data.views`) for methods with ``views = 2``; None otherwise
     second_student_logits: Optional[torch.Tensor] = None
     second_teacher_logits: Optional[torch.Tensor] = None
+    #: the distillation head's logits of a student with a distillation token (timm's distilled DeiT) for
+    #: methods with ``reads_distill_head``, whose student returns both heads; ``student_logits`` is then
+    #: the class head's. None otherwise
+    distill_logits: Optional[torch.Tensor] = None
 
 
 def kd_divergence(
@@ -112,7 +116,9 @@ class DistillLoss(nn.Module):
     every training sample's class first, and :meth:`after_step` runs after each optimizer step.
     ``views = 2`` methods (:class:`TwoViewLoss`: MLKD, CRLD) see a second, strongly augmented view of
     each sample: the loaders make it, the teacher and the student forward it too
-    (:attr:`DistillInputs.second_student_logits`).
+    (:attr:`DistillInputs.second_student_logits`). ``reads_distill_head`` methods (DeiT) need a student
+    with a distillation token and see its two heads apart (:attr:`DistillInputs.distill_logits`); every
+    other method sees such a student as timm trains it by default, the two heads' average.
     """
 
     #: computed in float32 at every opt level: the precisions keep its parameters and inputs float32
@@ -128,6 +134,7 @@ class DistillLoss(nn.Module):
     reads_teacher_norms: ClassVar[bool] = False
     uses_samples: ClassVar[bool] = False
     views: ClassVar[int] = 1
+    reads_distill_head: ClassVar[bool] = False
     name: ClassVar[str] = ""
 
     def __init_subclass__(cls, **kwargs: Any):

@@ -56,7 +56,7 @@ def build_lane(
 
     # apex.amp holds one model per process: beside other students, apex_ddp's wish for it gives way
     precision = make_precision(cfg, dev, prefer_apex=backend.prefers_apex_amp and alone and not cfg.dot)
-    said = [precision.describe()]  # logged once set-up has succeeded: a failed start stays one line
+    said = [precision.describe(), *size_lines(cfg)]  # logged once set-up has succeeded: a failed start stays one line
     warning = slow_precision_warning(cfg.opt, precision.dtype, dev)
     if warning:
         logger.info(warning)
@@ -205,15 +205,30 @@ def build_models(cfg, num_classes: int, teacher: Optional[nn.Module] = None):
         loss_args = {k: v for k, v in loss_args.items() if k in CrossEntropy.defaults}
     loss = build_loss("ce" if cfg.no_teacher else cfg.kd_loss, num_classes, loss_args)
     with seeded(cfg.seed):
-        student = models.build(cfg.student, num_classes, cfg.student_weights)
+        student = models.build(cfg.student, num_classes, cfg.student_weights, cfg.image_size)
+    if loss.reads_distill_head:
+        models.train_both_heads(student, cfg.student, loss.name)
     if not loss.needs_teacher or cfg.soft_labels:  # a store stands in for the teacher's forward
         teacher = None
     elif teacher is None:
         with seeded(cfg.seed + 1):  # a teacher without weights: the same whichever student builds it
-            teacher = models.freeze(models.build(cfg.teacher, num_classes, cfg.teacher_weights))
+            teacher = models.freeze(models.build(cfg.teacher, num_classes, cfg.teacher_weights, teacher_size(cfg)))
     with seeded(cfg.seed + 2):  # the connectors: the same whether or not this student built the teacher
         s_layers, t_layers = setup_feature_layers(loss, student, teacher, cfg)
     return student, loss, teacher, s_layers, t_layers
+
+
+def teacher_size(cfg) -> int:
+    """The size in pixels the teacher is fed in training (the run's crop, or its weights' size)."""
+    return models.DataConfig.from_dict(cfg.teacher_data or {}).train_size(cfg.image_size)
+
+
+def size_lines(cfg) -> List[str]:
+    """The log lines of the student and the teacher where either is built for another size than its own."""
+    sides = [("student", cfg.student, cfg.image_size)]
+    if not cfg.no_teacher and not cfg.soft_labels:
+        sides.append(("teacher", cfg.teacher, teacher_size(cfg)))
+    return [line for line in (models.other_size_line(*side) for side in sides) if line]
 
 
 @contextlib.contextmanager
