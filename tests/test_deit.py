@@ -12,6 +12,7 @@ official code does.
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -267,9 +268,16 @@ def test_both_heads_reach_the_loss_and_eval_is_their_average(image_folder, tmp_p
         torch.testing.assert_close(student.eval()(images), (heads[0] + heads[1]) / 2)
 
 
-def test_other_methods_train_the_heads_average(image_folder, tmp_path):
-    student, _ = student_and_loss(image_folder, tmp_path, kd_loss="kd")
-    assert isinstance(student.train()(torch.randn(2, 3, 32, 32)), torch.Tensor)
+@pytest.mark.parametrize("method", ["kd", "dkd", "nkd", "dist", "mlkd", "ctkd", "lskd"])
+def test_the_logit_methods_train_a_distilled_deit_through_the_heads_average(image_folder, tmp_path, method):
+    from kd.run.sides import StudentSide
+
+    student, loss = student_and_loss(image_folder, tmp_path, kd_loss=method)
+    images, teacher = torch.randn(2, 3, 32, 32), torch.randn(2, 3)
+    assert isinstance(student.train()(images), torch.Tensor)
+    second = dict(second_images=images.flip(3), second_teacher_logits=teacher) if loss.views == 2 else {}
+    StudentSide(student, loss, [])(images, torch.tensor([0, 2]), teacher, **second)["loss"].backward()
+    assert student.head.weight.grad.abs().sum() > 0 and student.head_dist.weight.grad.abs().sum() > 0
 
 
 def test_a_student_without_a_distillation_token_is_refused(image_folder, tmp_path):
@@ -297,3 +305,10 @@ def test_a_run_of_a_distilled_deit_at_32_px_exports_what_timm_loads(image_folder
     state = torch.load(run / "checkpoints" / "last.pt", weights_only=True)["student"]
     assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
     assert model.eval()(torch.randn(1, 3, 32, 32)).shape == (1, 3)
+    r = kd_main(
+        "eval", "--weights", run / "checkpoints" / "last.pt", "--data", image_folder, "-j", 0, "--device", "cpu"
+    )
+    assert r.returncode == 0, r.stderr
+    # kd eval of the checkpoint (the heads' average, built at 32 px) gives the run's own validation loss
+    val_loss = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["val_loss"]
+    assert f"loss {val_loss:.4f}" in r.stdout

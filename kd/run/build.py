@@ -148,7 +148,8 @@ def setup_feature_layers(
     if not loss.uses_features:
         return [], []
     assert teacher is not None  # a feature method needs a teacher (needs_teacher), so build_models made one
-    specs = cfg.feature_layers or loss.default_layers(layer_names(student), layer_names(teacher))
+    with naming_models(cfg):
+        specs = cfg.feature_layers or loss.default_layers(layer_names(student), layer_names(teacher))
     s_layers, t_layers = split_layers(specs)
     check_layers(student, s_layers, f"student {cfg.student}")
     check_layers(teacher, t_layers, f"teacher {cfg.teacher}")
@@ -177,10 +178,21 @@ def setup_feature_layers(
             model(probe)
         model.train(was_training)
         shapes.append({k: feats[k].shape for k in side})
-    loss.setup_features(*shapes)
+    with naming_models(cfg):
+        loss.setup_features(*shapes)
     if loss.reads_teacher_norms:
         loss.setup_teacher(teacher_norms(teacher, norms, loss.name, f"teacher {cfg.teacher}"))
     return keys[0], keys[1]
+
+
+@contextlib.contextmanager
+def naming_models(cfg):
+    """A feature method's refusal of the models' layers (no default layers for them, token features
+    where it needs feature maps) with the two models named."""
+    try:
+        yield
+    except KDError as exc:
+        raise KDError(f"{exc} (student {cfg.student}, teacher {cfg.teacher})") from None
 
 
 def teacher_norms(teacher: nn.Module, norms: Dict[str, Optional[str]], method: str, role: str):
