@@ -191,13 +191,12 @@ def construct(
         import timm
 
         arch = name[len(TIMM_PREFIX) :]
-        own = other_size(name, image_size)
-        if own is None:
-            return timm.create_model(arch, pretrained=False, num_classes=num_classes)
-        try:
-            return timm.create_model(arch, pretrained=False, num_classes=num_classes, dynamic_img_size=True)
-        except TypeError:  # a model of one size that timm cannot feed another
-            raise KDError(f"{name} takes {own} px images only: pass --image-size {own}") from None
+        if other_size(name, image_size) is not None:
+            try:
+                return timm.create_model(arch, pretrained=False, num_classes=num_classes, dynamic_img_size=True)
+            except TypeError:  # a model without the option (CaiT, XCiT, ...): as timm builds it
+                pass
+        return timm.create_model(arch, pretrained=False, num_classes=num_classes)
     import torchvision.models as tvm
 
     return tvm.get_model(name, weights=None, **torchvision_kwargs(name, num_classes, origin_member(name, weights)))
@@ -218,10 +217,11 @@ def other_size(name: str, image_size: Optional[int]) -> Optional[int]:
     return own if own is not None and own != image_size else None
 
 
-def other_size_line(role: str, name: str, image_size: Optional[int]) -> Optional[str]:
-    """The log line of a model that :func:`other_size` builds at another size; None for any other."""
+def other_size_line(role: str, name: str, model: nn.Module, image_size: Optional[int]) -> Optional[str]:
+    """The log line of ``model`` (``name``) where :func:`construct` built it for ``image_size`` pixels,
+    another size than its own, with timm's ``dynamic_img_size``; None for any other."""
     own = other_size(name, image_size)
-    if own is None:
+    if own is None or not getattr(model, "dynamic_img_size", False):
         return None
     return (
         f"{role} {name} is a {own} px model: built with timm's dynamic_img_size, its position embeddings "

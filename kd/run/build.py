@@ -56,7 +56,7 @@ def build_lane(
 
     # apex.amp holds one model per process: beside other students, apex_ddp's wish for it gives way
     precision = make_precision(cfg, dev, prefer_apex=backend.prefers_apex_amp and alone and not cfg.dot)
-    said = [precision.describe(), *size_lines(cfg)]  # logged once set-up has succeeded: a failed start stays one line
+    said = [precision.describe()]  # logged once set-up has succeeded: a failed start stays one line
     warning = slow_precision_warning(cfg.opt, precision.dtype, dev)
     if warning:
         logger.info(warning)
@@ -64,6 +64,7 @@ def build_lane(
     student, loss, teacher, s_layers, t_layers = build_models(cfg, num_classes, shared.teacher_model)
     if teacher is not None:
         shared.teacher_model = teacher  # built after this student, as its own run builds it
+    said += size_lines(cfg, student, teacher)
     clock.mark("models")
 
     # Module.to(device, memory_format=...) is valid at run time; torch's overloads list the two apart
@@ -235,11 +236,11 @@ def teacher_size(cfg) -> int:
     return models.DataConfig.from_dict(cfg.teacher_data or {}).train_size(cfg.image_size)
 
 
-def size_lines(cfg) -> List[str]:
+def size_lines(cfg, student: nn.Module, teacher: Optional[nn.Module]) -> List[str]:
     """The log lines of the student and the teacher where either is built for another size than its own."""
-    sides = [("student", cfg.student, cfg.image_size)]
-    if not cfg.no_teacher and not cfg.soft_labels:
-        sides.append(("teacher", cfg.teacher, teacher_size(cfg)))
+    sides = [("student", cfg.student, student, cfg.image_size)]
+    if teacher is not None:
+        sides.append(("teacher", cfg.teacher, teacher, teacher_size(cfg)))
     return [line for line in (models.other_size_line(*side) for side in sides) if line]
 
 

@@ -82,6 +82,9 @@ class Teaching:
                 model = models.freeze(models.build(cfg.teacher, classes, cfg.teacher_weights, teacher_size(cfg)))
             runtime = resolve_runtime(cfg, backend.device)
             log = self.logger.info
+            resized = models.other_size_line("teacher", cfg.teacher, model, teacher_size(cfg))
+            if resized:
+                log(resized)
             self.teacher = build_teacher(model, [], cfg, backend, self.data, precision, log, runtime, self.hooks)
             self._choose_dtype(settings)  # an explicit float16 that cannot hold the logits fails before any write
             self._check_space(settings)
@@ -92,9 +95,6 @@ class Teaching:
             raise
         log = self.logger.info
         log(self.data.train.describe())
-        resized = models.other_size_line("teacher", cfg.teacher, teacher_size(cfg))
-        if resized:
-            log(resized)
         first = manifest["epochs_done"]
         if first >= cfg.epochs:
             log(f"kd teach: {self.root} already holds {first} epoch(s); nothing to do")
