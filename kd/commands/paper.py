@@ -13,13 +13,14 @@ from kd.commands import table
 #: the order of the rows of the papers' ImageNet tables, then the later methods
 ORDER = [
     "kd", "at", "fitnet", "ofd", "crd", "reviewkd", "dkd", "dist", "nkd", "ctkd", "ctdkd", "mlkd", "lskd",
-    "ttm", "wttm", "luminet", "crld",
+    "ttm", "wttm", "luminet", "crld", "deit",
 ]  # fmt: skip
 #: how papers print each method's name
 TITLES = {
     "kd": "KD", "at": "AT", "fitnet": "FitNet", "ofd": "OFD", "crd": "CRD", "reviewkd": "ReviewKD",
     "dkd": "DKD", "dist": "DIST", "nkd": "NKD", "ctkd": "KD + CTKD", "ctdkd": "DKD + CTKD", "mlkd": "MLKD",
     "lskd": "KD + LS", "ttm": "TTM", "wttm": "WTTM", "luminet": "LumiNet", "crld": "CRLD",
+    "deit": "DeiT",
 }  # fmt: skip
 FORMATS = ("markdown", "latex")
 HEADER = ["method", "top-1", "top-5", "paper top-1", "diff"]
