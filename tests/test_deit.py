@@ -229,9 +229,11 @@ def test_the_soft_term_is_the_batch_mean_kl_over_the_classes():
     assert out["kd"].item() == pytest.approx(batch_mean.item() / CLASSES, rel=1e-12)
 
 
-@pytest.mark.parametrize("args", [{"hard": 2}, {"alpha": 1.5}])
-def test_bad_settings_are_one_line(args):
-    with pytest.raises(KDError, match="KD loss 'deit'"):
+@pytest.mark.parametrize(
+    "args, says", [({"hard": 2}, "hard must be 1 .hard. or 0 .soft."), ({"alpha": 1.5}, "alpha must be")]
+)
+def test_bad_settings_are_one_line(args, says):
+    with pytest.raises(KDError, match=f"KD loss 'deit': {says}"):
         build_loss("deit", CLASSES, args)
 
 
