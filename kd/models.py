@@ -182,9 +182,10 @@ def first_line(exc: BaseException) -> str:
     return str(exc).splitlines()[0][:120] if str(exc).strip() else "no detail"
 
 
-def build(name: str, num_classes: int, weights: str = "none") -> nn.Module:
+def build(name: str, num_classes: int, weights: str = "none", image_size: Optional[int] = None) -> nn.Module:
     """Model ``name`` with ``num_classes`` outputs and ``weights`` = none | pretrained |
-    torchvision:TAG | timm:TAG | PATH."""
+    torchvision:TAG | timm:TAG | PATH, for images of ``image_size`` pixels where given
+    (:func:`other_size`)."""
     check_name(name)
     state = None
     if is_named(weights):
@@ -197,22 +198,58 @@ def build(name: str, num_classes: int, weights: str = "none") -> nn.Module:
             )
     elif weights not in ("none", None):
         state = load_state_file(weights)
-    model = construct(name, num_classes, weights)
+    model = construct(name, num_classes, weights, image_size)
     if state is not None:
         load_into(model, without_aux_heads(model, state), name, weights)
     return model
 
 
-def construct(name: str, num_classes: int, weights: Optional[str] = "none") -> nn.Module:
-    """Model ``name`` as its library builds it for ``weights``, not loaded (:func:`build` loads them)."""
+def construct(
+    name: str, num_classes: int, weights: Optional[str] = "none", image_size: Optional[int] = None
+) -> nn.Module:
+    """Model ``name`` as its library builds it for ``weights``, not loaded (:func:`build` loads them); a timm
+    model of one input size fed ``image_size`` pixels with timm's ``dynamic_img_size`` (:func:`other_size`)."""
     if name.startswith(TIMM_PREFIX):
         import timm
 
         archs.register()
-        return timm.create_model(name[len(TIMM_PREFIX) :], pretrained=False, num_classes=num_classes)
+        arch = name[len(TIMM_PREFIX) :]
+        if other_size(name, image_size) is not None:
+            try:
+                return timm.create_model(arch, pretrained=False, num_classes=num_classes, dynamic_img_size=True)
+            except TypeError:  # a model without the option (CaiT, XCiT, ...): as timm builds it
+                pass
+        return timm.create_model(arch, pretrained=False, num_classes=num_classes)
     import torchvision.models as tvm
 
     return tvm.get_model(name, weights=None, **torchvision_kwargs(name, num_classes, origin_member(name, weights)))
+
+
+def other_size(name: str, image_size: Optional[int]) -> Optional[int]:
+    """The one input size of timm model ``name`` (a ViT, a DeiT: its pretrained config's
+    ``fixed_input_size``) where it is fed ``image_size`` pixels, another size; None otherwise. Such a
+    model is built with timm's ``dynamic_img_size``: its position embeddings are resampled to the
+    images' size in each forward, so that its parameters keep their shapes and published weights,
+    kd checkpoints and exports load as they are."""
+    if image_size is None or not name.startswith(TIMM_PREFIX):
+        return None
+    from timm.models import get_pretrained_cfg
+
+    cfg = get_pretrained_cfg(name[len(TIMM_PREFIX) :])
+    own = int(cfg.input_size[-1]) if cfg is not None and cfg.fixed_input_size else None
+    return own if own is not None and own != image_size else None
+
+
+def other_size_line(role: str, name: str, model: nn.Module, image_size: Optional[int]) -> Optional[str]:
+    """The log line of ``model`` (``name``) where :func:`construct` built it for ``image_size`` pixels,
+    another size than its own, with timm's ``dynamic_img_size``; None for any other."""
+    own = other_size(name, image_size)
+    if own is None or not getattr(model, "dynamic_img_size", False):
+        return None
+    return (
+        f"{role} {name} is a {own} px model: built with timm's dynamic_img_size, its position embeddings "
+        f"resampled to {image_size} px in each forward (its weights keep their {own} px shapes)"
+    )
 
 
 def origin_member(name: str, weights: Optional[str]) -> Any:
@@ -322,6 +359,18 @@ def load_into(model: nn.Module, state: Dict[str, torch.Tensor], name: str, sourc
             parts.append(f"{len(unexpected)} unexpected keys (e.g. {unexpected[0]})")
         raise KDError(f"weights {source} do not fit {name}: {'; '.join(parts)}")
     model.load_state_dict(state, strict=True)
+
+
+def train_both_heads(model: nn.Module, name: str, method: str) -> None:
+    """A student with a distillation token (timm's distilled DeiT) made to return (class head's,
+    distillation head's) logits in train mode; in eval mode it returns their average as before.
+    KDError naming ``method`` and the model where it has no distillation token."""
+    switch = getattr(model, "set_distilled_training", None)
+    if switch is None:
+        raise KDError(
+            f"KD loss {method!r} needs a student with a distillation token (timm:deit_*_distilled_*); {name} has none"
+        )
+    switch(True)
 
 
 def freeze(model: nn.Module) -> nn.Module:

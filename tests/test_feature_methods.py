@@ -177,3 +177,23 @@ def test_crd_reads_each_sample_index_from_a_prepared_copy(image_folder, tmp_path
     state = checkpoint(tmp_path / "run")["loss"]["_extra_state"]
     memory = state[:-2].view(2, 24, 128)
     torch.testing.assert_close(memory.norm(dim=2), torch.ones(2, 24))
+
+
+@pytest.mark.parametrize(
+    "method, layers, says",
+    [("at", None, "has no default feature layers"), ("fitnet", "blocks.0", "needs \\(N, C, H, W\\) feature maps")],
+)
+def test_a_feature_method_on_a_vit_it_cannot_tap_names_the_method_and_the_models(
+    image_folder, tmp_path, method, layers, says
+):
+    from conftest import tiny_config
+
+    from kd.errors import KDError
+    from kd.run.build import build_models
+
+    options = dict(kd_loss=method, student="timm:test_vit", teacher="timm:test_vit", feature_layers=layers)
+    cfg = tiny_config(image_folder, tmp_path, **{k: v for k, v in options.items() if v})
+    with pytest.raises(
+        KDError, match=f"KD loss '{method}' {says}.*\\(student timm:test_vit, teacher timm:test_vit\\)$"
+    ):
+        build_models(cfg, 3)

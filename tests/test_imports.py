@@ -224,8 +224,8 @@ PARTS_IMPORT: Dict[str, Set[str]] = {
     "backends": {"kd.precision"},  # apex's amp beside apex's DDP
 }
 
-#: Modules that import no module of kd's.
-LEAVES = ["kd.errors", "kd.checksum", "kd.runfolder", "kd.version"]
+#: Modules that import no module of kd's (kd.runfolder reads a run's records: it raises kd.errors' KDError).
+LEAVES = ["kd.errors", "kd.checksum", "kd.version"]
 
 
 def place(module: str) -> Tuple[int, str]:

@@ -517,6 +517,7 @@ SETTINGS = {
     "luminet": {"args": {"kd_weight": 2.0, "temperature": 2.0, "warmup": 5.0}, "kd_only": {"ce_weight": 0.0}},
     "ttm": {"args": {"gamma": 0.5, "kd_weight": 3.0}, "kd_only": {"ce_weight": 0.0}},
     "wttm": {"args": {"gamma": 0.5, "kd_weight": 3.0}, "kd_only": {"ce_weight": 0.0}},
+    "deit": {"args": {"hard": 0, "temperature": 3.0, "kd_weight": 0.3}, "kd_only": {"ce_weight": 0.0}},
     "crd": {
         "features": {"student": {"fc<1": (4, 8)}, "teacher": {"fc<1": (4, 12)}},
         "args": {"feat_dim": 16, "negatives": 30, "temperature": 0.1, "momentum": 0.9, "crd_weight": 1.0},
@@ -589,6 +590,8 @@ def prepared(name, args, dtype=torch.float32, num_classes=10, batch=4):
         )
     x = DistillInputs(student, labels_, teacher, s_feats, t_feats, progress=2.0, indices=indices, **second)
     x.student_classifier = head
+    if loss.reads_distill_head:  # a distilled DeiT's second head
+        x.distill_logits = torch.randn(batch, num_classes, generator=g).to(dtype).requires_grad_()
     return loss, x
 
 
@@ -610,6 +613,8 @@ def test_distillation_gradient_reaches_the_student_side_only(name):
     assert x.teacher_logits.grad is None
     assert all(t.grad is None for t in x.teacher_feats.values())
     student_side = list(x.student_feats.values()) if loss.uses_features else [x.student_logits]
+    if loss.reads_distill_head:
+        student_side = [x.distill_logits]
     assert all(f.grad is not None and f.grad.abs().sum() > 0 for f in student_side)
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in loss.parameters())
 
@@ -691,6 +696,8 @@ DEPRECATED = [
     ("dist", "gamma", 0.5, {"intra_weight": 0.5}),
     ("dist", "tau", 4.0, {"temperature": 4.0}),
     ("at", "beta", 500.0, {"at_weight": 500.0}),
+    ("deit", "alpha", 0.3, {"ce_weight": 0.7, "kd_weight": 0.3}),
+    ("deit", "tau", 3.0, {"temperature": 3.0}),
 ]
 
 

@@ -126,3 +126,23 @@ def test_the_teacher_line_of_pretrained_v2_weights_names_the_papers_v1():
         "not the papers' IMAGENET1K_V1: --teacher-weights torchvision:IMAGENET1K_V1"
     ), v2
     assert v1.endswith("(torchvision ResNet50_Weights.IMAGENET1K_V1)"), v1
+
+
+@pytest.mark.parametrize(
+    "name", ["timm:vit_tiny_patch16_224.augreg_in21k_ft_in1k", "timm:deit_tiny_distilled_patch16_224"]
+)
+def test_a_vit_at_another_size_is_built_for_it_with_its_own_shapes(name):
+    model = models.build(name, 4, "none", image_size=32).eval()
+    with torch.no_grad():
+        assert model(torch.randn(2, 3, 32, 32)).shape == (2, 4)
+    own = timm.create_model(name[len("timm:") :], num_classes=4)
+    assert {k: v.shape for k, v in model.state_dict().items()} == {k: v.shape for k, v in own.state_dict().items()}
+    line = models.other_size_line("teacher", name, model, 32)
+    assert line is not None and line.startswith(f"teacher {name} is a 224 px model: built with timm's dynamic_img_size")
+    assert models.other_size_line("teacher", name, model, 224) is None
+    assert models.other_size_line("student", "timm:convnext_atto", model, 32) is None  # takes any size as it is
+
+
+def test_a_model_of_one_size_without_timms_option_is_built_as_timm_builds_it():
+    model = models.build("timm:xcit_nano_12_p16_224", 4, "none", image_size=32)  # XCiT takes any size as it is
+    assert models.other_size_line("student", "timm:xcit_nano_12_p16_224", model, 32) is None

@@ -159,7 +159,7 @@ def evaluate_model(
     )
     backend = backends.get("single")(cfg)
     backend.setup()
-    net = models.freeze(models.build(s.model, n, weights))
+    net = models.freeze(models.build(s.model, n, weights, s.image_size))
     runtime = resolve_runtime(cfg, backend.device)
     channels_last = runtime.channels_last
     # the ignore: torch's stub has no overload of Module.to with both, which Module.to takes

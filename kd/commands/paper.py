@@ -18,14 +18,14 @@ from kd.commands import table
 #: the order of the rows of the papers' ImageNet tables, then the later methods
 ORDER = [
     "kd", "at", "fitnet", "ofd", "crd", "reviewkd", "dkd", "dist", "nkd", "ctkd", "ctdkd", "mlkd", "lskd",
-    "ttm", "wttm", "luminet", "crld", "sdkd", "sddkd", "sdnkd",
+    "ttm", "wttm", "luminet", "crld", "sdkd", "sddkd", "sdnkd", "deit",
 ]  # fmt: skip
 #: how papers print each method's name
 TITLES = {
     "kd": "KD", "at": "AT", "fitnet": "FitNet", "ofd": "OFD", "crd": "CRD", "reviewkd": "ReviewKD",
     "dkd": "DKD", "dist": "DIST", "nkd": "NKD", "ctkd": "KD + CTKD", "ctdkd": "DKD + CTKD", "mlkd": "MLKD",
     "lskd": "KD + LS", "ttm": "TTM", "wttm": "WTTM", "luminet": "LumiNet", "crld": "CRLD",
-    "sdkd": "SD-KD", "sddkd": "SD-DKD", "sdnkd": "SD-NKD",
+    "sdkd": "SD-KD", "sddkd": "SD-DKD", "sdnkd": "SD-NKD", "deit": "DeiT",
 }  # fmt: skip
 FORMATS = ("markdown", "latex", "csv")
 #: ``--epoch``: the epochs whose top-1 and top-5 the table shows

@@ -68,6 +68,10 @@ class DistillInputs:
     #: the student's linear classifier, for methods with ``uses_classifier`` (its scores of the
     #: final map's cells train it); None otherwise
     student_classifier: Optional[nn.Module] = None
+    #: the distillation head's logits of a student with a distillation token (timm's distilled DeiT) for
+    #: methods with ``reads_distill_head``, whose student returns both heads; ``student_logits`` is then
+    #: the class head's. None otherwise
+    distill_logits: Optional[torch.Tensor] = None
 
 
 def kd_divergence(
@@ -118,7 +122,9 @@ class DistillLoss(nn.Module):
     :meth:`setup_samples` gets every training sample's class first, and :meth:`after_step` runs after
     each optimizer step. ``views = 2`` methods (:class:`TwoViewLoss`: MLKD, CRLD) see a second,
     strongly augmented view of each sample: the loaders make it, the teacher and the student forward
-    it too (:attr:`DistillInputs.second_student_logits`).
+    it too (:attr:`DistillInputs.second_student_logits`). ``reads_distill_head`` methods (DeiT) need a
+    student with a distillation token and see its two heads apart (:attr:`DistillInputs.distill_logits`);
+    every other method sees such a student as timm trains it by default, the two heads' average.
     """
 
     #: computed in float32 at every opt level: the precisions keep its parameters and inputs float32
@@ -135,6 +141,7 @@ class DistillLoss(nn.Module):
     uses_classifier: ClassVar[bool] = False
     uses_samples: ClassVar[bool] = False
     views: ClassVar[int] = 1
+    reads_distill_head: ClassVar[bool] = False
     name: ClassVar[str] = ""
 
     def __init_subclass__(cls, **kwargs: Any):

@@ -65,6 +65,7 @@ def build_lane(
     check_batch_norm(student, cfg, backend)
     if teacher is not None:
         shared.teacher_model = teacher  # built after this student, as its own run builds it
+    said += size_lines(cfg, student, teacher)
     clock.mark("models")
 
     # Module.to(device, memory_format=...) is valid at run time; torch's overloads list the two apart
@@ -153,7 +154,8 @@ def setup_feature_layers(
     assert teacher is not None  # a feature method needs a teacher (needs_teacher), so build_models made one
     if loss.uses_classifier:
         return setup_final_maps(loss, student, teacher, cfg)
-    specs = cfg.feature_layers or loss.default_layers(layer_names(student), layer_names(teacher))
+    with naming_models(cfg):
+        specs = cfg.feature_layers or loss.default_layers(layer_names(student), layer_names(teacher))
     s_layers, t_layers = split_layers(specs)
     check_layers(student, s_layers, f"student {cfg.student}")
     check_layers(teacher, t_layers, f"teacher {cfg.teacher}")
@@ -182,7 +184,8 @@ def setup_feature_layers(
             model(probe)
         model.train(was_training)
         shapes.append({k: feats[k].shape for k in side})
-    loss.setup_features(*shapes)
+    with naming_models(cfg):
+        loss.setup_features(*shapes)
     if loss.reads_teacher_norms:
         loss.setup_teacher(teacher_norms(teacher, norms, loss.name, f"teacher {cfg.teacher}"))
     return keys[0], keys[1]
@@ -201,6 +204,16 @@ def setup_final_maps(loss: DistillLoss, student: nn.Module, teacher: nn.Module, 
     bias = None if head.bias is None else head.bias.detach().float().clone()
     loss.setup_classifiers(s_head, head.weight.detach().float().clone(), bias)
     return [s_map], [t_map]
+
+
+@contextlib.contextmanager
+def naming_models(cfg):
+    """A feature method's refusal of the models' layers (no default layers for them, token features
+    where it needs feature maps) with the two models named."""
+    try:
+        yield
+    except KDError as exc:
+        raise KDError(f"{exc} (student {cfg.student}, teacher {cfg.teacher})") from None
 
 
 def teacher_norms(teacher: nn.Module, norms: Dict[str, Optional[str]], method: str, role: str):
@@ -238,15 +251,30 @@ def build_models(cfg, num_classes: int, teacher: Optional[nn.Module] = None):
         loss_args = {k: v for k, v in loss_args.items() if k in CrossEntropy.defaults}
     loss = build_loss("ce" if cfg.no_teacher else cfg.kd_loss, num_classes, loss_args)
     with seeded(cfg.seed):
-        student = models.build(cfg.student, num_classes, cfg.student_weights)
+        student = models.build(cfg.student, num_classes, cfg.student_weights, cfg.image_size)
+    if loss.reads_distill_head:
+        models.train_both_heads(student, cfg.student, loss.name)
     if not loss.needs_teacher or cfg.soft_labels:  # a store stands in for the teacher's forward
         teacher = None
     elif teacher is None:
         with seeded(cfg.seed + 1):  # a teacher without weights: the same whichever student builds it
-            teacher = models.freeze(models.build(cfg.teacher, num_classes, cfg.teacher_weights))
+            teacher = models.freeze(models.build(cfg.teacher, num_classes, cfg.teacher_weights, teacher_size(cfg)))
     with seeded(cfg.seed + 2):  # the connectors: the same whether or not this student built the teacher
         s_layers, t_layers = setup_feature_layers(loss, student, teacher, cfg)
     return student, loss, teacher, s_layers, t_layers
+
+
+def teacher_size(cfg) -> int:
+    """The size in pixels the teacher is fed in training (the run's crop, or its weights' size)."""
+    return models.DataConfig.from_dict(cfg.teacher_data or {}).train_size(cfg.image_size)
+
+
+def size_lines(cfg, student: nn.Module, teacher: Optional[nn.Module]) -> List[str]:
+    """The log lines of the student and the teacher where either is built for another size than its own."""
+    sides = [("student", cfg.student, student, cfg.image_size)]
+    if teacher is not None:
+        sides.append(("teacher", cfg.teacher, teacher, teacher_size(cfg)))
+    return [line for line in (models.other_size_line(*side) for side in sides) if line]
 
 
 @contextlib.contextmanager

@@ -42,14 +42,19 @@ class StudentSide(nn.Module):
         feats: Dict[str, torch.Tensor] = {}
         with tap(self.student, self.layers, feats):
             logits = self.student(images)
+        distill = None
+        if isinstance(logits, tuple):  # a distillation token's student, both heads (reads_distill_head)
+            logits, distill = logits
         feats = {k: feats[k] for k in self.layers}  # spec order: the losses pair by position
         second = None if second_images is None else self.student(second_images)
         inputs = DistillInputs(logits, labels, teacher_logits, feats, teacher_feats or {}, progress, indices, step)
         inputs.second_student_logits, inputs.second_teacher_logits = second, second_teacher_logits
         if getattr(self.loss, "uses_classifier", False):  # this replica's own classifier: its cell scores train it
             inputs.student_classifier = self.student.get_submodule(str(self.loss.student_head))
+        inputs.distill_logits = distill
         parts = self.loss(inputs)
         parts[LOGITS_SUM] = logits.detach().float().sum()  # finite iff every logit is: names a non-finite loss's source
-        if second is not None:
-            parts[LOGITS_SUM] = parts[LOGITS_SUM] + second.detach().float().sum()
+        for more in (second, distill):
+            if more is not None:
+                parts[LOGITS_SUM] = parts[LOGITS_SUM] + more.detach().float().sum()
         return parts

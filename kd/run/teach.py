@@ -19,7 +19,7 @@ from kd.data.pipeline import build as build_data
 from kd.data.pipeline import choose_loader
 from kd.errors import KDError
 from kd.precision import make_precision
-from kd.run.build import seeded
+from kd.run.build import seeded, teacher_size
 from kd.run.lane import stop_in_setup
 from kd.run.log import NullLogger, RunLogger
 from kd.run.runtime import resolve as resolve_runtime
@@ -79,9 +79,12 @@ class Teaching:
             precision = make_precision(cfg, backend.device, prefer_apex=False)
             settings = self._settings(classes)  # a store for another teaching fails before the teacher is built
             with seeded(cfg.seed + 1):  # as kd train builds it: a teacher without weights is the same one
-                model = models.freeze(models.build(cfg.teacher, classes, cfg.teacher_weights))
+                model = models.freeze(models.build(cfg.teacher, classes, cfg.teacher_weights, teacher_size(cfg)))
             runtime = resolve_runtime(cfg, backend.device)
             log = self.logger.info
+            resized = models.other_size_line("teacher", cfg.teacher, model, teacher_size(cfg))
+            if resized:
+                log(resized)
             self.teacher = build_teacher(model, [], cfg, backend, self.data, precision, log, runtime, self.hooks)
             self._choose_dtype(settings)  # an explicit float16 that cannot hold the logits fails before any write
             self._check_space(settings)
