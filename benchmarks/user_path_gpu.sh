@@ -7,7 +7,7 @@
 # teacher precision, losses and skipped steps.
 # Usage: bash benchmarks/user_path_gpu.sh PART...  (PART: data | teacher | backends | together | overflow | stops | ctrlc | field |
 #        apex | fast | resolution | store | integrity | teacher34 | table | newer | methods | latest | inception |
-#        shapes | learn | runfolder)
+#        shapes | learn | runfolder | vit)
 # fast: the command as typed (kd's defaults) beside the best flags known and prepared copies, each as a share of
 #       the synthetic step, and the first step's breakdown; resolution: a short run on the folder and on a copy.
 # teacher34, table: a resnet34 teacher trained by kd, then the six rows of the papers' R34 -> R18 table as one command.
@@ -248,6 +248,14 @@ PYEOF
          echo "    moved copy, --epochs 3: exit $?; $(grep -c "$RUNS/folder/" "$OUT/folder_moved.log") lines name the first folder" | tee -a "$OUT/summary.txt"
          for m in kd dkd; do report "folder_moved/$m" 0 0; done
          for f in folder folder_moved; do $KD verify "$RUNS/$f" 2>&1 | tail -1 | sed "s/^/    verify $f: /" | tee -a "$OUT/summary.txt"; done ;;
+  vit) # today's recipe on a ViT student: a distilled DeiT-Ti from teacher34's resnet34 with DeiT's loss (hard), AdamW,
+       # timm's per-update cosine with a warm-up, drop path, an EMA of the weights, bfloat16; then a ConvNeXt with KD
+       T34=$RUNS/teacher34/checkpoints/best.pt E=${VIT_EPOCHS:-3}
+       V="$COMMON --teacher resnet34 --teacher-weights $T34 --opt O1 --amp-dtype bfloat16 --epochs $E --optimizer adamw"
+       V="$V --lr 1e-3 --weight-decay 0.05 --lr-schedule timm-cosine --warmup-epochs 1 --drop-path 0.1 --model-ema"
+       run deit_ti 300 $V --student timm:deit_tiny_distilled_patch16_224 --kd-loss deit --model-ema-decay 0.99
+       run convnext_kd 300 $V --student timm:convnext_atto --kd-loss kd --model-ema-decay 0.99
+       grep -h "ema\|EMA\|drop" "$OUT/deit_ti.log" | head -4 | sed "s/^/    /" | tee -a "$OUT/summary.txt" ;;
   apex) for opt in O1; do
           run "apexamp_single" 240 $COMMON --teacher resnet101 --teacher-weights "$TEACHER" --student resnet18 \
             --amp-impl apex --opt $opt --gpus 0 --epochs 2 --lr 0.2
