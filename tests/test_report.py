@@ -502,7 +502,7 @@ def test_the_2024_logit_rows_follow_the_earlier_methods_with_their_references(tm
         _table_run(tmp_path, f"imagenet/{recipe}", top1)
     r = kd_main("report", tmp_path, "--format", "latex", "--epoch", "best")
     assert r.returncode == 0, r.stderr
-    rows = [line for line in r.stdout.splitlines() if line.endswith(r"\\")][1:]
+    rows = [line for line in r.stdout.splitlines() if line.endswith(r"\\") and "multicolumn" not in line][1:]
     assert rows == [
         r"DKD & 71.60 & 91.10 & 71.70 & -0.10 \\",
         r"DKD + LS & 71.80 & 91.30 & 71.88 & -0.08 \\",
