@@ -87,6 +87,8 @@ def build_lane(
     torch.manual_seed(cfg.seed + backend.rank)  # each process its own dropout / drop-path masks
     said.append(backend.describe())  # after wrap: what the backend decided there (e.g. torch_ddp's detection)
     eval_forward = evaluation_forward(backend, cast(nn.Module, side.student), renorm)
+    if ema is not None:
+        ema.forward = evaluation_forward(backend, ema.module, renorm)
     if runtime.compile:
         said.append(
             f"torch.compile ({cfg.compile_mode}): the first step compiles the student "
@@ -123,7 +125,6 @@ def build_lane(
         state=TrainState(),
         validate=validate,
         ema=ema,
-        ema_forward=evaluation_forward(backend, ema.module, renorm) if ema is not None else None,
     )
     if resumed is not None:
         path, state = resumed

@@ -19,7 +19,7 @@ whose dtype differs from the model's: equal to its ``lerp`` to float32 rounding.
 from __future__ import annotations
 
 import copy
-from typing import Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -34,6 +34,8 @@ class ModelEma:
 
     def __init__(self, student: nn.Module, precision, decay: float, warmup: bool):
         self.module = copy.deepcopy(student).float().eval().requires_grad_(False)
+        #: its forward for evaluation: the module's own, or the backend's forward-only wrapper of it (the build's)
+        self.forward: Callable[[torch.Tensor], Any] = self.module
         self.student = student
         self.precision = precision
         self.decay = decay

@@ -71,7 +71,6 @@ class Lane:
         state: TrainState,
         validate: bool = True,
         ema: Optional[ModelEma] = None,
-        ema_forward: Optional[Callable[[torch.Tensor], Any]] = None,
     ):
         """``side``: the student side (:class:`kd.run.sides.StudentSide`) as the precision prepared it;
         ``model``: the side as the backend wrapped it (and torch.compile, where on); ``renorm``: from
@@ -79,7 +78,7 @@ class Lane:
         teacher layers its loss taps; ``notes``: what kd chose for the user (comments in
         config.yaml); ``validate=False`` skips the teacher's and the student's validation passes
         (timed benchmark runs); ``ema``: the moving average of the student's weights (--model-ema),
-        updated after each optimizer step and validated by ``ema_forward`` beside the student."""
+        updated after each optimizer step and validated beside the student."""
         self.name = name  # the student's name beside others; its run folder's name
         self.cfg = cfg
         self.backend = backend
@@ -106,7 +105,6 @@ class Lane:
         self.state = state
         self.validates = validate
         self.ema = ema
-        self.ema_forward = ema_forward
         self.teacher: Optional[Teacher] = None  # the live teacher it learns from (its top-1, its precision)
         self.rng: Dict[str, Any] = {}  # beside other students: its generators' state between its calls
         self.first_step: Optional[Dict[str, float]] = None  # seconds to the first step, once taken
@@ -170,9 +168,9 @@ class Lane:
         if self.validates and ((self.state.epoch + 1) % cfg.eval_every == 0 or self.state.epoch == cfg.epochs - 1):
             val, unreadable = self._validate(self.side, self.eval_forward, self.precision, train, seconds)
             record.update(val)
-            if self.ema is not None and self.ema_forward is not None:
+            if self.ema is not None:
                 precision = self.precision.for_float32_copy()
-                ema, _ = self._validate(self.ema.module, self.ema_forward, precision, train, seconds)
+                ema, _ = self._validate(self.ema.module, self.ema.forward, precision, train, seconds)
                 record.update({f"{k}_ema": ema[k] for k in EMA_RECORD})
             self._unreadable_val(unreadable, int(val["val_images"]))
         if self.device.type == "cuda":
