@@ -320,12 +320,13 @@ def prepare_cmd(src, dst, fmt, max_side, quality, workers, overwrite, no_progres
 @click.option(
     "--out", "-o", required=True, type=click.Path(path_type=Path), help="weights.pt, .pth or .safetensors to write."
 )
-def export_cmd(run, out):
+@click.option("--ema", is_flag=True, help="The moving average of its weights (a run trained with --model-ema).")
+def export_cmd(run, out, ema):
     """A run's student (RUN: a run folder, its best.pt, or a kd checkpoint) as a plain state dict,
     with its model name, classes and preprocessing in OUT's .json beside it."""
     from kd.commands.export import describe, export
 
-    click.echo(describe(export(run, out), out))
+    click.echo(describe(export(run, out, ema), out))
 
 
 @cli.command("verify")

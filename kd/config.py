@@ -130,6 +130,11 @@ class RunConfig:
     max_nonfinite_steps: int = 20
     max_restarts: int = 0  # torch elastic restarts of a multi-process group (from the last checkpoint)
     progress_bar: Optional[bool] = None  # None: only on a terminal
+    # weight averaging and stochastic depth, under timm's option names (kd.run.ema, kd.models)
+    model_ema: bool = False  # an exponential moving average of the student's weights, evaluated beside them
+    model_ema_decay: float = 0.9998
+    model_ema_warmup: bool = False  # the decay ramps up from 0 as timm's ModelEmaV3 warm-up does
+    drop_path: Optional[float] = None  # the student's stochastic depth; None: its model's own default
     # recipe metadata (not options)
     recipe: Optional[str] = None
     description: Optional[str] = None
@@ -542,7 +547,17 @@ def validate(cfg: RunConfig, teaching: bool = False) -> RunConfig:
     validate_loss_options(cfg)
     if cfg.dot:
         validate_dot(cfg)
+    validate_averaging(cfg)
     return cfg
+
+
+def validate_averaging(cfg: RunConfig) -> None:
+    """--model-ema-decay and --drop-path in range (whether the student has stochastic depth is
+    checked against the model itself: :func:`kd.models.check_drop_path`)."""
+    if not 0.0 <= cfg.model_ema_decay < 1.0:
+        raise KDError(f"--model-ema-decay must be in [0, 1), got {cfg.model_ema_decay:g}")
+    if cfg.drop_path is not None and not 0.0 <= cfg.drop_path < 1.0:
+        raise KDError(f"--drop-path must be in [0, 1), got {cfg.drop_path:g}")
 
 
 def validate_dot(cfg: RunConfig) -> None:
@@ -752,6 +767,27 @@ TRAIN_OPTIONS = (
         "momentum + delta on the distillation part's; with any method whose loss has both.",
     ),
     Option("dot_delta", ("--dot-delta",), "DOT's momentum difference delta."),
+    # weight averaging and stochastic depth (timm's option names)
+    Option(
+        "model_ema",
+        ("--model-ema",),
+        "Keep an exponential moving average of the student's weights (timm's ModelEmaV3), evaluated "
+        "each epoch beside them (val_top1_ema) and kept in the checkpoints; kd export --ema writes it.",
+    ),
+    Option("model_ema_decay", ("--model-ema-decay",), "Decay of --model-ema per optimizer step."),
+    Option(
+        "model_ema_warmup",
+        ("--model-ema-warmup",),
+        "Ramp the decay of --model-ema up from 0 (timm's warm-up: 1 - n^(-2/3) at step n, at most the decay).",
+    ),
+    Option(
+        "drop_path",
+        ("--drop-path",),
+        "Stochastic depth of the student (timm's drop_path_rate, torchvision's stochastic_depth_prob); "
+        "the teacher never has it.",
+        "RATE",
+        note="the model's own",
+    ),
     Option("image_size", ("--image-size",), "Train crop and val crop size."),
     Option(
         "val_resize",

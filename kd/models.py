@@ -182,10 +182,16 @@ def first_line(exc: BaseException) -> str:
     return str(exc).splitlines()[0][:120] if str(exc).strip() else "no detail"
 
 
-def build(name: str, num_classes: int, weights: str = "none", image_size: Optional[int] = None) -> nn.Module:
+def build(
+    name: str,
+    num_classes: int,
+    weights: str = "none",
+    image_size: Optional[int] = None,
+    drop_path: Optional[float] = None,
+) -> nn.Module:
     """Model ``name`` with ``num_classes`` outputs and ``weights`` = none | pretrained |
     torchvision:TAG | timm:TAG | PATH, for images of ``image_size`` pixels where given
-    (:func:`other_size`)."""
+    (:func:`other_size`); ``drop_path``: its stochastic depth (:func:`construct`)."""
     check_name(name)
     state = None
     if is_named(weights):
@@ -198,17 +204,47 @@ def build(name: str, num_classes: int, weights: str = "none", image_size: Option
             )
     elif weights not in ("none", None):
         state = load_state_file(weights)
-    model = construct(name, num_classes, weights, image_size)
+    model = construct(name, num_classes, weights, image_size, drop_path)
     if state is not None:
         load_into(model, without_aux_heads(model, state), name, weights)
     return model
 
 
 def construct(
-    name: str, num_classes: int, weights: Optional[str] = "none", image_size: Optional[int] = None
+    name: str,
+    num_classes: int,
+    weights: Optional[str] = "none",
+    image_size: Optional[int] = None,
+    drop_path: Optional[float] = None,
 ) -> nn.Module:
     """Model ``name`` as its library builds it for ``weights``, not loaded (:func:`build` loads them); a timm
-    model of one input size fed ``image_size`` pixels with timm's ``dynamic_img_size`` (:func:`other_size`)."""
+    model of one input size fed ``image_size`` pixels with timm's ``dynamic_img_size`` (:func:`other_size`).
+
+    ``drop_path``: its stochastic depth, as timm's ``drop_path_rate`` or torchvision's
+    ``stochastic_depth_prob`` (the probability of the last block; the blocks before it get less, by
+    the model's own rule); None leaves the model's default (torchvision's convnext, efficientnet,
+    swin and maxvit have one). A model without stochastic depth is a KDError. swin's and maxvit's
+    builders fix the probability: their modules are rescaled to it."""
+    timm_model = name.startswith(TIMM_PREFIX)
+    if drop_path is None:
+        return _library_model(name, num_classes, weights, image_size)
+    key = "drop_path_rate" if timm_model else "stochastic_depth_prob"
+    try:
+        model = _library_model(name, num_classes, weights, image_size, **{key: drop_path})
+    except TypeError as exc:  # the model's class takes no such argument, or its builder sets it
+        if key not in str(exc):
+            raise
+        if "multiple values" not in str(exc):
+            raise KDError(no_drop_path(name)) from None
+        model = rescale_stochastic_depth(_library_model(name, num_classes, weights, image_size), drop_path)
+    if drop_path > 0 and not drop_path_rates(model):  # a builder that swallows arguments it does not use
+        raise KDError(no_drop_path(name))
+    return model
+
+
+def _library_model(
+    name: str, num_classes: int, weights: Optional[str], image_size: Optional[int] = None, **extra: Any
+) -> nn.Module:
     if name.startswith(TIMM_PREFIX):
         import timm
 
@@ -216,13 +252,64 @@ def construct(
         arch = name[len(TIMM_PREFIX) :]
         if other_size(name, image_size) is not None:
             try:
-                return timm.create_model(arch, pretrained=False, num_classes=num_classes, dynamic_img_size=True)
-            except TypeError:  # a model without the option (CaiT, XCiT, ...): as timm builds it
-                pass
-        return timm.create_model(arch, pretrained=False, num_classes=num_classes)
+                return timm.create_model(
+                    arch, pretrained=False, num_classes=num_classes, dynamic_img_size=True, **extra
+                )
+            except TypeError as exc:  # a model without the option (CaiT, XCiT, ...): as timm builds it
+                if "dynamic_img_size" not in str(exc):
+                    raise
+        return timm.create_model(arch, pretrained=False, num_classes=num_classes, **extra)
     import torchvision.models as tvm
 
-    return tvm.get_model(name, weights=None, **torchvision_kwargs(name, num_classes, origin_member(name, weights)))
+    kwargs = torchvision_kwargs(name, num_classes, origin_member(name, weights))
+    return tvm.get_model(name, weights=None, **kwargs, **extra)
+
+
+def no_drop_path(name: str) -> str:
+    return (
+        f"--drop-path: {name} has no stochastic depth; it applies to timm models that take drop_path_rate "
+        f"and to torchvision's convnext, efficientnet, swin and maxvit"
+    )
+
+
+def rescale_stochastic_depth(model: nn.Module, rate: float) -> nn.Module:
+    """``model`` (torchvision's) with the probabilities of its StochasticDepth modules scaled so that
+    the largest is ``rate``: its builder's rule with ``rate`` in place of the probability it fixed."""
+    from torchvision.ops import StochasticDepth
+
+    found = [m for m in model.modules() if isinstance(m, StochasticDepth)]
+    top = max((m.p for m in found), default=0.0)
+    for module in found:
+        module.p = rate * (module.p / top) if top else rate
+    return model
+
+
+def stochastic_depth_modules(model: nn.Module) -> List[nn.Module]:
+    """``model``'s stochastic-depth modules: timm's DropPath (``drop_prob``), torchvision's StochasticDepth (``p``)."""
+    from torchvision.ops import StochasticDepth
+
+    kinds: Tuple[type, ...] = (StochasticDepth,)
+    if "timm" in sys.modules:  # a timm model has imported it
+        from timm.layers import DropPath
+
+        kinds += (DropPath,)
+    return [m for m in model.modules() if isinstance(m, kinds)]
+
+
+def drop_path_rates(model: nn.Module) -> List[float]:
+    """The drop probability of each of ``model``'s stochastic-depth modules."""
+    return [float(getattr(m, "drop_prob", getattr(m, "p", 0.0))) for m in stochastic_depth_modules(model)]
+
+
+def check_drop_path(name: str, rate: float) -> None:
+    """A KDError where model ``name`` has no stochastic depth for --drop-path ``rate``, before any
+    work: the model built on the meta device (no memory, no weights), at 0.1 where ``rate`` is 0 so
+    that its modules are made. A model that cannot be built there is left to :func:`construct`."""
+    try:
+        with torch.device("meta"):
+            construct(name, 1000, "none", drop_path=rate or 0.1)
+    except (RuntimeError, TypeError, ValueError):  # a builder that reads tensors it makes (regnet's)
+        return
 
 
 def other_size(name: str, image_size: Optional[int]) -> Optional[int]:

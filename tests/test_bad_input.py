@@ -164,6 +164,13 @@ CASES = {
     "one image a step with BatchNorm": (T("-b", "1"), "BatchNorm layers, which need more than one value per channel"),
     "one image a step with MLKD": (T("-b", "1", "--kd-loss", "mlkd"), "use --batch-size 2 or more"),
     "num classes mismatch": (T("--num-classes", "7"), "class folders"),
+    "ema decay out of range": (T("--model-ema", "--model-ema-decay", "1"), "--model-ema-decay must be in [0, 1)"),
+    "drop path out of range": (T("--drop-path", "1"), "--drop-path must be in [0, 1)"),
+    "drop path on a model without it": (T("--drop-path", "0.1"), "--drop-path: resnet18 has no stochastic depth"),
+    "export the average of a run without one": (
+        ["export", "{root}/run", "-o", "{root}/w.pt", "--ema"],
+        "holds no moving average of the weights",
+    ),
     "no-teacher with dkd": (T("--no-teacher", "--kd-loss", "dkd"), "conflicts"),
     "fp16 on cpu": (T("--opt", "O1", "--amp-dtype", "float16"), "float16 needs CUDA"),
     "eval missing weights": (

@@ -146,3 +146,44 @@ def test_a_vit_at_another_size_is_built_for_it_with_its_own_shapes(name):
 def test_a_model_of_one_size_without_timms_option_is_built_as_timm_builds_it():
     model = models.build("timm:xcit_nano_12_p16_224", 4, "none", image_size=32)  # XCiT takes any size as it is
     assert models.other_size_line("student", "timm:xcit_nano_12_p16_224", model, 32) is None
+
+
+def test_drop_path_reaches_the_students_drop_path_modules_and_never_the_teachers():
+    from kd import config as kd_config
+    from kd.run.build import build_models
+
+    options = dict(data="synthetic", teacher="timm:test_resnet", teacher_weights="none", student="timm:test_resnet")
+    cfg = kd_config.resolve(options={**options, "drop_path": 0.2})
+    student, _, teacher, _, _ = build_models(cfg, 4)
+    assert max(models.drop_path_rates(student)) == pytest.approx(0.2)  # timm's rule: the last block's
+    assert models.drop_path_rates(teacher) == []
+
+
+# built on the meta device: modules without memory or initialisation
+@pytest.mark.parametrize("name,top", [("convnext_tiny", 0.3), ("efficientnet_b0", 0.3 * 15 / 16), ("swin_t", 0.3),
+                                      ("maxvit_t", 0.3)])  # fmt: skip
+def test_torchvision_models_get_their_stochastic_depth_prob(name, top):
+    with torch.device("meta"):
+        rates = models.drop_path_rates(models.construct(name, 10, drop_path=0.3))
+    assert max(rates) == pytest.approx(top)
+    if name == "swin_t":  # a builder that fixes it (as maxvit's): rescaled, its linear rule kept
+        assert sorted(rates) == pytest.approx([0.3 * i / (len(rates) - 1) for i in range(len(rates))])
+
+
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v3_small", "timm:vgg11"])
+def test_a_model_without_stochastic_depth_is_refused(name):
+    # mobilenet_v3_small's builder takes the argument and drops it: its modules tell
+    with pytest.raises(KDError, match=f"^--drop-path: {name} has no stochastic depth; it applies to"):
+        models.check_drop_path(name, 0.0)
+
+
+def test_the_recipes_train_without_drop_path_or_an_average_as_before():
+    from kd import config as kd_config
+
+    for path in sorted(kd_config.RECIPE_DIR.rglob("*.yaml")):
+        cfg = kd_config.resolve(recipe=str(path), options={"data": "synthetic"})
+        assert cfg.drop_path is None and not cfg.model_ema, path
+        with torch.device("meta"):
+            assert models.drop_path_rates(models.construct(cfg.student, 1000)) == [], path
+    with torch.device("meta"):  # None leaves a model's own default: torchvision's convnext_tiny has 0.1
+        assert max(models.drop_path_rates(models.construct("convnext_tiny", 10))) == pytest.approx(0.1)

@@ -57,6 +57,8 @@ def test_the_papers_setting_is_not_marked_and_an_override_of_a_recipe_is():
         recipe="imagenet/r50_mv1_kd", options={"teacher_weights": "pretrained", "temperature": 4}
     )
     assert papers.cell(changed.to_dict(), method_defaults) == "unlike imagenet/r50_mv1_kd: teacher IMAGENET1K_V2, T 4"
+    dropped = kd_config.resolve(recipe="imagenet/r50_mv1_kd", options={"drop_path": 0.05}).to_dict()
+    assert papers.cell(dropped, method_defaults) == "unlike imagenet/r50_mv1_kd: drop path 0.05"
     # a teacher from a file is not compared (its weights are not known here); none is
     assert papers.cell(
         setting(teacher="resnet34", student="resnet18", teacher_weights="none", wd_bn_bias=True), method_defaults

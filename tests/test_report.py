@@ -220,6 +220,22 @@ def test_report_a_folder_of_runs(tmp_path):
     assert "skipped" in r.stderr and "notes.txt" in r.stderr
 
 
+def test_a_run_with_a_moving_average_adds_its_columns_and_one_without_shows_dashes(tmp_path):
+    from kd.commands.report import markdown, report, to_csv
+
+    averaged = _fake_run(tmp_path / "ema", 60.0, 90.0)
+    epochs = [
+        {"epoch": e, "val_top1": 60.0, "val_top5": 99.0, "val_top1_ema": t, "seconds": 1.0}
+        for e, t in ((1, 64.0), (2, 62.5))
+    ]
+    (averaged / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in epochs))
+    assert "best_top1_ema" not in markdown(report([_fake_run(tmp_path / "plain", 50.0, 90.0)]))
+    table = markdown(report([averaged, tmp_path / "plain"])).splitlines()
+    assert "| last_top5 | best_top1_ema | last_top1_ema | val_images |" in table[0]
+    assert "| 99.0 | 64.0 | 62.5 | - |" in table[2] and "| 99.0 | - | - | - |" in table[3], table
+    assert ",best_top1_ema,last_top1_ema," in to_csv(report([averaged]))
+
+
 def test_report_without_any_run_is_an_error(tmp_path):
     from kd.commands.report import report
 

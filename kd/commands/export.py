@@ -1,5 +1,6 @@
-"""``kd export RUN -o weights.pt|weights.safetensors``: a run's student as a plain state dict, with
-what it needs beside it (model name, classes, preprocessing) in ``weights.json``.
+"""``kd export RUN -o weights.pt|weights.safetensors``: a run's student (``--ema``: the moving average
+of its weights) as a plain state dict, with what it needs beside it (model name, classes,
+preprocessing) in ``weights.json``.
 
 The state dict is the student's own (the keys its torchvision or timm model has), float32, so
 ``model.load_state_dict(torch.load("weights.pt"))`` and ``timm.create_model(name,
@@ -47,15 +48,19 @@ def preprocessing(config: Dict[str, Any]) -> Dict[str, Any]:
     }
 
 
-def export(run: Path, out: Path) -> Dict[str, Any]:
+def export(run: Path, out: Path, ema: bool = False) -> Dict[str, Any]:
     """Write the student of ``run`` (a run folder or a kd checkpoint) to ``out`` and its description
-    to ``out`` with the suffix .json; returns that description. ``out`` is written atomically."""
+    to ``out`` with the suffix .json; returns that description. ``out`` is written atomically.
+    ``ema``: the moving average of its weights (``state_dict_ema``, a run of --model-ema) in their place."""
     out = Path(out)
     if out.suffix not in FORMATS:
         raise KDError(f"-o {out}: give a file ending in {', '.join(FORMATS)}")
     path = source_checkpoint(Path(run))
     state = checkpoint.load(path)
-    weights = {k: v.contiguous() for k, v in state["student"].items()}
+    key = "state_dict_ema" if ema else "student"
+    if not isinstance(state.get(key), dict):
+        raise KDError(f"--ema: {path} holds no moving average of the weights; its run trained without --model-ema")
+    weights = {k: v.contiguous() for k, v in state[key].items()}
     config = state.get("config") or {}
     info = {
         "model": state.get("student_name") or config.get("student"),
@@ -65,6 +70,7 @@ def export(run: Path, out: Path) -> Dict[str, Any]:
         "source": str(path),
         "epoch": state.get("epoch"),
         "best_top1": state.get("best_top1"),
+        "ema": ema,
     }
     with writing(out):
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -41,6 +41,25 @@ COLUMNS = [
     "train_time",
 ]
 CSV_COLUMNS = COLUMNS[:-2] + ["wall_s", "train_s"]  # seconds for programs, as the markdown's "12m" is for people
+#: the moving average's top-1 (--model-ema), after last_top5 where a run has one
+EMA_COLUMNS = ["best_top1_ema", "last_top1_ema"]
+
+
+def columns(rows: Sequence[Dict[str, object]], base: Sequence[str]) -> List[str]:
+    """``base`` with :data:`EMA_COLUMNS` after last_top5 where a row has them."""
+    out = list(base)
+    if any(EMA_COLUMNS[0] in row for row in rows):
+        at = out.index("last_top5") + 1
+        out[at:at] = EMA_COLUMNS
+    return out
+
+
+def ema_top1(evals: List[Dict[str, Any]]) -> Dict[str, object]:
+    """The best and last top-1 of the moving average over the evaluated epochs (none without it)."""
+    averaged = [r["val_top1_ema"] for r in evals if "val_top1_ema" in r]
+    if not averaged:
+        return {}
+    return {"best_top1_ema": round(max(averaged), 2), "last_top1_ema": round(averaged[-1], 2)}
 
 
 def duration(seconds: float) -> str:
@@ -88,6 +107,7 @@ def collect(run: Path) -> Dict[str, object]:
         "best_top5": round(best["val_top5"], 2),
         "last_top1": round(last["val_top1"], 2),
         "last_top5": round(last["val_top5"], 2),
+        **ema_top1(evals),
         "val_images": images_over(last),
         "reference_top1": ref if ref is not None else "-",
         "diff": round(best["val_top1"] - ref, 2) if ref is not None else "-",
@@ -164,9 +184,13 @@ def summary_line(run: Path, seconds: float, name: str = "") -> str:
         took = f"{duration(seconds)} ({duration(sum(p['seconds'] for p in parts))} in all, {len(parts)} parts)"
     else:
         took = duration(seconds)
+    ema = ema_top1(evals)
+    averaged = ""
+    if ema:
+        averaged = f"; moving average: best top-1 {ema['best_top1_ema']:.2f}, last {ema['last_top1_ema']:.2f}"
     return (
         f"{prefix}done: best top-1 {best['val_top1']:.2f} at epoch {best['epoch']}, last top-1 "
-        f"{last['val_top1']:.2f} at epoch {last['epoch']}{val_count(last)}, {took}; "
+        f"{last['val_top1']:.2f} at epoch {last['epoch']}{val_count(last)}{averaged}, {took}; "
         f"run {run}, best checkpoint {checkpoint}"
     )
 
@@ -182,7 +206,7 @@ NOT_THE_SETTING = {
 
 
 #: settings of the trainer, not the method, that a recipe leaves out where they are off
-TRAINER_SWITCHES = ("dot",)
+TRAINER_SWITCHES = ("dot", "drop_path")
 
 
 def setting_gaps(cfg: Dict[str, Any], recipe: Dict[str, Any], records: List[Dict[str, Any]]) -> List[Departure]:
@@ -421,7 +445,8 @@ def run_labels(runs: Sequence[Path]) -> List[str]:
 
 
 def markdown(rows: List[Dict[str, object]]) -> str:
-    return table.markdown(rows, COLUMNS)
+    shown = columns(rows, COLUMNS)
+    return table.markdown([{**{c: "-" for c in EMA_COLUMNS}, **row} for row in rows], shown)
 
 
 def provenance_table(rows: List[Dict[str, object]], note: Callable[[str], None]) -> str:
@@ -441,7 +466,7 @@ def provenance_table(rows: List[Dict[str, object]], note: Callable[[str], None])
 
 def to_csv(rows: List[Dict[str, object]]) -> str:
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+    writer = csv.DictWriter(buf, fieldnames=columns(rows, CSV_COLUMNS), extrasaction="ignore")
     writer.writeheader()
     writer.writerows(rows)
     return buf.getvalue()

@@ -35,7 +35,14 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
-from kd.precision.native import MasterStateMixin, Precision, keep_losses_float32, nonfinite_gradients, step_unless
+from kd.precision.native import (
+    AutocastPrecision,
+    MasterStateMixin,
+    Precision,
+    keep_losses_float32,
+    nonfinite_gradients,
+    step_unless,
+)
 
 REMOVED = "apex.amp was removed from NVIDIA apex in May 2025; the last release tag with it is 25.05"
 
@@ -133,6 +140,9 @@ class ApexAmpPrecision(MasterStateMixin, Precision):
 
     def input_cast(self, images: torch.Tensor) -> torch.Tensor:
         return images.to(self.dtype) if self.opt in ("O2", "O3") else images
+
+    def for_float32_copy(self) -> Precision:
+        return AutocastPrecision(self.device, self.dtype) if self.opt in ("O2", "O3") else self
 
     def convert(self, model, optimizer):
         losses = keep_losses_float32(model)

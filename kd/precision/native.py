@@ -256,6 +256,16 @@ class Precision:
         """The float32 weights to checkpoint (master weights where the level keeps them)."""
         return float32_state(model.state_dict())
 
+    def masters(self, model: nn.Module) -> Dict[str, torch.Tensor]:
+        """The float32 master weights of ``model``'s parameters by name, the tensors themselves (none
+        where the level keeps none: the optimizer steps the parameters)."""
+        return {}
+
+    def for_float32_copy(self) -> Precision:
+        """The precision a float32 copy of the model is evaluated in (an average of its weights):
+        this one where the model keeps float32 weights, else autocast to this level's dtype."""
+        return self
+
     def load_model_state(self, model: nn.Module, state: Dict[str, torch.Tensor]) -> None:
         model.load_state_dict(state)  # copy_ casts float32 values to the model's dtypes
 
@@ -312,6 +322,9 @@ class CastPrecision(Precision):
     def input_cast(self, images: torch.Tensor) -> torch.Tensor:
         return images.to(self.dtype)
 
+    def for_float32_copy(self) -> Precision:
+        return AutocastPrecision(self.device, self.dtype)
+
 
 # ----------------------------------------------------------------------------- O2
 class MasterStateMixin:
@@ -319,6 +332,9 @@ class MasterStateMixin:
 
     Subclasses provide ``_named_masters(model)``: parameter name -> its float32 master.
     """
+
+    def masters(self, model):
+        return self._named_masters(model)
 
     def model_state(self, model):
         state = model.state_dict()

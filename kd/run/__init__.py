@@ -7,8 +7,9 @@ pipeline and one teacher source per batch for every student of the run, the run 
 student, a *lane* (``lane``: its step and the rules around it, non-finite losses, unreadable
 images, stops, logging, checkpoints; ``build``: its parts; ``state``: where its training stands);
 ``kd teach``'s run (``teach``); the step's record, hooks and update policy (``step``:
-``apply_gradients``); device-side sums (``meter``); a lane's checkpoints (``checkpoint``), the
-run's log, optimizer and schedules, the machine's facts (``runtime``), the benchmark timer
+``apply_gradients``); the moving average of a student's weights (``ema``); device-side sums
+(``meter``); a lane's checkpoints (``checkpoint``), the run's log, optimizer and schedules, the
+machine's facts (``runtime``), the benchmark timer
 (``timing``), and the student side as one module (``sides``). Where each process sits, stops,
 accuracy across processes, feature taps and checkpoint file I/O are below every package, in
 ``kd.utils``.

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, cast
 
 import torch
 from torch import nn
@@ -18,6 +18,7 @@ from kd.precision import make_precision
 from kd.precision.cpu import slow_precision_warning
 from kd.run import checkpoint, papers
 from kd.run.dot import check_applies
+from kd.run.ema import ModelEma
 from kd.run.lane import Lane, TrainState, stop_in_setup
 from kd.run.log import NullLogger, RunLogger
 from kd.run.optim import build_optimizer, build_scheduler, lr_note
@@ -83,12 +84,15 @@ def build_lane(
         check_applies(loss, precision.splits_gradients, cfg.kd_loss)
         loss.split_parts = True
     optimizer = build_optimizer(cfg, side, fused_ok=precision.fused_optimizer_ok)
+    # the student's float32 weights as the average starts them, before the precision casts them
+    ema = ModelEma(side.student, precision, cfg.model_ema_decay, cfg.model_ema_warmup) if cfg.model_ema else None
     side, optimizer = precision.convert(side, optimizer)
     model = backend.wrap(side)
     torch.manual_seed(cfg.seed + backend.rank)  # each process its own dropout / drop-path masks
     said.append(backend.describe())  # after wrap: what the backend decided there (e.g. torch_ddp's detection)
-    forward = backend.wrap_forward(side.student)
-    eval_forward = forward if renorm is None else (lambda images: forward(renorm(images)))
+    eval_forward = evaluation_forward(backend, cast(nn.Module, side.student), renorm)
+    if ema is not None:
+        ema.forward = evaluation_forward(backend, ema.module, renorm)
     if runtime.compile:
         said.append(
             f"torch.compile ({cfg.compile_mode}): the first step compiles the student "
@@ -124,6 +128,7 @@ def build_lane(
         notes=notes,
         state=TrainState(),
         validate=validate,
+        ema=ema,
     )
     if resumed is not None:
         path, state = resumed
@@ -135,6 +140,13 @@ def build_lane(
         logger.info(line)
     lane.log_data_configs()  # once set-up has succeeded: a failed start stays one line
     return lane
+
+
+def evaluation_forward(backend, model: nn.Module, renorm) -> Callable[[torch.Tensor], Any]:
+    """``model``'s forward for evaluation as the backend runs it, from the loaders' normalisation
+    (``renorm`` to the student's own where they differ)."""
+    forward = backend.wrap_forward(model)
+    return forward if renorm is None else (lambda images: forward(renorm(images)))
 
 
 def method_defaults(method: str) -> Dict[str, Any]:
@@ -251,7 +263,7 @@ def build_models(cfg, num_classes: int, teacher: Optional[nn.Module] = None):
         loss_args = {k: v for k, v in loss_args.items() if k in CrossEntropy.defaults}
     loss = build_loss("ce" if cfg.no_teacher else cfg.kd_loss, num_classes, loss_args)
     with seeded(cfg.seed):
-        student = models.build(cfg.student, num_classes, cfg.student_weights, cfg.image_size)
+        student = models.build(cfg.student, num_classes, cfg.student_weights, cfg.image_size, cfg.drop_path)
     if loss.reads_distill_head:
         models.train_both_heads(student, cfg.student, loss.name)
     if not loss.needs_teacher or cfg.soft_labels:  # a store stands in for the teacher's forward

@@ -92,6 +92,10 @@ def restore_run(lane, state: dict) -> None:
     lane.optimizer.load_state_dict(state["optimizer"])
     lane.scheduler.load_state_dict(state["scheduler"])
     lane.precision.load_state_dict(state.get("precision", {}))
+    if lane.ema is not None:
+        if not isinstance(state.get("state_dict_ema"), dict):
+            raise KDError("the checkpoint holds no moving average (state_dict_ema) for --model-ema")
+        lane.ema.load_state_dict(state["state_dict_ema"])
     pending = state.get("pending_epoch")
     lane.state = TrainState(
         epoch=state["epoch"],
@@ -125,6 +129,8 @@ def run_state(lane, rng: Optional[Dict[str, Any]] = None, meter: Optional[dict] 
         # the same tensors (stored once) where timm's load_checkpoint and most scripts look
         "state_dict": student,
         "loss": {k[len("loss.") :]: v for k, v in side.items() if k.startswith("loss.")},
+        # --model-ema's average, float32, where timm's load_checkpoint(use_ema=True) looks
+        **({"state_dict_ema": lane.ema.state_dict()} if lane.ema is not None else {}),
         "optimizer": lane.optimizer.state_dict(),
         "scheduler": lane.scheduler.state_dict(),
         "precision": lane.precision.state_dict(),
@@ -187,6 +193,7 @@ def save_run(lane, best: bool, step_copy: bool = False) -> None:
         folder, path = run.checkpoints, run.last
         state = run_state(lane, rng, meter)
         broken = nonfinite_keys(state["student"]) + nonfinite_keys(state["loss"])
+        broken += [f"state_dict_ema.{k}" for k in nonfinite_keys(state.get("state_dict_ema", {}))]
         if broken:  # never a checkpoint that cannot evaluate (the step's policy should make this impossible)
             lane.logger.info(f"not checkpointing: {', '.join(broken[:3])} not finite; the previous checkpoint stays")
             lane.backend.barrier()

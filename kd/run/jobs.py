@@ -40,6 +40,8 @@ def preflight(cfg, student: bool = True) -> None:
         models.check_name(cfg.student)
         LOSSES.get("ce" if cfg.no_teacher else cfg.kd_loss)
         check_optimizer(cfg)
+        if cfg.drop_path is not None:
+            models.check_drop_path(cfg.student, cfg.drop_path)
     if not cfg.no_teacher and not cfg.soft_labels:
         models.check_name(cfg.teacher)
     if cfg.soft_labels:

@@ -19,6 +19,7 @@ from kd.data.loader import Batch
 from kd.errors import KDError, NonFinite
 from kd.losses.base import DISTILL_PART, TASK_PART, DistillLoss
 from kd.run import checkpoint, dot
+from kd.run.ema import ModelEma
 from kd.run.log import NullBar, SetupClock, first_step_record
 from kd.run.meter import LearningWatch, Meter, format_record, nonfinite_flags, nonfinite_message
 from kd.run.state import TrainState
@@ -30,6 +31,10 @@ from kd.utils.signals import Interrupted, StopFlag, in_setup
 if TYPE_CHECKING:  # the run's loop builds the teacher; a lane only holds it
     from kd.teacher.frozen import Teacher
     from kd.teacher.source import Targets
+
+
+#: the keys of a validation's record that the moving average's validation adds, with ``_ema`` after them
+EMA_RECORD = ("val_top1", "val_top5", "val_loss", "val_s")
 
 
 class Lane:
@@ -65,13 +70,15 @@ class Lane:
         notes: List[str],
         state: TrainState,
         validate: bool = True,
+        ema: Optional[ModelEma] = None,
     ):
         """``side``: the student side (:class:`kd.run.sides.StudentSide`) as the precision prepared it;
         ``model``: the side as the backend wrapped it (and torch.compile, where on); ``renorm``: from
         the loaders' normalisation to the student's own (None where they agree); ``t_layers``: the
         teacher layers its loss taps; ``notes``: what kd chose for the user (comments in
         config.yaml); ``validate=False`` skips the teacher's and the student's validation passes
-        (timed benchmark runs)."""
+        (timed benchmark runs); ``ema``: the moving average of the student's weights (--model-ema),
+        updated after each optimizer step and validated beside the student."""
         self.name = name  # the student's name beside others; its run folder's name
         self.cfg = cfg
         self.backend = backend
@@ -97,6 +104,7 @@ class Lane:
         self.notes = notes
         self.state = state
         self.validates = validate
+        self.ema = ema
         self.teacher: Optional[Teacher] = None  # the live teacher it learns from (its top-1, its precision)
         self.rng: Dict[str, Any] = {}  # beside other students: its generators' state between its calls
         self.first_step: Optional[Dict[str, float]] = None  # seconds to the first step, once taken
@@ -159,13 +167,12 @@ class Lane:
             record["teacher_top5"] = self.teacher.top5
             self.val_bad_files.update(self.teacher.unreadable_files)  # named by the teacher's line
         if self.validates and ((self.state.epoch + 1) % cfg.eval_every == 0 or self.state.epoch == cfg.epochs - 1):
-            stop = lambda: self.stop.requested  # noqa: E731
-            result = validate_student(self.side, self.eval_forward, self.data.val, self.backend, self.precision, stop)
-            if result is None:  # stopped: the epoch's training is kept, a resume validates it
-                self.state.pending_epoch = (train, seconds)
-                raise self.interrupt()
-            val, unreadable = result
+            val, unreadable = self._validate(self.side, self.eval_forward, self.precision, train, seconds)
             record.update(val)
+            if self.ema is not None:
+                precision = self.precision.for_float32_copy()
+                ema, _ = self._validate(self.ema.module, self.ema.forward, precision, train, seconds)
+                record.update({f"{k}_ema": ema[k] for k in EMA_RECORD})
             self._unreadable_val(unreadable, int(val["val_images"]))
         if self.device.type == "cuda":
             record["gpu_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
@@ -188,6 +195,17 @@ class Lane:
         self.epoch_lrs = []
         self.save(best)
         return record
+
+    def _validate(self, module: nn.Module, forward, precision, train: Dict[str, float], seconds: float):
+        """``module`` (the student, or its moving average) through ``forward`` on the val split:
+        :func:`kd.utils.accuracy.validate_student`'s (record, unreadable files). A stop ends the
+        epoch here: its training is kept, and a resume validates it."""
+        stop = lambda: self.stop.requested  # noqa: E731
+        result = validate_student(module, forward, self.data.val, self.backend, precision, stop)
+        if result is None:
+            self.state.pending_epoch = (train, seconds)
+            raise self.interrupt()
+        return result
 
     def _unreadable_val(self, unreadable: List[str], images: int) -> None:
         """The val files a validation could not read (every process's): named once in the log, and
@@ -282,6 +300,8 @@ class Lane:
             reduce_apart=lambda grads: dot.average(grads, backend.world_size, backend.all_reduce_sum),
         )
         self.buffers.restore(skipped)  # a skipped step leaves BatchNorm's statistics as they were
+        if self.ema is not None:  # and the moving average too
+            self.ema.update(self.state.global_step + 1, skipped)
         flags = torch.cat([flags, (skipped & good).float().reshape(1)])  # skipped on its gradients alone
         self.step_lr = self.optimizer.param_groups[0]["lr"]  # the lr this step trained at (logged)
         self.epoch_lrs.append(self.step_lr)
@@ -296,6 +316,8 @@ class Lane:
         self.steps_in_epoch = steps
         self.side.train()
         self.buffers.refresh()  # the buffers as they are now (after casts, a resume)
+        if self.ema is not None:
+            self.ema.refresh()
         self._interval = Meter(self.device)
         self._bar = self.logger.progress(steps, f"epoch {self.state.epoch + 1}/{self.cfg.epochs}")
         self._bar.update(self.state.batch_in_epoch)

@@ -132,6 +132,8 @@ def format_record(record: Dict[str, float], epochs: int) -> str:
     parts = [f"epoch {record['epoch']}/{epochs}", f"loss {record.get('train_loss', float('nan')):.4f}"]
     if "val_top1" in record:
         parts.append(f"val top-1 {record['val_top1']:.2f} top-5 {record['val_top5']:.2f}{val_count(record)}")
+    if "val_top1_ema" in record:
+        parts.append(f"ema top-1 {record['val_top1_ema']:.2f} top-5 {record['val_top5_ema']:.2f}")
     parts.append(f"{record['img_per_s']:.0f} img/s")
     parts.append(f"{record['seconds']:.1f}s")
     return " | ".join(parts)

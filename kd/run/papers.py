@@ -1,5 +1,5 @@
 """The paper setting a run resembles, and where it departs from it in what kd's defaults choose
-otherwise: the teacher's weights, the weight decay, the temperature.
+otherwise: the teacher's weights, the weight decay, the temperature, stochastic depth.
 
 The setting is a recipe's (``recipes/``, the official configs): the run's own, or else the recipe
 of the same teacher and student (a student of the same family: ``timm:mobilenetv1_100`` and
@@ -156,6 +156,10 @@ def departures(cfg: Dict[str, Any], method_defaults: MethodDefaults) -> Tuple[Op
         short = "DOT" if cfg["dot"] else "no DOT"
         words = "DOT (the paper trains without it)" if cfg["dot"] else "no DOT (the paper trains with --dot)"
         out.append(Departure("dot", short, words))
+    if cfg.get("drop_path") is not None and cfg["drop_path"] != recipe.get("drop_path"):
+        rate, theirs = cfg["drop_path"], recipe.get("drop_path")
+        paper = "the paper trains without it" if theirs is None else f"the paper's: {theirs:g}"
+        out.append(Departure("drop_path", f"drop path {rate:g}", f"drop path {rate:g} ({paper})"))
     told = "temperature" in cfg or "loss_args" in cfg
     if told and not cfg.get("no_teacher") and cfg.get("kd_loss", "kd") == recipe.get("kd_loss", "kd"):
         ours_t, theirs_t = _temperature(cfg, method_defaults), _temperature(recipe, method_defaults)
