@@ -555,7 +555,8 @@ def test_a_part_killed_outright_is_said_to_be_missing_from_the_wall_time(image_f
     )
     proc = start_kd(*args)
     deadline = time.time() + HANG_GUARD
-    while not (out / "metrics.jsonl").exists():
+    metrics = out / "metrics.jsonl"  # its first epoch's line written whole (the file opens before it)
+    while not (metrics.exists() and metrics.read_text().endswith("\n")):
         assert proc.poll() is None and time.time() < deadline, proc.communicate()
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL) if os.getpgid(proc.pid) == proc.pid else proc.kill()

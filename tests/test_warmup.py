@@ -13,7 +13,7 @@ from tests.conftest import kd_main, train_args
 
 
 def _cfg(**over):
-    base = dict(warmup_epochs=1.0, lr_schedule="constant", lr_milestones=[], lr_gamma=0.1, epochs=3)
+    base = dict(warmup_epochs=1.0, lr_schedule="constant", lr_milestones=[], lr_gamma=0.1, epochs=3, lr=0.1, min_lr=0.0)
     return types.SimpleNamespace(**{**base, **over})
 
 
