@@ -644,6 +644,15 @@ def cli_value(value: Any) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
+def cli_flag(key: str) -> str:
+    """The option of kd train that sets config key ``key`` (``--batch-size``; a switch's first form,
+    ``--compile``), or ``--set key`` where no option does."""
+    option = next((o for o in TRAIN_OPTIONS if o.field == key), None)
+    if option is None:
+        return f"--set {key}"
+    return next(f for f in option.flags if f.startswith("--")).split("/")[0]
+
+
 @dataclass(frozen=True)
 class Option:
     """How one :class:`RunConfig` field appears on ``kd train``'s command line.

@@ -66,23 +66,6 @@ RESUMABLE = frozenset(
 DERIVED = frozenset({"recipe", "description", "reference", "lr_for_batch", "schedule_note"})
 
 
-def flag(key: str) -> str:
-    """The command-line option that sets ``key`` (``--set key=...`` where none does)."""
-    option = next((o for o in kd_config.TRAIN_OPTIONS if o.field == key), None)
-    return option.flags[0].split("/")[0] if option is not None else f"--set {key}"
-
-
-def said(value: Any) -> str:
-    """A config value in the command line's words."""
-    if value is None:
-        return "auto"
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    if isinstance(value, (list, tuple)):
-        return ",".join(map(str, value)) or "none"
-    return str(value)
-
-
 def ran_config(state: Dict[str, Any], path: Path, out: Path) -> kd_config.RunConfig:
     """The config the run of checkpoint ``path`` trained with (its ``state``), in the folder ``out``."""
     values = state.get("config")
@@ -129,7 +112,8 @@ def check_saved(ran: kd_config.RunConfig, config_file: Path, checkpoint: Path) -
     keys = [k for k in kd_config.FIELDS if k not in DERIVED and k != "out"]
     differ = differences(saved, ran, keys)
     if differ:
-        shown = ", ".join(f"{k} ({said(getattr(saved, k))}; trained with {said(getattr(ran, k))})" for k in differ[:4])
+        value = kd_config.cli_value
+        shown = ", ".join(f"{k} ({value(getattr(saved, k))}; trained: {value(getattr(ran, k))})" for k in differ[:4])
         more = f" and {len(differ) - 4} more" if len(differ) > 4 else ""
         raise KDError(
             f"{config_file} differs from the config the run trained with (kept in {checkpoint.name}): "
@@ -147,7 +131,10 @@ def continued(
     moved = [k for k in WEIGHTS if same_file(getattr(asked, k), getattr(ran, k), Path(ran.out), k)]
     differ = [k for k in differences(asked, ran, keys) if k not in moved]
     if differ:
-        shown = ", ".join(f"{flag(k)} {said(getattr(asked, k))} (the run: {said(getattr(ran, k))})" for k in differ)
+        value = kd_config.cli_value
+        shown = ", ".join(
+            f"{kd_config.cli_flag(k)} {value(getattr(asked, k))} (the run: {value(getattr(ran, k))})" for k in differ
+        )
         raise KDError(
             f"--resume continues the run as it trained and cannot change {shown}; leave "
             f"{'it' if len(differ) == 1 else 'them'} out, or start a new run in another --out"

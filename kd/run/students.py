@@ -362,7 +362,7 @@ def _disagreement(key: str, group: Sequence[Tuple[str, Any]]) -> str:
         flag, _, off = option.flags[0].partition("/")
         fix = f"{flag} or {off}"
     else:
-        flag = next(f for f in option.flags if f.startswith("--"))
+        flag = kd_config.cli_flag(key)
         fix = f"one {flag}"
     values = ", ".join(f"{name}: {kd_config.cli_value(getattr(cfg, key))}" for name, cfg in group)
     return f"{flag} ({values}): give {fix}"
