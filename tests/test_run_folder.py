@@ -149,8 +149,13 @@ def test_the_config_that_resumes_is_the_one_that_ran(single, copy_of):
 
 @pytest.mark.parametrize(
     "option, words",
-    [(["--lr", "0.5"], ["--lr", "0.05"]), (["-b", "16"], ["--batch-size", "8"]), (["--seed", "3"], ["--seed"])],
-    ids=["lr", "batch", "seed"],
+    [
+        (["--lr", "0.5"], ["--lr", "0.05"]),
+        (["-b", "16"], ["--batch-size", "8"]),
+        (["--seed", "3"], ["--seed"]),
+        (["--temperature", "2"], ["--temperature 2", "(run: 4)"]),  # the run left it to KD's default 4
+    ],
+    ids=["lr", "batch", "seed", "temperature"],
 )
 def test_a_resume_refuses_what_would_change_the_run(single, copy_of, option, words):
     run = copy_of(single)
@@ -166,7 +171,8 @@ def test_a_resume_takes_the_same_values_and_what_may_change(single, copy_of, dat
     moved = data.parent / "moved-data"
     if not moved.exists():
         shutil.copytree(data, moved)
-    r = kd_main("train", "--data", moved, *TINY, "--out", run, "--lr", "0.05", "--resume", "--epochs", "2")
+    again = ["--lr", "0.05", "--temperature", "4"]  # the method's default 4, which the run left to it
+    r = kd_main("train", "--data", moved, *TINY, "--out", run, *again, "--resume", "--epochs", "2")
     assert r.returncode == 0, r.stderr
     assert epoch_of(run / "checkpoints" / "last.pt") == 2
     assert yaml.safe_load((run / "config.yaml").read_text())["data"] == str(moved)
@@ -232,6 +238,11 @@ def test_class_names_other_than_the_checkpoints_are_refused(single, copy_of, dat
     before = files(run)
     one_line_error(kd_main("train", "--data", other, "--out", run, "--resume", "--epochs", "2"), "class_00")
     assert files(run) == before
+    student = tmp_path / "student"  # a student of a kd-trained teacher, resumed on the renamed data: its own
+    args = ["--data", data, "--teacher-weights", last, *TINY[4:], "--epochs", "1", "--out", student]
+    assert kd_main("train", *args).returncode == 0
+    r = kd_main("train", "--data", other, "--out", student, "--resume", "--epochs", "2")
+    assert str(student / "checkpoints" / "last.pt") in one_line_error(r, "class_00"), r.stderr
     r = kd_main(
         "train", "--data", other, "--teacher-weights", last, "--student", "timm:test_resnet",
         "--image-size", "32", "-b", "8", "--device", "cpu", "--workers", "0", "--out", tmp_path / "t",

@@ -11,7 +11,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from kd.errors import writing
 from kd.runfolder import RunFolder
@@ -65,6 +65,7 @@ def wall_clock(folders: Sequence[Path]) -> Iterator[None]:
     entered = time.time()
     started = float(os.environ.get(START_ENV, "") or entered)
     os.environ[START_ENV] = repr(started)  # the part's start as its processes see it (:func:`open_part`)
+    before = {folder: config_stamp(RunFolder(folder)) for folder in folders}
     ended = "error"
     try:
         yield
@@ -77,7 +78,8 @@ def wall_clock(folders: Sequence[Path]) -> Iterator[None]:
         line = json.dumps({"started": started, "seconds": time.time() - started, "ended": ended}) + "\n"
         for folder in folders:
             run = RunFolder(folder)
-            if wrote(run, since=entered) and (run.metrics.is_file() or run.last.exists()):  # a run it kept
+            wrote = config_stamp(run) not in (None, before[folder])  # a run that set up writes its config.yaml
+            if wrote and (run.metrics.is_file() or run.last.exists()):  # a run it kept
                 try:
                     with open(run.wall, "a", encoding="utf-8") as fh:
                         fh.write(line)
@@ -86,13 +88,15 @@ def wall_clock(folders: Sequence[Path]) -> Iterator[None]:
                     print(f"kd: this part's wall time is not in {run.wall}: {why}", file=sys.stderr, flush=True)
 
 
-def wrote(run: RunFolder, since: float) -> bool:
-    """Whether a run wrote ``run``'s config.yaml since ``since`` (every run does once its set-up has
-    succeeded, a resumed one too): not so where it was refused before any work."""
+def config_stamp(run: RunFolder) -> Optional[Tuple[int, int, int]]:
+    """``run``'s config.yaml as its file system identifies a version of it (inode, size, time in ns), or
+    None where there is none: every run writes it once its set-up has succeeded (a resumed one too, by
+    an atomic rename), so a part that was refused before any work leaves it as it was."""
     try:
-        return run.config.stat().st_mtime >= since - 1.0  # file systems that keep whole seconds
+        st = run.config.stat()
     except OSError:
-        return False
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def open_part(run: Path, started: float) -> None:

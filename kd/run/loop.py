@@ -69,12 +69,13 @@ def check_classes(students: Students, resumed: Dict[str, Any], classes: Sequence
     first = students.first
     if first.data == "synthetic":  # made-up images: no class names to hold
         return
-    if not first.no_teacher and first.teacher_weights:
-        models.check_classes(models.run_classes(first.teacher_weights), classes, first.teacher_weights, first.data)
-    for name, cfg in students.training():
+    for name, cfg in students.training():  # a resumed student's first: the run the user asked to continue
         if name in resumed:
             path, state = resumed[name]
             models.check_classes(state.get("classes"), classes, path, cfg.data)
+    if not first.no_teacher and first.teacher_weights:
+        models.check_classes(models.run_classes(first.teacher_weights), classes, first.teacher_weights, first.data)
+    for _, cfg in students.training():
         kept = models.run_classes(cfg.student_weights)
         if kept and len(kept) == len(classes):  # other classes in number: a new head, built as asked
             models.check_classes(kept, classes, cfg.student_weights, cfg.data)

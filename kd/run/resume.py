@@ -93,6 +93,32 @@ def same_file(new: Optional[str], old: Optional[str], folder: Path, key: str) ->
     return recorded is not None and provenance.sha256(Path(new)) == recorded
 
 
+#: the keys that carry the KD method's hyper-parameters
+METHOD_KEYS = (*kd_config.LOSS_OPTIONS, "loss_args")
+
+
+def method_args(cfg: kd_config.RunConfig) -> Dict[str, Any]:
+    """The KD method's hyper-parameters as the run resolves them: its defaults, then what it was given
+    (``--temperature`` and its kin, ``loss_args``): a None option is the method's default, not 'auto'."""
+    from kd.losses import LOSSES
+
+    return {**LOSSES.get("ce" if cfg.no_teacher else cfg.kd_loss).defaults, **cfg.loss_kwargs()}
+
+
+def same_args(a: kd_config.RunConfig, b: kd_config.RunConfig) -> bool:
+    """Whether two configs of one method give it the same hyper-parameters (``--temperature 4`` where the
+    run left it to the method's default 4)."""
+    return a.kd_loss == b.kd_loss and method_args(a) == method_args(b)
+
+
+def run_value(cfg: kd_config.RunConfig, key: str) -> str:
+    """``key``'s value in the command line's words; a method's option left to its default shows that."""
+    value = getattr(cfg, key)
+    if value is None and key in kd_config.LOSS_OPTIONS:
+        value = method_args(cfg).get(key)
+    return kd_config.cli_value(value)
+
+
 def differences(a: kd_config.RunConfig, b: kd_config.RunConfig, keys) -> list:
     return [k for k in keys if getattr(a, k) != getattr(b, k)]
 
@@ -129,12 +155,10 @@ def continued(
     asked = kd_config.resolve(recipe=recipe, options={**options, "out": ran.out}, sets=list(sets), base=ran)
     keys = [k for k in kd_config.FIELDS if k not in DERIVED and k not in RESUMABLE]
     moved = [k for k in WEIGHTS if same_file(getattr(asked, k), getattr(ran, k), Path(ran.out), k)]
-    differ = [k for k in differences(asked, ran, keys) if k not in moved]
+    same_method = same_args(asked, ran)  # --temperature 4 where the run left it to the method's 4
+    differ = [k for k in differences(asked, ran, keys) if k not in moved and not (k in METHOD_KEYS and same_method)]
     if differ:
-        value = kd_config.cli_value
-        shown = ", ".join(
-            f"{kd_config.cli_flag(k)} {value(getattr(asked, k))} (the run: {value(getattr(ran, k))})" for k in differ
-        )
+        shown = ", ".join(f"{kd_config.cli_flag(k)} {run_value(asked, k)} (run: {run_value(ran, k)})" for k in differ)
         raise KDError(
             f"--resume continues the run as it trained and cannot change {shown}; leave "
             f"{'it' if len(differ) == 1 else 'them'} out, or start a new run in another --out"
