@@ -115,7 +115,7 @@ class Lane:
         self.new_bad_files: Set[str] = set()  # the unreadable files this process met since the last check
         self.val_bad_files: Set[str] = set()  # the unreadable val files, named once (the same on every process)
         self.meter = Meter(self.device)
-        self.learning = LearningWatch(num_classes, cfg.lr)  # says once where the loss shows no learning
+        self.learning = LearningWatch(num_classes, cfg)  # says once where the loss shows no learning
         self.steps_in_epoch = len(data.train)
         self.stop_every = min(cfg.log_every, 10)  # steps between stop checks across processes
         self.epoch_ended: Optional[float] = None

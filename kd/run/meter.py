@@ -187,11 +187,18 @@ class LearningWatch:
     #: at chance: a cross-entropy above this share of log C, and val top-1 below this many times 100/C
     STILL, NEAR_CHANCE = 0.95, 1.5
 
-    def __init__(self, classes: int, lr: float):
+    def __init__(self, classes: int, cfg: Any):
         self.chance = math.log(classes) if classes > 1 else 0.0
         self.classes = classes
-        self.lr = lr
+        self.lr = cfg.lr
+        self.cfg = cfg  # what the run already does is not advised again
         self.said = False
+
+    def _try(self, *options: Tuple[str, str, Any]) -> str:
+        """``--flag value`` for each (flag, config key, value) the run does not already have."""
+        from kd.config import cli_value
+
+        return " ".join(f"{flag} {cli_value(v)}" for flag, key, v in options if getattr(self.cfg, key, None) != v)
 
     def see(self, record: Dict[str, Any]) -> Optional[str]:
         """The line to print after the epoch of ``record`` (a metrics.jsonl record), or None."""
@@ -202,17 +209,23 @@ class LearningWatch:
         chance = f"chance is log {self.classes} = {self.chance:.2f}"
         if ce > self.FAR_ABOVE * self.chance:
             self.said = True
+            steadier = self._try(("--warmup-epochs", "warmup_epochs", 1.0), ("--grad-clip", "grad_clip", 5.0))
             return (
                 f"not learning: {at}, far above where it started ({chance}): the steps are too large; "
-                f"try --lr {self.lr / 10:g} (a tenth), or --warmup-epochs 1 and --grad-clip 5"
+                f"try --lr {self.lr / 10:g} (a tenth){', or ' + steadier if steadier else ''}"
             )
         top1 = record.get("val_top1")
         near = top1 is None or top1 <= self.NEAR_CHANCE * 100.0 / self.classes
         if record["epoch"] >= 2 and ce >= self.STILL * self.chance and near:
             self.said = True
             shown = f", val top-1 {top1:.2f}" if top1 is not None else ""
+            rest = self._try(
+                ("--lr-schedule", "lr_schedule", "cosine"),
+                ("--warmup-epochs", "warmup_epochs", 1.0),
+                ("--min-crop-scale", "min_crop_scale", 0.25),
+            )
             return (
                 f"not learning: {at} is still at chance ({chance}){shown}; on a small folder try "
-                f"--lr {self.lr / 2:g} --lr-schedule cosine --warmup-epochs 1 --min-crop-scale 0.25"
+                f"--lr {self.lr / 2:g}{' ' + rest if rest else ''}"
             )
         return None
