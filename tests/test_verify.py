@@ -217,8 +217,17 @@ def test_kd_verify_names_each_checkpoint_of_a_run_and_each_damaged_one(run, tmp_
     r = kd_main("verify", copy)
     assert f"{copy / 'checkpoints' / 'best.pt'}: DAMAGED: missing, though best.pt.sha256 is here" in r.stdout, r.stdout
     one_line(r, "best.pt, ")
-    for nothing in (tmp_path / "nowhere", tmp_path):
+    (tmp_path / "empty").mkdir()
+    for nothing in (tmp_path / "nowhere", tmp_path / "empty"):
         one_line(kd_main("verify", nothing), "does not exist" if nothing.name == "nowhere" else "nothing kd verifies")
+    # a folder of runs (kd report's RUNS): each run's checkpoints
+    shutil.copytree(run, tmp_path / "runs" / "a")
+    shutil.copytree(run, tmp_path / "runs" / "b")
+    r = kd_main("verify", tmp_path / "runs")
+    assert (
+        r.returncode == 0
+        and r.stdout.splitlines()[-1] == f"2 runs in {tmp_path / 'runs'}: sound ({2 * len(files)} files)"
+    )
 
 
 @pytest.fixture(scope="module")

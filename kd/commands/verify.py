@@ -108,11 +108,16 @@ def verify(path: Path, echo: Echo = print) -> str:
         return verify_copy(path, echo)
     if store.is_store(path):
         return store.verify(path)
-    if RunFolder(path).is_run() or RunFolder(path).checkpoints.is_dir() or is_students_folder(path):
-        found = checkpoints(path)
+    def holds_run(folder: Path) -> bool:
+        return RunFolder(folder).is_run() or RunFolder(folder).checkpoints.is_dir() or is_students_folder(folder)
+
+    runs = [path] if holds_run(path) else sorted(p for p in path.iterdir() if p.is_dir() and holds_run(p))
+    if runs:  # a run folder, or a folder of runs (kd report's RUNS)
+        found = [f for run in runs for f in checkpoints(run)]
         if not found:
             raise KDError(f"{path} is a run folder with no checkpoint yet")
-        summary = verify_files(found, echo, f"run {path}")
+        what = f"run {path}" if runs == [path] else f"{len(runs)} runs in {path}"
+        summary = verify_files(found, echo, what)
         check_best(sorted({p.parent.parent for p in found}), echo)
         return summary
     raise KDError(
