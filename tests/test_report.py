@@ -546,6 +546,7 @@ def test_the_papers_table_of_a_small_folder_has_no_references(tmp_path):
         "| OFD [1] | 40.00 | 59.50 | 40.00 | 59.50 | - | - |",
     ], r.stdout
     assert "[1] unlike imagenet/r34_r18_ofd: not ImageNet (1,200 train images)" in r.stdout
+    assert "; teacher: its weights' top-1 and top-5, measured once before training (it has no epochs)" in r.stdout
     assert "no run of resnet18 alone among the runs" in r.stderr
 
 
@@ -623,6 +624,17 @@ def test_a_model_taught_from_two_weights_is_two_teachers_whatever_the_order(tmp_
         ["resnet34 (strong.pt)", "resnet18", "teacher (resnet34 (strong.pt))", "98.00"],
         ["resnet34 (strong.pt)", "resnet18", "KD", "71.00"],
     ], rows
+
+
+def test_two_teacher_files_of_one_name_are_told_apart_by_their_paths(tmp_path):
+    """Two teachers' best.pt: neither table is lost under the other's name."""
+    for name, top1 in (("a", 80.0), ("b", 60.0)):
+        weights = {"teacher_weights": f"runs/{name}/best.pt"}
+        _table_run(tmp_path / name, "imagenet/r34_r18_kd", top1 - 10, options=weights, teacher=(top1, 90.0))
+    r = kd_main("report", tmp_path, "--format", "markdown")
+    assert r.returncode == 0, r.stderr
+    assert "| teacher (resnet34 (runs/a/best.pt)) | 80.00 |" in r.stdout, r.stdout
+    assert "| teacher (resnet34 (runs/b/best.pt)) | 60.00 |" in r.stdout, r.stdout
 
 
 def test_the_student_alone_of_its_students_setting_is_shown_and_another_said_left_out(tmp_path):

@@ -126,11 +126,12 @@ def _tag(model: str, weights: str) -> str:
         return weights
 
 
-def _weights(row: Dict[str, object]) -> str:
-    """A teacher's weights in a few words: ``pretrained``, ``torchvision:TAG``, a file's name, with the
-    first digits of their SHA-256 where the run recorded it."""
+def _weights(row: Dict[str, object], whole: bool = False) -> str:
+    """A teacher's weights in a few words: ``pretrained``, ``torchvision:TAG``, a file's name (``whole``:
+    its path as given), with the first digits of their SHA-256 where the run recorded it."""
     weights = str(row.get("_teacher_weights") or "-")
-    name = Path(weights).name if weights.endswith((".pt", ".pth", ".safetensors")) or "/" in weights else weights
+    is_file = weights.endswith((".pt", ".pth", ".safetensors")) or "/" in weights
+    name = Path(weights).name if is_file and not whole else weights
     digest = row.get("_teacher_sha256")
     return f"{name}, sha256 {str(digest)[:12]}" if digest else name
 
@@ -145,10 +146,14 @@ def groups(rows: Sequence[Dict[str, object]]) -> Dict[Tuple[str, str], List[Dict
             weights = str(row.get("_teacher_sha256") or _tag(str(row["teacher"]), str(row.get("_teacher_weights"))))
             found.setdefault((str(row["teacher"]), str(row["student"]), weights), []).append(row)
     names = Counter((teacher, student) for teacher, student, _ in found)
+    short = Counter((teacher, student, _weights(runs[0])) for (teacher, student, _), runs in found.items())
     out = {}
     for (teacher, student, _), runs in found.items():
         runs = sorted(runs, key=lambda r: str(r["run"]))
-        named = f"{teacher} ({_weights(runs[0])})" if names[(teacher, student)] > 1 else teacher
+        weights = _weights(runs[0])
+        if short[(teacher, student, weights)] > 1:  # two files of one name (best.pt): their whole paths
+            weights = _weights(runs[0], whole=True)
+        named = f"{teacher} ({weights})" if names[(teacher, student)] > 1 else teacher
         out[(named, student)] = runs
     return dict(sorted(out.items()))
 
