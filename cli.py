@@ -425,7 +425,12 @@ def report(runs, csv_path, plot_path, fmt, epoch, provenance):
     from kd.commands.report import report as collect
 
     note = lambda line: click.echo(f"kd report: {line}", err=True)  # noqa: E731
-    rows = collect(runs, note=note)
+    notes: list = []
+    rows = collect(runs, note=notes.append)
+    if fmt != "runs":  # before the notes: a table that cannot be printed is one line
+        paper_table.check(rows)
+    for line in notes:
+        note(line)
     if fmt == "runs":
         click.echo(markdown(rows))
     else:

@@ -77,6 +77,7 @@ def test_a_run_says_at_its_start_where_it_departs_and_kd_report_marks_it(image_f
     )
     assert r.stderr.splitlines().count(line) == 1, r.stderr
     assert f"# {line}" in (out / "config.yaml").read_text()
+    assert json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["train_set_images"] == 8  # the data's
     r = kd_main("report", out)
     header = next(row for row in r.stdout.splitlines() if row.startswith("| run"))
     assert "| diff | paper_setting | wall_time |" in header

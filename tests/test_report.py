@@ -387,16 +387,21 @@ def test_missing_matplotlib_is_said_not_skipped(tmp_path, no_matplotlib):
     assert (tmp_path / "bench.csv").is_file()
 
 
-def _table_run(root: Path, recipe: str, top1: float, options=None, teacher=None, images=1_281_167, then=None) -> Path:
+def _table_run(
+    root: Path, recipe: str, top1: float, options=None, teacher=None, images=1_281_167, then=None, held=None
+) -> Path:
     """A run folder as kd writes it for ``recipe``: config.yaml and two evaluated epochs of ``images``
     training images, the first with the teacher's measured accuracy ``teacher`` (top-1, top-5); ``then``:
-    the top-1 of a third, last epoch."""
+    the top-1 of a third, last epoch; ``held``: the training images its data holds (a run of an older kd
+    recorded none)."""
     from kd import config as kd_config
 
     out = root / recipe.split("/")[-1]
     out.mkdir(parents=True)
     kd_config.save(kd_config.resolve(recipe=recipe, options=options or {}), out / "config.yaml")
     first = {"epoch": 1, "train_images": images, "val_top1": top1 - 5, "val_top5": top1 + 15, "seconds": 60}
+    if held is not None:
+        first["train_set_images"] = held
     if teacher:
         first.update(teacher_top1=teacher[0], teacher_top5=teacher[1])
     last = {"epoch": 2, "train_images": images, "val_top1": top1, "val_top5": top1 + 19.5, "seconds": 60}
@@ -541,6 +546,7 @@ def test_the_papers_table_of_a_small_folder_has_no_references(tmp_path):
         "| OFD [1] | 40.00 | 59.50 | 40.00 | 59.50 | - | - |",
     ], r.stdout
     assert "[1] unlike imagenet/r34_r18_ofd: not ImageNet (1,200 train images)" in r.stdout
+    assert "; teacher: its weights' top-1 and top-5, measured once before training (it has no epochs)" in r.stdout
     assert "no run of resnet18 alone among the runs" in r.stderr
 
 
@@ -590,3 +596,89 @@ def test_a_folder_of_several_students_is_reported_without_a_word_about_its_own_f
     said = []
     assert find_runs(group, said.append) == [group / "dkd", group / "kd"]
     assert said == [f"skipped {group / 'notes'}: no run in it"]
+
+
+def _paper_rows(r) -> list:
+    return [line for line in r.stdout.splitlines() if line.startswith("| ")][1:]
+
+
+def test_a_model_taught_from_two_weights_is_two_teachers_whatever_the_order(tmp_path):
+    """Two resnet34 teachers of other weights files head their own students with their own accuracy, and
+    the order of the folders given changes nothing; the teacher row says what its numbers are."""
+    strong = {"teacher_weights": str(tmp_path / "strong.pt")}
+    _table_run(tmp_path / "kd", "imagenet/r34_r18_kd", 71.0, options=strong, teacher=(98.0, 99.0))
+    weak = {"teacher_weights": "none"}
+    _table_run(tmp_path / "kd_weak", "imagenet/r34_r18_dkd", 40.0, options=weak, teacher=(30.5, 60.0))
+    r = kd_main("report", tmp_path / "kd", tmp_path / "kd_weak", "--format", "markdown")
+    assert r.returncode == 0, r.stderr
+    assert kd_main("report", tmp_path / "kd_weak", tmp_path / "kd", "--format", "markdown").stdout == r.stdout
+    tables = r.stdout.split("\n\n")
+    assert "resnet34 (none) -> resnet18" in tables and "resnet34 (strong.pt) -> resnet18" in tables, r.stdout
+    assert "| teacher (resnet34 (none)) | 30.50 | 60.00 | 30.50 | 60.00 | - | - |\n| DKD [1] |" in r.stdout, r.stdout
+    assert "| teacher (resnet34 (strong.pt)) | 98.00 | 99.00 | 98.00 | 99.00 | - | - |\n| KD |" in r.stdout
+    assert "teacher: its weights' top-1 and top-5, measured once before training (it has no epochs)" in r.stdout
+    rows = list(csv.reader(kd_main("report", tmp_path, "--format", "csv").stdout.splitlines()))
+    assert [row[:4] for row in rows[1:]] == [
+        ["resnet34 (none)", "resnet18", "teacher (resnet34 (none))", "30.50"],
+        ["resnet34 (none)", "resnet18", "DKD", "40.00"],
+        ["resnet34 (strong.pt)", "resnet18", "teacher (resnet34 (strong.pt))", "98.00"],
+        ["resnet34 (strong.pt)", "resnet18", "KD", "71.00"],
+    ], rows
+
+
+def test_two_teacher_files_of_one_name_are_told_apart_by_their_paths(tmp_path):
+    """Two teachers' best.pt: neither table is lost under the other's name."""
+    for name, top1 in (("a", 80.0), ("b", 60.0)):
+        weights = {"teacher_weights": f"runs/{name}/best.pt"}
+        _table_run(tmp_path / name, "imagenet/r34_r18_kd", top1 - 10, options=weights, teacher=(top1, 90.0))
+    r = kd_main("report", tmp_path, "--format", "markdown")
+    assert r.returncode == 0, r.stderr
+    assert "| teacher (resnet34 (runs/a/best.pt)) | 80.00 |" in r.stdout, r.stdout
+    assert "| teacher (resnet34 (runs/b/best.pt)) | 60.00 |" in r.stdout, r.stdout
+
+
+def test_the_student_alone_of_its_students_setting_is_shown_and_another_said_left_out(tmp_path):
+    """Of two student-alone runs, the one of the students' setting (data, epochs, batch) is the row in
+    either order given; the other is named on stderr with why; two of that setting are both shown."""
+    _table_run(tmp_path / "kd", "imagenet/r34_r18_kd", 71.0)
+    _table_run(tmp_path / "a", "imagenet/baseline_r18", 60.0)  # 90 epochs, batch 256: torchvision's
+    same = {"epochs": 100, "batch_size": 512}
+    _table_run(tmp_path / "b", "imagenet/baseline_r18", 69.0, options=same)
+    for order in ([tmp_path / "a", tmp_path / "b"], [tmp_path / "b", tmp_path / "a"]):
+        r = kd_main("report", *order, tmp_path / "kd", "--format", "markdown")
+        assert r.returncode == 0, r.stderr
+        assert _paper_rows(r)[0].startswith("| student alone (resnet18) [1] | 69.00 |"), r.stdout
+        left = f"{tmp_path / 'a' / 'baseline_r18'}: left out of the resnet34 -> resnet18 table's student-alone rows"
+        assert f"{left}: epochs 90 (its students': 100), batch_size 256 (its students': 512); shown: " in r.stderr
+    _table_run(tmp_path / "c", "imagenet/baseline_r18", 68.0, options=same)
+    r = kd_main("report", tmp_path, "--format", "markdown")
+    assert [row.split(" | ")[:2] for row in _paper_rows(r)[:2]] == [
+        ["| student alone (resnet18) (b/baseline_r18) [1]", "69.00"],
+        ["| student alone (resnet18) (c/baseline_r18) [1]", "68.00"],
+    ], r.stdout
+
+
+@pytest.mark.parametrize("fmt", ["markdown", "latex", "csv"])
+def test_the_papers_table_of_runs_without_a_teacher_is_a_user_error(tmp_path, fmt):
+    """No distilled run: no table to print, said in one line (as kd report of no run at all), exit 2."""
+    _table_run(tmp_path / "a", "imagenet/baseline_r18", 60.0)
+    _table_run(tmp_path / "b", "imagenet/baseline_r18", 61.0)
+    line = one_error_line(kd_main("report", tmp_path, "--format", fmt))
+    assert line == (
+        "kd: error: the paper's table needs distilled runs (a teacher's), and the 2 run(s) given are all "
+        "--no-teacher: kd report without --format lists them"
+    )
+
+
+def test_a_run_of_fewer_batches_than_its_folder_names_both(tmp_path):
+    """A run of --limit-train-batches 4 on a folder of 600 images: the footnote names the folder's 600 and the
+    limit as a reason of its own (it said '128 train images'); a run of an older kd, without the folder's
+    count, says its images an epoch."""
+    limited = dict(options={"batch_size": 32, "limit_train_batches": 4}, teacher=(50.0, 80.0))
+    _table_run(tmp_path / "new", "imagenet/r34_r18_kd", 40.0, images=128, held=600, **limited)
+    _table_run(tmp_path / "old", "imagenet/r34_r18_dkd", 41.0, images=128, **limited)
+    r = kd_main("report", tmp_path, "--format", "markdown")
+    assert r.returncode == 0, r.stderr
+    limit = "--limit-train-batches 4, batch_size 32 (512)"
+    assert f"unlike imagenet/r34_r18_kd: not ImageNet (600 train images), {limit}" in r.stdout, r.stdout
+    assert f"unlike imagenet/r34_r18_dkd: not ImageNet (128 images an epoch), {limit}" in r.stdout, r.stdout

@@ -128,6 +128,9 @@ def collect(run: Path) -> Dict[str, object]:
         "_teacher_top1": records[0].get("teacher_top1"),
         "_teacher_top5": records[0].get("teacher_top5"),
         "_teacher_weights": cfg.get("teacher_weights"),
+        "_teacher_sha256": teacher_sha256(run),
+        # what a student-alone row must share with the students it heads (kd.commands.paper)
+        "_setting": {key: cfg.get(key) for key in ("data", "epochs", "batch_size")},
         "_standardised": papers.standardised(cfg),
         "_dot": bool(cfg.get("dot")),
         "_imagenet": bool(records) and records[0].get("train_images", 0) >= 0.99 * IMAGENET_TRAIN_IMAGES,
@@ -139,6 +142,18 @@ def collect(run: Path) -> Dict[str, object]:
             else None
         ),
     }
+
+
+def teacher_sha256(run: Path) -> Optional[str]:
+    """The SHA-256 of the teacher's weights as the run's provenance.json recorded them (None without one)."""
+    from kd.run import provenance
+
+    try:
+        parts = provenance.load(run)
+    except KDError:  # a damaged one: kd report --provenance says so; the weights are told apart by name
+        return None
+    teacher = parts[0].get("teacher") if parts else None
+    return teacher.get("sha256") if teacher else None
 
 
 def _clock(t: float) -> str:
@@ -216,10 +231,7 @@ def setting_gaps(cfg: Dict[str, Any], recipe: Dict[str, Any], records: List[Dict
     from kd.config import cli_value
 
     gaps: List[Departure] = []
-    images = records[0].get("train_images") if records else None
-    if images is not None and images < 0.99 * IMAGENET_TRAIN_IMAGES:
-        words = f"trained on {int(images):,} images an epoch, not ImageNet-1k's {IMAGENET_TRAIN_IMAGES:,}"
-        gaps.append(Departure("train_images", f"not ImageNet ({int(images):,} train images)", words))
+    gaps += data_gaps(cfg, records[0] if records else {})
     differ = [k for k in recipe if k not in NOT_THE_SETTING and cfg.get(k) != recipe[k]]
     # a trainer switch a recipe may leave out (off there) changes the setting all the same
     differ += [k for k in TRAINER_SWITCHES if k not in recipe and cfg.get(k)]
@@ -233,6 +245,26 @@ def setting_gaps(cfg: Dict[str, Any], recipe: Dict[str, Any], records: List[Dict
         words = f"{k} {ours!r}" + (f" (recipe: {theirs!r})" if k in recipe else "")
         short = f"{k} {cli_value(ours)}" + (f" ({cli_value(theirs)})" if k in recipe else "")
         gaps.append(Departure(k, short, words))
+    return gaps
+
+
+def data_gaps(cfg: Dict[str, Any], first: Dict[str, Any]) -> List[Departure]:
+    """Where a run's training data departs from ImageNet-1k (its first record): a folder of fewer images,
+    and, as a reason of its own, fewer images trained an epoch than the folder holds (--limit-train-batches)."""
+    trained, held = first.get("train_images"), first.get("train_set_images")
+    gaps: List[Departure] = []
+    if held is not None and held < 0.99 * IMAGENET_TRAIN_IMAGES:
+        words = f"its data holds {int(held):,} training images, not ImageNet-1k's {IMAGENET_TRAIN_IMAGES:,}"
+        gaps.append(Departure("train_images", f"not ImageNet ({int(held):,} train images)", words))
+    limit = cfg.get("limit_train_batches")
+    if held is None and trained is not None and trained < 0.99 * IMAGENET_TRAIN_IMAGES:  # a run of an older kd
+        words = f"trained on {int(trained):,} images an epoch, not ImageNet-1k's {IMAGENET_TRAIN_IMAGES:,}"
+        counted = f"{int(trained):,} images an epoch" if limit else f"{int(trained):,} train images"
+        gaps.append(Departure("train_images", f"not ImageNet ({counted})", words))
+    if limit and trained is not None and (held is None or trained < held):
+        words = f"trained {int(trained):,} images an epoch" + (f" of its {int(held):,}" if held else "")
+        flag = f"--limit-train-batches {limit}"
+        gaps.append(Departure("limit_train_batches", flag, f"{words} ({flag})"))
     return gaps
 
 

@@ -152,6 +152,7 @@ class Lane:
             "seconds": seconds,
             "img_per_s": train.get("images", 0) / max(seconds, 1e-9),
             "classes": self.num_classes,
+            "train_set_images": self.data.num_train,  # the data's, where --limit-train-batches trains fewer
             **(extra or {}),
         }
         if self.epoch_ended is not None:  # the last epoch's checkpoint and logging, this epoch's loader start

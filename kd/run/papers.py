@@ -201,8 +201,9 @@ def cell(
     if gaps is not None:
         recipe = _recipe(name) if cfg.get("recipe") else dict(_recipes()).get(name, {})
         others = [gap for gap in gaps(recipe) if gap.key not in COMPARED]
-        data = [gap for gap in others if gap.key == "train_images"]  # the data first: it alone decides
-        found = data + found + [gap for gap in others if gap.key != "train_images"]
+        # the data first (it alone decides), then the part of it trained an epoch
+        data = [gap for gap in others if gap.key in ("train_images", "limit_train_batches")]
+        found = data + found + [gap for gap in others if gap not in data]
     if not found:
         return f"as {name}"
     more = " ..." if len(found) > CELL_DEPARTURES else ""
