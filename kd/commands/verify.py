@@ -108,6 +108,7 @@ def verify(path: Path, echo: Echo = print) -> str:
         return verify_copy(path, echo)
     if store.is_store(path):
         return store.verify(path)
+
     def holds_run(folder: Path) -> bool:
         return RunFolder(folder).is_run() or RunFolder(folder).checkpoints.is_dir() or is_students_folder(folder)
 
