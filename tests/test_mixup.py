@@ -55,13 +55,20 @@ def test_kd_mixes_as_timms_mixup_with_the_same_numpy_state(setting):
         state = np.random.get_state()
         got = mixer(b, epoch=2, step=step)
         assert np.array_equal(np.random.get_state()[1], state[1])
-        np.random.seed([7, 2, step, 0])
+        np.random.seed([7, 0, 2, step, 0])  # the seed's two 32-bit words, epoch, step, rank
         images, target = timm_mixup(b.images.clone(), b.labels)
         np.random.set_state(state)
         assert torch.equal(got.images, images) and torch.equal(got.labels, target), step
         mixed_steps += not torch.equal(got.images, before)
     assert torch.equal(b.images, before) and not np.array_equal(np.random.get_state()[1], outer)
     assert mixed_steps == 8 if cfg.mixup_prob == 1 else 0 < mixed_steps < 8  # --mixup-prob: some batches only
+
+
+def test_any_seed_torch_takes_keys_the_draws():
+    """A negative seed or one past 32 bits (torch takes both) mixes, each seed its own draws."""
+    b = batch()
+    mixed = [BatchMixer(kd_config.RunConfig(seed=seed, mixup=1.0), 5)(b, 0, 0).labels for seed in (-1, 2**40, 0)]
+    assert not torch.equal(mixed[0], mixed[1]) and not torch.equal(mixed[1], mixed[2])
 
 
 def test_a_second_view_is_mixed_with_the_same_draw():

@@ -19,7 +19,8 @@ from kd.data.loader import Batch
 
 @contextlib.contextmanager
 def numpy_seeded(key: Sequence[int]) -> Iterator[None]:
-    """numpy's global generator seeded from ``key`` inside, as it was outside (timm's Mixup draws from it)."""
+    """numpy's global generator seeded from ``key`` (ints from 0 to 2**32 - 1) inside, as it was outside
+    (timm's Mixup draws from it)."""
     outer = np.random.get_state()
     np.random.seed([int(k) for k in key])
     try:
@@ -47,12 +48,12 @@ class BatchMixer:
     def __call__(self, batch: Batch, epoch: int, step: int) -> Batch:
         """``batch`` mixed (new tensors: the loader's batch is left as it was), its labels the mixed
         soft targets [B, C]; a second view is mixed with the same draw."""
-        key = (self.seed, epoch, step, self.rank)
+        seed = self.seed % 2**64  # any seed torch takes (negative ones too), as two 32-bit words
+        key = (seed & 0xFFFFFFFF, seed >> 32, epoch, step, self.rank)
         images = batch.images.clone()
         with numpy_seeded(key):
-            lam = self._mix(
-                images
-            )  # timm's __call__ less its even-batch assert: an odd batch mixes its middle image with itself
+            # timm's __call__ less its even-batch assert: an odd batch mixes its middle image with itself
+            lam = self._mix(images)
         second: Optional[torch.Tensor] = None
         if batch.second_images is not None:
             second = batch.second_images.clone()
