@@ -135,6 +135,12 @@ class RunConfig:
     model_ema_decay: float = 0.9998
     model_ema_warmup: bool = False  # the decay ramps up from 0 as timm's ModelEmaV3 warm-up does
     drop_path: Optional[float] = None  # the student's stochastic depth; None: its model's own default
+    # mixup and cutmix on the device batch, under timm's option names (kd.run.mixup)
+    mixup: float = 0.0  # mixup's beta alpha; 0: off
+    cutmix: float = 0.0  # cutmix's beta alpha; 0: off
+    mixup_prob: float = 1.0  # the chance that a batch is mixed
+    mixup_switch_prob: float = 0.5  # with both on: the chance that a mixed batch is cut-mixed
+    smoothing: float = 0.0  # label smoothing of the mixed targets (timm's Mixup label_smoothing)
     # recipe metadata (not options)
     recipe: Optional[str] = None
     description: Optional[str] = None
@@ -549,6 +555,7 @@ def validate(cfg: RunConfig, teaching: bool = False) -> RunConfig:
     if cfg.dot:
         validate_dot(cfg)
     validate_averaging(cfg)
+    validate_mixing(cfg)
     return cfg
 
 
@@ -613,6 +620,44 @@ def validate_loss_options(cfg: RunConfig) -> None:
         raise KDError(
             f"--logit-standardisation: KD loss {cfg.kd_loss!r} has no standardisation switch; the methods with it: "
             f"{switched} (lskd is KD with it)"
+        )
+
+
+def validate_mixing(cfg: RunConfig) -> None:
+    """--mixup, --cutmix and their options in range, and refused where the mixed batch cannot serve."""
+    if cfg.mixup < 0 or cfg.cutmix < 0:
+        raise KDError(f"--mixup and --cutmix are beta alphas, 0 or more (0: off); got {cfg.mixup:g}, {cfg.cutmix:g}")
+    for name in ("mixup_prob", "mixup_switch_prob"):
+        if not 0.0 <= getattr(cfg, name) <= 1.0:
+            raise KDError(f"{cli_flag(name)} must be in [0, 1], got {getattr(cfg, name):g}")
+    if not 0.0 <= cfg.smoothing < 1.0:
+        raise KDError(f"--smoothing must be in [0, 1), got {cfg.smoothing:g}")
+    if not (cfg.mixup or cfg.cutmix):
+        if cfg.smoothing:
+            raise KDError(
+                "--smoothing smooths the targets of --mixup and --cutmix; smooth hard labels with --label-smoothing"
+            )
+        return
+    if cfg.soft_labels:
+        raise KDError(
+            "--soft-labels holds the teacher's logits on unmixed crops; --mixup and --cutmix need the live teacher"
+        )
+    if "crd" in cfg.kd_loss.split(","):
+        raise KDError(
+            "--kd-loss crd keys its memory by sample, and a mixed image is two samples: "
+            "train crd without --mixup and --cutmix"
+        )
+    from kd.losses import LOSSES
+
+    for name in cfg.kd_loss.split(","):
+        if name in LOSSES.names() and LOSSES.get(name).class_labels:
+            raise KDError(
+                f"--kd-loss {name} splits each sample's target class from the others; mixup's and cutmix's "
+                f"soft targets have no one target class: train it without --mixup and --cutmix"
+            )
+    if cfg.label_smoothing or cfg.loss_args.get("label_smoothing"):
+        raise KDError(
+            "--label-smoothing would smooth the mixed targets a second time; give --smoothing with --mixup and --cutmix"
         )
 
 
@@ -797,6 +842,16 @@ TRAIN_OPTIONS = (
         "the teacher never has it.",
         "RATE",
         note="the model's own",
+    ),
+    # mixup and cutmix (timm's option names and meanings)
+    Option("mixup", ("--mixup",), "Mixup on each training batch: its beta alpha (timm's; 0: off).", "ALPHA"),
+    Option("cutmix", ("--cutmix",), "CutMix on each training batch: its beta alpha (timm's; 0: off).", "ALPHA"),
+    Option("mixup_prob", ("--mixup-prob",), "The chance that a batch is mixed (mixup or cutmix)."),
+    Option("mixup_switch_prob", ("--mixup-switch-prob",), "With --mixup and --cutmix: the chance of cutmix."),
+    Option(
+        "smoothing",
+        ("--smoothing",),
+        "Label smoothing of the mixed targets (timm's Mixup; --label-smoothing is for hard labels).",
     ),
     Option("image_size", ("--image-size",), "Train crop and val crop size."),
     Option(

@@ -209,6 +209,21 @@ def kd_main(*args, env=None, threads=None) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(["kd", *argv], code, out, err)
 
 
+def assert_resume_ends_bit_for_bit(tmp_path: Path, args: list, checkpoint: str = "step_00000004.pt") -> None:
+    """``kd train ARGS`` run whole into ``tmp_path/whole``, then resumed in a copy of it from
+    ``checkpoint``, ends with the same student weights, bit for bit."""
+    import shutil
+
+    whole = tmp_path / "whole"
+    assert kd_main("train", *args, "--out", whole).returncode == 0
+    again = tmp_path / "again"
+    shutil.copytree(whole, again)
+    r = kd_main("train", *args, "--out", again, "--resume", again / "checkpoints" / checkpoint)
+    assert r.returncode == 0 and "resumed" in r.stderr, r.stderr
+    a, b = (torch.load(run / "checkpoints" / "last.pt", weights_only=True)["student"] for run in (whole, again))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def one_error_line(r) -> str:
     """The one ``kd: error:`` line of a run that failed as a user error should (exit code 2, no
     traceback; warnings aside)."""

@@ -113,6 +113,19 @@ def test_students_together_equal_separate_runs_bit_for_bit(data, tmp_path):
         assert [json.loads(line)["epoch"] for line in records] == [1, 2]
 
 
+def test_students_on_one_mixed_batch_equal_their_separate_runs(data, tmp_path):
+    """--mixup and --cutmix: every student of a run trains on the one mixed batch the teacher forwarded,
+    bit for bit as it trains alone (the draw is the step's, not the students' own generators')."""
+    mixing = dict(mixup=0.8, cutmix=1.0)
+    launch(TrainJob(multi.plan([], options(data, tmp_path / "table", kd_loss="kd,dist", **mixing), [])))
+    for method in ("kd", "dist"):
+        kd.train(kd_config.resolve(options=options(data, tmp_path / "alone" / method, kd_loss=method, **mixing)))
+        together, alone = state(tmp_path / "table" / method), state(tmp_path / "alone" / method)
+        assert together["global_step"] == alone["global_step"] == 3
+        for key, value in alone["student"].items():
+            assert torch.equal(together["student"][key], value), (method, key)
+
+
 @pytest.mark.parametrize("methods", ["kd,fitnet", "kd,at", "kd,crd"])
 def test_a_feature_student_after_another_equals_its_separate_run(data, tmp_path, methods):
     """A feature method's connectors (and CRD's memory) are drawn from its own seed, not from where the

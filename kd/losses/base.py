@@ -142,6 +142,9 @@ class DistillLoss(nn.Module):
     uses_samples: ClassVar[bool] = False
     views: ClassVar[int] = 1
     reads_distill_head: ClassVar[bool] = False
+    #: the method reads each sample's target class from the labels (DKD's, NKD's split): mixup's and
+    #: cutmix's soft targets have none, so the config refuses them for it
+    class_labels: ClassVar[bool] = False
     name: ClassVar[str] = ""
 
     def __init_subclass__(cls, **kwargs: Any):

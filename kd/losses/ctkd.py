@@ -102,6 +102,8 @@ class CurriculumDKD(CurriculumTemperature):
     was written for set that gradient to 0, as kd does).
     """
 
+    class_labels = True
+
     defaults = {"ce_weight": 1.0, "tckd_weight": 1.0, "nckd_weight": 1.0, **CURRICULUM}
 
     def distill(self, x: DistillInputs):

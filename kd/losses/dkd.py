@@ -24,6 +24,8 @@ class DecoupledKD(DistillLoss):
     ``temperature`` 2 here on the ImageNet setting.
     """
 
+    class_labels = True
+
     defaults = {
         "ce_weight": 1.0,
         "tckd_weight": 1.0,

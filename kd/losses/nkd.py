@@ -55,6 +55,8 @@ class NormalizedKD(DistillLoss):
     logged value keeps the teacher's non-target entropy and is not 0 when the student matches.
     """
 
+    class_labels = True
+
     defaults = {"ce_weight": 1.0, "non_target_weight": 1.5, "temperature": 1.0}
 
     def distill(self, x: DistillInputs):

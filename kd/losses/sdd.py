@@ -84,6 +84,8 @@ class ScaleDecoupled(DistillLoss):
     feature map and classifier (the engine finds them: :func:`kd.utils.taps.final_map`), the cells
     (:func:`cells`) and their weights (:func:`region_weights`); :meth:`rows` is the method's loss per cell."""
 
+    class_labels = True
+
     uses_features = True
     uses_classifier: ClassVar[bool] = True
     scale_defaults: ClassVar[Dict[str, Any]] = {"scales": [1, 2, 4], "grid": 4, "complementary_weight": 2.0}

@@ -26,6 +26,7 @@ from kd.run import checkpoint, provenance
 from kd.run.build import build_lane
 from kd.run.lane import Lane, stop_in_setup
 from kd.run.log import SetupClock, command_start, open_part
+from kd.run.mixup import build as build_mixer
 from kd.run.runtime import resolve as resolve_runtime
 from kd.run.step import StepHook, StepOutput, check_batch, stand_in
 from kd.runfolder import RunFolder
@@ -135,6 +136,7 @@ class Trainer:
         self.lanes: List[Lane] = []
         self.source: Optional[TeacherSource] = None  # the teacher's outputs: live, or a soft-label store
         self.data: Any = None  # the run's data pipeline, once built
+        self.mixer = None  # --mixup, --cutmix: each batch mixed before the teacher sees it
         try:
             stop_in_setup(self.stop, self.backend)
             num_replicas, rank = backend.data_shard()
@@ -144,6 +146,7 @@ class Trainer:
                 views=views,
             )  # fmt: skip
             check_classes(students, resumed, self.data.classes)
+            self.mixer = build_mixer(cfg, cfg.num_classes or len(self.data.classes), rank)
             if cfg.soft_labels:  # checked before any student is built: a store for another run stays one line
                 classes = cfg.num_classes or len(self.data.classes)
                 wanted = wanted_manifest(cfg, self.data.train_samples, classes)
@@ -340,6 +343,7 @@ class Trainer:
                 if len(batch) == 0:  # every process steps alike: a readable batch stands in
                     batch = stand_in(batch, last, it, ahead, self.active[0].logger.info)
                 last = batch
+                batch = self.mixed(batch)
                 targets = self.targets(batch)
                 stop = False
                 outs: List[StepOutput] = []
@@ -367,6 +371,14 @@ class Trainer:
             if close is not None:
                 close()
 
+    def mixed(self, batch: Batch) -> Batch:
+        """``batch`` as the teacher and every student see it: mixed where --mixup or --cutmix is on,
+        by a draw of this step's (epoch, step in epoch), whatever ran before in this process."""
+        if self.mixer is None:
+            return batch
+        state = self.active[0].state
+        return self.mixer(batch, state.epoch, state.batch_in_epoch)
+
     def targets(self, batch) -> Optional[Targets]:
         """The teacher's targets for ``batch``, once for every student (None where no student learns
         from a teacher). Under CUDA graphs a new graph generation begins first, so that the
@@ -379,6 +391,7 @@ class Trainer:
         """The public step: the teacher's targets for ``batch``, then one training step of each
         student (:meth:`kd.run.lane.Lane.step`), without the loop's rules, logging or checkpoints;
         their outputs, in the students' order."""
+        batch = self.mixed(batch)
         targets = self.targets(batch)
         return [
             self._run(lane, lambda lane=lane: lane.step(batch, targets if lane.needs_teacher else None))
