@@ -196,9 +196,8 @@ class LearningWatch:
 
     def _try(self, *options: Tuple[str, str, Any]) -> str:
         """``--flag value`` for each (flag, config key, value) the run does not already have."""
-        from kd.config import cli_value
-
-        return " ".join(f"{flag} {cli_value(v)}" for flag, key, v in options if getattr(self.cfg, key, None) != v)
+        missing = [(flag, v) for flag, key, v in options if getattr(self.cfg, key, None) != v]
+        return " ".join(f"{flag} {v:g}" if isinstance(v, float) else f"{flag} {v}" for flag, v in missing)
 
     def see(self, record: Dict[str, Any]) -> Optional[str]:
         """The line to print after the epoch of ``record`` (a metrics.jsonl record), or None."""

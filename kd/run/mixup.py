@@ -12,7 +12,6 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 import torch
-from timm.data.mixup import Mixup, mixup_target
 
 from kd.data.loader import Batch
 
@@ -34,6 +33,8 @@ class BatchMixer:
     one lambda, one box), from a draw keyed by (seed, epoch, step in epoch, rank)."""
 
     def __init__(self, cfg, num_classes: int, rank: int = 0):
+        from timm.data.mixup import Mixup  # timm only where a run mixes
+
         self.mixup = Mixup(
             mixup_alpha=cfg.mixup,
             cutmix_alpha=cfg.cutmix,
@@ -59,6 +60,8 @@ class BatchMixer:
             second = batch.second_images.clone()
             with numpy_seeded(key):
                 self._mix(second)
+        from timm.data.mixup import mixup_target
+
         labels = mixup_target(batch.labels, self.mixup.num_classes, lam, self.mixup.label_smoothing)
         return dataclasses.replace(batch, images=images, labels=labels, second_images=second)
 
