@@ -125,7 +125,8 @@ def augment_key(cfg) -> Optional[str]:
 
 def describe(cfg) -> str:
     """What the PIL loader's log line says of the augmentations: which run in its workers, after the crop."""
-    parts = [f"--aa {cfg.aa}" if cfg.aa else "", f"--color-jitter {cfg.color_jitter:g}" if cfg.color_jitter else ""]
+    jitter = cfg.color_jitter is not None and (not cfg.aa or "3a" in cfg.aa)  # timm's rule: none under --aa
+    parts = [f"--aa {cfg.aa}" if cfg.aa else "", f"--color-jitter {cfg.color_jitter:g}" if jitter else ""]
     parts += [f"--reprob {cfg.reprob:g}" if cfg.reprob > 0 else ""]
     parts += [f"--train-interpolation {cfg.train_interpolation}" if cfg.train_interpolation != "bilinear" else ""]
     done = ", ".join(p for p in parts if p)
