@@ -39,7 +39,7 @@ def seeded_globals(seed: int) -> Iterator[None]:
     saved = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
     random.seed(seed)
     np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
+    torch.random.default_generator.manual_seed(seed)  # the CPU's alone: torch.manual_seed seeds CUDA's too
     try:
         yield
     finally:
