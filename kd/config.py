@@ -47,6 +47,13 @@ class RunConfig:
     student_data: Optional[Dict[str, Any]] = None
     teacher_data: Optional[Dict[str, Any]] = None
     min_crop_scale: float = 0.08  # RandomResizedCrop's lower area bound
+    # timm's training augmentations after the crop (kd.data.augment), drawn from each sample's seed
+    aa: Optional[str] = None  # timm's auto-augmentation string: rand-m9-mstd0.5-inc1, augmix-m5, original
+    color_jitter: Optional[float] = None  # brightness, contrast and saturation; timm leaves it out under --aa
+    reprob: float = 0.0  # random erasing's probability
+    remode: str = "pixel"  # random erasing's fill: const | rand | pixel
+    recount: int = 1  # random erasing's boxes per image
+    train_interpolation: str = "bilinear"  # the training crop's resize: bilinear | bicubic
     loader: str = "auto"  # gpu where CUDA and a GPU JPEG decoder work, else pil (kd.data.pipeline)
     workers: Optional[int] = None  # None: the CPU cores per process on this host less one (kd.data.loader)
     mp_context: Optional[str] = None  # None: the platform's safe default (kd.data.loader)
@@ -490,6 +497,7 @@ def validate(cfg: RunConfig, teaching: bool = False) -> RunConfig:
         "--opt-eps and --opt-betas are the Adam-style optimizers' (--optimizer adamw, lamb, ...); SGD has neither",
     )
     need(0.0 < cfg.min_crop_scale <= 1.0, "--min-crop-scale must be in (0, 1]")
+    validate_augment(cfg)
     need(cfg.image_size >= 8, "--image-size must be at least 8")
     check_loader(cfg.loader)
     need(cfg.workers is None or cfg.workers >= 0, "--workers must be 0 or more")
@@ -557,6 +565,29 @@ def validate(cfg: RunConfig, teaching: bool = False) -> RunConfig:
     validate_averaging(cfg)
     validate_mixing(cfg)
     return cfg
+
+
+def validate_augment(cfg: RunConfig) -> None:
+    """The training augmentations' options (kd.data.augment): timm reads the --aa string here, before any work."""
+    from kd.data.augment import ERASE_MODES, timm_pieces, wanted
+
+    if not 0.0 <= cfg.reprob <= 1.0:
+        raise KDError(f"--reprob must be between 0 and 1, got {cfg.reprob:g}")
+    if cfg.remode not in ERASE_MODES:
+        raise KDError(f"--remode must be {_one_of(ERASE_MODES)}, got {cfg.remode!r}")
+    if cfg.recount < 1:
+        raise KDError("--recount must be at least 1")
+    if cfg.color_jitter is not None and cfg.color_jitter < 0:
+        raise KDError(f"--color-jitter must be 0 or more, got {cfg.color_jitter:g}")
+    if cfg.train_interpolation not in INTERPOLATIONS:
+        raise KDError(f"--train-interpolation must be {_one_of(INTERPOLATIONS)}, got {cfg.train_interpolation!r}")
+    if cfg.loader == "gpu" and wanted(cfg):
+        raise KDError(
+            "--loader gpu crops on the GPU, bilinearly, and cannot apply --aa, --color-jitter, --reprob or "
+            "--train-interpolation bicubic: give --loader pil (or auto, which chooses pil for them)"
+        )
+    if wanted(cfg):  # timm only where a run augments
+        timm_pieces(cfg.image_size, cfg, ((0.0,) * 3, (255.0,) * 3))
 
 
 def validate_averaging(cfg: RunConfig) -> None:
@@ -861,6 +892,28 @@ TRAIN_OPTIONS = (
         note="from the student's data config (its weights' resize to crop ratio), else image-size * 256/224",
     ),
     Option("min_crop_scale", ("--min-crop-scale",), "Smallest crop area of RandomResizedCrop."),
+    # timm's training augmentations (timm's option names), drawn from each sample's seed
+    Option(
+        "aa",
+        ("--aa",),
+        "timm's auto-augmentation of the training crop (rand-m9-mstd0.5-inc1, augmix-m5, original), "
+        "in the PIL loader's workers.",
+        "STRING",
+    ),
+    Option(
+        "color_jitter",
+        ("--color-jitter",),
+        "Colour jitter of the training crop (brightness, contrast, saturation); timm leaves it out under --aa.",
+    ),
+    Option("reprob", ("--reprob",), "Random erasing probability (timm's RandomErasing, on the normalised crop)."),
+    Option("remode", ("--remode",), "Random erasing fill.", choices=("const", "rand", "pixel")),
+    Option("recount", ("--recount",), "Random erasing boxes per image."),
+    Option(
+        "train_interpolation",
+        ("--train-interpolation",),
+        "The training crop's resize.",
+        choices=INTERPOLATIONS,
+    ),
     Option(
         "loader",
         ("--loader",),

@@ -209,19 +209,21 @@ def kd_main(*args, env=None, threads=None) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(["kd", *argv], code, out, err)
 
 
-def assert_resume_ends_bit_for_bit(tmp_path: Path, args: list, checkpoint: str = "step_00000004.pt") -> None:
-    """``kd train ARGS`` run whole into ``tmp_path/whole``, then resumed in a copy of it from
-    ``checkpoint``, ends with the same student weights, bit for bit."""
+def resumes_bit_for_bit(tmp_path: Path, args: list, step: int = 4) -> subprocess.CompletedProcess:
+    """``kd train ARGS`` run whole, then a copy of its folder resumed from its checkpoint of ``step``:
+    both end with the same student, bit for bit. Returns the whole run's result."""
     import shutil
 
     whole = tmp_path / "whole"
-    assert kd_main("train", *args, "--out", whole).returncode == 0
+    first = kd_main("train", *args, "--out", whole)
+    assert first.returncode == 0, first.stderr
     again = tmp_path / "again"
     shutil.copytree(whole, again)
-    r = kd_main("train", *args, "--out", again, "--resume", again / "checkpoints" / checkpoint)
+    r = kd_main("train", *args, "--out", again, "--resume", again / "checkpoints" / f"step_{step:08d}.pt")
     assert r.returncode == 0 and "resumed" in r.stderr, r.stderr
     a, b = (torch.load(run / "checkpoints" / "last.pt", weights_only=True)["student"] for run in (whole, again))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    return first
 
 
 def one_error_line(r) -> str:

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from kd.data.augment import TrainAugment
 from kd.data.prepared import Prepared, open_image
 from kd.data.views import STRONG_AUGMENT, STRONG_CROP, strong_augment, view_seed
 from kd.errors import KDError
@@ -130,9 +131,12 @@ class ImageFolderPIL:
         min_scale: float = 0.08,
         interpolation: str = "bilinear",
         views: int = 1,
+        augment: Optional[TrainAugment] = None,
+        train_interpolation: str = "bilinear",
     ):
         """``resize`` and ``interpolation`` (bilinear or bicubic) are validation's; training crops
-        always resize bilinearly (the crop both models of a KD step see)."""
+        resize with ``train_interpolation`` (the crop both models of a KD step see), then go through
+        ``augment`` (:mod:`kd.data.augment`: timm's ``--aa``, ``--color-jitter``, ``--reprob``)."""
         self.samples = samples if isinstance(samples, Prepared) else list(samples)
         self.scale = (min_scale, 1.0)
         self.size = size
@@ -140,6 +144,8 @@ class ImageFolderPIL:
         self.resize = resize or default_val_resize(size)
         self.val_filter = BICUBIC if interpolation == "bicubic" else BILINEAR
         self.views = views if train else 1
+        self.augment = augment if train else None
+        self.train_filter = BICUBIC if train_interpolation == "bicubic" else BILINEAR
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -150,15 +156,24 @@ class ImageFolderPIL:
         index = item[0] if isinstance(item, tuple) else item
         if img is None:
             return None, label, path, index
+        first = self.augmented(img, item[1] if isinstance(item, tuple) else 0)
         if self.views == 2:
             strong = self.strong_view(item)
-            return (
-                (None if strong is None else torch.stack([to_uint8_chw(img), to_uint8_chw(strong)])),
-                label,
-                path,
-                index,
-            )
-        return to_uint8_chw(img), label, path, index
+            if strong is None:
+                return None, label, path, index
+            second = to_uint8_chw(strong)
+            if self.augment is not None and self.augment.normalises:
+                second = self.augment.normalise(second)
+            return torch.stack([first, second]), label, path, index
+        return first, label, path, index
+
+    def augmented(self, img: Image.Image, seed: int) -> torch.Tensor:
+        """A training crop as the CHW tensor a batch holds: uint8, or normalised and erased where
+        random erasing runs (:mod:`kd.data.augment`), every draw from the sample's ``seed``."""
+        if self.augment is None:
+            return to_uint8_chw(img)
+        pixels = to_uint8_chw(self.augment.image(img, seed))
+        return self.augment.erase(pixels, seed) if self.augment.normalises else pixels
 
     def strong_view(self, item) -> Optional[Image.Image]:
         """The sample's strong view (:mod:`kd.data.views`): its own training crop and flip, then
@@ -180,7 +195,7 @@ class ImageFolderPIL:
                 if self.train:
                     gen, box = self._train_box(im, seed)
                     im.load()
-                    img = rgb(im).resize((self.size, self.size), BILINEAR, box=box)
+                    img = rgb(im).resize((self.size, self.size), self.train_filter, box=box)
                 else:  # torchvision's Resize + CenterCrop on the full decode, bit for bit
                     new_w, new_h, left, top = val_geometry(height, width, self.size, self.resize)
                     img = rgb(im).resize((new_w, new_h), self.val_filter)

@@ -22,6 +22,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from kd.data.augment import TrainAugment, wanted
+from kd.data.augment import describe as augment_note
 from kd.data.folder import ImageFolderPIL, collate
 from kd.data.sampler import SeededSampler
 from kd.lifeline import quiet_resource_sharer
@@ -260,6 +262,8 @@ class DeviceLoader:
     why: str = ""
     #: what it reads where that is not the folder's files: a prepared copy (kd.data.prepared)
     source: str = ""
+    #: the log line's note on the training augmentations (kd.data.augment.describe)
+    augments: str = ""
 
     def __init__(
         self,
@@ -302,10 +306,10 @@ class DeviceLoader:
         return max(n - self.skipped_batches, 0)
 
     def describe(self) -> str:
-        text = (
-            f"{self.heading('pil')}: PIL decode and crop in {self.loader.num_workers} DataLoader worker(s), "
-            f"normalised on {self.device}"
-        )
+        where = f"normalised on {self.device}"
+        if self.augments:  # random erasing needs the normalised crop: the workers normalise
+            where = ("normalised there" if "--reprob" in self.augments else where) + f"; {self.augments}"
+        text = f"{self.heading('pil')}: PIL decode and crop in {self.loader.num_workers} DataLoader worker(s), {where}"
         if self.device.type == "cuda" and not self.why:  # auto said why already
             text += f"; {GPU_LOADER_HINT}"
         return text
@@ -315,6 +319,13 @@ class DeviceLoader:
         return (
             f"loader {name}" + (f" ({self.why})" if self.why else "") + (f" from {self.source}" if self.source else "")
         )
+
+    def to_device(self, images: torch.Tensor) -> torch.Tensor:
+        """A batch's images on the device, normalised there unless the workers did (random erasing)."""
+        images = images.to(self.device, non_blocking=True)
+        if images.dtype != torch.uint8:
+            return images.contiguous(memory_format=self.memory_format)
+        return self.normalise(images, self.memory_format)
 
     def close(self) -> None:
         """Stop the persistent worker processes now rather than at interpreter exit."""
@@ -332,8 +343,8 @@ class DeviceLoader:
             second = None
             if images.dim() == 5:  # two views of each sample (ImageFolderPIL's views 2)
                 images, second = images[:, 0], images[:, 1]
-                second = self.normalise(second.to(self.device, non_blocking=True), self.memory_format)
-            images = self.normalise(images.to(self.device, non_blocking=True), self.memory_format)
+                second = self.to_device(second)
+            images = self.to_device(images)
             labels = labels.to(self.device, non_blocking=True)
             yield Batch(images, labels, bad, indices, first, second_images=second)
             first = []
@@ -410,12 +421,24 @@ def make_pil_loader(
     ``every_sample``: a training loader keeps its last short batch (kd teach's store); ``views`` 2:
     training batches carry each sample's strong view too (:attr:`Batch.second_images`)."""
     resize, interpolation = val_transform(cfg)
-    dataset = ImageFolderPIL(samples, cfg.image_size, train, resize, cfg.min_crop_scale, interpolation, views)
+    augment = TrainAugment(cfg.image_size, cfg, normalisation(cfg)) if train and wanted(cfg) else None
+    dataset = ImageFolderPIL(
+        samples,
+        cfg.image_size,
+        train,
+        resize,
+        cfg.min_crop_scale,
+        interpolation,
+        views,
+        augment,
+        cfg.train_interpolation,
+    )
     loader, sampler = dataloader_and_sampler(
         cfg, dataset, collate, train, num_replicas, rank, local_batch, device, every_sample
     )
     limit = cfg.limit_train_batches if train else cfg.limit_val_batches
     out = DeviceLoader(loader, sampler, device, channels_last, limit, normalisation(cfg))
+    out.augments = augment_note(cfg) if train else ""
     out.left_out = left_out(samples, train, rank)
     return out
 

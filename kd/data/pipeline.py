@@ -14,6 +14,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
+from kd.data.augment import wanted
 from kd.data.cache import CachedVal, default_budget_gb
 from kd.data.gpu import decoder_choice, make_gpu_loader, shared_decoder
 from kd.data.layout import scan
@@ -66,7 +67,7 @@ def build(
         )
         listing = synthetic_listing(steps, local_batch, num_replicas, cfg.seed, n)
         return Data(train, val, [str(i) for i in range(n)], len(listing), 0, train_samples=listing)
-    name, why = choose_loader(cfg.loader, device)
+    name, why = choose_loader(cfg.loader, device, augments=wanted(cfg))
     classes, train_samples, val_samples = scan(cfg.data)
     make = LOADERS.get(name)
     train = make(cfg, train_samples, True, num_replicas, rank, local_batch, device, channels_last, every_sample, views)
@@ -92,15 +93,18 @@ def synthetic_listing(steps: int, local_batch: int, replicas: int, seed: int, cl
     return [(f"{where}/{i}", i % classes) for i in range(steps * local_batch * replicas)]
 
 
-def choose_loader(choice: str, device: torch.device) -> Tuple[str, str]:
+def choose_loader(choice: str, device: torch.device, augments: bool = False) -> Tuple[str, str]:
     """The loader ``--loader choice`` runs on ``device``, and why auto chose it (logged with the loader).
 
     ``auto`` is the gpu loader where CUDA and a GPU JPEG decoder work: on one H200 with 15 workers
     it fed the KD step 77 % of the synthetic rate against the PIL loader's 31 % (docs/benchmarks.md).
-    Without either it is the PIL loader, which needs nothing but the CPU.
+    Without either it is the PIL loader, which needs nothing but the CPU; so it is where timm's
+    augmentations run (``augments``: :mod:`kd.data.augment`), on the workers' PIL crops.
     """
     if check_loader(choice) != AUTO_LOADER:
         return choice, ""  # the user's choice needs no reason
+    if augments:
+        return "pil", "--loader auto: timm's augmentations run on the PIL crops"
     if device.type != "cuda":
         return "pil", "--loader auto: no CUDA device"
     decoder, notes = shared_decoder(device, decoder_choice())

@@ -15,6 +15,7 @@ from typing import Any, Dict, Sequence, Tuple
 import torch
 
 from kd import models
+from kd.data.augment import wanted as augments
 from kd.data.pipeline import build as build_data
 from kd.data.pipeline import choose_loader
 from kd.errors import KDError
@@ -149,6 +150,9 @@ class Teaching:
         for other crops, another teacher or another k is refused) and continued."""
         cfg = self.cfg
         wanted = kd_store.wanted_manifest(cfg, self.data.train_samples, classes)
+        synthetic = cfg.data == "synthetic"
+        # its crops agree with the other loader's to rounding
+        loader = "synthetic" if synthetic else choose_loader(cfg.loader, self.backend.device, augments(cfg))[0]
         k = classes if cfg.soft_label_k is None or cfg.soft_label_k >= classes else cfg.soft_label_k
         settings = {
             **wanted,
@@ -157,9 +161,8 @@ class Teaching:
             "teacher_weights": cfg.teacher_weights,
             "teacher_weights_sha256": kd_store.file_sha256(cfg.teacher_weights),
             "teacher_data": cfg.teacher_data,
-            "data": cfg.data if cfg.data == "synthetic" else str(Path(cfg.data).absolute()),
-            # its crops agree with the other loader's to rounding
-            "loader": "synthetic" if cfg.data == "synthetic" else choose_loader(cfg.loader, self.backend.device)[0],
+            "data": cfg.data if synthetic else str(Path(cfg.data).absolute()),
+            "loader": loader,
             "k": k,
             "dtype": cfg.soft_label_dtype,  # auto: chosen once the teacher is built (_choose_dtype)
             "epochs": cfg.epochs,

@@ -51,6 +51,7 @@ import numpy as np
 import torch
 
 from kd import checksum
+from kd.data.augment import augment_key
 from kd.errors import KDError
 from kd.runfolder import LOCK_FILE, why_unwritable, write_json
 from kd.teacher.source import Targets
@@ -65,7 +66,7 @@ FLOAT16_MAX = 65504.0
 #: it for crops the probe did not see (each written batch is checked all the same)
 FLOAT16_AUTO_LARGEST = 256.0
 #: the manifest's keys a run must match (what the crops and the labels depend on)
-PINNED = ("listing_sha256", "samples", "classes", "image_size", "min_crop_scale", "seed")
+PINNED = ("listing_sha256", "samples", "classes", "image_size", "min_crop_scale", "seed", "augment")
 
 
 def is_store(path: Path) -> bool:
@@ -94,6 +95,7 @@ def wanted_manifest(cfg, samples, classes: int) -> Dict[str, Any]:
         "image_size": cfg.image_size,
         "min_crop_scale": cfg.min_crop_scale,
         "seed": cfg.seed,
+        "augment": augment_key(cfg),  # None without them: a store written before they existed matches
     }
 
 
@@ -251,6 +253,7 @@ def mismatch(store: Dict[str, Any], wanted: Dict[str, Any]) -> Optional[str]:
         "image_size": "--image-size",
         "min_crop_scale": "the crop scale (min_crop_scale)",
         "seed": "--seed",
+        "augment": "timm's augmentations (--aa, --color-jitter, --reprob, --remode, --recount, --train-interpolation)",
     }
     for key in PINNED:
         if store.get(key) != wanted.get(key):
