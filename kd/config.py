@@ -569,7 +569,7 @@ def validate(cfg: RunConfig, teaching: bool = False) -> RunConfig:
 
 def validate_augment(cfg: RunConfig) -> None:
     """The training augmentations' options (kd.data.augment): timm reads the --aa string here, before any work."""
-    from kd.data.augment import ERASE_MODES, timm_pieces, wanted
+    from kd.data.augment_options import ERASE_MODES, wanted
 
     if not 0.0 <= cfg.reprob <= 1.0:
         raise KDError(f"--reprob must be between 0 and 1, got {cfg.reprob:g}")
@@ -586,7 +586,9 @@ def validate_augment(cfg: RunConfig) -> None:
             "--loader gpu crops on the GPU, bilinearly, and cannot apply --aa, --color-jitter, --reprob or "
             "--train-interpolation bicubic: give --loader pil (or auto, which chooses pil for them)"
         )
-    if wanted(cfg):  # timm only where a run augments
+    if wanted(cfg):  # torch and timm only where a run augments
+        from kd.data.augment import timm_pieces
+
         timm_pieces(cfg.image_size, cfg, ((0.0,) * 3, (255.0,) * 3))
 
 

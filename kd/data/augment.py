@@ -19,13 +19,13 @@ import numpy as np
 import torch
 from PIL import Image
 
+from kd.data.augment_options import wanted
 from kd.data.sampler import sample_seed
 from kd.errors import KDError
 
 #: the parts of a sample's seed the augmentations draw from (the strong view's are 1 and 2: kd.data.views)
 AUGMENT_PART, ERASE_PART = 3, 4
 #: random erasing's fill modes and the default (timm's --remode)
-ERASE_MODES = ("const", "rand", "pixel")
 
 
 def augment_seed(seed: int, part: int) -> int:
@@ -108,11 +108,6 @@ class TrainAugment:
             return x
         with seeded_globals(augment_seed(seed, ERASE_PART)):
             return self.erasing(x)
-
-
-def wanted(cfg) -> bool:
-    """Whether ``cfg`` asks for any augmentation of this module."""
-    return bool(cfg.aa) or cfg.color_jitter is not None or cfg.reprob > 0 or cfg.train_interpolation != "bilinear"
 
 
 def augment_key(cfg) -> Optional[str]:

@@ -22,8 +22,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from kd.data.augment import TrainAugment, wanted
+from kd.data.augment import TrainAugment
 from kd.data.augment import describe as augment_note
+from kd.data.augment_options import wanted
 from kd.data.folder import ImageFolderPIL, collate
 from kd.data.sampler import SeededSampler
 from kd.lifeline import quiet_resource_sharer

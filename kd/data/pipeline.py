@@ -14,7 +14,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from kd.data.augment import wanted
+from kd.data.augment_options import wanted
 from kd.data.cache import CachedVal, default_budget_gb
 from kd.data.gpu import decoder_choice, make_gpu_loader, shared_decoder
 from kd.data.layout import scan

@@ -15,7 +15,7 @@ from typing import Any, Dict, Sequence, Tuple
 import torch
 
 from kd import models
-from kd.data.augment import wanted as augments
+from kd.data.augment_options import wanted as augments
 from kd.data.pipeline import build as build_data
 from kd.data.pipeline import choose_loader
 from kd.errors import KDError
