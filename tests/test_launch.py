@@ -381,3 +381,18 @@ def test_a_rank_failing_outside_kd_s_errors_is_one_line_with_its_cause(fault, da
         )
         assert last == f"kd: error: {expected}", last
         assert "Traceback" not in r.stderr, r.stderr[-3000:]
+
+
+def test_a_rank_that_said_its_error_before_a_signal_ended_for_its_error(tmp_path):
+    """A rank that wrote its one-line error (a non-finite stop) and then aborted as it exited (an
+    'terminate called without an active exception' in a library thread, seen under load) is not
+    reported as killed: the run's line is the error it wrote; a rank killed without one is."""
+    from types import SimpleNamespace
+
+    from kd.run.launch import rank_killed
+
+    job = SimpleNamespace(cfg=SimpleNamespace(max_restarts=0), how_to_continue=lambda: "start it again")
+    failures = {0: SimpleNamespace(exitcode=2), 1: SimpleNamespace(exitcode=-6)}
+    assert rank_killed(failures, job, str(tmp_path)) is not None  # no word from rank 1: killed by SIGABRT
+    (tmp_path / "rank00001.txt").write_text("loss not finite for 4 steps", encoding="utf-8")
+    assert rank_killed(failures, job, str(tmp_path)) is None

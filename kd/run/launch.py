@@ -176,7 +176,7 @@ def launch_local(job: Job, nproc: int):
             results = elastic_launch(config, worker)(job, error_dir, visible, os.getpid())
     except (ChildFailedError, signal_exception) as exc:
         failures = exc.failures if isinstance(exc, ChildFailedError) else None
-        killed = failures is not None and rank_killed(failures, job)
+        killed = failures is not None and rank_killed(failures, job, error_dir)
         if killed:  # before a stop's message: the agent stopped the other ranks because of it
             raise RankFailed(*killed) from None
         error = first_error(error_dir)
@@ -323,10 +323,12 @@ class RankFailed(KDError):
         self.exit_code = exit_code
 
 
-def rank_killed(failures, job: Job):
+def rank_killed(failures, job: Job, error_dir: str):
     """The lowest rank of ``failures`` (torch's ``ProcessFailure`` by rank) that a signal killed,
-    as :class:`RankFailed`'s arguments; None where none was."""
-    killed = sorted(rank for rank, failure in failures.items() if failure.exitcode < 0)
+    as :class:`RankFailed`'s arguments; None where none was. A rank that wrote its error before the
+    signal came (an abort in a library's threads as it exited, say) ended for that error: not killed."""
+    said = {int(p.stem[len("rank") :]) for p in Path(error_dir).glob("rank*.txt")}
+    killed = sorted(rank for rank, failure in failures.items() if failure.exitcode < 0 and rank not in said)
     return rank_failed({killed[0]: failures[killed[0]]}, job) if killed else None
 
 
