@@ -256,3 +256,42 @@ def test_the_cli_help_says_what_a_resume_may_change():
     assert r.returncode == 0
     text = " ".join(r.stdout.split())
     assert "--epochs" in text and "refused" in text
+
+
+def test_a_resume_that_extended_the_run_and_stopped_before_a_checkpoint_resumes_again(single, copy_of):
+    """A resume writes config.yaml with what it changed (--epochs 3); stopped before its next
+    checkpoint, the next resume keeps that choice and is not refused for it."""
+    run = copy_of(single)
+    saved = (run / "config.yaml").read_text()
+    (run / "config.yaml").write_text(saved.replace("epochs: 1\n", "epochs: 3\n").replace("workers: 0", "workers: 1"))
+    r = kd_main("train", "--out", run, "--resume", "--workers", "0")
+    assert r.returncode == 0, r.stderr
+    assert epoch_of(run / "checkpoints" / "last.pt") == 3
+
+
+def test_the_same_recipe_command_again_resumes(data, tmp_path):
+    """kd train --recipe R --epochs N, then the same command with --resume (and more epochs): the
+    recipe is the run's own, its schedule as the run scaled it, not laid over the run again."""
+    recipe = tmp_path / "small.yaml"
+    recipe.write_text("epochs: 100\nlr: 0.05\nlr_schedule: step\nlr_milestones: [30, 60, 90]\nbatch_size: 8\n")
+    run = tmp_path / "run"
+    args = ["--recipe", recipe, "--data", data, *TINY, "--out", run]
+    assert kd_main("train", *args, "--epochs", "1").returncode == 0
+    r = kd_main("train", *args, "--epochs", "2", "--resume")
+    assert r.returncode == 0, r.stderr
+    assert epoch_of(run / "checkpoints" / "last.pt") == 2
+    other = tmp_path / "other.yaml"
+    other.write_text(recipe.read_text())
+    one_line_error(kd_main("train", *args[2:], "--recipe", other, "--epochs", "2", "--resume"), "--recipe")
+
+
+def test_a_damaged_last_checkpoint_does_not_block_the_resume_from_a_step_checkpoint(data, tmp_path):
+    """kd verify points at a step checkpoint where last.pt is damaged; that resume goes on."""
+    run = tmp_path / "run"
+    args = ["--data", data, *TINY, "--out", run, "--save-every-steps", "2", "--keep-last", "9"]
+    assert kd_main("train", *args, "--epochs", "1").returncode == 0
+    last = run / "checkpoints" / "last.pt"
+    last.write_bytes(last.read_bytes()[:1000])
+    r = kd_main("train", *args, "--epochs", "1", "--resume", run / "checkpoints" / "step_00000002.pt")
+    assert r.returncode == 0, r.stderr
+    assert epoch_of(last) == 1

@@ -180,7 +180,15 @@ class TrainJob:
 
         if not self.students.resuming:
             return []
-        return [line for line in (repair_best(RunFolder(c.out)) for c in self.students.cfgs) if line]
+        lines = []
+        for cfg in self.students.cfgs:
+            try:
+                line = repair_best(RunFolder(cfg.out))
+            except KDError:  # a damaged last.pt: the resume from another checkpoint goes on (kd verify names it)
+                continue
+            if line:
+                lines.append(line)
+        return lines
 
     def finished(self) -> Optional[str]:
         """The line that says so where every resumed student has trained its epochs already, else None."""

@@ -71,8 +71,8 @@ def ran_config(state: Dict[str, Any], path: Path, out: Path) -> kd_config.RunCon
     values = state.get("config")
     if not isinstance(values, dict):
         raise KDError(f"{path} holds no run config: it is not a kd training checkpoint; start a new run")
-    known = {k: v for k, v in values.items() if k in kd_config.FIELDS}
-    return dataclasses.replace(kd_config.apply(kd_config.RunConfig(), known, str(path)), out=str(out))
+    kept = {k: v for k, v in values.items() if k not in kd_config.RETIRED}  # as config.yaml is read
+    return dataclasses.replace(kd_config.apply(kd_config.RunConfig(), kept, str(path)), out=str(out))
 
 
 #: weights files a resume may find at another path, holding the same bytes
@@ -123,11 +123,13 @@ def differences(a: kd_config.RunConfig, b: kd_config.RunConfig, keys) -> list:
     return [k for k in keys if getattr(a, k) != getattr(b, k)]
 
 
-def check_saved(ran: kd_config.RunConfig, config_file: Path, checkpoint: Path) -> None:
-    """``config_file`` (config.yaml) must say what the checkpoint's config says; a missing one is
+def check_saved(ran: kd_config.RunConfig, config_file: Path, checkpoint: Path) -> kd_config.RunConfig:
+    """``ran`` with what the run's last part chose of :data:`RESUMABLE` (its config.yaml, written as a
+    resume starts: ``--epochs 200`` stays asked where a stop came before the next checkpoint); every
+    other key of ``config_file`` must say what the checkpoint's config says. A missing config.yaml is
     written again when the run starts."""
     if not config_file.exists():
-        return
+        return ran
     try:
         saved = kd_config.load(config_file)
     except KDError as exc:
@@ -135,7 +137,7 @@ def check_saved(ran: kd_config.RunConfig, config_file: Path, checkpoint: Path) -
             f"{config_file} is damaged ({str(exc).split(': ', 1)[-1]}); delete it and kd writes it again "
             f"from {checkpoint.name}"
         ) from None
-    keys = [k for k in kd_config.FIELDS if k not in DERIVED and k != "out"]
+    keys = [k for k in kd_config.FIELDS if k not in DERIVED and k not in RESUMABLE]
     differ = differences(saved, ran, keys)
     if differ:
         value = kd_config.cli_value
@@ -145,14 +147,22 @@ def check_saved(ran: kd_config.RunConfig, config_file: Path, checkpoint: Path) -
             f"{config_file} differs from the config the run trained with (kept in {checkpoint.name}): "
             f"{shown}{more}; restore it, or delete it and kd writes it again"
         )
+    return dataclasses.replace(ran, **{k: getattr(saved, k) for k in RESUMABLE if k != "out"})
 
 
 def continued(
     ran: kd_config.RunConfig, options: Dict[str, Any], sets: Sequence[str], recipe: Optional[str] = None
 ) -> kd_config.RunConfig:
     """``ran`` with the options of ``kd train --resume`` applied: those of :data:`RESUMABLE` taken,
-    every other one refused in one line unless it repeats the run's value."""
-    asked = kd_config.resolve(recipe=recipe, options={**options, "out": ran.out}, sets=list(sets), base=ran)
+    every other one refused in one line unless it repeats the run's value. ``recipe`` (the command
+    run again with ``--resume``) must be the run's own; its values are the run's already (scaled to its
+    epochs, as they were), so it is not applied again."""
+    if recipe and Path(str(recipe)).stem != Path(str(ran.recipe or "")).stem:
+        raise KDError(
+            f"--resume continues the run of {'recipe ' + str(ran.recipe) if ran.recipe else 'no recipe'}, "
+            f"not of recipe {recipe}; leave out --recipe, or start a new run in another --out"
+        )
+    asked = kd_config.resolve(options={**options, "out": ran.out}, sets=list(sets), base=ran)
     keys = [k for k in kd_config.FIELDS if k not in DERIVED and k not in RESUMABLE]
     moved = [k for k in WEIGHTS if same_file(getattr(asked, k), getattr(ran, k), Path(ran.out), k)]
     same_method = same_args(asked, ran)  # --temperature 4 where the run left it to the method's 4
@@ -176,5 +186,5 @@ def resumed_config(
     from kd.runfolder import RunFolder
 
     ran = ran_config(load(checkpoint, mmap=True), checkpoint, folder)
-    check_saved(ran, RunFolder(folder).config, checkpoint)
+    ran = check_saved(ran, RunFolder(folder).config, checkpoint)
     return continued(ran, options, sets, recipe)

@@ -222,7 +222,8 @@ def _resume_students(out: Path, recipes: Sequence[str], options: Dict[str, Any],
         raise KDError(f"--resume {resume}: several students resume from their own last.pt; give --out {out} --resume")
     held = load(out) if is_students_folder(out) else None
     if recipes or options.get("kd_loss"):
-        asked = [Path(r).stem for r in recipes] if recipes else str(options["kd_loss"]).split(",")
+        methods = [m for m in str(options.get("kd_loss") or "").split(",") if m]
+        asked = methods if len(methods) > 1 or not recipes else [Path(r).stem for r in recipes]
         names = list(held.names) if held is not None else []
         if sorted(asked) != sorted(names):
             raise KDError(
