@@ -17,7 +17,7 @@ import torchvision
 
 from kd import config as kd_config
 from kd import models
-from kd.run.resume import check_saved, ran_config, resumed_config
+from kd.run.resume import ran_config, resumed_config, with_last_part
 from kd.utils.checkpoint_io import read, save_atomic
 
 
@@ -44,7 +44,10 @@ def main() -> None:
     size = last.stat().st_size / 1e6
     for name, fn in [
         ("the checkpoint read and checked (SHA-256), its config resolved", lambda: resumed_config(run, last, {}, ())),
-        ("config.yaml compared with it", lambda: check_saved(ran_config(state, last, run), run / "config.yaml", last)),
+        (
+            "config.yaml compared with it",
+            lambda: with_last_part(ran_config(state, last, run), run / "config.yaml", last),
+        ),
         (
             "1,000 class names compared",
             lambda: models.check_classes(read(last, "x", mmap=True)["classes"], classes, last, run),

@@ -64,6 +64,8 @@ RESUMABLE = frozenset(
 )
 #: keys kd derives (from the recipe, the lr's batch, the schedule's scaling): never compared
 DERIVED = frozenset({"recipe", "description", "reference", "lr_for_batch", "schedule_note"})
+#: what a resume continues as it ran: every key neither resumable nor derived
+FIXED = tuple(k for k in kd_config.FIELDS if k not in DERIVED and k not in RESUMABLE)
 
 
 def ran_config(state: Dict[str, Any], path: Path, out: Path) -> kd_config.RunConfig:
@@ -123,7 +125,7 @@ def differences(a: kd_config.RunConfig, b: kd_config.RunConfig, keys) -> list:
     return [k for k in keys if getattr(a, k) != getattr(b, k)]
 
 
-def check_saved(ran: kd_config.RunConfig, config_file: Path, checkpoint: Path) -> kd_config.RunConfig:
+def with_last_part(ran: kd_config.RunConfig, config_file: Path, checkpoint: Path) -> kd_config.RunConfig:
     """``ran`` with what the run's last part chose of :data:`RESUMABLE` (its config.yaml, written as a
     resume starts: ``--epochs 200`` stays asked where a stop came before the next checkpoint); every
     other key of ``config_file`` must say what the checkpoint's config says. A missing config.yaml is
@@ -137,8 +139,7 @@ def check_saved(ran: kd_config.RunConfig, config_file: Path, checkpoint: Path) -
             f"{config_file} is damaged ({str(exc).split(': ', 1)[-1]}); delete it and kd writes it again "
             f"from {checkpoint.name}"
         ) from None
-    keys = [k for k in kd_config.FIELDS if k not in DERIVED and k not in RESUMABLE]
-    differ = differences(saved, ran, keys)
+    differ = differences(saved, ran, FIXED)
     if differ:
         value = kd_config.cli_value
         shown = ", ".join(f"{k} ({value(getattr(saved, k))}; trained: {value(getattr(ran, k))})" for k in differ[:4])
@@ -163,10 +164,10 @@ def continued(
             f"not of recipe {recipe}; leave out --recipe, or start a new run in another --out"
         )
     asked = kd_config.resolve(options={**options, "out": ran.out}, sets=list(sets), base=ran)
-    keys = [k for k in kd_config.FIELDS if k not in DERIVED and k not in RESUMABLE]
     moved = [k for k in WEIGHTS if same_file(getattr(asked, k), getattr(ran, k), Path(ran.out), k)]
-    same_method = same_args(asked, ran)  # --temperature 4 where the run left it to the method's 4
-    differ = [k for k in differences(asked, ran, keys) if k not in moved and not (k in METHOD_KEYS and same_method)]
+    differ = [k for k in differences(asked, ran, FIXED) if k not in moved]
+    if any(k in METHOD_KEYS for k in differ) and same_args(asked, ran):  # --temperature 4 where T was left at 4
+        differ = [k for k in differ if k not in METHOD_KEYS]
     if differ:
         shown = ", ".join(f"{kd_config.cli_flag(k)} {run_value(asked, k)} (run: {run_value(ran, k)})" for k in differ)
         raise KDError(
@@ -186,5 +187,5 @@ def resumed_config(
     from kd.runfolder import RunFolder
 
     ran = ran_config(load(checkpoint, mmap=True), checkpoint, folder)
-    ran = check_saved(ran, RunFolder(folder).config, checkpoint)
+    ran = with_last_part(ran, RunFolder(folder).config, checkpoint)
     return continued(ran, options, sets, recipe)
