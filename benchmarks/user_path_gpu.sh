@@ -10,7 +10,7 @@
 #        shapes | learn | runfolder | vit)
 # fast: the command as typed (kd's defaults) beside the best flags known and prepared copies, each as a share of
 #       the synthetic step, and the first step's breakdown; resolution: a short run on the folder and on a copy.
-# teacher34, table: a resnet34 teacher trained by kd, then the six rows of the papers' R34 -> R18 table as one command.
+# teacher34, table: a resnet34 teacher trained by kd (TEACHER_EPOCHS, TEACHER_LR), then the six rows of the papers' R34 -> R18 table as one command.
 # newer: kd, dkd, nkd, ctkd and ctdkd from one teacher forward, then kd, dkd, ctkd, ctdkd with --logit-standardisation.
 # methods: OFD, CRD and ReviewKD under each backend and opt level, CRD over two ranks, and kd bench --methods.
 # data, shapes: a learnable JPEG folder at $DATA (benchmarks/learnable_folders.py): 100 classes of stripes and
@@ -80,7 +80,7 @@ for part in "$@"; do case "$part" in
            students "$name" "$methods" $COMMON --teacher resnet34 --teacher-weights "$T34" --student resnet18 \
              --opt O1 --amp-dtype bfloat16 --epochs $E --lr $lr
          done ;;
-  teacher) run teacher 300 $COMMON --no-teacher --student resnet101 --opt O1 --amp-dtype bfloat16 --epochs ${TEACHER_EPOCHS:-5} --lr 0.2 \
+  teacher) run teacher 300 $COMMON --no-teacher --student resnet101 --opt O1 --amp-dtype bfloat16 --epochs ${TEACHER_EPOCHS:-5} --lr ${TEACHER_LR:-0.2} \
              --lr-schedule cosine --warmup-epochs 1 --limit-val-batches 2 ;;
   backends) for b in single torch_ddp apex_ddp; do
               run "kd_$b" 240 $COMMON --teacher resnet101 --teacher-weights "$TEACHER" --student resnet18 --backend $b \
@@ -261,7 +261,7 @@ PYEOF
             --amp-impl apex --opt $opt --gpus 0 --epochs 2 --lr 0.2
         done ;;
   teacher34) run teacher34 300 $COMMON --no-teacher --student resnet34 --opt O1 --amp-dtype bfloat16 \
-               --epochs ${TEACHER_EPOCHS:-5} --lr 0.2 --lr-schedule cosine --warmup-epochs 1 ;;
+               --epochs ${TEACHER_EPOCHS:-5} --lr ${TEACHER_LR:-0.2} --lr-schedule cosine --warmup-epochs 1 ;;
   table) # the six rows of the 2022-24 papers' ImageNet tables (KD, AT, OFD, CRD, ReviewKD, DKD) for R34 -> R18, from one
          # teacher forward, with the student alone beside them; then kd report's paper table
          T34=$RUNS/teacher34/checkpoints/best.pt E=${TABLE_EPOCHS:-8}
