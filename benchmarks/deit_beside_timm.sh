@@ -18,10 +18,11 @@ T34=$RUNS/teacher34/checkpoints/best.pt
 T="timeout -s ABRT"
 $PY -c "import torch, torchvision, timm; print('torch', torch.__version__, 'torchvision', torchvision.__version__, 'timm', timm.__version__)" | tee -a "$OUT/summary.txt"
 
-# kd, as typed: the recipe with the teacher and the run's length changed
+# kd, as typed: the recipe with the teacher and the run's length changed (its loader: auto, which takes the CPU
+# workers for RandAugment and random erasing)
 start=$(date +%s)
 $T 400 $PY -X faulthandler -m cli train --recipe "$RECIPE" --data "$DATA" --teacher resnet34 --teacher-weights "$T34" \
-  --epochs "$EPOCHS" --warmup-epochs 1 -b "$B" --loader gpu -j 15 --no-progress --overwrite --out "$RUNS/deit_kd" \
+  --epochs "$EPOCHS" --warmup-epochs 1 -b "$B" --no-progress --overwrite --out "$RUNS/deit_kd" \
   > "$OUT/deit_kd.log" 2>&1
 echo "kd train --recipe $RECIPE: exit $?, $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.txt"
 grep -h "epoch \|skipped\|loader\|error" "$OUT/deit_kd.log" | head -12 | sed "s/^/    /" | tee -a "$OUT/summary.txt"
