@@ -261,6 +261,16 @@ PUBLISHED.update(
         "imagenet/deit_ti_distilled": dict(DEIT, student="timm:deit_tiny_distilled_patch16_224", top1=74.5),
         "imagenet/deit_s_distilled": dict(DEIT, student="timm:deit_small_distilled_patch16_224", top1=81.2),
         "imagenet/deit3s_deitti_kd": dict(CLS_KD_DEIT, top1=76.01),
+        # README_deit.md:216, 221 without the distillation flags (main.py:145: --distillation-type none)
+        **{
+            f"imagenet/baseline_deit_{size}": dict(
+                {k: v for k, v in DEIT.items() if k not in ("teacher", "teacher_weights", "kd_loss", "loss")},
+                no_teacher=True,
+                student=f"timm:deit_{model}_patch16_224",
+                top1=top1,
+            )
+            for size, model, top1 in (("ti", "tiny", 72.2), ("s", "small", 79.8))
+        },
     }
 )
 #: what a recipe may list under reference.differences: kd's choices, a model of the same layers built by another

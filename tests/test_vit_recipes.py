@@ -16,6 +16,7 @@ from kd.errors import KDError
 
 DEIT = ("imagenet/deit_ti_distilled", "imagenet/deit_s_distilled")
 DEIT3 = "imagenet/deit3s_deitti_kd"
+ALONE = ("imagenet/baseline_deit_ti", "imagenet/baseline_deit_s")  # DeiT's recipe without distillation
 #: the weights each teacher was trained with, as the sources name them
 TEACHER_FILES = {
     # facebookresearch/deit@7e160fe README_deit.md:241 --teacher-path
@@ -78,7 +79,7 @@ def test_the_deit3_rows_kd_cannot_run_are_refused_as_the_recipe_says():
         kd_config.resolve(recipe=DEIT3, options={"kd_loss": "nkd", "loss_args": {}})
 
 
-@pytest.mark.parametrize("name", DEIT)
+@pytest.mark.parametrize("name", DEIT + ALONE)
 def test_deit_recipes_repeat_each_sample_as_deits_rasampler(name):
     """DeiT's RASampler repeats each sample 3 times (samplers.py:15); until kd has repeated_aug the recipe
     keeps the line commented and says so."""
@@ -97,6 +98,8 @@ def test_recipes_list_shows_the_vit_rows():
     assert rows["imagenet/deit_ti_distilled"].endswith("| 4 GPUs x 256 | 74.50 |"), rows["imagenet/deit_ti_distilled"]
     assert rows["imagenet/deit_s_distilled"].endswith("| 4 GPUs x 256 | 81.20 |")
     assert rows[DEIT3].endswith("| 4 GPUs x 256 | 76.01 |")
+    assert rows["imagenet/baseline_deit_ti"].endswith("| ce | 300 | 1024 | 0.001 | 4 GPUs x 256 | 72.20 |")
+    assert rows["imagenet/baseline_deit_s"].endswith("| 4 GPUs x 256 | 79.80 |")
     assert (
         "| timm:regnety_160.deit_in1k | timm:deit_tiny_distilled_patch16_224 | deit | 300 | 1024 | 0.001 |"
         in (rows["imagenet/deit_ti_distilled"])
@@ -120,6 +123,7 @@ def test_report_latex_puts_each_vit_recipe_beside_its_reference(tmp_path):
     _run(tmp_path, "imagenet/deit_ti_distilled", 74.2)
     _run(tmp_path, "imagenet/deit_s_distilled", 81.3)
     _run(tmp_path, DEIT3, 75.9)
+    _run(tmp_path, "imagenet/baseline_deit_ti", 72.0)  # the student alone of the DeiT III -> DeiT-Ti table
     r = kd_main("report", tmp_path, "--format", "latex", "--epoch", "best")
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
@@ -130,6 +134,11 @@ def test_report_latex_puts_each_vit_recipe_beside_its_reference(tmp_path):
             "timm:deit3_small_patch16_224.fb_in22k_ft_in1k",
             "timm:deit_tiny_patch16_224",
             "KD & 75.90 & 93.90 & 76.01 & -0.11",
+        ),
+        (
+            "timm:deit3_small_patch16_224.fb_in22k_ft_in1k",
+            "timm:deit_tiny_patch16_224",
+            r"student alone (timm:deit\_tiny\_patch16\_224) & 72.00 & 90.00 & 72.20 & -0.20",
         ),
     ]
     for teacher, student, row in tables:
