@@ -182,6 +182,8 @@ def test_the_recipes_train_without_drop_path_or_an_average_as_before():
 
     for path in sorted(kd_config.RECIPE_DIR.rglob("*.yaml")):
         cfg = kd_config.resolve(recipe=str(path), options={"data": "synthetic"})
+        if cfg.optimizer != "sgd":  # the ViT recipes (AdamW) set their sources' (tests/test_vit_recipes.py)
+            continue
         assert cfg.drop_path is None and not cfg.model_ema, path
         with torch.device("meta"):
             assert models.drop_path_rates(models.construct(cfg.student, 1000)) == [], path
