@@ -54,6 +54,9 @@ class RunConfig:
     remode: str = "pixel"  # random erasing's fill: const | rand | pixel
     recount: int = 1  # random erasing's boxes per image
     train_interpolation: str = "bilinear"  # the training crop's resize: bilinear | bicubic
+    # DeiT's repeated augmentation (kd.data.sampler): each sample this many times an epoch, each repeat
+    # its own draw; 0: off
+    repeated_aug: int = 0
     loader: str = "auto"  # gpu where CUDA and a GPU JPEG decoder work, else pil (kd.data.pipeline)
     workers: Optional[int] = None  # None: the CPU cores per process on this host less one (kd.data.loader)
     mp_context: Optional[str] = None  # None: the platform's safe default (kd.data.loader)
@@ -498,6 +501,7 @@ def validate(cfg: RunConfig, teaching: bool = False) -> RunConfig:
     )
     need(0.0 < cfg.min_crop_scale <= 1.0, "--min-crop-scale must be in (0, 1]")
     validate_augment(cfg)
+    validate_repeated_aug(cfg, teaching)
     need(cfg.image_size >= 8, "--image-size must be at least 8")
     check_loader(cfg.loader)
     need(cfg.workers is None or cfg.workers >= 0, "--workers must be 0 or more")
@@ -590,6 +594,35 @@ def validate_augment(cfg: RunConfig) -> None:
         from kd.data.augment import timm_pieces
 
         timm_pieces(cfg.image_size, cfg, ((0.0,) * 3, (255.0,) * 3))
+
+
+def validate_repeated_aug(cfg: RunConfig, teaching: bool) -> None:
+    """--repeated-aug in range, and refused where a sample met several times an epoch cannot serve."""
+    if not cfg.repeated_aug:
+        return
+    if cfg.repeated_aug < 2:
+        raise KDError(
+            f"--repeated-aug N repeats each training sample N times an epoch (DeiT uses 3): 2 or more, "
+            f"or 0 for off; got {cfg.repeated_aug}"
+        )
+    if teaching:
+        raise KDError(
+            "kd teach stores one crop of each sample an epoch; --repeated-aug draws several: give "
+            "--repeated-aug 0 (students trained with it need the live teacher)"
+        )
+    if cfg.soft_labels:
+        raise KDError(
+            "--soft-labels holds the teacher's logits on one crop of each sample an epoch; --repeated-aug "
+            "draws several: train it with the live teacher, or give --repeated-aug 0"
+        )
+    from kd.losses import LOSSES
+
+    for name in cfg.kd_loss.split(","):
+        if name in LOSSES.names() and LOSSES.get(name).uses_samples:
+            raise KDError(
+                f"--kd-loss {name} keeps one memory entry per sample, and --repeated-aug puts each sample "
+                f"in a step several times: train {name} without --repeated-aug"
+            )
 
 
 def validate_averaging(cfg: RunConfig) -> None:
@@ -915,6 +948,14 @@ TRAIN_OPTIONS = (
         ("--train-interpolation",),
         "The training crop's resize.",
         choices=INTERPOLATIONS,
+    ),
+    Option(
+        "repeated_aug",
+        ("--repeated-aug",),
+        "Repeated augmentation (DeiT's RASampler, timm's --aug-repeats): each training sample N times an "
+        "epoch, each repeat its own augmentation, the repeats spread over the processes; the epoch keeps "
+        "the training set's size (rounded down to a multiple of 256). DeiT uses 3; 0: off.",
+        "N",
     ),
     Option(
         "loader",

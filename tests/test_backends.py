@@ -256,8 +256,10 @@ JOBS = {  # name: (student, backend, find_unused_parameters)
     "apex_unused": ("timm:kd_test_unused", "apex_ddp", None),
     "apex_bn": ("timm:kd_test_bn", "apex_ddp", None),
     "ddp_bn": ("timm:kd_test_bn", "torch_ddp", None),
+    "ddp_repaug": ("timm:kd_test_net", "torch_ddp", None),
     "ddp_unused_noflag": ("timm:kd_test_unused", "torch_ddp", False),  # fails: last, as it ends mid-run
 }
+OPTIONS = {"ddp_repaug": dict(repeated_aug=3)}  # a job's further options
 
 
 @pytest.fixture(scope="module")
@@ -296,7 +298,13 @@ def two_process_runs(data7, tmp_path_factory):
     ]
     for name, (student, backend, unused) in JOBS.items():
         cfg = tiny_cfg(
-            data7, root / name, student=student, backend=backend, find_unused_parameters=unused, limit_train_batches=2
+            data7,
+            root / name,
+            student=student,
+            backend=backend,
+            find_unused_parameters=unused,
+            limit_train_batches=2,
+            **OPTIONS.get(name, {}),
         )
         (root / name).mkdir()  # what the parent's prepare_out does before a launch
         jobs.append({"kind": "train", "name": name, "cfg": cfg, "port": free_port()})
@@ -488,13 +496,17 @@ def test_feature_taps_of_data_parallel_replicas_stay_apart():
 
 # ----------------------------------------------------------------------------- two real processes
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["ddp_equal", "apex_equal"])
+@pytest.mark.parametrize("name", ["ddp_equal", "apex_equal", "ddp_repaug"])
 def test_two_processes_equal_one_after_the_same_steps(two_process_runs, data7, tmp_path, name):
     """Same seed and global batch: after two optimizer steps (SGD, momentum, weight decay) the
-    student of torch_ddp / apex_ddp (native) equals that of one process."""
+    student of torch_ddp / apex_ddp (native) equals that of one process; with --repeated-aug too,
+    whose batches differ from those without."""
     assert not errors_of(two_process_runs, name)
-    single = single_run(data7, tmp_path / "single", student="timm:kd_test_net")
+    single = single_run(data7, tmp_path / "single", student="timm:kd_test_net", **OPTIONS.get(name, {}))
     multi = student_state(two_process_runs / name)
+    if name in OPTIONS:
+        plain = student_state(two_process_runs / "ddp_equal")
+        assert any(not torch.allclose(plain[key], multi[key]) for key in plain)
     torch.manual_seed(TINY["seed"])  # as the Trainer does before building the student
     init = TinyNet(7)
     assert single.keys() == multi.keys()

@@ -464,8 +464,10 @@ def dataloader_and_sampler(
     every_sample: bool = False,
 ):
     """The DataLoader and SeededSampler over ``dataset``, with the worker settings of the module
-    docstring; training drops a last short batch unless ``every_sample``."""
-    sampler = SeededSampler(len(dataset), num_replicas, rank, shuffle=train, seed=cfg.seed, pad=train)
+    docstring; training drops a last short batch unless ``every_sample``, and repeats each sample
+    ``--repeated-aug`` times an epoch where that is on."""
+    repeats = cfg.repeated_aug if train and not every_sample else 0
+    sampler = SeededSampler(len(dataset), num_replicas, rank, shuffle=train, seed=cfg.seed, pad=train, repeats=repeats)
     workers = worker_count(cfg, num_replicas)
     # its own generator, with workers or without: iterating never draws from the training's (dropout) generators
     kwargs: Dict[str, Any] = dict(generator=torch.Generator().manual_seed(cfg.seed * 1000 + rank * 2 + int(train)))
