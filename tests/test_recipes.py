@@ -231,6 +231,7 @@ DEIT = dict(
     train_interpolation="bicubic",  # main.py:102
     reprob=0.25, remode="pixel", recount=1,  # main.py:118, 120, 122
     mixup=0.8, cutmix=1.0, mixup_prob=1.0, mixup_switch_prob=0.5,  # main.py:128, 130, 134, 136
+    repeated_aug=3,  # main.py:105-107 --repeated-aug on by default, samplers.py:15 RASampler num_repeats=3
     image_size=224, min_crop_scale=0.08, label_smoothing=None,  # main.py:42; timm's create_transform scale (0.08, 1)
     val_resize=int(224 / 0.875), val_interpolation="bicubic",  # main.py:174 --eval-crop-ratio, datasets.py:101-103
     opt="O1",  # engine.py:46: torch.cuda.amp.autocast

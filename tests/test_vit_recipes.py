@@ -81,14 +81,9 @@ def test_the_deit3_rows_kd_cannot_run_are_refused_as_the_recipe_says():
 
 @pytest.mark.parametrize("name", DEIT + ALONE)
 def test_deit_recipes_repeat_each_sample_as_deits_rasampler(name):
-    """DeiT's RASampler repeats each sample 3 times (samplers.py:15); until kd has repeated_aug the recipe
-    keeps the line commented and says so."""
-    if "repeated_aug" in kd_config.FIELDS:
-        assert kd_config.resolve(recipe=name).repeated_aug == 3
-    else:
-        text = kd_config.find_recipe(name).read_text()
-        assert "# repeated_aug: 3  (DeiT's RASampler)" in text
-        assert any("repeated_aug" in d for d in kd_config.resolve(recipe=name).reference["differences"])
+    """DeiT's RASampler repeats each sample 3 times (main.py:105-107 on by default, samplers.py:15)."""
+    assert kd_config.resolve(recipe=name).repeated_aug == 3
+    assert not any("repeated" in d for d in kd_config.resolve(recipe=name).reference["differences"])
 
 
 def test_recipes_list_shows_the_vit_rows():
