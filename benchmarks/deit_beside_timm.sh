@@ -3,7 +3,7 @@
 # DeiT's flags and --kd-model-name, on one GPU, same folder, student, teacher (a resnet34 kd trained) and
 # precision (the recipe's float16, AMP). Needs: $DATA (benchmarks/learnable_folders.py), the teacher34 run of
 # benchmarks/user_path_gpu.sh, and timm's train.py of the installed release in .timm/train.py.
-# Usage: OUT=/tmp/o bash benchmarks/deit_beside_timm.sh   (RECIPE, EPOCHS, DATA, RUNS as below)
+# Usage: OUT=/tmp/o bash benchmarks/deit_beside_timm.sh   (RECIPE, EPOCHS, DATA, RUNS as below; PARTS: kd bench timm)
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/kd-deit}; mkdir -p "$OUT"
@@ -14,6 +14,7 @@ RECIPE=${RECIPE:-imagenet/deit_s_distilled}
 STUDENT=${STUDENT:-deit_small_distilled_patch16_224}
 EPOCHS=${EPOCHS:-3}
 B=${B:-256}
+PARTS=${PARTS:-kd bench timm}
 AMP=${AMP:-float16}  # the recipe's own (DeiT's float16 autocast)
 T34=$RUNS/teacher34/checkpoints/best.pt
 T="timeout -s ABRT"
@@ -29,15 +30,18 @@ kd_run() {  # NAME EXTRA...: the recipe with the teacher and the run's length ch
 }
 # kd as typed (its loader: auto, which takes the CPU workers for RandAugment and random erasing); then without
 # repeated augmentation, as timm's train.py runs on one GPU (it takes --aug-repeats only over several processes)
-kd_run deit_kd
-kd_run deit_kd_norepeat --repeated-aug 0
+if [[ " $PARTS " == *" kd "* ]]; then
+  kd_run deit_kd
+  kd_run deit_kd_norepeat --repeated-aug 0
+fi
 
 # the synthetic step of the same recipe, student, teacher and precision
-$T 400 $PY -m cli bench --teacher resnet34 --student "timm:$STUDENT" --backends single --opt O1 --amp-dtype "$AMP" \
+[[ " $PARTS " == *" bench "* ]] && $T 400 $PY -m cli bench --teacher resnet34 --student "timm:$STUDENT" --backends single --opt O1 --amp-dtype "$AMP" \
   -b "$B" --iters 40 --warmup 10 --methods deit --set "recipe=$RECIPE" --out /tmp/kdb/deit 2>&1 | tail -4 | tee -a "$OUT/summary.txt"
 
 # timm's train.py with DeiT's flags (facebookresearch/deit README / main.py), hard token distillation, under
 # torchrun; its --aug-repeats (DeiT's repeated augmentation) asserts several processes, so none here
+[[ " $PARTS " == *" timm "* ]] || exit 0
 $PY -m cli export "$RUNS/teacher34" -o /tmp/teacher34.pth > /dev/null 2>&1
 lr=$($PY -c "print(5e-4 * $B / 512)")
 start=$(date +%s)

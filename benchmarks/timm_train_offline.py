@@ -14,16 +14,25 @@ import runpy
 import sys
 
 import timm.task.distillation as distillation
+import timm.task.token_distillation as token_distillation
 
 
-def main() -> None:
-    teacher_file = os.environ["KD_TIMM_TEACHER"]
-    build = distillation.DistillationTeacher.__init__
+def teacher_from(teacher_file: str, cls: type) -> None:
+    """``cls``'s teachers built from ``teacher_file`` where train.py names no file."""
+    build = cls.__init__
 
     def from_file(self, model_name_or_module, num_classes=None, in_chans=3, pretrained_path=None, **kwargs):
         build(self, model_name_or_module, num_classes, in_chans, pretrained_path or teacher_file, **kwargs)
 
-    distillation.DistillationTeacher.__init__ = from_file  # type: ignore[method-assign]
+    cls.__init__ = from_file  # type: ignore[method-assign]
+
+
+def main() -> None:
+    teacher_file = os.environ["KD_TIMM_TEACHER"]
+    teacher_from(teacher_file, distillation.DistillationTeacher)
+    # some timm releases (1.0.29) build the token distillation's teacher with a class of its own
+    if hasattr(token_distillation, "TokenDistillationTeacher"):
+        teacher_from(teacher_file, token_distillation.TokenDistillationTeacher)
     script, sys.argv = sys.argv[1], sys.argv[1:]
     runpy.run_path(script, run_name="__main__")
 
