@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import kd_main
+from conftest import THREADS, kd_main
 
 MODEL = "timm:test_resnet"
 #: a store's epoch on synthetic tensors: three batches of four 32 px images of 10 classes
@@ -17,7 +17,9 @@ TEACHER = ["--teacher", MODEL, "--teacher-weights", "none"]
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    """Every logit in float32, taught once."""
+    """Every logit in float32, taught once, on as many threads as the tests' runs (conftest's
+    ``_few_threads`` comes after a module's fixtures): the teacher's forward to the last bit."""
+    torch.set_num_threads(THREADS)
     out = tmp_path_factory.mktemp("store") / "store"
     r = kd_main("teach", *SYNTHETIC, *TEACHER, "--top-k", "all", "--logits-dtype", "float32", "--out", out)
     assert r.returncode == 0, r.stderr
