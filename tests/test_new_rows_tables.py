@@ -3,8 +3,13 @@ starts, the rows in the papers' order with their references."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from conftest import kd_main, one_error_line
 from test_report import _table_run
+
+from kd import config as kd_config
+from kd.run.students import plan
 
 NEW_ROWS = ["ttm", "wttm", "luminet", "crld", "sdkd", "sddkd", "sdnkd"]
 #: tiny combinations, should a refusal be missed
@@ -32,7 +37,12 @@ def test_the_r50_mv1_table_puts_the_new_rows_after_the_earlier_methods_with_thei
                          ("r50_mv1_luminet", 72.5), ("r50_mv1_sddkd", 73.1), ("r50_mv1_dkd", 72.0),
                          ("r50_mv1_kd", 70.6)):  # fmt: skip
         _table_run(tmp_path, f"imagenet/{recipe}", top1)
-    _table_run(tmp_path / "wttm", "imagenet/r50_mv1_kd", 73.0, options={"kd_loss": "wttm", "loss_args": {}})
+    # WTTM as a student of `kd train --recipe imagenet/r50_mv1_kd --kd-loss kd,wttm`: its setting, WTTM's defaults
+    students = plan(["imagenet/r50_mv1_kd"], {"kd_loss": "kd,wttm"}, [])
+    wttm = students.cfgs[students.names.index("wttm")]
+    assert wttm.loss_kwargs() == {}  # WTTM's defaults, not the KD recipe's temperature and weights
+    run = _table_run(tmp_path / "wttm", "imagenet/r50_mv1_kd", 73.0)
+    kd_config.save(dataclasses.replace(wttm, out=str(run)), run / "config.yaml")
     r = kd_main("report", tmp_path, "--format", "latex", "--epoch", "best")
     assert r.returncode == 0, r.stderr
     rows = [line for line in r.stdout.splitlines() if line.endswith(r"\\") and "multicolumn" not in line][1:]
