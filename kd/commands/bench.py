@@ -186,6 +186,7 @@ def bench(
     if args.get("iters", 0) < 1 or args.get("warmup", 0) < 1:
         raise KDError("--iters and --warmup must be at least 1")
     methods = [m for m in args.get("methods") or () if m]
+    check_methods(methods)
     vs_synthetic = bool(args.get("vs_synthetic"))
     if vs_synthetic and args.get("data", "synthetic") == "synthetic":
         raise KDError("--vs-synthetic compares a run on --data DIR with one on synthetic tensors: give --data DIR")
@@ -231,6 +232,16 @@ def bench(
     )
     drop_runs(out, args)
     return rows
+
+
+def check_methods(methods: Sequence[str]) -> None:
+    """``--methods``: each a KD method, none twice; a KDError naming the first that is not, before any run."""
+    from kd.losses import check_method
+
+    for i, name in enumerate(methods):
+        check_method(name)
+        if name in methods[:i]:
+            raise KDError(f"--methods names {name} twice; each student needs its own method")
 
 
 def drop_runs(out: Path, args: Dict[str, Any]) -> None:
