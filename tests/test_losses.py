@@ -561,7 +561,7 @@ def prepared(name, args, dtype=torch.float32, num_classes=10, batch=4):
     spec = setting.get("features", {"student": {}, "teacher": {}})
     s_feats = {k: torch.randn(*v, generator=g).to(dtype).requires_grad_() for k, v in spec["student"].items()}
     t_feats = {k: torch.randn(*v, generator=g).to(dtype).requires_grad_() for k, v in spec["teacher"].items()}
-    if loss.uses_features:
+    if loss.card.uses_features:
         loss.setup_features(
             {k: torch.Size(v) for k, v in spec["student"].items()},
             {k: torch.Size(v) for k, v in spec["teacher"].items()},
@@ -579,18 +579,18 @@ def prepared(name, args, dtype=torch.float32, num_classes=10, batch=4):
         head = torch.nn.Linear(s_map[1], num_classes)
     labels_ = torch.randint(0, num_classes, (batch,), generator=g)
     indices = None
-    if loss.uses_samples:  # a training set of 5 samples per class, the batch its first samples
+    if loss.card.uses_samples:  # a training set of 5 samples per class, the batch its first samples
         loss.setup_samples(torch.arange(5 * num_classes) % num_classes, 0, lambda t: t)
         indices = torch.arange(batch)
     second = {}
-    if loss.views == 2:  # the student's and the teacher's logits on the second view
+    if loss.card.views == 2:  # the student's and the teacher's logits on the second view
         second = dict(
             second_student_logits=torch.randn(batch, num_classes, generator=g).to(dtype).requires_grad_(),
             second_teacher_logits=torch.randn(batch, num_classes, generator=g).requires_grad_(),
         )
     x = DistillInputs(student, labels_, teacher, s_feats, t_feats, progress=2.0, indices=indices, **second)
     x.student_classifier = head
-    if loss.reads_distill_head:  # a distilled DeiT's second head
+    if loss.card.reads_distill_head:  # a distilled DeiT's second head
         x.distill_logits = torch.randn(batch, num_classes, generator=g).to(dtype).requires_grad_()
     return loss, x
 
@@ -612,8 +612,8 @@ def test_distillation_gradient_reaches_the_student_side_only(name):
     loss(x)["loss"].backward()
     assert x.teacher_logits.grad is None
     assert all(t.grad is None for t in x.teacher_feats.values())
-    student_side = list(x.student_feats.values()) if loss.uses_features else [x.student_logits]
-    if loss.reads_distill_head:
+    student_side = list(x.student_feats.values()) if loss.card.uses_features else [x.student_logits]
+    if loss.card.reads_distill_head:
         student_side = [x.distill_logits]
     assert all(f.grad is not None and f.grad.abs().sum() > 0 for f in student_side)
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in loss.parameters())
@@ -667,7 +667,7 @@ def test_label_smoothing_applies_to_every_method(name):
     smooth_loss, _ = prepared(name, {"label_smoothing": 0.1})
     smooth_loss.load_state_dict(plain_loss.state_dict())  # the same connectors
     plain, smooth = plain_loss(x), smooth_loss(x)
-    views = [x.student_logits] + ([x.second_student_logits] if plain_loss.views == 2 else [])  # MLKD's: both
+    views = [x.student_logits] + ([x.second_student_logits] if plain_loss.card.views == 2 else [])  # MLKD's: both
     expected = sum(ref_ce_smoothed(np64(v), x.labels.numpy(), 0.1) for v in views)
     assert close(smooth["ce"], expected)
     assert close(plain["ce"], sum(ref_ce(np64(v), x.labels.numpy()) for v in views))
@@ -806,7 +806,7 @@ def test_default_layers_unknown_architecture_asks_for_feature_layers(name):
 
 def test_logit_methods_need_no_layers():
     for name in ["kd", "ce", "dkd", "dist", "lskd"]:
-        assert not LOSSES.get(name).uses_features and LOSSES.get(name).default_layers(["layer1"], ["layer1"]) == []
+        assert not LOSSES.card(name).uses_features and LOSSES.get(name).default_layers(["layer1"], ["layer1"]) == []
 
 
 def test_split_layers():

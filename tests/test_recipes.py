@@ -364,7 +364,7 @@ def loss_outputs(cfg):
     s, t = torch.randn(6, 10, generator=g) * 3, torch.randn(6, 10, generator=g) * 3
     y = torch.randint(0, 10, (6,), generator=g)
     feats = {}, {}
-    if loss.uses_features:
+    if loss.card.uses_features:
         feats = {"a": torch.randn(6, 4, 8, 8, generator=g)}, {"a": torch.randn(6, 8, 4, 4, generator=g)}
         loss.setup_features({"a": feats[0]["a"].shape}, {"a": feats[1]["a"].shape})
         torch.manual_seed(1)
