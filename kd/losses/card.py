@@ -62,13 +62,16 @@ class Methods(Registry):
         self._cards[name] = card
 
     def card(self, name: str) -> MethodCard:
-        """The card of the method ``name``; a KDError naming the near names where there is none."""
-        return self._cards[self.check(name)]
+        """The card of the method ``name`` (of one registered otherwise, as its class declares it); a KDError
+        naming the near names where there is no such method."""
+        name = self.check(name)
+        return self._cards[name] if name in self._cards else self.get(name).card
 
     def get(self, name: str):
-        """The class of the method ``name``, imported where it was not yet, its ``card`` set."""
+        """The class of the method ``name``, imported where it was not yet, with its card as ``card``."""
         cls = super().get(name)
-        cls.card = self._cards[name]
+        if name in self._cards:
+            cls.card = self._cards[name]
         return cls
 
     def in_table_order(self) -> List[str]:
