@@ -43,7 +43,7 @@ class DistillInputs:
     them. ``teacher_logits`` is float32 (or None with ``--no-teacher``): the teacher may run in
     reduced precision, but its logits are cast up before the softmax of the KD term.
     ``student_feats`` / ``teacher_feats`` map a layer name to that module's output, for the
-    methods whose card has ``uses_features``. ``progress`` is the training progress in epochs
+    methods with ``uses_features``. ``progress`` is the training progress in epochs
     (fractional), for warm-ups such as DKD's.
     """
 
