@@ -106,6 +106,14 @@ def test_every_backend_class_is_listed_once_by_backends():
     assert all(backends.get(name).name == name for name in listed)
 
 
+def test_a_methods_card_by_name_and_a_mistyped_name_gets_the_near_ones():
+    from kd.losses import card
+
+    assert card("ofd").tap_point == "pre_relu" and card("dkd").class_labels and not card("ce").needs_teacher
+    with pytest.raises(KDError, match="unknown KD loss 'dkdd' \\(did you mean dkd"):
+        card("dkdd")
+
+
 def test_every_method_class_is_listed_once_by_kd_losses():
     """Each KD method is registered once, by its line in kd/losses/__init__.py (its name, class and card)."""
     from kd.losses.base import DistillLoss
