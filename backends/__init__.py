@@ -1,8 +1,8 @@
 """Parallel backends, one module each, registered by name (``--backend NAME``).
 
 Every backend is listed here by name and imported when first used, so that the command line knows
-the names without importing torch (``kd train --help``); its module registers it with
-:func:`backends.base.register` as well. A new backend is one line below.
+the names without importing torch (``kd train --help``). A new backend is one line below (a
+third-party one registers itself: :func:`backends.base.register`).
 """
 
 from __future__ import annotations

@@ -36,7 +36,6 @@ import torch.distributed as dist
 from torch import nn
 
 from backends import dist as kd_dist
-from backends.base import register
 from backends.process_group import ProcessGroupBackend
 from kd.utils.placement import Placement
 
@@ -97,7 +96,6 @@ class GradientAverager:
                 offset += n
 
 
-@register("apex_ddp")
 class ApexDDP(ProcessGroupBackend):
     description = (
         "apex DistributedDataParallel(delay_allreduce=True): real apex.parallel where importable "

@@ -19,8 +19,9 @@ A backend is made with the run's config and its :class:`~kd.utils.placement.Plac
 process sits, as the launcher said; read from the environment when not given). The
 multi-process backends derive from :class:`backends.process_group.ProcessGroupBackend`.
 
-A backend registers itself with ``@register("name")``; third-party backends can also be
-registered through the Python entry point group ``kd.backends``.
+kd's backends are listed by name in :mod:`backends` (one line each, imported when first used);
+third-party backends register with ``@register("name")`` or through the Python entry point group
+``kd.backends``.
 """
 
 from __future__ import annotations

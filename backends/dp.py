@@ -7,7 +7,7 @@ from typing import List, Optional
 import torch
 from torch import nn
 
-from backends.base import Backend, check_gpu_indices, register
+from backends.base import Backend, check_gpu_indices
 from kd.errors import KDError
 from kd.nest import map_tensors
 
@@ -49,7 +49,6 @@ def _under_autocast(module: nn.Module, dtype: torch.dtype):
     return run
 
 
-@register("dp")
 class DataParallelBackend(Backend):
     description = "torch DataParallel over --gpus in one process (global batch split across the GPUs)"
 

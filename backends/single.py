@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from backends.base import Backend, check_gpu_indices, register, resolve_device
+from backends.base import Backend, check_gpu_indices, resolve_device
 from kd.errors import KDError
 
 
-@register("single")
 class Single(Backend):
     description = "one device (CPU or one GPU), no wrapper"
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from backends.base import register
 from backends.process_group import ProcessGroupBackend
 from kd.errors import KDError
 
@@ -31,7 +30,6 @@ class _DDP(DistributedDataParallel):
             raise
 
 
-@register("torch_ddp")
 class TorchDDP(ProcessGroupBackend):
     description = "torch DistributedDataParallel, one process per GPU (nccl) or per CPU process (gloo)"
 

@@ -16,7 +16,7 @@ import yaml
 
 from kd.data.registry import check_loader
 from kd.errors import KDError, suggest
-from kd.losses import check_method
+from kd.losses import LOSSES, MethodCard, check_method
 from kd.utils.model_names import tag_disagreement
 
 RECIPE_DIR = Path(__file__).resolve().parent.parent / "recipes"
@@ -549,15 +549,13 @@ def validate(cfg: RunConfig, teaching: bool = False) -> RunConfig:
         f"--logits-dtype must be {_one_of(SOFT_LABEL_DTYPES)}, got {cfg.soft_label_dtype!r}",
     )
     if cfg.soft_labels:
-        from kd.losses import LOSSES
-
-        for name in cfg.kd_loss.split(","):
-            if name in LOSSES.names() and LOSSES.get(name).uses_features:
+        for name, card in method_cards(cfg):
+            if card.uses_features:
                 raise KDError(
                     f"--soft-labels holds the teacher's logits only; --kd-loss {name} needs the teacher's "
                     f"features: train it with the live teacher"
                 )
-            if name in LOSSES.names() and LOSSES.get(name).views == 2:
+            if card.views == 2:
                 raise KDError(
                     f"--soft-labels holds the teacher's logits on one crop of each sample; --kd-loss {name} "
                     f"also needs them on a second, strongly augmented view, which kd teach does not store: "
@@ -569,6 +567,11 @@ def validate(cfg: RunConfig, teaching: bool = False) -> RunConfig:
     validate_averaging(cfg)
     validate_mixing(cfg)
     return cfg
+
+
+def method_cards(cfg: RunConfig) -> List[Tuple[str, MethodCard]]:
+    """(name, card) of each KD method ``cfg`` names (``--kd-loss a,b``: one per student), without torch."""
+    return [(name, LOSSES.card(name)) for name in cfg.kd_loss.split(",") if name in LOSSES]
 
 
 def validate_augment(cfg: RunConfig) -> None:
@@ -615,10 +618,8 @@ def validate_repeated_aug(cfg: RunConfig, teaching: bool) -> None:
             "--soft-labels holds the teacher's logits on one crop of each sample an epoch; --repeated-aug "
             "draws several: train it with the live teacher, or give --repeated-aug 0"
         )
-    from kd.losses import LOSSES
-
-    for name in cfg.kd_loss.split(","):
-        if name in LOSSES.names() and LOSSES.get(name).uses_samples:
+    for name, card in method_cards(cfg):
+        if card.uses_samples:
             raise KDError(
                 f"--kd-loss {name} keeps one memory entry per sample, and --repeated-aug puts each sample "
                 f"in a step several times: train {name} without --repeated-aug"
@@ -636,10 +637,11 @@ def validate_averaging(cfg: RunConfig) -> None:
 
 def validate_dot(cfg: RunConfig) -> None:
     """Where DOT cannot train: no distillation part, or an optimizer step other than its own."""
-    if cfg.no_teacher or "ce" in cfg.kd_loss.split(","):
+    alone = [name for name, card in method_cards(cfg) if not card.needs_teacher]
+    if cfg.no_teacher or alone:
         raise KDError(
             "--dot steps the label part and the distillation part of the loss apart; "
-            f"{'--no-teacher' if cfg.no_teacher else '--kd-loss ce'} has no distillation part"
+            f"{'--no-teacher' if cfg.no_teacher else f'--kd-loss {alone[0]}'} has no distillation part"
         )
     if cfg.momentum <= 0 or cfg.nesterov:
         raise KDError("--dot is SGD with two plain momenta: it needs --momentum above 0 and no --nesterov")
@@ -708,15 +710,15 @@ def validate_mixing(cfg: RunConfig) -> None:
         raise KDError(
             "--soft-labels holds the teacher's logits on unmixed crops; --mixup and --cutmix need the live teacher"
         )
-    if "crd" in cfg.kd_loss.split(","):
-        raise KDError(
-            "--kd-loss crd keys its memory by sample, and a mixed image is two samples: "
-            "train crd without --mixup and --cutmix"
-        )
-    from kd.losses import LOSSES
-
-    for name in cfg.kd_loss.split(","):
-        if name in LOSSES.names() and LOSSES.get(name).class_labels:
+    cards = method_cards(cfg)
+    for name, card in cards:
+        if card.uses_samples:
+            raise KDError(
+                f"--kd-loss {name} keys its memory by sample, and a mixed image is two samples: "
+                f"train {name} without --mixup and --cutmix"
+            )
+    for name, card in cards:
+        if card.class_labels:
             raise KDError(
                 f"--kd-loss {name} splits each sample's target class from the others; mixup's and cutmix's "
                 f"soft targets have no one target class: train it without --mixup and --cutmix"

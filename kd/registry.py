@@ -21,12 +21,6 @@ class _Lazy:
         return getattr(importlib.import_module(module), attribute)
 
 
-def _promised(held, obj) -> bool:
-    """Whether ``held`` is the lazy entry of ``obj`` itself (its module registering it as it is imported)."""
-    target = f"{getattr(obj, '__module__', '')}:{getattr(obj, '__qualname__', '')}"
-    return isinstance(held, _Lazy) and held.target == target
-
-
 class Registry(Generic[T]):
     """Maps names to objects; refuses duplicates and lists valid names on a miss."""
 
@@ -39,7 +33,7 @@ class Registry(Generic[T]):
     def register(self, name: str) -> Callable[[T], T]:
         def deco(obj: T) -> T:
             held = self._items.get(name)
-            if held is not None and held is not obj and not _promised(held, obj):
+            if held is not None and held is not obj:
                 raise ValueError(f"{self.kind} {name!r} is already registered")
             self._items[name] = obj
             setattr(obj, "name", name)  # noqa: B010  (obj is a generic T: no `name` attribute to assign for a type checker)

@@ -172,6 +172,8 @@ CASES = {
         "holds no moving average of the weights",
     ),
     "no-teacher with dkd": (T("--no-teacher", "--kd-loss", "dkd"), "conflicts"),
+    "mixup for a method of one target class": (T("--kd-loss", "dkd", "--mixup", "0.8"), "no one target class"),
+    "features from a store": (T("--kd-loss", "at", "--soft-labels", "{root}/store"), "needs the teacher's features"),
     "fp16 on cpu": (T("--opt", "O1", "--amp-dtype", "float16"), "float16 needs CUDA"),
     "eval missing weights": (
         ["eval", "--model", "resnet18", "--weights", "{root}/nope.pt", "--data", "{root}/data", "--device", "cpu"],
@@ -220,6 +222,7 @@ def check(world, name, runner):
 #: the mistakes kd answers before torch is imported: paths, and options that contradict each other
 BEFORE_TORCH = ["missing data", "empty data", "no images", "class mismatch", "an empty class", "out holds a run"]
 BEFORE_TORCH += ["out under a file", "no-teacher with a teacher", "zero epochs", "unknown recipe key", "gpus on cpu"]
+BEFORE_TORCH += ["mixup for a method of one target class", "features from a store"]  # the methods' cards
 
 #: cli.main in a fresh interpreter; then whether torch was imported, on stdout
 MAIN_THEN_TORCH = (

@@ -78,7 +78,7 @@ def test_equal_to_the_official_code(case):
 
 def test_defaults_are_the_official_imagenet_setting():
     loss = build_loss("crld", 1000, {})
-    assert loss.views == 2
+    assert loss.card.views == 2
     assert loss.hparams == {
         "ce_weight": 2.0, "label_smoothing": 0.0, "within_weight": 2.0, "cross_weight": 0.5, "temperature": 1.0,
         "weak_threshold": 0.9, "strong_threshold": 0.2,

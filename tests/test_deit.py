@@ -277,7 +277,7 @@ def test_the_logit_methods_train_a_distilled_deit_through_the_heads_average(imag
     student, loss = student_and_loss(image_folder, tmp_path, kd_loss=method)
     images, teacher = torch.randn(2, 3, 32, 32), torch.randn(2, 3)
     assert isinstance(student.train()(images), torch.Tensor)
-    second = dict(second_images=images.flip(3), second_teacher_logits=teacher) if loss.views == 2 else {}
+    second = dict(second_images=images.flip(3), second_teacher_logits=teacher) if loss.card.views == 2 else {}
     StudentSide(student, loss, [])(images, torch.tensor([0, 2]), teacher, **second)["loss"].backward()
     assert student.head.weight.grad.abs().sum() > 0 and student.head_dist.weight.grad.abs().sum() > 0
 

@@ -80,29 +80,50 @@ def test_the_help_of_kd_train_is_shown_before_torch():
     assert r.stdout.endswith("False"), "torch was imported for kd train --help"
 
 
-def test_every_backend_module_registers_the_name_backends_lists_for_it():
+def leaf_classes(package, base) -> set:
+    """The subclasses of ``base`` that ``package``'s modules define and none of them derives from
+    (importing every module: one that registered itself would show in the registry's names)."""
+    found = set()
+    for module in pkgutil.iter_modules(package.__path__):
+        mod = importlib.import_module(f"{package.__name__}.{module.name}")
+        found |= {
+            c
+            for c in vars(mod).values()
+            if isinstance(c, type) and issubclass(c, base) and c.__module__ == mod.__name__
+        }
+    return {c for c in found if not any(other is not c and issubclass(other, c) for other in found)}
+
+
+def test_every_backend_class_is_listed_once_by_backends():
+    """kd's backends are registered once each, by their line in backends/__init__.py."""
     import backends
-    from kd.registry import _Lazy
+    from backends.base import Backend
 
     listed = backends.BACKENDS.names()
-    for module in pkgutil.iter_modules(backends.__path__):
-        importlib.import_module(f"backends.{module.name}")
-    assert backends.BACKENDS.names() == listed, "a backend module registers a name backends/__init__.py does not list"
-    for name in listed:
-        assert backends.get(name).name == name
-        assert not isinstance(backends.BACKENDS._items[name], _Lazy), f"{name}: its module registers it otherwise"
+    classes = leaf_classes(backends, Backend)
+    assert backends.BACKENDS.names() == listed, "a backend module registers a name of its own"
+    assert {backends.get(name) for name in listed} == classes
+    assert all(backends.get(name).name == name for name in listed)
 
 
-def test_every_method_module_registers_the_name_kd_losses_lists_for_it():
-    from kd.registry import _Lazy
+def test_a_methods_card_by_name_and_a_mistyped_name_gets_the_near_ones():
+    from kd.losses import card
+
+    assert card("ofd").tap_point == "pre_relu" and card("dkd").class_labels and not card("ce").needs_teacher
+    with pytest.raises(KDError, match="unknown KD loss 'dkdd' \\(did you mean dkd"):
+        card("dkdd")
+
+
+def test_every_method_class_is_listed_once_by_kd_losses():
+    """Each KD method is registered once, by its line in kd/losses/__init__.py (its name, class and card)."""
+    from kd.losses.base import DistillLoss
 
     listed = LOSSES.names()
-    for module in pkgutil.iter_modules(kd.losses.__path__):
-        importlib.import_module(f"kd.losses.{module.name}")
-    assert LOSSES.names() == listed, "a method module registers a name kd/losses/__init__.py does not list"
+    classes = leaf_classes(kd.losses, DistillLoss)
+    assert LOSSES.names() == listed, "a method module registers a name of its own"
+    assert {LOSSES.get(name) for name in listed} == classes
     for name in listed:
-        assert LOSSES.get(name).name == name
-        assert not isinstance(LOSSES._items[name], _Lazy), f"{name}: its module registers it under another name"
+        assert LOSSES.get(name).name == name and LOSSES.get(name).card is LOSSES.card(name)
 
 
 @pytest.mark.parametrize(

@@ -463,45 +463,24 @@ FEATS_REVIEW = {
     },
 }
 
-# one entry per registered loss: hyper-parameters to try, the features it needs, and the
-# arguments that leave only its distillation term
+# hyper-parameters to try beside the defaults, and the features a feature method is given (its card says
+# what else it reads); every registered method runs the tests below, with or without an entry here
 SETTINGS = {
-    "ce": {"teacher": False},
-    "kd": {"args": {"ce_weight": 0.3, "kd_weight": 0.7, "temperature": 2.0}, "kd_only": {"ce_weight": 0.0}},
-    "dkd": {
-        "args": {"tckd_weight": 2.0, "nckd_weight": 4.0, "temperature": 4.0, "warmup": 5.0, "ce_weight": 0.5},
-        "kd_only": {"ce_weight": 0.0},
-    },
-    "dist": {
-        "args": {"inter_weight": 2.0, "intra_weight": 2.0, "temperature": 4.0, "kd_weight": 1.0},
-        "kd_only": {"ce_weight": 0.0},
-    },
-    "lskd": {"args": {"temperature": 3.0, "kd_weight": 9.0}, "kd_only": {"ce_weight": 0.0}},
-    "nkd": {"args": {"non_target_weight": 1.0, "temperature": 4.0}, "kd_only": {"ce_weight": 0.0}},
-    "ctkd": {"args": {"kd_weight": 2.0, "standardise": 1, "reversal_epochs": 10.0}, "kd_only": {"ce_weight": 0.0}},
-    "ctdkd": {
-        "args": {"nckd_weight": 2.0, "min_temperature": 2.0, "max_temperature": 8.0},
-        "kd_only": {"ce_weight": 0.0},
-    },
-    "fitnet": {"features": FEATS_SAME, "args": {"kd_weight": 1.0}, "kd_only": {"ce_weight": 0.0}},
-    "at": {"features": FEATS_PAIRS, "args": {"p": 4.0, "at_weight": 500.0}, "kd_only": {"ce_weight": 0.0}},
-    "ofd": {
-        "features": FEATS_PAIRS,
-        "teacher_norms": True,
-        "args": {"ofd_weight": 1e-3},
-        "kd_only": {"ce_weight": 0.0},
-    },
-    "reviewkd": {
-        "features": FEATS_REVIEW,
-        "args": {"reviewkd_weight": 8.0, "mid_channels": 8, "warmup": 4.0},
-        "kd_only": {"ce_weight": 0.0},
-    },
+    "kd": {"args": {"ce_weight": 0.3, "kd_weight": 0.7, "temperature": 2.0}},
+    "dkd": {"args": {"tckd_weight": 2.0, "nckd_weight": 4.0, "temperature": 4.0, "warmup": 5.0, "ce_weight": 0.5}},
+    "dist": {"args": {"inter_weight": 2.0, "intra_weight": 2.0, "temperature": 4.0, "kd_weight": 1.0}},
+    "lskd": {"args": {"temperature": 3.0, "kd_weight": 9.0}},
+    "nkd": {"args": {"non_target_weight": 1.0, "temperature": 4.0}},
+    "ctkd": {"args": {"kd_weight": 2.0, "standardise": 1, "reversal_epochs": 10.0}},
+    "ctdkd": {"args": {"nckd_weight": 2.0, "min_temperature": 2.0, "max_temperature": 8.0}},
+    "fitnet": {"features": FEATS_SAME, "args": {"kd_weight": 1.0}},
+    "at": {"features": FEATS_PAIRS, "args": {"p": 4.0, "at_weight": 500.0}},
+    "ofd": {"features": FEATS_PAIRS, "args": {"ofd_weight": 1e-3}},
+    "reviewkd": {"features": FEATS_REVIEW, "args": {"reviewkd_weight": 8.0, "mid_channels": 8, "warmup": 4.0}},
     **{
         name: {
             "features": {"student": {"global_pool<1": (4, 6, 7, 7)}, "teacher": {"avgpool<1": (4, 8, 7, 7)}},
-            "classifier": True,
             "args": args,
-            "kd_only": {"ce_weight": 0.0},
         }
         for name, args in (
             ("sdkd", {"temperature": 2.0, "scales": [1, 2]}),
@@ -509,27 +488,23 @@ SETTINGS = {
             ("sdnkd", {"non_target_weight": 1.5, "drop_target": 1}),
         )
     },
-    "mlkd": {"args": {"temperature": 2.0, "kd_weight": 1.0, "standardise": 1}, "kd_only": {"ce_weight": 0.0}},
-    "crld": {
-        "args": {"within_weight": 1.0, "cross_weight": 1.0, "temperature": 2.0, "weak_threshold": 0.1},
-        "kd_only": {"ce_weight": 0.0},
-    },
-    "luminet": {"args": {"kd_weight": 2.0, "temperature": 2.0, "warmup": 5.0}, "kd_only": {"ce_weight": 0.0}},
-    "ttm": {"args": {"gamma": 0.5, "kd_weight": 3.0}, "kd_only": {"ce_weight": 0.0}},
-    "wttm": {"args": {"gamma": 0.5, "kd_weight": 3.0}, "kd_only": {"ce_weight": 0.0}},
-    "deit": {"args": {"hard": 0, "temperature": 3.0, "kd_weight": 0.3}, "kd_only": {"ce_weight": 0.0}},
+    "mlkd": {"args": {"temperature": 2.0, "kd_weight": 1.0, "standardise": 1}},
+    "crld": {"args": {"within_weight": 1.0, "cross_weight": 1.0, "temperature": 2.0, "weak_threshold": 0.1}},
+    "luminet": {"args": {"kd_weight": 2.0, "temperature": 2.0, "warmup": 5.0}},
+    "ttm": {"args": {"gamma": 0.5, "kd_weight": 3.0}},
+    "wttm": {"args": {"gamma": 0.5, "kd_weight": 3.0}},
+    "deit": {"args": {"hard": 0, "temperature": 3.0, "kd_weight": 0.3}},
     "crd": {
         "features": {"student": {"fc<1": (4, 8)}, "teacher": {"fc<1": (4, 12)}},
         "args": {"feat_dim": 16, "negatives": 30, "temperature": 0.1, "momentum": 0.9, "crd_weight": 1.0},
-        "kd_only": {"ce_weight": 0.0},
     },
 }
 
 
-def test_every_registered_loss_has_test_settings():
-    untested = sorted(set(LOSSES.names()) - set(SETTINGS))
-    assert not untested, f"registered KD losses without an entry in SETTINGS: {untested}"
+def test_the_settings_name_registered_methods_and_give_each_feature_method_its_features():
     assert not set(SETTINGS) - set(LOSSES.names())
+    featureless = [n for n in LOSSES.names() if LOSSES.card(n).uses_features and "features" not in SETTINGS.get(n, {})]
+    assert not featureless, f"feature methods without the features of their test in SETTINGS: {featureless}"
 
 
 def test_readme_method_table_lists_every_hyper_parameter():
@@ -553,25 +528,25 @@ def test_readme_method_table_lists_every_hyper_parameter():
 
 def prepared(name, args, dtype=torch.float32, num_classes=10, batch=4):
     """The loss built and set up as the engine would, and random inputs (all requiring grad)."""
-    setting = SETTINGS[name]
+    setting = SETTINGS.get(name, {})
     loss = build_loss(name, num_classes, args)
     g = torch.Generator().manual_seed(0)
     student = torch.randn(batch, num_classes, generator=g).to(dtype).requires_grad_()
-    teacher = torch.randn(batch, num_classes, generator=g).requires_grad_() if setting.get("teacher", True) else None
+    teacher = torch.randn(batch, num_classes, generator=g).requires_grad_() if loss.card.needs_teacher else None
     spec = setting.get("features", {"student": {}, "teacher": {}})
     s_feats = {k: torch.randn(*v, generator=g).to(dtype).requires_grad_() for k, v in spec["student"].items()}
     t_feats = {k: torch.randn(*v, generator=g).to(dtype).requires_grad_() for k, v in spec["teacher"].items()}
-    if loss.uses_features:
+    if loss.card.uses_features:
         loss.setup_features(
             {k: torch.Size(v) for k, v in spec["student"].items()},
             {k: torch.Size(v) for k, v in spec["teacher"].items()},
         )
-    if setting.get("teacher_norms"):
+    if loss.card.reads_teacher_norms:
         loss.setup_teacher(
             {k: (torch.linspace(0.5, 1.5, v[1]), torch.linspace(-1.0, 1.0, v[1])) for k, v in spec["teacher"].items()}
         )
     head = None
-    if setting.get("classifier"):  # the student's linear classifier, and a copy of the teacher's
+    if loss.card.uses_classifier:  # the student's linear classifier, and a copy of the teacher's
         (s_map,), (t_map,) = spec["student"].values(), spec["teacher"].values()
         loss.setup_classifiers(
             "fc", torch.randn(num_classes, t_map[1], generator=g), torch.randn(num_classes, generator=g)
@@ -579,26 +554,26 @@ def prepared(name, args, dtype=torch.float32, num_classes=10, batch=4):
         head = torch.nn.Linear(s_map[1], num_classes)
     labels_ = torch.randint(0, num_classes, (batch,), generator=g)
     indices = None
-    if loss.uses_samples:  # a training set of 5 samples per class, the batch its first samples
+    if loss.card.uses_samples:  # a training set of 5 samples per class, the batch its first samples
         loss.setup_samples(torch.arange(5 * num_classes) % num_classes, 0, lambda t: t)
         indices = torch.arange(batch)
     second = {}
-    if loss.views == 2:  # the student's and the teacher's logits on the second view
+    if loss.card.views == 2:  # the student's and the teacher's logits on the second view
         second = dict(
             second_student_logits=torch.randn(batch, num_classes, generator=g).to(dtype).requires_grad_(),
             second_teacher_logits=torch.randn(batch, num_classes, generator=g).requires_grad_(),
         )
     x = DistillInputs(student, labels_, teacher, s_feats, t_feats, progress=2.0, indices=indices, **second)
     x.student_classifier = head
-    if loss.reads_distill_head:  # a distilled DeiT's second head
+    if loss.card.reads_distill_head:  # a distilled DeiT's second head
         x.distill_logits = torch.randn(batch, num_classes, generator=g).to(dtype).requires_grad_()
     return loss, x
 
 
-@pytest.mark.parametrize("name", sorted(SETTINGS))
+@pytest.mark.parametrize("name", LOSSES.names())
 @pytest.mark.parametrize("use_args", [False, True])
 def test_registered_loss_runs_and_backprops(name, use_args):
-    loss, x = prepared(name, SETTINGS[name].get("args", {}) if use_args else {})
+    loss, x = prepared(name, SETTINGS.get(name, {}).get("args", {}) if use_args else {})
     out = loss(x)
     assert {"loss", "ce"} <= set(out) and out["loss"].dtype == torch.float32
     assert all(torch.isfinite(v) for v in out.values())
@@ -606,20 +581,22 @@ def test_registered_loss_runs_and_backprops(name, use_args):
     assert x.student_logits.grad is not None and x.student_logits.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("name", sorted(set(SETTINGS) - {"ce"}))
+@pytest.mark.parametrize("name", [n for n in LOSSES.names() if LOSSES.card(n).needs_teacher])
 def test_distillation_gradient_reaches_the_student_side_only(name):
-    loss, x = prepared(name, {**SETTINGS[name].get("args", {}), **SETTINGS[name]["kd_only"]})
+    loss, x = prepared(
+        name, {**SETTINGS.get(name, {}).get("args", {}), "ce_weight": 0.0}
+    )  # the distillation part alone
     loss(x)["loss"].backward()
     assert x.teacher_logits.grad is None
     assert all(t.grad is None for t in x.teacher_feats.values())
-    student_side = list(x.student_feats.values()) if loss.uses_features else [x.student_logits]
-    if loss.reads_distill_head:
+    student_side = list(x.student_feats.values()) if loss.card.uses_features else [x.student_logits]
+    if loss.card.reads_distill_head:
         student_side = [x.distill_logits]
     assert all(f.grad is not None and f.grad.abs().sum() > 0 for f in student_side)
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in loss.parameters())
 
 
-@pytest.mark.parametrize("name", sorted(SETTINGS))
+@pytest.mark.parametrize("name", LOSSES.names())
 def test_registered_loss_under_autocast(name):
     loss, x = prepared(name, {}, dtype=torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -628,7 +605,7 @@ def test_registered_loss_under_autocast(name):
     out["loss"].backward()
 
 
-@pytest.mark.parametrize("name", sorted(SETTINGS))
+@pytest.mark.parametrize("name", LOSSES.names())
 def test_unknown_hyper_parameter_is_a_user_error(name):
     with pytest.raises(KDError, match="no hyper-parameter"):
         build_loss(name, 10, {"not_a_knob": 1})
@@ -661,13 +638,13 @@ def test_every_method_has_the_label_term_knobs():
         assert list(LOSSES.get(name).defaults)[:2] == ["ce_weight", "label_smoothing"], name
 
 
-@pytest.mark.parametrize("name", sorted(SETTINGS))
+@pytest.mark.parametrize("name", LOSSES.names())
 def test_label_smoothing_applies_to_every_method(name):
     plain_loss, x = prepared(name, {})
     smooth_loss, _ = prepared(name, {"label_smoothing": 0.1})
     smooth_loss.load_state_dict(plain_loss.state_dict())  # the same connectors
     plain, smooth = plain_loss(x), smooth_loss(x)
-    views = [x.student_logits] + ([x.second_student_logits] if plain_loss.views == 2 else [])  # MLKD's: both
+    views = [x.student_logits] + ([x.second_student_logits] if plain_loss.card.views == 2 else [])  # MLKD's: both
     expected = sum(ref_ce_smoothed(np64(v), x.labels.numpy(), 0.1) for v in views)
     assert close(smooth["ce"], expected)
     assert close(plain["ce"], sum(ref_ce(np64(v), x.labels.numpy()) for v in views))
@@ -806,7 +783,7 @@ def test_default_layers_unknown_architecture_asks_for_feature_layers(name):
 
 def test_logit_methods_need_no_layers():
     for name in ["kd", "ce", "dkd", "dist", "lskd"]:
-        assert not LOSSES.get(name).uses_features and LOSSES.get(name).default_layers(["layer1"], ["layer1"]) == []
+        assert not LOSSES.card(name).uses_features and LOSSES.get(name).default_layers(["layer1"], ["layer1"]) == []
 
 
 def test_split_layers():

@@ -144,8 +144,8 @@ def test_mlkd_in_float32_is_finite_and_close_to_float64():
 
 
 def test_mlkd_takes_two_views_and_refuses_unknown_settings():
-    assert build_loss("mlkd", 5, {}).views == 2
-    assert build_loss("kd", 5, {}).views == 1
+    assert build_loss("mlkd", 5, {}).card.views == 2
+    assert build_loss("kd", 5, {}).card.views == 1
     with pytest.raises(KDError, match="no hyper-parameter"):
         build_loss("mlkd", 5, {"alpha": 0.5})
 

@@ -231,7 +231,7 @@ def test_unequal_sizes_pool_the_larger_map_after_the_connector():
 
 def test_declarations_buffers_and_initialisation():
     cls = type(build_loss("ofd", 10, {}))
-    assert cls.uses_features and cls.tap_point == "pre_relu"
+    assert cls.card.uses_features and cls.card.tap_point == "pre_relu"
     stages = ["layer1", "layer2", "layer3", "layer4"]
     assert cls.default_layers(stages, stages) == stages
     loss = build_loss("ofd", 10, {})

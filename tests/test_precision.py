@@ -19,7 +19,7 @@ from torch import nn
 
 from kd import config as kd_config
 from kd.errors import KDError
-from kd.losses import DistillInputs, DistillLoss
+from kd.losses import DistillInputs, DistillLoss, MethodCard
 from kd.precision import AutocastPrecision, CastPrecision, MasterWeightPrecision, Precision, make_precision
 from kd.run.loop import Trainer
 from kd.run.sides import StudentSide
@@ -440,7 +440,7 @@ class NanAfterEpoch1(DistillLoss):
     """Cross-entropy, then NaN from the second epoch on (a run going bad). Not registered: the
     registry is global, and every registered loss must have golden-value tests."""
 
-    needs_teacher = False
+    card = MethodCard(needs_teacher=False)
     name = "nan_after_epoch_1"
 
     def forward(self, x: DistillInputs):

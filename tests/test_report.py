@@ -517,7 +517,7 @@ def test_report_prints_the_papers_table_in_markdown_and_latex(tmp_path):
 
 def test_the_2024_logit_rows_follow_the_earlier_methods_with_their_references(tmp_path):
     """The logit-standardisation recipes are titled '+ LS' beside their method, with Table 3's numbers; the
-    later methods follow in the order of kd.commands.paper.ORDER (CRLD's recipe has no reference number)."""
+    later methods follow in the order of kd/losses/__init__.py's lines (CRLD's recipe has no reference number)."""
     for recipe, top1 in (("r34_r18_crld", 72.0), ("r34_r18_luminet", 72.1), ("r34_r18_dkd_ls", 71.8),
                          ("r34_r18_dkd", 71.6), ("r34_r18_lskd", 71.4), ("r34_r18_mlkd_ls", 72.0)):  # fmt: skip
         _table_run(tmp_path, f"imagenet/{recipe}", top1)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from kd.errors import KDError
-from kd.losses import DistillInputs, build_loss
+from kd.losses import LOSSES, DistillInputs, build_loss
 from kd.losses.reviewkd import ReviewKD, as_levels, context_mse, hcl, review
 from kd.utils.taps import pre_relu_keys, tap
 
@@ -182,7 +182,8 @@ def test_the_pooled_level():
 
 
 def test_the_engine_is_asked_for_pre_relu_stages_and_the_pooled_feature():
-    assert ReviewKD.uses_features and ReviewKD.uses_pooled and ReviewKD.tap_point == "pre_relu"
+    card = LOSSES.card("reviewkd")
+    assert card.uses_features and card.uses_pooled and card.tap_point == "pre_relu"
     names = ["conv1", "layer1", "layer2", "layer3", "layer4", "fc"]
     assert ReviewKD.default_layers(names, names) == ["layer1", "layer2", "layer3", "layer4"]
     loss = build_loss("reviewkd", 10, {"teacher_tap": "output"})

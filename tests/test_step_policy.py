@@ -19,7 +19,7 @@ from torch import nn
 
 import kd.run.build
 from kd.errors import NonFinite
-from kd.losses import DistillInputs, DistillLoss
+from kd.losses import DistillInputs, DistillLoss, MethodCard
 from kd.precision import MasterWeightPrecision
 from kd.run.step import BufferGuard, StepHook
 
@@ -129,7 +129,7 @@ class NanGradients(DistillLoss):
     """Cross-entropy plus a term that is 0 forward and NaN backward (a square root at zero): the
     loss stays finite while every gradient is NaN. Not registered (see test_precision)."""
 
-    needs_teacher = False
+    card = MethodCard(needs_teacher=False)
     name = "nan_gradients"
 
     def forward(self, x: DistillInputs):

@@ -23,7 +23,7 @@ import backends
 import kd
 from kd import config as kd_config
 from kd.errors import KDError
-from kd.losses import DistillInputs, DistillLoss
+from kd.losses import DistillInputs, DistillLoss, MethodCard
 from kd.run.loop import Trainer
 from kd.run.students import Students
 
@@ -154,7 +154,7 @@ def test_nothing_to_choose_where_float32_is_the_only_choice(data, trained, tmp_p
 class KdTermNanFrom(DistillLoss):
     """Cross-entropy plus a 'kd' term that turns NaN from a given step on (not registered)."""
 
-    needs_teacher = False
+    card = MethodCard(needs_teacher=False)
 
     def __init__(self, num_classes: int, bad_from: int):
         super().__init__(num_classes)

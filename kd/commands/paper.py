@@ -16,19 +16,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from kd.commands import table
 from kd.errors import KDError
+from kd.losses import LOSSES
 
-#: the order of the rows of the papers' ImageNet tables, then the later methods
-ORDER = [
-    "kd", "at", "fitnet", "ofd", "crd", "reviewkd", "dkd", "dist", "nkd", "ctkd", "ctdkd", "mlkd", "lskd",
-    "ttm", "wttm", "luminet", "crld", "sdkd", "sddkd", "sdnkd", "deit",
-]  # fmt: skip
-#: how papers print each method's name
-TITLES = {
-    "kd": "KD", "at": "AT", "fitnet": "FitNet", "ofd": "OFD", "crd": "CRD", "reviewkd": "ReviewKD",
-    "dkd": "DKD", "dist": "DIST", "nkd": "NKD", "ctkd": "KD + CTKD", "ctdkd": "DKD + CTKD", "mlkd": "MLKD",
-    "lskd": "KD + LS", "ttm": "TTM", "wttm": "WTTM", "luminet": "LumiNet", "crld": "CRLD",
-    "sdkd": "SD-KD", "sddkd": "SD-DKD", "sdnkd": "SD-NKD", "deit": "DeiT",
-}  # fmt: skip
 FORMATS = ("markdown", "latex", "csv")
 #: ``--epoch``: the epochs whose top-1 and top-5 the table shows
 EPOCHS = ("both", "best", "last")
@@ -76,7 +65,7 @@ def _title(row: Dict[str, object]) -> str:
     trained it."""
     method = str(row["method"])
     return (
-        TITLES.get(method, method)
+        (LOSSES.card(method).title if method in LOSSES else method)
         + (" + LS" if row.get("_standardised") else "")
         + (" + DOT" if row.get("_dot") else "")
     )
@@ -232,11 +221,11 @@ def pair_rows(
             lines.append([_marked(title, base, footnotes), *_cells(base, epoch)])
         if not alone:
             note(f"no run of {student} alone among the runs: train one with --no-teacher for the table's baseline row")
-        rank = {name: i for i, name in enumerate(ORDER)}
+        rank = {name: i for i, name in enumerate(LOSSES.in_table_order())}  # the papers' order, later methods after
         ordered = sorted(
             runs,
             key=lambda r: (
-                rank.get(str(r["method"]), len(ORDER)),
+                rank.get(str(r["method"]), len(rank)),
                 str(r["method"]),
                 bool(r.get("_standardised")),
                 bool(r.get("_dot")),

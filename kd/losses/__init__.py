@@ -1,52 +1,72 @@
-"""KD methods, one file each, registered by name (``--kd-loss NAME``).
+"""KD methods, one file each, registered by name (``--kd-loss NAME``) with what each is (its card).
 
-Every method is listed here by name and imported when first used, so configuration and the
-command line know the names without importing torch; its module registers it with
-:func:`kd.losses.base.register` as well. A new method is one line below.
+Every method is one line below: its name, its class (imported when first used) and its
+:class:`~kd.losses.card.MethodCard`, so configuration, the command line and the papers' tables know
+the methods without importing torch. The lines are in the order of the rows of the papers' tables:
+a new method's line goes where its row goes.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Dict
 
-from kd.registry import Registry
+from kd.losses.card import MethodCard, Methods
 
 if TYPE_CHECKING:
-    from kd.losses.base import DistillInputs, DistillLoss, register
+    from kd.losses.base import DistillInputs, DistillLoss
     from kd.losses.features import split_layers
 
-#: ``--kd-loss NAME``: each method's :class:`kd.losses.base.DistillLoss` subclass
-LOSSES: Registry = Registry("KD loss")
-LOSSES.register_lazy("at", "kd.losses.at:AttentionTransfer")
-LOSSES.register_lazy("ce", "kd.losses.kd:CrossEntropy")
-LOSSES.register_lazy("crd", "kd.losses.crd:CRD")
-LOSSES.register_lazy("crld", "kd.losses.crld:CrossViewKD")
-LOSSES.register_lazy("ctdkd", "kd.losses.ctkd:CurriculumDKD")
-LOSSES.register_lazy("ctkd", "kd.losses.ctkd:CurriculumKD")
-LOSSES.register_lazy("deit", "kd.losses.deit:DeiTDistillation")
-LOSSES.register_lazy("dist", "kd.losses.dist:DIST")
-LOSSES.register_lazy("dkd", "kd.losses.dkd:DecoupledKD")
-LOSSES.register_lazy("fitnet", "kd.losses.fitnet:FitNet")
-LOSSES.register_lazy("kd", "kd.losses.kd:HintonKD")
-LOSSES.register_lazy("lskd", "kd.losses.lskd:LogitStandardizationKD")
-LOSSES.register_lazy("luminet", "kd.losses.luminet:LumiNet")
-LOSSES.register_lazy("mlkd", "kd.losses.mlkd:MultiLevelKD")
-LOSSES.register_lazy("nkd", "kd.losses.nkd:NormalizedKD")
-LOSSES.register_lazy("ofd", "kd.losses.ofd:OverhaulDistillation")
-LOSSES.register_lazy("reviewkd", "kd.losses.reviewkd:ReviewKD")
-LOSSES.register_lazy("ttm", "kd.losses.ttm:TransformedTeacherMatching")
-LOSSES.register_lazy("wttm", "kd.losses.ttm:WeightedTTM")
-LOSSES.register_lazy("sddkd", "kd.losses.sdd:ScaleDecoupledDKD")
-LOSSES.register_lazy("sdkd", "kd.losses.sdd:ScaleDecoupledKD")
-LOSSES.register_lazy("sdnkd", "kd.losses.sdd:ScaleDecoupledNKD")
+#: ``--kd-loss NAME``: each method's :class:`kd.losses.base.DistillLoss` subclass and its card
+LOSSES: Methods = Methods()
+LOSSES.add("ce", "kd.losses.kd:CrossEntropy", MethodCard("CE", needs_teacher=False))
+LOSSES.add("kd", "kd.losses.kd:HintonKD", MethodCard("KD"))
+LOSSES.add("at", "kd.losses.at:AttentionTransfer", MethodCard("AT", uses_features=True))
+LOSSES.add("fitnet", "kd.losses.fitnet:FitNet", MethodCard("FitNet", uses_features=True))
+LOSSES.add(
+    "ofd",
+    "kd.losses.ofd:OverhaulDistillation",
+    MethodCard("OFD", uses_features=True, tap_point="pre_relu", reads_teacher_norms=True),
+)
+LOSSES.add("crd", "kd.losses.crd:CRD", MethodCard("CRD", uses_features=True, uses_pooled=True, uses_samples=True))
+LOSSES.add(
+    "reviewkd",
+    "kd.losses.reviewkd:ReviewKD",
+    MethodCard("ReviewKD", uses_features=True, tap_point="pre_relu", uses_pooled=True),
+)
+LOSSES.add("dkd", "kd.losses.dkd:DecoupledKD", MethodCard("DKD", class_labels=True))
+LOSSES.add("dist", "kd.losses.dist:DIST", MethodCard("DIST"))
+LOSSES.add("nkd", "kd.losses.nkd:NormalizedKD", MethodCard("NKD", class_labels=True))
+LOSSES.add("ctkd", "kd.losses.ctkd:CurriculumKD", MethodCard("KD + CTKD"))
+LOSSES.add("ctdkd", "kd.losses.ctkd:CurriculumDKD", MethodCard("DKD + CTKD", class_labels=True))
+LOSSES.add("mlkd", "kd.losses.mlkd:MultiLevelKD", MethodCard("MLKD", views=2))
+LOSSES.add("lskd", "kd.losses.lskd:LogitStandardizationKD", MethodCard("KD + LS"))
+LOSSES.add("ttm", "kd.losses.ttm:TransformedTeacherMatching", MethodCard("TTM"))
+LOSSES.add("wttm", "kd.losses.ttm:WeightedTTM", MethodCard("WTTM"))
+LOSSES.add("luminet", "kd.losses.luminet:LumiNet", MethodCard("LumiNet"))
+LOSSES.add("crld", "kd.losses.crld:CrossViewKD", MethodCard("CRLD", views=2))
+LOSSES.add(
+    "sdkd",
+    "kd.losses.sdd:ScaleDecoupledKD",
+    MethodCard("SD-KD", uses_features=True, uses_classifier=True, class_labels=True),
+)
+LOSSES.add(
+    "sddkd",
+    "kd.losses.sdd:ScaleDecoupledDKD",
+    MethodCard("SD-DKD", uses_features=True, uses_classifier=True, class_labels=True),
+)
+LOSSES.add(
+    "sdnkd",
+    "kd.losses.sdd:ScaleDecoupledNKD",
+    MethodCard("SD-NKD", uses_features=True, uses_classifier=True, class_labels=True),
+)
+LOSSES.add("deit", "kd.losses.deit:DeiTDistillation", MethodCard("DeiT", reads_distill_head=True))
 
-__all__ = ["LOSSES", "DistillInputs", "DistillLoss", "build_loss", "register", "split_layers"]
+__all__ = ["LOSSES", "DistillInputs", "DistillLoss", "MethodCard", "build_loss", "card", "split_layers"]
 
 #: what this package gives from its modules that import torch, imported when first asked for
 _FROM_MODULES = {
     "DistillInputs": "kd.losses.base",
     "DistillLoss": "kd.losses.base",
-    "register": "kd.losses.base",
     "split_layers": "kd.losses.features",
 }
 
@@ -62,6 +82,12 @@ def __getattr__(name: str) -> Any:
 def check_method(name: str) -> str:
     """``name`` where it is a KD method, else a KDError naming the near names and every method."""
     return LOSSES.check(name)
+
+
+def card(name: str) -> MethodCard:
+    """What the method ``name`` is (:class:`MethodCard`), without importing it; a KDError naming the near
+    names where there is none."""
+    return LOSSES.card(name)
 
 
 def build_loss(name: str, num_classes: int, loss_args: Dict[str, Any]) -> DistillLoss:

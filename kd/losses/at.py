@@ -8,7 +8,7 @@ from typing import Dict, List
 import torch
 import torch.nn.functional as F
 
-from kd.losses.base import DistillInputs, DistillLoss, register
+from kd.losses.base import DistillInputs, DistillLoss
 from kd.losses.features import default_stage_layers, feature_pairs, map_pairs, pool_to_common
 
 
@@ -29,7 +29,6 @@ def at_distance(student_feat: torch.Tensor, teacher_feat: torch.Tensor, p: float
     return (q_s - q_t).pow(2).mean()
 
 
-@register("at")
 class AttentionTransfer(DistillLoss):
     """AT: ``ce_weight * CE + at_weight * sum over stages of at_distance``.
 
@@ -39,7 +38,6 @@ class AttentionTransfer(DistillLoss):
     code's and mdistiller's (their ``beta``, applied without the paper's 1/2).
     """
 
-    uses_features = True
     defaults = {"ce_weight": 1.0, "at_weight": 1000.0, "p": 2.0}
     renamed = {"beta": "at_weight"}
 

@@ -1,7 +1,7 @@
 """The protocol every KD method implements.
 
 A method is a pure function on tensors (easy to test against the paper's formula)
-plus a thin :class:`DistillLoss` module registered by name with :func:`register`.
+plus a thin :class:`DistillLoss` module, registered by name with its card in :mod:`kd.losses`.
 Loss modules see tensors only: logits, features, labels; never models or backends.
 """
 
@@ -17,11 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kd.errors import KDError
-from kd.losses import LOSSES
+from kd.losses.card import MethodCard
 from kd.losses.logits import float32_or_wider
-
-#: a method's registration by name (each is also listed in :mod:`kd.losses`, imported when first used)
-register = LOSSES.register
 
 # The label term every method has, and its defaults (a method may change the weight's default).
 LABEL_TERM: Dict[str, Any] = {"ce_weight": 1.0, "label_smoothing": 0.0}
@@ -105,26 +102,28 @@ class DistillLoss(nn.Module):
     name is accepted with one deprecation line, a former name together with its current one is
     an error. A method whose former name was not a plain rename overrides :meth:`translate_old`.
 
-    Methods on intermediate features set ``uses_features = True``; the engine then taps the
-    modules named by ``--feature-layers`` (or :meth:`default_layers`) with forward hooks and
-    calls :meth:`setup_features` once with the feature shapes, before the optimizer is
-    built, so connectors created there are trained, checkpointed and all-reduced with the
-    student. Their parameters belong to the student side and are dropped on export.
+    What a method needs from a run is its :class:`~kd.losses.card.MethodCard` (``card``, given with its
+    registration in :mod:`kd.losses`); the hooks below are how it takes it. A ``uses_features`` method
+    has the modules named by ``--feature-layers`` (or :meth:`default_layers`) tapped with forward hooks
+    and :meth:`setup_features` called once with the feature shapes, before the optimizer is built, so
+    connectors created there are trained, checkpointed and all-reduced with the student. Their
+    parameters belong to the student side and are dropped on export.
 
-    ``tap_point = "pre_relu"`` taps each named stage before its final ReLU (OFD, ReviewKD);
-    ``uses_pooled`` adds the pooled feature (the classifier's input, (N, C)) as the last entry of
-    both feature dicts; ``reads_teacher_norms`` has :meth:`setup_teacher` called with the teacher's
-    BatchNorm before each tapped stage's ReLU (OFD's margin). ``uses_classifier`` methods (SDD) read
-    each side's final feature map (the only entry of each feature dict) and classifier:
-    :meth:`setup_classifiers` gets the student's classifier's name and a copy of the teacher's, and
-    :attr:`DistillInputs.student_classifier` is the student's own at each step. ``uses_samples``
-    methods (CRD) see each sample's index in the training set (:attr:`DistillInputs.indices`):
-    :meth:`setup_samples` gets every training sample's class first, and :meth:`after_step` runs after
-    each optimizer step. ``views = 2`` methods (:class:`TwoViewLoss`: MLKD, CRLD) see a second,
-    strongly augmented view of each sample: the loaders make it, the teacher and the student forward
-    it too (:attr:`DistillInputs.second_student_logits`). ``reads_distill_head`` methods (DeiT) need a
-    student with a distillation token and see its two heads apart (:attr:`DistillInputs.distill_logits`);
-    every other method sees such a student as timm trains it by default, the two heads' average.
+    ``tap_point = "pre_relu"`` taps each named stage before its final ReLU (OFD, ReviewKD;
+    :meth:`side_tap_point` where each side may choose); ``uses_pooled`` adds the pooled feature (the
+    classifier's input, (N, C)) as the last entry of both feature dicts; ``reads_teacher_norms`` has
+    :meth:`setup_teacher` called with the teacher's BatchNorm before each tapped stage's ReLU (OFD's
+    margin). ``uses_classifier`` methods (SDD) read each side's final feature map (the only entry of
+    each feature dict) and classifier: :meth:`setup_classifiers` gets the student's classifier's name
+    and a copy of the teacher's, and :attr:`DistillInputs.student_classifier` is the student's own at
+    each step. ``uses_samples`` methods (CRD) see each sample's index in the training set
+    (:attr:`DistillInputs.indices`): :meth:`setup_samples` gets every training sample's class first, and
+    :meth:`after_step` runs after each optimizer step. ``views = 2`` methods (:class:`TwoViewLoss`: MLKD,
+    CRLD) see a second, strongly augmented view of each sample: the loaders make it, the teacher and the
+    student forward it too (:attr:`DistillInputs.second_student_logits`). ``reads_distill_head`` methods
+    (DeiT) need a student with a distillation token and see its two heads apart
+    (:attr:`DistillInputs.distill_logits`); every other method sees such a student as timm trains it by
+    default, the two heads' average.
     """
 
     #: computed in float32 at every opt level: the precisions keep its parameters and inputs float32
@@ -133,18 +132,9 @@ class DistillLoss(nn.Module):
 
     defaults: ClassVar[Dict[str, Any]] = dict(LABEL_TERM)
     renamed: ClassVar[Dict[str, str]] = {}
-    uses_features: ClassVar[bool] = False
-    needs_teacher: ClassVar[bool] = True
-    tap_point: ClassVar[str] = "output"
-    uses_pooled: ClassVar[bool] = False
-    reads_teacher_norms: ClassVar[bool] = False
-    uses_classifier: ClassVar[bool] = False
-    uses_samples: ClassVar[bool] = False
-    views: ClassVar[int] = 1
-    reads_distill_head: ClassVar[bool] = False
-    #: the method reads each sample's target class from the labels (DKD's, NKD's split): mixup's and
-    #: cutmix's soft targets have none, so the config refuses them for it
-    class_labels: ClassVar[bool] = False
+    #: what the method is (set with its registration, :meth:`kd.losses.card.Methods.get`): an unregistered
+    #: subclass is a logit method that needs a teacher
+    card: ClassVar[MethodCard] = MethodCard()
     name: ClassVar[str] = ""
 
     def __init_subclass__(cls, **kwargs: Any):
@@ -198,9 +188,9 @@ class DistillLoss(nn.Module):
         return []
 
     def side_tap_point(self, side: str) -> str:
-        """Where the engine taps the stages of ``side`` (``student`` or ``teacher``): :attr:`tap_point`,
-        unless the method lets each side choose (ReviewKD)."""
-        return self.tap_point
+        """Where the engine taps the stages of ``side`` (``student`` or ``teacher``): its card's
+        ``tap_point``, unless the method lets each side choose (ReviewKD)."""
+        return self.card.tap_point
 
     def setup_features(self, student_shapes: Dict[str, torch.Size], teacher_shapes: Dict[str, torch.Size]) -> None:
         """Create connectors once the feature shapes are known (feature methods override this)."""
@@ -246,11 +236,9 @@ class DistillLoss(nn.Module):
 
 
 class TwoViewLoss(DistillLoss):
-    """Base of the methods on a weak and a strong view of each sample (``views = 2``: the loaders make the
-    strong view, :mod:`kd.data.views`; the student and the teacher forward both). The label term is the
-    cross-entropy of both views, summed, as the official trainers of MLKD and CRLD sum it."""
-
-    views = 2
+    """Base of the methods on a weak and a strong view of each sample (their cards' ``views = 2``: the
+    loaders make the strong view, :mod:`kd.data.views`; the student and the teacher forward both). The
+    label term is the cross-entropy of both views, summed, as the official trainers of MLKD and CRLD sum it."""
 
     def label_term(self, x: DistillInputs) -> torch.Tensor:
         assert x.second_student_logits is not None  # a views = 2 method always gets the second view

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from kd.errors import KDError
-from kd.losses.base import DistillInputs, DistillLoss, register
+from kd.losses.base import DistillInputs, DistillLoss
 
 #: added to the denominators of the contrast loss, as the official code does
 EPS = 1e-7
@@ -54,7 +54,6 @@ def momentum_rows(bank: torch.Tensor, v: torch.Tensor, momentum: float) -> torch
     return mixed / mixed.pow(2).sum(1, keepdim=True).sqrt()
 
 
-@register("crd")
 class CRD(DistillLoss):
     """CRD: ``ce_weight * CE + crd_weight * (contrast loss of the student's embedding against the
     teacher's memory + the teacher's against the student's)``.
@@ -77,9 +76,6 @@ class CRD(DistillLoss):
     the loss's extra state, not buffers: torch DDP would broadcast buffers at every step).
     """
 
-    uses_features = True
-    uses_pooled = True
-    uses_samples = True
     defaults = {
         "ce_weight": 1.0,
         "crd_weight": 0.8,

@@ -9,7 +9,7 @@ from typing import Tuple
 import torch
 import torch.nn.functional as F
 
-from kd.losses.base import DistillInputs, TwoViewLoss, register
+from kd.losses.base import DistillInputs, TwoViewLoss
 from kd.losses.logits import float32_or_wider
 
 
@@ -55,7 +55,6 @@ def crld_parts(
     )
 
 
-@register("crld")
 class CrossViewKD(TwoViewLoss):
     """CRLD: ``ce_weight * (CE(weak) + CE(strong)) + within_weight * within + cross_weight * cross``
     (:func:`crld_parts`) on the weak and the strong view MLKD uses (``views = 2``).

@@ -9,7 +9,7 @@ from typing import Any, Dict, Tuple
 import torch
 from torch import nn
 
-from kd.losses.base import DistillInputs, DistillLoss, kd_divergence, register
+from kd.losses.base import DistillInputs, DistillLoss, kd_divergence
 from kd.losses.logits import dkd_parts, standardise_switch, standardised
 
 # The temperature's range and curriculum, with the official defaults (zhengli97/CTKD@7d52522:
@@ -72,7 +72,6 @@ class CurriculumTemperature(DistillLoss):
         return standardised(x.student_logits, x.teacher_logits, self.standardise)
 
 
-@register("ctkd")
 class CurriculumKD(CurriculumTemperature):
     """CTKD on KD: ``ce_weight * CE + kd_weight * T^2 * KL(p_t || p_s)`` at the learned T.
 
@@ -90,7 +89,6 @@ class CurriculumKD(CurriculumTemperature):
         return self.hparams["kd_weight"] * kd, {"kd": kd, **terms}
 
 
-@register("ctdkd")
 class CurriculumDKD(CurriculumTemperature):
     """CTKD on DKD: ``ce_weight * CE + tckd_weight * TCKD + nckd_weight * NCKD`` at the learned T.
 
@@ -101,8 +99,6 @@ class CurriculumDKD(CurriculumTemperature):
     target class, and torch's kl_div now differentiates its target through 0 * log 0; the torch 1.11 it
     was written for set that gradient to 0, as kd does).
     """
-
-    class_labels = True
 
     defaults = {"ce_weight": 1.0, "tckd_weight": 1.0, "nckd_weight": 1.0, **CURRICULUM}
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kd.errors import KDError
-from kd.losses.base import DistillInputs, DistillLoss, register
+from kd.losses.base import DistillInputs, DistillLoss
 from kd.losses.logits import float32_or_wider
 
 
@@ -31,7 +31,6 @@ def deit_distillation(
     return F.kl_div(log_p_s, log_p_t, reduction="sum", log_target=True) * (t * t) / s.numel()
 
 
-@register("deit")
 class DeiTDistillation(DistillLoss):
     """DeiT: ``ce_weight * CE(class head) + kd_weight * distillation term(distillation head)``
     (:func:`deit_distillation`), on a student with a distillation token (timm's ``deit_*_distilled_*``),
@@ -47,7 +46,6 @@ class DeiTDistillation(DistillLoss):
 
     defaults = {"ce_weight": 0.5, "kd_weight": 0.5, "temperature": 1.0, "hard": 1}
     renamed = {"tau": "temperature"}
-    reads_distill_head = True
 
     def __init__(self, num_classes: int, **hparams: Any):
         super().__init__(num_classes, **hparams)

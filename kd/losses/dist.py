@@ -7,7 +7,7 @@ from typing import Tuple
 
 import torch
 
-from kd.losses.base import DistillInputs, DistillLoss, register
+from kd.losses.base import DistillInputs, DistillLoss
 
 EPS = 1e-8  # added to the product of the norms, as in the official code
 
@@ -34,7 +34,6 @@ def dist_parts(
     return scale * pearson_distance(p_s, p_t), scale * pearson_distance(p_s.t(), p_t.t())
 
 
-@register("dist")
 class DIST(DistillLoss):
     """DIST: ``ce_weight * CE + kd_weight * (inter_weight * inter + intra_weight * intra)``.
 

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from kd.losses.base import DistillInputs, DistillLoss, register
+from kd.losses.base import DistillInputs, DistillLoss
 from kd.losses.logits import dkd_parts, standardise_switch, standardised, warmup_ramp
 
 
-@register("dkd")
 class DecoupledKD(DistillLoss):
     """DKD: ``ce_weight * CE + min(epoch / warmup, 1) * (tckd_weight * TCKD + nckd_weight * NCKD)``.
 
@@ -23,8 +22,6 @@ class DecoupledKD(DistillLoss):
     multiplies ALPHA and BETA by 9 and sets T 2: ``tckd_weight`` 9, ``nckd_weight`` 4.5,
     ``temperature`` 2 here on the ImageNet setting.
     """
-
-    class_labels = True
 
     defaults = {
         "ce_weight": 1.0,

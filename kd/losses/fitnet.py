@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kd.errors import KDError
-from kd.losses.base import DistillInputs, DistillLoss, kd_divergence, register
+from kd.losses.base import DistillInputs, DistillLoss, kd_divergence
 from kd.losses.features import Connector, default_stage_layers, feature_pairs, map_pairs, pool_to_common
 
 
@@ -22,7 +22,6 @@ def hint_loss(student_hint: torch.Tensor, teacher_feat: torch.Tensor) -> torch.T
     return F.mse_loss(s, t)
 
 
-@register("fitnet")
 class FitNet(DistillLoss):
     """Hint training: ``ce_weight * CE + hint_weight * MSE(connector(f_s), f_t) + kd_weight * KD``.
 
@@ -36,7 +35,6 @@ class FitNet(DistillLoss):
     (``kd_weight``, ``temperature``) is off by default.
     """
 
-    uses_features = True
     defaults = {"ce_weight": 1.0, "hint_weight": 100.0, "kd_weight": 0.0, "temperature": 4.0}
 
     def __init__(self, num_classes: int, **hparams):

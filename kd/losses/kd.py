@@ -5,11 +5,10 @@ from __future__ import annotations
 from typing import Any, Dict, Optional
 
 from kd.errors import KDError
-from kd.losses.base import DistillInputs, DistillLoss, kd_divergence, register
+from kd.losses.base import DistillInputs, DistillLoss, kd_divergence
 from kd.losses.logits import standardise_switch, standardised
 
 
-@register("kd")
 class HintonKD(DistillLoss):
     """Soft-target KD: ``ce_weight * CE + kd_weight * T^2 * KL(p_t || p_s)`` at ``temperature``.
 
@@ -43,11 +42,8 @@ class HintonKD(DistillLoss):
         return self.hparams["kd_weight"] * kd, {"kd": kd}
 
 
-@register("ce")
 class CrossEntropy(DistillLoss):
     """The student alone on the labels (``--no-teacher``): baselines and teacher training."""
-
-    needs_teacher = False
 
     def distill(self, x: DistillInputs):
         return None, {}

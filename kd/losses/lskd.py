@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kd.losses.base import DistillInputs, DistillLoss, kd_divergence, register
+from kd.losses.base import DistillInputs, DistillLoss, kd_divergence
 from kd.losses.logits import standardise
 
 
@@ -16,7 +16,6 @@ def lskd_divergence(
     return kd_divergence(standardise(student_logits, eps), standardise(teacher_logits.detach(), eps), temperature)
 
 
-@register("lskd")
 class LogitStandardizationKD(DistillLoss):
     """KD on z-scored logits: ``ce_weight * CE + kd_weight * T^2 * KL``.
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kd.losses.base import DistillInputs, DistillLoss, register
+from kd.losses.base import DistillInputs, DistillLoss
 from kd.losses.logits import float32_or_wider, warmup_ramp
 
 
@@ -28,7 +28,6 @@ def luminet_divergence(
     return F.kl_div(log_p_s, log_p_t, reduction="batchmean", log_target=True)
 
 
-@register("luminet")
 class LumiNet(DistillLoss):
     """LumiNet: ``ce_weight * CE + min(epoch / warmup, 1) * kd_weight * KL`` on per-class standardised
     logits (:func:`luminet_divergence`).

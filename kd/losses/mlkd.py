@@ -8,7 +8,7 @@ from typing import Any, Tuple
 import torch
 import torch.nn.functional as F
 
-from kd.losses.base import DistillInputs, TwoViewLoss, kd_divergence, register
+from kd.losses.base import DistillInputs, TwoViewLoss, kd_divergence
 from kd.losses.logits import float32_or_wider, standardise_switch, standardised
 
 #: the temperatures the official code sums at after ``temperature`` (KD_ours.forward_train); at the
@@ -75,7 +75,6 @@ def mlkd_parts(
     return weak * samples + strong, class_level * classes, batch_level * samples
 
 
-@register("mlkd")
 class MultiLevelKD(TwoViewLoss):
     """MLKD: ``ce_weight * (CE(weak) + CE(strong)) + kd_weight * (instance + class + batch levels)``
     (:func:`mlkd_parts`) on a weak and a strong view of each sample (``views = 2``: the loaders make the

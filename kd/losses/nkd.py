@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kd.errors import KDError
-from kd.losses.base import DistillInputs, DistillLoss, register
+from kd.losses.base import DistillInputs, DistillLoss
 from kd.losses.logits import float32_or_wider
 
 
@@ -42,7 +42,6 @@ def nkd_parts(
     return target, non_target
 
 
-@register("nkd")
 class NormalizedKD(DistillLoss):
     """NKD: ``ce_weight * CE + target term + non_target_weight * non-target term`` (:func:`nkd_parts`).
 
@@ -54,8 +53,6 @@ class NormalizedKD(DistillLoss):
     cross-entropy, as the official code computes it, not a KL divergence: same gradient, but its
     logged value keeps the teacher's non-target entropy and is not 0 when the student matches.
     """
-
-    class_labels = True
 
     defaults = {"ce_weight": 1.0, "non_target_weight": 1.5, "temperature": 1.0}
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-from typing import ClassVar, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from kd.errors import KDError
-from kd.losses.base import DistillInputs, DistillLoss, register
+from kd.losses.base import DistillInputs, DistillLoss
 from kd.losses.features import Connector, default_stage_layers, feature_pairs, map_pairs, pool_to_common
 from kd.losses.logits import float32_or_wider
 
@@ -44,7 +44,6 @@ def partial_l2(student: torch.Tensor, teacher: torch.Tensor, margin: torch.Tenso
     return torch.where(kept, (student - target).pow(2), torch.zeros_like(student)).sum()
 
 
-@register("ofd")
 class OverhaulDistillation(DistillLoss):
     """OFD: ``ce_weight * CE + ofd_weight * sum_i 2^-(n-1-i) partial_l2(connector_i(f_s), f_t) / N``.
 
@@ -68,10 +67,6 @@ class OverhaulDistillation(DistillLoss):
     last three stages (weights 1/4, 1/2, 1) and pools the teacher's map to the student's size.
     """
 
-    uses_features = True
-    #: the engine taps each stage's output before its final ReLU, on both sides
-    tap_point: ClassVar[str] = "pre_relu"
-    reads_teacher_norms: ClassVar[bool] = True
     defaults = {"ce_weight": 1.0, "ofd_weight": 1e-4}
 
     margins: Optional[torch.Tensor]

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import math
-from typing import ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kd.errors import KDError
-from kd.losses.base import DistillInputs, DistillLoss, register
+from kd.losses.base import DistillInputs, DistillLoss
 from kd.losses.features import check_maps, default_stage_layers, feature_pairs
 from kd.losses.logits import float32_or_wider
 
@@ -121,7 +121,6 @@ def check_levels(method: str, shapes: Mapping[str, Sequence[int]]) -> None:
         raise KDError(f"KD loss {method!r} needs the pooled feature as (N, C), got shape {tuple(shapes[names[-1]])}")
 
 
-@register("reviewkd")
 class ReviewKD(DistillLoss):
     """ReviewKD: ``ce_weight * CE + ramp * reviewkd_weight * hcl(ABF chain(student levels), teacher levels)``.
 
@@ -146,9 +145,6 @@ class ReviewKD(DistillLoss):
     size by nearest interpolation before the 3x3 conv, as mdistiller does.
     """
 
-    uses_features = True
-    tap_point: ClassVar[str] = "pre_relu"
-    uses_pooled: ClassVar[bool] = True
     defaults = {
         "ce_weight": 1.0,
         "reviewkd_weight": 1.0,

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kd.errors import KDError
-from kd.losses.base import DistillInputs, DistillLoss, register
+from kd.losses.base import DistillInputs, DistillLoss
 from kd.losses.logits import dkd_rows, float32_or_wider
 
 
@@ -84,10 +84,6 @@ class ScaleDecoupled(DistillLoss):
     feature map and classifier (the engine finds them: :func:`kd.utils.taps.final_map`), the cells
     (:func:`cells`) and their weights (:func:`region_weights`); :meth:`rows` is the method's loss per cell."""
 
-    class_labels = True
-
-    uses_features = True
-    uses_classifier: ClassVar[bool] = True
     scale_defaults: ClassVar[Dict[str, Any]] = {"scales": [1, 2, 4], "grid": 4, "complementary_weight": 2.0}
 
     teacher_weight: Optional[torch.Tensor]
@@ -143,7 +139,6 @@ def ramp(warmup: float, progress: float) -> float:
     return min((math.floor(progress) + 1) / warmup, 1.0) if warmup > 0 else 1.0
 
 
-@register("sdkd")
 class ScaleDecoupledKD(ScaleDecoupled):
     """SD-KD: ``ce_weight * CE + kd_weight * sum(cell weight * KD of each cell) / cells``.
 
@@ -162,7 +157,6 @@ class ScaleDecoupledKD(ScaleDecoupled):
         return self.hparams["kd_weight"] * sd, {"kd": sd}
 
 
-@register("sddkd")
 class ScaleDecoupledDKD(ScaleDecoupled):
     """SD-DKD: ``ce_weight * CE + ramp * sum(cell weight * (tckd_weight TCKD + nckd_weight NCKD)) / cells``.
 
@@ -190,7 +184,6 @@ class ScaleDecoupledDKD(ScaleDecoupled):
         return ramp(self.hparams["warmup"], x.progress) * sd, {"kd": sd}
 
 
-@register("sdnkd")
 class ScaleDecoupledNKD(ScaleDecoupled):
     """SD-NKD: ``ce_weight * CE + sum(cell weight * NKD of each cell) / cells`` (:func:`nkd_rows`).
 

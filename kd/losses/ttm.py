@@ -9,7 +9,7 @@ from typing import Tuple
 import torch
 import torch.nn.functional as F
 
-from kd.losses.base import DistillInputs, DistillLoss, register
+from kd.losses.base import DistillInputs, DistillLoss
 from kd.losses.logits import float32_or_wider
 
 
@@ -30,7 +30,6 @@ def ttm_parts(
     return per_sample, powered.logsumexp(dim=1).exp()
 
 
-@register("ttm")
 class TransformedTeacherMatching(DistillLoss):
     """TTM: ``ce_weight * CE + kd_weight * mean KL(q_t || p_s)`` (:func:`ttm_parts`), no T^2.
 
@@ -49,7 +48,6 @@ class TransformedTeacherMatching(DistillLoss):
         return self.hparams["kd_weight"] * kd, {"kd": kd}
 
 
-@register("wttm")
 class WeightedTTM(DistillLoss):
     """WTTM: ``ce_weight * CE + kd_weight * mean(w * KL(q_t || p_s))`` with each sample's weight ``w``
     the unnormalised sum of the teacher's powered probabilities (:func:`ttm_parts`; larger where the

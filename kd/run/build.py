@@ -72,7 +72,7 @@ def build_lane(
     # Module.to(device, memory_format=...) is valid at run time; torch's overloads list the two apart
     side = StudentSide(student, loss, s_layers).to(dev, memory_format=runtime.memory_format)  # type: ignore[call-overload]
     side = backend.convert_model(side)  # before the optimizer: sync-BN layers, parameter layout
-    if loss.uses_samples:  # CRD's memory: one row per training sample, classes to draw negatives from
+    if loss.card.uses_samples:  # CRD's memory: one row per training sample, classes to draw negatives from
         labels = torch.tensor([label for _, label in data.train_samples], dtype=torch.long)
         sampling = loss.setup_samples(labels, cfg.seed, backend.all_gather)
         if sampling:
@@ -123,7 +123,7 @@ def build_lane(
         renorm=renorm,
         eval_forward=eval_forward,
         num_classes=num_classes,
-        needs_teacher=loss.needs_teacher,  # its outputs live, or from a store (--soft-labels)
+        needs_teacher=loss.card.needs_teacher,  # its outputs live, or from a store (--soft-labels)
         t_layers=t_layers,
         notes=notes,
         state=TrainState(),
@@ -159,12 +159,13 @@ def setup_feature_layers(
 ) -> Tuple[List[str], List[str]]:
     """(student tap keys, teacher tap keys) of a feature method (:mod:`kd.utils.taps`: the layers
     of ``--feature-layers`` or the method's default, before their ReLU for a ``pre_relu`` method,
-    then the pooled feature where it uses it); builds the loss's connectors from a dry run and gives
-    a ``reads_teacher_norms`` method the teacher's BatchNorms. Empty for logit methods."""
-    if not loss.uses_features:
+    then the pooled feature where it uses it: the method's card); builds the loss's connectors from a
+    dry run and gives a ``reads_teacher_norms`` method the teacher's BatchNorms. Empty for logit methods."""
+    card = loss.card
+    if not card.uses_features:
         return [], []
     assert teacher is not None  # a feature method needs a teacher (needs_teacher), so build_models made one
-    if loss.uses_classifier:
+    if card.uses_classifier:
         return setup_final_maps(loss, student, teacher, cfg)
     with naming_models(cfg):
         specs = cfg.feature_layers or loss.default_layers(layer_names(student), layer_names(teacher))
@@ -184,7 +185,7 @@ def setup_feature_layers(
             side = [key for key, _ in found]
             if model is teacher:
                 norms = dict(found)
-        if loss.uses_pooled:
+        if card.uses_pooled:
             side.append(pooled_key(model, loss.name, role))
         keys.append(side)
     shapes = []
@@ -198,7 +199,7 @@ def setup_feature_layers(
         shapes.append({k: feats[k].shape for k in side})
     with naming_models(cfg):
         loss.setup_features(*shapes)
-    if loss.reads_teacher_norms:
+    if card.reads_teacher_norms:
         loss.setup_teacher(teacher_norms(teacher, norms, loss.name, f"teacher {cfg.teacher}"))
     return keys[0], keys[1]
 
@@ -264,9 +265,9 @@ def build_models(cfg, num_classes: int, teacher: Optional[nn.Module] = None):
     loss = build_loss("ce" if cfg.no_teacher else cfg.kd_loss, num_classes, loss_args)
     with seeded(cfg.seed):
         student = models.build(cfg.student, num_classes, cfg.student_weights, cfg.image_size, cfg.drop_path)
-    if loss.reads_distill_head:
+    if loss.card.reads_distill_head:
         models.train_both_heads(student, cfg.student, loss.name)
-    if not loss.needs_teacher or cfg.soft_labels:  # a store stands in for the teacher's forward
+    if not loss.card.needs_teacher or cfg.soft_labels:  # a store stands in for the teacher's forward
         teacher = None
     elif teacher is None:
         with seeded(cfg.seed + 1):  # a teacher without weights: the same whichever student builds it

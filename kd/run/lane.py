@@ -262,11 +262,11 @@ class Lane:
         if targets is not None:
             t_logits, t_feats = targets[0], {k: targets[1][k] for k in self.t_layers}
         indices = None
-        if self.loss.uses_samples:
+        if self.loss.card.uses_samples:
             assert batch.indices is not None  # every training loader names its samples
             indices = batch.indices.to(images.device, non_blocking=True)
         second = t_second = None
-        if self.loss.views == 2:  # the loaders made the strong view, the teacher forwarded it
+        if self.loss.card.views == 2:  # the loaders made the strong view, the teacher forwarded it
             assert batch.second_images is not None and targets is not None
             second = batch.second_images if self.renorm is None else self.renorm(batch.second_images)
             second, t_second = precision.input_cast(second), targets.second_logits

@@ -140,7 +140,7 @@ class Trainer:
         try:
             stop_in_setup(self.stop, self.backend)
             num_replicas, rank = backend.data_shard()
-            views = max(LOSSES.get(c.kd_loss).views for _, c in students.training())  # 2: a strong view too
+            views = max(LOSSES.card(c.kd_loss).views for _, c in students.training())  # 2: a strong view too
             self.data = build_data(
                 cfg, num_replicas, rank, backend.local_batch(cfg.batch_size), backend.device, runtime.channels_last,
                 views=views,

@@ -7,7 +7,7 @@ from typing import Dict, List
 import torch
 from torch import nn
 
-from kd.losses.base import DistillInputs
+from kd.losses.base import DistillInputs, DistillLoss
 from kd.run.step import LOGITS_SUM
 from kd.utils.taps import tap
 
@@ -19,7 +19,7 @@ class StudentSide(nn.Module):
     student's; the forward returns the loss parts, so DataParallel replicas compute them too.
     """
 
-    def __init__(self, student: nn.Module, loss: nn.Module, layers: List[str]):
+    def __init__(self, student: nn.Module, loss: DistillLoss, layers: List[str]):
         super().__init__()
         self.student = student
         self.loss = loss
@@ -49,7 +49,7 @@ class StudentSide(nn.Module):
         second = None if second_images is None else self.student(second_images)
         inputs = DistillInputs(logits, labels, teacher_logits, feats, teacher_feats or {}, progress, indices, step)
         inputs.second_student_logits, inputs.second_teacher_logits = second, second_teacher_logits
-        if getattr(self.loss, "uses_classifier", False):  # this replica's own classifier: its cell scores train it
+        if self.loss.card.uses_classifier:  # this replica's own classifier: its cell scores train it
             inputs.student_classifier = self.student.get_submodule(str(self.loss.student_head))
         inputs.distill_logits = distill
         parts = self.loss(inputs)
