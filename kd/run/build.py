@@ -16,10 +16,10 @@ from kd.errors import KDError
 from kd.losses import LOSSES, DistillLoss, build_loss, split_layers
 from kd.precision import make_precision
 from kd.precision.cpu import slow_precision_warning
-from kd.run import checkpoint, papers
+from kd.run import papers
 from kd.run.dot import check_applies
 from kd.run.ema import ModelEma
-from kd.run.lane import Lane, TrainState, stop_in_setup
+from kd.run.lane import Lane, stop_in_setup
 from kd.run.log import NullLogger, RunLogger
 from kd.run.optim import build_optimizer, build_scheduler, lr_note
 from kd.run.runtime import resolve as resolve_runtime
@@ -126,16 +126,13 @@ def build_lane(
         needs_teacher=loss.needs_teacher,  # its outputs live, or from a store (--soft-labels)
         t_layers=t_layers,
         notes=notes,
-        state=TrainState(),
         validate=validate,
         ema=ema,
+        resumed=resumed[1] if resumed is not None else None,
     )
     if resumed is not None:
-        path, state = resumed
-        checkpoint.restore_run(lane, state)
-        lane.resumed_step = lane.state.global_step
         logger.resume_at(lane.state.epoch)
-        logger.info(f"resumed from {path} at epoch {lane.state.epoch + 1}")
+        logger.info(f"resumed from {resumed[0]} at epoch {lane.state.epoch + 1}")
     for line in said + notes:
         logger.info(line)
     lane.log_data_configs()  # once set-up has succeeded: a failed start stays one line

@@ -7,7 +7,6 @@ once per batch; the loop never knows which."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -49,19 +48,6 @@ class Shared:
     teacher_model: Any
     stop: StopFlag
     clock: SetupClock
-
-
-@contextlib.contextmanager
-def own_generators(lane: Lane):
-    """``lane``'s own random generators in place for its calls (its dropout masks, and its checkpoint's
-    generator state), as if it trained alone."""
-    outer = checkpoint.rng_state()
-    checkpoint.set_rng_state(lane.rng)
-    try:
-        yield
-    finally:
-        lane.rng = checkpoint.rng_state()
-        checkpoint.set_rng_state(outer)
 
 
 def check_classes(students: Students, resumed: Dict[str, Any], classes: Sequence[str]) -> None:
@@ -157,8 +143,8 @@ class Trainer:
                 lane = build_lane(
                     name, lane_cfg, backend.fork(), students.folder(name), resumed.get(name), shared, validate, alone
                 )
-                lane.rng = checkpoint.rng_state()
                 self.lanes.append(lane)
+            checkpoint.forget()  # each restored: their memory maps go
             if not alone:
                 self._refuse_several(cfg)
             self._teacher_source(shared)
@@ -235,6 +221,7 @@ class Trainer:
 
     def close(self) -> None:
         """Every student's logs, the data pipeline's workers and the signal handlers: nothing outlives the run."""
+        checkpoint.forget()
         for lane in self.lanes:
             lane.close()
         if self.source is not None:
@@ -262,7 +249,7 @@ class Trainer:
         if not self.students.grouped:
             return call()
         try:
-            with own_generators(lane):
+            with lane.generators.own():
                 return call()
         except NonFinite as exc:
             lane.logger.info(f"stopped: {exc}")
