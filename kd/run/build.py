@@ -36,19 +36,21 @@ def build_lane(
     shared,
     validate: bool = True,
     alone: bool = True,
+    first: bool = True,
 ) -> Lane:
     """The student ``name`` for ``cfg`` on the set-up ``backend`` (its own fork), in ``out``, resumed
-    from the checkpoint state ``resumed`` where given (read once, by the loop); ``shared``
+    from the checkpoint ``resumed`` (path, state) where given (read once, by the loop); ``shared``
     (:class:`kd.run.loop.Shared`) brings the data, the teacher's model, the stop flag and the
-    set-up's clock; ``alone``: the run's only student. A stop signal during set-up ends it at the
-    next of a few points, every process alike, with nothing written."""
+    set-up's clock; ``alone``: the run's only student; ``first``: the first built (it alone shows a
+    progress bar). A stop signal during set-up ends it at the next of a few points, every process
+    alike, with nothing written."""
     cfg = models.with_data_configs(cfg)
     dev = backend.device
     runtime = resolve_runtime(cfg, dev)
     if dev.type == "cuda":
         torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
     prefix = "" if alone else f"[{out.name}] "
-    logger = RunLogger(out, cfg.progress_bar, prefix) if backend.is_main else NullLogger()
+    logger = RunLogger(out, cfg.progress_bar if first else False, prefix) if backend.is_main else NullLogger()
     clock, data = shared.clock, shared.data
     stop_in_setup(shared.stop, backend)
     num_classes = cfg.num_classes or len(data.classes)
@@ -112,8 +114,7 @@ def build_lane(
         backend=backend,
         out=out,
         data=data,
-        stop=shared.stop,
-        clock=clock,
+        shared=shared,
         logger=logger,
         precision=precision,
         side=side,

@@ -115,7 +115,7 @@ def run_state(lane, gathered: Optional[Dict[str, Any]] = None) -> dict:
         student_name=lane.cfg.student,
         num_classes=lane.num_classes,
         classes=list(lane.data.classes),
-        config=lane.cfg.to_dict(),
+        config=lane.saved_config.to_dict(),
     )
     return state
 

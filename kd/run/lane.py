@@ -40,8 +40,9 @@ EMA_RECORD = ("val_top1", "val_top5", "val_loss", "val_s")
 class Lane:
     """One student's part of a run in this process, built whole by :func:`kd.run.build.build_lane`
     from its parts: its config and run folder, its fork of the set-up backend, its precision, side
-    (the student and its loss's trainable modules), wrapped model, optimizer and schedule, and its
-    training state. The run's loop (:class:`kd.run.loop.Trainer`) drives :meth:`begin_epoch`,
+    (the student and its loss's trainable modules), wrapped model, optimizer and schedule, and the
+    checkpoint it resumes; whole when built (its stateful parts declared once, in :attr:`stateful`).
+    The run's loop (:class:`kd.run.loop.Trainer`) drives :meth:`begin_epoch`,
     :meth:`step` (with the teacher's targets), :meth:`after_step`, :meth:`end_train_epoch` and
     :meth:`end_epoch`.
     """
@@ -54,8 +55,7 @@ class Lane:
         backend,
         out: Path,
         data,
-        stop: StopFlag,
-        clock: SetupClock,
+        shared,
         logger,
         precision,
         side: nn.Module,
@@ -72,9 +72,11 @@ class Lane:
         ema: Optional[ModelEma] = None,
         resumed: Optional[Dict[str, Any]] = None,
     ):
-        """``side``: the student side (:class:`kd.run.sides.StudentSide`) as the precision prepared it;
-        ``model``: the side as the backend wrapped it (and torch.compile, where on); ``renorm``: from
-        the loaders' normalisation to the student's own (None where they agree); ``t_layers``: the
+        """``shared``: what the run's students share (:class:`kd.run.loop.Shared`: the stop flag, the
+        set-up's clock, the teacher source the run builds after its students); ``side``: the
+        student side (:class:`kd.run.sides.StudentSide`) as the precision prepared it; ``model``:
+        the side as the backend wrapped it (and torch.compile, where on); ``renorm``: from the
+        loaders' normalisation to the student's own (None where they agree); ``t_layers``: the
         teacher layers its loss taps; ``notes``: what kd chose for the user (comments in
         config.yaml); ``validate=False`` skips the teacher's and the student's validation passes
         (timed benchmark runs); ``ema``: the moving average of the student's weights (--model-ema),
@@ -85,8 +87,9 @@ class Lane:
         self.backend = backend
         self.out = out
         self.data = data
-        self.stop = stop
-        self.clock = clock  # the run's: its set-up parts
+        self.shared = shared
+        self.stop: StopFlag = shared.stop
+        self.clock: SetupClock = shared.clock  # the run's: its set-up parts
         self.logger = logger
         self.device = backend.device
         self.precision = precision
@@ -102,11 +105,10 @@ class Lane:
         self.num_classes = num_classes
         self.needs_teacher = needs_teacher
         self.t_layers = t_layers
-        self.notes = notes
+        self.own_notes = notes
         self.state = TrainState()
         self.validates = validate
         self.ema = ema
-        self.teacher: Optional[Teacher] = None  # the live teacher it learns from (its top-1, its precision)
         self.first_step: Optional[Dict[str, float]] = None  # seconds to the first step, once taken
         self.loss_terms: List[str] = []  # the loss parts besides the total, in the order of the non-finite flags
         self.step_lr = optimizer.param_groups[0]["lr"]  # the lr of the last step taken (logged)
@@ -428,10 +430,22 @@ class Lane:
                 note = models.pretrained_note(name, weights, f"--{role}-weights")
                 self.logger.info(f"{role} {name}: {line}" + (f"; {note}" if note else ""))
 
-    def use_teacher(self, teacher: Teacher) -> None:
-        """The live teacher this student learns from (its own, or one shared with other students)."""
-        self.teacher = teacher
-        self.cfg = dataclasses.replace(self.cfg, teacher_precision=teacher.dtype_name)
+    @property
+    def teacher(self) -> Optional[Teacher]:
+        """The live teacher this student learns from (its top-1, its precision), once the run built it."""
+        return self.shared.teacher if self.needs_teacher else None
+
+    @property
+    def saved_config(self):
+        """The config its config.yaml and checkpoints record: its own, with what the teacher source it
+        learns from fixed (the teacher's precision as probed, or a store's teacher)."""
+        taught = self.shared.taught if self.needs_teacher else {}
+        return dataclasses.replace(self.cfg, **taught) if taught else self.cfg
+
+    @property
+    def notes(self) -> List[str]:
+        """What kd chose for this student (comments in config.yaml): its own, then its teacher source's."""
+        return self.own_notes + (self.shared.notes if self.needs_teacher else [])
 
 
 def stop_in_setup(stop: StopFlag, backend) -> None:
