@@ -28,8 +28,13 @@ from kd.version import __version__
 FORMAT_VERSION = 1
 #: a second name of a part's state, the same tensors stored once: where timm's load_checkpoint and most scripts look
 ALIASES = {"state_dict": "student"}
-#: the parts a checkpoint must hold (an older kd's may lack the others: they keep their fresh state)
-REQUIRED = ("student", "optimizer", "scheduler", "state_dict_ema")
+#: the parts a checkpoint must hold, in words (an older kd's may lack the others: they keep their fresh state)
+REQUIRED = {
+    "student": "student's weights (student)",
+    "optimizer": "optimizer's state (optimizer)",
+    "scheduler": "schedule (scheduler)",
+    "state_dict_ema": "moving average (state_dict_ema) for --model-ema",
+}
 
 #: checkpoints read in this process, by path and identity: each file is read once (a resume's
 #: config, its finished epochs, its best.pt's repair and its restore read the same state)
@@ -92,7 +97,7 @@ def restore_run(lane, state: dict) -> None:
         if state.get(key) is not None:
             part.load_state_dict(in_memory(state[key]))
         elif key in REQUIRED:
-            raise KDError(f"the checkpoint holds no {key}" + (" for --model-ema" if key == "state_dict_ema" else ""))
+            raise KDError(f"the checkpoint holds no {REQUIRED[key]}")
 
 
 def every_process(lane) -> Dict[str, Any]:
