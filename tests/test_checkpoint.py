@@ -224,6 +224,27 @@ def test_keep_last_holds_at_every_moment_of_a_step_checkpoint(data, tmp_path, mo
     assert len(seen) >= 4 and max(seen) <= 2, seen
 
 
+def test_a_resume_reads_its_checkpoint_once(data, tmp_path, monkeypatch):
+    """The config a resume continues, best.pt's check, the epochs left and the restore share one read
+    of last.pt."""
+    import kd.run.checkpoint
+
+    out = tmp_path / "run"
+    assert kd_main("train", "--data", data, *ARGS, "-j", 0, "--epochs", 1, "--out", out).returncode == 0
+    reads = []
+    real_read = kd.run.checkpoint.read
+
+    def counting_read(path, *args, **kwargs):
+        reads.append(Path(path).name)
+        return real_read(path, *args, **kwargs)
+
+    monkeypatch.setattr(kd.run.checkpoint, "read", counting_read)
+    r = kd_main("train", "--out", out, "--resume", "--epochs", 2, "--no-progress")
+    assert r.returncode == 0 and "resumed" in r.stderr, r.stderr
+    assert reads.count("last.pt") == 1, reads
+    assert torch.load(out / "checkpoints" / "last.pt", weights_only=True)["epoch"] == 2
+
+
 def test_a_file_size_limit_at_a_checkpoint_write_is_one_line(data, tmp_path):
     """A write past the file-size limit (ulimit -f: EFBIG, which torch.save reports as a RuntimeError
     of its own) stops the run in one line saying so and what to do; no partial file is left."""

@@ -296,19 +296,19 @@ def test_data_parallel_replicas_run_in_the_callers_autocast_dtype():
 def test_cuda_generator_state_is_this_process_gpus_and_old_lists_load():
     """A checkpoint holds the current GPU's state only; an older one's list of every GPU's state
     (saved where more GPUs were visible) gives the current GPU's entry instead of failing."""
-    from kd.run import checkpoint
+    from kd.run.state import rng_state, set_rng_state
 
     torch.zeros(1, device="cuda")  # CUDA initialised, as in a run
     torch.cuda.manual_seed(5)
     wanted = torch.cuda.get_rng_state()
-    state = checkpoint.rng_state()
+    state = rng_state()
     assert torch.equal(state["cuda"], wanted)
     torch.cuda.manual_seed(6)
     other = torch.cuda.get_rng_state()
-    checkpoint.set_rng_state(state)
+    set_rng_state(state)
     assert torch.equal(torch.cuda.get_rng_state(), wanted)
     entries = [other] * (torch.cuda.device_count() + 1)
     entries[torch.cuda.current_device()] = wanted
     torch.cuda.manual_seed(6)
-    checkpoint.set_rng_state(dict(state, cuda=entries))
+    set_rng_state(dict(state, cuda=entries))
     assert torch.equal(torch.cuda.get_rng_state(), wanted)

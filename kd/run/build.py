@@ -16,10 +16,10 @@ from kd.errors import KDError
 from kd.losses import LOSSES, DistillLoss, build_loss, split_layers
 from kd.precision import make_precision
 from kd.precision.cpu import slow_precision_warning
-from kd.run import checkpoint, papers
+from kd.run import papers
 from kd.run.dot import check_applies
 from kd.run.ema import ModelEma
-from kd.run.lane import Lane, TrainState, stop_in_setup
+from kd.run.lane import Lane, stop_in_setup
 from kd.run.log import NullLogger, RunLogger
 from kd.run.optim import build_optimizer, build_scheduler, lr_note
 from kd.run.runtime import resolve as resolve_runtime
@@ -36,19 +36,21 @@ def build_lane(
     shared,
     validate: bool = True,
     alone: bool = True,
+    first: bool = True,
 ) -> Lane:
     """The student ``name`` for ``cfg`` on the set-up ``backend`` (its own fork), in ``out``, resumed
-    from the checkpoint state ``resumed`` where given (read once, by the loop); ``shared``
+    from the checkpoint ``resumed`` (path, state) where given (read once, by the loop); ``shared``
     (:class:`kd.run.loop.Shared`) brings the data, the teacher's model, the stop flag and the
-    set-up's clock; ``alone``: the run's only student. A stop signal during set-up ends it at the
-    next of a few points, every process alike, with nothing written."""
+    set-up's clock; ``alone``: the run's only student; ``first``: the first built (it alone shows a
+    progress bar). A stop signal during set-up ends it at the next of a few points, every process
+    alike, with nothing written."""
     cfg = models.with_data_configs(cfg)
     dev = backend.device
     runtime = resolve_runtime(cfg, dev)
     if dev.type == "cuda":
         torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
     prefix = "" if alone else f"[{out.name}] "
-    logger = RunLogger(out, cfg.progress_bar, prefix) if backend.is_main else NullLogger()
+    logger = RunLogger(out, cfg.progress_bar if first else False, prefix) if backend.is_main else NullLogger()
     clock, data = shared.clock, shared.data
     stop_in_setup(shared.stop, backend)
     num_classes = cfg.num_classes or len(data.classes)
@@ -112,8 +114,7 @@ def build_lane(
         backend=backend,
         out=out,
         data=data,
-        stop=shared.stop,
-        clock=clock,
+        shared=shared,
         logger=logger,
         precision=precision,
         side=side,
@@ -126,16 +127,13 @@ def build_lane(
         needs_teacher=loss.card.needs_teacher,  # its outputs live, or from a store (--soft-labels)
         t_layers=t_layers,
         notes=notes,
-        state=TrainState(),
         validate=validate,
         ema=ema,
+        resumed=resumed[1] if resumed is not None else None,
     )
     if resumed is not None:
-        path, state = resumed
-        checkpoint.restore_run(lane, state)
-        lane.resumed_step = lane.state.global_step
         logger.resume_at(lane.state.epoch)
-        logger.info(f"resumed from {path} at epoch {lane.state.epoch + 1}")
+        logger.info(f"resumed from {resumed[0]} at epoch {lane.state.epoch + 1}")
     for line in said + notes:
         logger.info(line)
     lane.log_data_configs()  # once set-up has succeeded: a failed start stays one line

@@ -1,6 +1,12 @@
 """A run's checkpoints: a lane's full state (float32 weights, optimizer, schedule, scaler, position,
 counters, every rank's generators), written by the main process, read back on resume.
 
+A checkpoint is the dict of the lane's stateful parts (:attr:`kd.run.lane.Lane.stateful`, each
+saved under its key by its ``state_dict``, as Lightning Fabric saves its state), its
+:class:`kd.run.state.TrainState`'s fields at the top level, and a header that says what the run is
+(``student_name``, ``num_classes``, ``classes``, ``config``), which ``kd eval``, ``kd export`` and a
+teacher's loading read without the parts.
+
 The files are written and read by :mod:`kd.utils.checkpoint_io`: atomically, each with its SHA-256
 beside it, checked before it is read, loaded with ``weights_only=True``.
 """
@@ -8,64 +14,56 @@ beside it, checked before it is read, loaded with ``weights_only=True``.
 from __future__ import annotations
 
 import errno
-import random
 import shutil
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple, cast
+from typing import Any, Dict, Optional, Tuple
 
-import numpy as np
 import torch
 
 from kd.errors import KDError, write_fix, write_reason
-from kd.run.state import TrainState
 from kd.runfolder import RunFolder
 from kd.utils.checkpoint_io import copy_atomic, read, remove, save_atomic, verify
 from kd.version import __version__
 
 FORMAT_VERSION = 1
+#: a second name of a part's state, the same tensors stored once: where timm's load_checkpoint and most scripts look
+ALIASES = {"state_dict": "student"}
+#: the parts a checkpoint must hold, in words (an older kd's may lack the others: they keep their fresh state)
+REQUIRED = {
+    "student": "student's weights (student)",
+    "optimizer": "optimizer's state (optimizer)",
+    "scheduler": "schedule (scheduler)",
+    "state_dict_ema": "moving average (state_dict_ema) for --model-ema",
+}
+
+#: checkpoints read in this process, by path and identity: each file is read once (a resume's
+#: config, its finished epochs, its best.pt's repair and its restore read the same state)
+_read: Dict[Tuple[str, int, int, int], Any] = {}
 
 
-def rng_state() -> Dict[str, Any]:
-    """This process's generators: torch's, Python's, NumPy's and its own current GPU's (not every visible GPU's)."""
-    # get_state() is the legacy tuple (name, keys, pos, has_gauss, cached_gaussian); numpy's stubs
-    # also allow the dict form, which only get_state(legacy=False) returns
-    np_state = cast(Tuple[str, np.ndarray, int, int, float], np.random.get_state())
-    state = {
-        "torch": torch.get_rng_state(),
-        "python": list(random.getstate()[1]),
-        "python_pos": random.getstate()[2],
-        "numpy": torch.from_numpy(np_state[1].astype(np.int64)),
-        "numpy_pos": int(np_state[2]),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
+def read_once(path: Path) -> Any:
+    """What the file ``path`` holds (unchecked: :func:`load` checks), its tensors memory-mapped, read
+    from the disk only where used; read once in this process while the file stays as it is."""
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
+    if key not in _read:
+        _read[key] = read(path, "cannot load checkpoint", mmap=True)
+    return _read[key]
 
 
-def set_rng_state(state: Dict[str, Any]) -> None:
-    """Restore :func:`rng_state`; the GPU state goes to the current GPU. An older checkpoint's list of
-    every GPU's state gives the entry of the current GPU, where it has one."""
-    torch.set_rng_state(state["torch"])
-    random.setstate((3, tuple(state["python"]), state["python_pos"]))
-    np.random.set_state(("MT19937", state["numpy"].numpy().astype(np.uint32), state["numpy_pos"], 0, 0.0))
-    cuda = state.get("cuda")
-    if cuda is None or not torch.cuda.is_available():
-        return
-    if isinstance(cuda, (list, tuple)):
-        index = torch.cuda.current_device()
-        cuda = cuda[index] if index < len(cuda) else None
-    if cuda is not None:
-        torch.cuda.set_rng_state(cuda)
+def forget() -> None:
+    """Let go of the checkpoints read (their memory maps keep the files' replaced versions on the disk)."""
+    _read.clear()
 
 
-def load(path: Path, mmap: bool = False) -> Dict[str, Any]:
-    """A kd checkpoint, refusing anything that needs arbitrary code to unpickle; ``mmap``: its
-    tensors memory-mapped, read only where used (a check that it can be resumed costs little)."""
+def load(path: Path) -> Dict[str, Any]:
+    """A kd checkpoint, checked against its SHA-256, refusing anything that needs arbitrary code to
+    unpickle (:func:`read_once`)."""
     path = Path(path)
     if not path.is_file():
         raise KDError(f"nothing to resume: {path} does not exist")
     verify(path)
-    obj = read(path, "cannot load checkpoint", mmap=mmap)
+    obj = read_once(path)
     if not isinstance(obj, dict) or obj.get("format") != FORMAT_VERSION or "student" not in obj:
         raise KDError(f"{path} is not a kd checkpoint")
     return obj
@@ -74,83 +72,57 @@ def load(path: Path, mmap: bool = False) -> Dict[str, Any]:
 def finished_epochs(path: Path, epochs: int) -> Optional[int]:
     """The epochs the run of checkpoint ``path`` trained where that is ``epochs`` or more (nothing left
     to resume), else None."""
-    verify(path)
-    state = read(path, "cannot load checkpoint", mmap=True)  # memory-mapped: the run reads it again
-    if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
-        raise KDError(f"{path} is not a kd checkpoint")
+    state = load(path)
     done = int(state.get("epoch", 0))
     return done if done >= epochs and not state.get("pending_epoch") else None
 
 
-# ----------------------------------------------------------------- a trainer's state
+# ----------------------------------------------------------------- a lane's state
+def in_memory(value: Any) -> Any:
+    """``value`` with each tensor copied out of its memory map (a part may keep what it loads)."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: in_memory(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(in_memory(v) for v in value)
+    return value
+
+
 def restore_run(lane, state: dict) -> None:
-    """Put ``state`` (a :func:`run_state`) back into ``lane``: weights, optimizer, schedule, scaler,
-    its :class:`kd.run.state.TrainState` and this rank's generators."""
-    side_state = {f"student.{k}": v for k, v in state["student"].items()}
-    side_state.update({f"loss.{k}": v for k, v in state.get("loss", {}).items()})
-    lane.precision.load_model_state(lane.side, side_state)
-    lane.optimizer.load_state_dict(state["optimizer"])
-    lane.scheduler.load_state_dict(state["scheduler"])
-    lane.precision.load_state_dict(state.get("precision", {}))
-    if lane.ema is not None:
-        if not isinstance(state.get("state_dict_ema"), dict):
-            raise KDError("the checkpoint holds no moving average (state_dict_ema) for --model-ema")
-        lane.ema.load_state_dict(state["state_dict_ema"])
-    pending = state.get("pending_epoch")
-    lane.state = TrainState(
-        epoch=state["epoch"],
-        batch_in_epoch=state.get("batch_in_epoch", 0),
-        global_step=state["global_step"],
-        best_top1=state["best_top1"],
-        best_epoch=state.get("best_epoch"),
-        bad_files=set(state.get("bad_files", [])),
-        pending_epoch=(pending["train"], pending["seconds"]) if pending else None,
+    """Put ``state`` (a :func:`run_state`) back into ``lane``: its training state and each of its
+    stateful parts, in the order it declares them."""
+    lane.state.load_state_dict(state)
+    for key, part in lane.stateful.items():
+        if state.get(key) is not None:
+            part.load_state_dict(in_memory(state[key]))
+        elif key in REQUIRED:
+            raise KDError(f"the checkpoint holds no {REQUIRED[key]}")
+
+
+def every_process(lane) -> Dict[str, Any]:
+    """The state of ``lane``'s parts marked ``collective`` (every process's generators, an epoch's
+    sums): a collective every process calls, for :func:`run_state` on the main process."""
+    return {k: part.state_dict() for k, part in lane.stateful.items() if getattr(part, "collective", False)}
+
+
+def run_state(lane, gathered: Optional[Dict[str, Any]] = None) -> dict:
+    """``lane``'s full state for ``last.pt``: the header, its training state, and each stateful
+    part's ``state_dict`` under its key (those that span processes from ``gathered``,
+    :func:`every_process`'s)."""
+    gathered = gathered or {}
+    state: Dict[str, Any] = {"format": FORMAT_VERSION, "kd_version": __version__}
+    for key, part in lane.stateful.items():
+        state[key] = gathered[key] if key in gathered else part.state_dict()
+    state.update({alias: state[key] for alias, key in ALIASES.items()})
+    state.update(lane.state.state_dict())
+    state.update(
+        student_name=lane.cfg.student,
+        num_classes=lane.num_classes,
+        classes=list(lane.data.classes),
+        config=lane.saved_config.to_dict(),
     )
-    if state.get("meter") and lane.backend.is_main:
-        lane.meter.load_state_dict(state["meter"])
-    # the lr of each step of an epoch stopped mid-way: its logged mean covers the whole epoch
-    lane.epoch_lrs = list(state.get("epoch_lrs") or []) if lane.state.batch_in_epoch else []
-    rng = state.get("rng", {}).get(str(lane.backend.rank))
-    if rng is not None:
-        set_rng_state(rng)
-
-
-def run_state(lane, rng: Optional[Dict[str, Any]] = None, meter: Optional[dict] = None) -> dict:
-    """``lane``'s full state for ``last.pt``: float32 weights, optimizer, schedule, scaler, its
-    training state (position in the epoch, counters), the run's config, and (from
-    :func:`save_run`) every rank's generators and a mid-epoch meter."""
-    side = lane.precision.model_state(lane.side)
-    student = {k[len("student.") :]: v for k, v in side.items() if k.startswith("student.")}
-    at = lane.state
-    return {
-        "format": FORMAT_VERSION,
-        "kd_version": __version__,
-        "student": student,
-        # the same tensors (stored once) where timm's load_checkpoint and most scripts look
-        "state_dict": student,
-        "loss": {k[len("loss.") :]: v for k, v in side.items() if k.startswith("loss.")},
-        # --model-ema's average, float32, where timm's load_checkpoint(use_ema=True) looks
-        **({"state_dict_ema": lane.ema.state_dict()} if lane.ema is not None else {}),
-        "optimizer": lane.optimizer.state_dict(),
-        "scheduler": lane.scheduler.state_dict(),
-        "precision": lane.precision.state_dict(),
-        "epoch": at.epoch,
-        "batch_in_epoch": at.batch_in_epoch,
-        "global_step": at.global_step,
-        "best_top1": at.best_top1,
-        "best_epoch": at.best_epoch,  # what best.pt holds: a copy of last.pt as that epoch ended
-        "bad_images": len(at.bad_files),
-        "bad_files": sorted(at.bad_files),
-        # an epoch trained whose validation a stop cut short
-        "pending_epoch": {"train": at.pending_epoch[0], "seconds": at.pending_epoch[1]} if at.pending_epoch else None,
-        "meter": meter,
-        "epoch_lrs": list(lane.epoch_lrs) if at.batch_in_epoch else [],
-        "rng": rng or {},
-        "student_name": lane.cfg.student,
-        "num_classes": lane.num_classes,
-        "classes": list(lane.data.classes),
-        "config": lane.cfg.to_dict(),
-    }
+    return state
 
 
 def write_failure(exc: OSError, folder: Path) -> str:
@@ -179,19 +151,15 @@ def save_run(lane, best: bool, step_copy: bool = False) -> None:
     A failed write (disk full) keeps the previous file and stops the run with a clear error.
     """
     lane.backend.sync_buffers(lane.side)
-    # every process's generators (each draws its own dropout masks), restored rank by rank, and the
-    # unreadable files each met since the last check
-    gathered = lane.backend.all_gather_object((rng_state(), sorted(lane.new_bad_files)))
-    rng = {str(rank): state for rank, (state, _) in enumerate(gathered)}
-    lane.gather_bad_files([paths for _, paths in gathered])
-    # a mid-epoch checkpoint holds the epoch's sums over every process; rank 0 alone restores them
-    meter = lane.meter.global_state(lane.backend) if lane.state.batch_in_epoch else None
+    # the unreadable files each process met since the last check
+    lane.gather_bad_files(lane.backend.all_gather_object(sorted(lane.new_bad_files)))
+    gathered = every_process(lane)
     if lane.backend.is_main and lane.meter.streak.item() > 0:
         lane.logger.info("not checkpointing: the last step was skipped (not finite); the previous checkpoint stays")
     elif lane.backend.is_main:
         run = RunFolder(lane.out)
         folder, path = run.checkpoints, run.last
-        state = run_state(lane, rng, meter)
+        state = run_state(lane, gathered)
         broken = nonfinite_keys(state["student"]) + nonfinite_keys(state["loss"])
         broken += [f"state_dict_ema.{k}" for k in nonfinite_keys(state.get("state_dict_ema", {}))]
         if broken:  # never a checkpoint that cannot evaluate (the step's policy should make this impossible)
@@ -225,12 +193,12 @@ def stale_best(run: RunFolder) -> Optional[str]:
     last.pt's write and best.pt's copy leaves it older), or None where it is (or nothing says)."""
     if not run.last.is_file():
         return None
-    best_epoch = read(run.last, "cannot load checkpoint", mmap=True).get("best_epoch")
+    best_epoch = read_once(run.last).get("best_epoch")
     if best_epoch is None:  # an earlier kd's checkpoint: nothing to compare
         return None
     if not run.best.is_file():
         return f"missing: last.pt records epoch {best_epoch} as the best"
-    held = read(run.best, "cannot load checkpoint", mmap=True).get("epoch")
+    held = read_once(run.best).get("epoch")
     if held != best_epoch:
         return f"holds epoch {held}, but the best epoch is {best_epoch} (last.pt)"
     return None
@@ -243,7 +211,7 @@ def repair_best(run: RunFolder) -> Optional[str]:
     if why is None:
         return None
     verify(run.last)
-    state = read(run.last, "cannot load checkpoint", mmap=True)
+    state = read_once(run.last)
     if state.get("epoch") != state.get("best_epoch") or state.get("batch_in_epoch") or state.get("pending_epoch"):
         return None  # last.pt has moved on: verify names the stale best.pt; nothing here can rebuild it
     copy_atomic(run.last, run.best)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, cast
 
 import torch
 from torch import nn
@@ -22,7 +22,7 @@ from kd.run import checkpoint, dot
 from kd.run.ema import ModelEma
 from kd.run.log import NullBar, SetupClock, first_step_record
 from kd.run.meter import LearningWatch, Meter, format_record, nonfinite_flags, nonfinite_message
-from kd.run.state import TrainState
+from kd.run.state import EpochSums, Generators, TrainState, Weights
 from kd.run.step import LOGITS_SUM, BufferGuard, StepOutput, apply_gradients
 from kd.runfolder import RunFolder
 from kd.utils.accuracy import unreadable_note, validate_student
@@ -40,8 +40,9 @@ EMA_RECORD = ("val_top1", "val_top5", "val_loss", "val_s")
 class Lane:
     """One student's part of a run in this process, built whole by :func:`kd.run.build.build_lane`
     from its parts: its config and run folder, its fork of the set-up backend, its precision, side
-    (the student and its loss's trainable modules), wrapped model, optimizer and schedule, and its
-    training state. The run's loop (:class:`kd.run.loop.Trainer`) drives :meth:`begin_epoch`,
+    (the student and its loss's trainable modules), wrapped model, optimizer and schedule, and the
+    checkpoint it resumes; whole when built (its stateful parts declared once, in :attr:`stateful`).
+    The run's loop (:class:`kd.run.loop.Trainer`) drives :meth:`begin_epoch`,
     :meth:`step` (with the teacher's targets), :meth:`after_step`, :meth:`end_train_epoch` and
     :meth:`end_epoch`.
     """
@@ -54,8 +55,7 @@ class Lane:
         backend,
         out: Path,
         data,
-        stop: StopFlag,
-        clock: SetupClock,
+        shared,
         logger,
         precision,
         side: nn.Module,
@@ -68,24 +68,28 @@ class Lane:
         needs_teacher: bool,
         t_layers: List[str],
         notes: List[str],
-        state: TrainState,
         validate: bool = True,
         ema: Optional[ModelEma] = None,
+        resumed: Optional[Dict[str, Any]] = None,
     ):
-        """``side``: the student side (:class:`kd.run.sides.StudentSide`) as the precision prepared it;
-        ``model``: the side as the backend wrapped it (and torch.compile, where on); ``renorm``: from
-        the loaders' normalisation to the student's own (None where they agree); ``t_layers``: the
+        """``shared``: what the run's students share (:class:`kd.run.loop.Shared`: the stop flag, the
+        set-up's clock, the teacher source the run builds after its students); ``side``: the
+        student side (:class:`kd.run.sides.StudentSide`) as the precision prepared it; ``model``:
+        the side as the backend wrapped it (and torch.compile, where on); ``renorm``: from the
+        loaders' normalisation to the student's own (None where they agree); ``t_layers``: the
         teacher layers its loss taps; ``notes``: what kd chose for the user (comments in
         config.yaml); ``validate=False`` skips the teacher's and the student's validation passes
         (timed benchmark runs); ``ema``: the moving average of the student's weights (--model-ema),
-        updated after each optimizer step and validated beside the student."""
+        updated after each optimizer step and validated beside the student; ``resumed``: the
+        checkpoint (:func:`kd.run.checkpoint.load`) it continues from, restored here."""
         self.name = name  # the student's name beside others; its run folder's name
         self.cfg = cfg
         self.backend = backend
         self.out = out
         self.data = data
-        self.stop = stop
-        self.clock = clock  # the run's: its set-up parts
+        self.shared = shared
+        self.stop: StopFlag = shared.stop
+        self.clock: SetupClock = shared.clock  # the run's: its set-up parts
         self.logger = logger
         self.device = backend.device
         self.precision = precision
@@ -101,17 +105,13 @@ class Lane:
         self.num_classes = num_classes
         self.needs_teacher = needs_teacher
         self.t_layers = t_layers
-        self.notes = notes
-        self.state = state
+        self.own_notes = notes
+        self.state = TrainState()
         self.validates = validate
         self.ema = ema
-        self.teacher: Optional[Teacher] = None  # the live teacher it learns from (its top-1, its precision)
-        self.rng: Dict[str, Any] = {}  # beside other students: its generators' state between its calls
         self.first_step: Optional[Dict[str, float]] = None  # seconds to the first step, once taken
         self.loss_terms: List[str] = []  # the loss parts besides the total, in the order of the non-finite flags
-        self.resumed_step = state.global_step  # the global step it started (or resumed) at
         self.step_lr = optimizer.param_groups[0]["lr"]  # the lr of the last step taken (logged)
-        self.epoch_lrs: List[float] = []  # the lr of each of this epoch's steps (its mean is logged)
         self.new_bad_files: Set[str] = set()  # the unreadable files this process met since the last check
         self.val_bad_files: Set[str] = set()  # the unreadable val files, named once (the same on every process)
         self.meter = Meter(self.device)
@@ -120,6 +120,21 @@ class Lane:
         self.stop_every = min(cfg.log_every, 10)  # steps between stop checks across processes
         self.epoch_ended: Optional[float] = None
         self._bar: Any = NullBar()  # the epoch's progress bar (begin_epoch); none before the first epoch
+        self.generators = Generators(backend)  # the process's as its build left them
+        #: what its checkpoint holds beside its training state, by key, restored in this order (kd.run.checkpoint)
+        self.stateful: Dict[str, Any] = {
+            "student": Weights(precision, cast(nn.Module, side.student)),
+            "loss": Weights(precision, self.loss),
+            **({"state_dict_ema": ema} if ema is not None else {}),
+            "optimizer": optimizer,
+            "scheduler": scheduler,
+            "precision": precision,
+            "meter": EpochSums(self.meter, self.state, backend),
+            "rng": self.generators,
+        }
+        if resumed is not None:
+            checkpoint.restore_run(self, resumed)
+        self.resumed_step = self.state.global_step  # the global step it started (or resumed) at
 
     def close(self) -> None:
         """Its logs closed (the run closes what the lanes share)."""
@@ -143,12 +158,12 @@ class Lane:
     ) -> Dict[str, float]:
         """The epoch's record from its training totals: hooks, validation, the log, metrics.jsonl and
         the checkpoint; the epoch counter moves on. ``extra`` joins the record first."""
-        cfg = self.cfg
+        cfg, lrs = self.cfg, self.state.epoch_lrs
         record: Dict[str, Any] = {
             "epoch": self.state.epoch + 1,
             **{f"train_{k}": v for k, v in train.items()},
             # the mean lr the epoch's steps trained at (the optimizer's holds the next step's)
-            "lr": sum(self.epoch_lrs) / len(self.epoch_lrs) if self.epoch_lrs else self.optimizer.param_groups[0]["lr"],
+            "lr": sum(lrs) / len(lrs) if lrs else self.optimizer.param_groups[0]["lr"],
             "seconds": seconds,
             "img_per_s": train.get("images", 0) / max(seconds, 1e-9),
             "classes": self.num_classes,
@@ -193,7 +208,7 @@ class Lane:
             self.logger.info(stalled)
         self.state.epoch += 1
         self.state.batch_in_epoch = 0
-        self.epoch_lrs = []
+        self.state.epoch_lrs = []
         self.save(best)
         return record
 
@@ -305,7 +320,7 @@ class Lane:
             self.ema.update(self.state.global_step + 1, skipped)
         flags = torch.cat([flags, (skipped & good).float().reshape(1)])  # skipped on its gradients alone
         self.step_lr = self.optimizer.param_groups[0]["lr"]  # the lr this step trained at (logged)
-        self.epoch_lrs.append(self.step_lr)
+        self.state.epoch_lrs.append(self.step_lr)
         self.scheduler.step()
         self.loss.after_step()
         self.state.global_step += 1
@@ -370,8 +385,7 @@ class Lane:
         meter = self.meter
         totals = meter.reduce(self.backend)
         totals.update(data_wait_s=meter.wait, first_batch_s=first_wait or 0.0, bad_images=len(self.state.bad_files))
-        self.meter = Meter(self.device)
-        self.meter.streak, self.meter.sources = meter.streak, meter.sources  # a non-finite streak spans epochs
+        meter.next_epoch()
         return totals
 
     def _nonfinite_message(self, how_long: str, epoch: Optional[int] = None) -> str:
@@ -416,10 +430,22 @@ class Lane:
                 note = models.pretrained_note(name, weights, f"--{role}-weights")
                 self.logger.info(f"{role} {name}: {line}" + (f"; {note}" if note else ""))
 
-    def use_teacher(self, teacher: Teacher) -> None:
-        """The live teacher this student learns from (its own, or one shared with other students)."""
-        self.teacher = teacher
-        self.cfg = dataclasses.replace(self.cfg, teacher_precision=teacher.dtype_name)
+    @property
+    def teacher(self) -> Optional[Teacher]:
+        """The live teacher this student learns from (its top-1, its precision), once the run built it."""
+        return self.shared.teacher if self.needs_teacher else None
+
+    @property
+    def saved_config(self):
+        """The config its config.yaml and checkpoints record: its own, with what the teacher source it
+        learns from fixed (the teacher's precision as probed, or a store's teacher)."""
+        taught = self.shared.taught if self.needs_teacher else {}
+        return dataclasses.replace(self.cfg, **taught) if taught else self.cfg
+
+    @property
+    def notes(self) -> List[str]:
+        """What kd chose for this student (comments in config.yaml): its own, then its teacher source's."""
+        return self.own_notes + (self.shared.notes if self.needs_teacher else [])
 
 
 def stop_in_setup(stop: StopFlag, backend) -> None:

@@ -153,6 +153,9 @@ def launch_local(job: Job, nproc: int):
     except ImportError:  # pragma: no cover - older torch
         signal_exception = KeyboardInterrupt
 
+    from kd.run import checkpoint
+
+    checkpoint.forget()  # the workers read the checkpoints they resume from; the files' old versions may go
     cfg = job.cfg
     visible = visible_devices(cfg, nproc)
     error_dir = tempfile.mkdtemp(prefix="kd-launch-")

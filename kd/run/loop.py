@@ -7,10 +7,8 @@ once per batch; the loop never knows which."""
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
@@ -43,25 +41,20 @@ if TYPE_CHECKING:  # the run's description, built by the command
 class Shared:
     """What the students of a run share: the data pipeline, the teacher's model (built by the first
     student that needs it, right after that student, as its own run builds it), the stop flag and
-    the set-up's clock."""
+    the set-up's clock; then the teacher source the run builds after its students (it taps the
+    layers of them all), as the students that learn from it see it."""
 
     data: Any
     teacher_model: Any
     stop: StopFlag
     clock: SetupClock
-
-
-@contextlib.contextmanager
-def own_generators(lane: Lane):
-    """``lane``'s own random generators in place for its calls (its dropout masks, and its checkpoint's
-    generator state), as if it trained alone."""
-    outer = checkpoint.rng_state()
-    checkpoint.set_rng_state(lane.rng)
-    try:
-        yield
-    finally:
-        lane.rng = checkpoint.rng_state()
-        checkpoint.set_rng_state(outer)
+    #: the live frozen teacher, once built (None for a store, or where no student learns from one)
+    teacher: Optional[Teacher] = None
+    #: what the teacher source fixes in the config of a student that learns from it: the teacher's
+    #: precision as probed, or a store's teacher and weights
+    taught: Dict[str, Any] = field(default_factory=dict)
+    #: what kd chose for the teacher source (lines of those students' config.yaml)
+    notes: List[str] = field(default_factory=list)
 
 
 def check_classes(students: Students, resumed: Dict[str, Any], classes: Sequence[str]) -> None:
@@ -91,8 +84,8 @@ def start_folder(lane: Lane, resumed: bool) -> None:
                 RunFolder(lane.out).start()
             else:
                 lane.out.mkdir(parents=True, exist_ok=True)
-            kd_config.save(lane.cfg, RunFolder(lane.out).config, notes=lane.notes)
-            provenance.write(lane.out, lane.cfg, lane.backend, resumed)
+            kd_config.save(lane.saved_config, RunFolder(lane.out).config, notes=lane.notes)
+            provenance.write(lane.out, lane.saved_config, lane.backend, resumed)
         open_part(lane.out, lane.clock.started)
 
 
@@ -155,10 +148,11 @@ class Trainer:
             shared = Shared(self.data, None, self.stop, clock)
             for name, lane_cfg in students.training():
                 lane = build_lane(
-                    name, lane_cfg, backend.fork(), students.folder(name), resumed.get(name), shared, validate, alone
-                )
-                lane.rng = checkpoint.rng_state()
+                    name, lane_cfg, backend.fork(), students.folder(name), resumed.get(name), shared, validate, alone,
+                    first=not self.lanes,
+                )  # fmt: skip
                 self.lanes.append(lane)
+            checkpoint.forget()  # each restored: their memory maps go
             if not alone:
                 self._refuse_several(cfg)
             self._teacher_source(shared)
@@ -172,8 +166,6 @@ class Trainer:
                     f"with kd train --out {students.out}/NAME --resume"
                 )
             self.global_step = self.lanes[0].state.global_step
-            for lane in self.lanes[1:]:
-                lane.logger.bar_enabled = False  # one progress bar for all
             self.lanes[0].logger.info(self.data.train.describe())  # after set-up: a failed start stays one line
             cache = getattr(self.data.val, "describe_cache", None)
             if cache is not None:
@@ -209,32 +201,29 @@ class Trainer:
             return
         if isinstance(self.source, SoftLabels):
             manifest, line = self.source.manifest, self.source.describe()
-            for lane in taught:  # config.yaml names the teacher whose outputs it trained on
-                lane.cfg = dataclasses.replace(
-                    lane.cfg, teacher=manifest["teacher"], teacher_weights=manifest["teacher_weights"]
-                )
+            # config.yaml names the teacher whose outputs it trained on
+            shared.taught.update(teacher=manifest["teacher"], teacher_weights=manifest["teacher_weights"])
+            shared.notes.append(line)
+            for lane in taught:
                 lane.logger.info(line)
-                lane.notes.append(line)
             shared.clock.mark("teacher")
             return
         model, shared.teacher_model = shared.teacher_model, None
         layers = list(dict.fromkeys(layer for lane in taught for layer in lane.t_layers))
-        notes: List[str] = []
         first = taught[0]
         runtime = resolve_runtime(first.cfg, self.backend.device)
         teacher = build_teacher(
             model, layers, first.cfg, self.backend, self.data, first.precision, first.logger.info, runtime, self.hooks,
-            notes,
+            shared.notes,
         )  # fmt: skip
-        self.source = teacher
-        for lane in taught:
-            lane.use_teacher(teacher)
-            lane.notes.extend(notes)
+        self.source = shared.teacher = teacher
+        shared.taught["teacher_precision"] = teacher.dtype_name
         stop_in_setup(self.stop, self.backend)
         shared.clock.mark("teacher")  # on the device, fused, its precision probed
 
     def close(self) -> None:
         """Every student's logs, the data pipeline's workers and the signal handlers: nothing outlives the run."""
+        checkpoint.forget()
         for lane in self.lanes:
             lane.close()
         if self.source is not None:
@@ -262,7 +251,7 @@ class Trainer:
         if not self.students.grouped:
             return call()
         try:
-            with own_generators(lane):
+            with lane.generators.own():
                 return call()
         except NonFinite as exc:
             lane.logger.info(f"stopped: {exc}")

@@ -15,13 +15,17 @@ class Meter:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.sums: Dict[str, torch.Tensor] = {}
-        self.count = torch.zeros((), device=device)  # images
-        self.finite = torch.zeros((), device=device)  # images of steps with a finite loss: the means' weight
-        self.skipped = torch.zeros((), device=device)
         self.streak = torch.zeros((), device=device)
-        self.worst = torch.zeros((), device=device)
         self.sources = torch.zeros((), device=device)  # non-finite flags seen during the current streak
+        self.next_epoch()
+
+    def next_epoch(self) -> None:
+        """Sums and counters from zero; a non-finite streak and its sources span epochs."""
+        self.sums: Dict[str, torch.Tensor] = {}
+        self.count = torch.zeros((), device=self.device)  # images
+        self.finite = torch.zeros((), device=self.device)  # images of steps with a finite loss: the means' weight
+        self.skipped = torch.zeros((), device=self.device)
+        self.worst = torch.zeros((), device=self.device)
         self.wait = 0.0
 
     def add(

@@ -186,6 +186,6 @@ def resumed_config(
     from kd.run.checkpoint import load
     from kd.runfolder import RunFolder
 
-    ran = ran_config(load(checkpoint, mmap=True), checkpoint, folder)
+    ran = ran_config(load(checkpoint), checkpoint, folder)
     ran = with_last_part(ran, RunFolder(folder).config, checkpoint)
     return continued(ran, options, sets, recipe)
