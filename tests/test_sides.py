@@ -60,6 +60,10 @@ def test_the_methods_needs_of_a_batch_are_read_where_the_record_is_made():
     assert "indices" not in mlkd.loss_inputs
     assert batch.second_images is not None and torch.equal(mlkd.second_images, batch.second_images * 2)
     assert mlkd.loss_inputs["second_teacher_logits"] is targets.second_logits
+    assert crd.classifier is None and mlkd.classifier is None
+    sdd = build_loss("sddkd", CLASSES, {})
+    sdd.setup_classifiers("4", torch.zeros(CLASSES, 2), None)
+    assert step_inputs(batch, targets, sdd, [], double, 0.0, 0).classifier == "4"  # each replica hands the loss its own
 
 
 @pytest.mark.parametrize("method", ["kd", "mlkd"])

@@ -26,11 +26,14 @@ class StepInputs(NamedTuple):
     :class:`kd.losses.base.DistillInputs` fields that come from the batch and the teacher (labels,
     the teacher's logits and features, indices, progress, step, ...), by field name: the student side
     adds its own outputs and hands the loss the whole; ``second_images``: each sample's second view,
-    which the student forwards too, where the method reads one (None otherwise)."""
+    which the student forwards too, where the method reads one (None otherwise); ``classifier``: the
+    name of the student's linear classifier, which each replica hands the loss as its own
+    (``student_classifier``), for the methods whose cell scores train it (None otherwise)."""
 
     images: torch.Tensor
     loss_inputs: Dict[str, Any]
     second_images: Optional[torch.Tensor] = None
+    classifier: Optional[str] = None
 
 
 def step_inputs(
@@ -44,7 +47,7 @@ def step_inputs(
 ) -> StepInputs:
     """Everything one step of a student with ``loss`` reads of the loader's ``batch`` (mixed, where
     mixup is on) and the teacher source's ``targets`` (None for a student alone), in one record; the
-    one place that reads what the method needs of a batch. ``teacher_layers``: the teacher's taps the
+    one place where the engine reads what the method needs of a step. ``teacher_layers``: the teacher's taps the
     loss pairs with the student's; ``prepare``: images as the student takes them (its normalisation
     and its precision's input cast); ``progress``: the training progress in epochs; ``step``: the
     optimizer step it trains. The teacher's logits are float32 as the source gives them
@@ -62,7 +65,8 @@ def step_inputs(
         assert batch.second_images is not None and targets is not None
         second = prepare(batch.second_images)
         fields["second_teacher_logits"] = targets.second_logits
-    return StepInputs(images, fields, second)
+    classifier = str(loss.student_head) if getattr(loss, "uses_classifier", False) else None
+    return StepInputs(images, fields, second, classifier)
 
 
 class StudentSide(nn.Module):
@@ -90,9 +94,8 @@ class StudentSide(nn.Module):
             logits, distill = logits
         feats = {k: feats[k] for k in self.layers}  # spec order: the losses pair by position
         second = None if inputs.second_images is None else self.student(inputs.second_images)
-        classifier = None
-        if getattr(self.loss, "uses_classifier", False):  # this replica's own classifier: its cell scores train it
-            classifier = self.student.get_submodule(str(self.loss.student_head))
+        # this replica's own classifier, where the loss trains it through its cell scores
+        classifier = None if inputs.classifier is None else self.student.get_submodule(inputs.classifier)
         x = DistillInputs(
             student_logits=logits,
             student_feats=feats,
