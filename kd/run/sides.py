@@ -47,11 +47,11 @@ def step_inputs(
 ) -> StepInputs:
     """Everything one step of a student with ``loss`` reads of the loader's ``batch`` (mixed, where
     mixup is on) and the teacher source's ``targets`` (None for a student alone), in one record; the
-    one place where the engine reads what the method needs of a step. ``teacher_layers``: the teacher's taps the
-    loss pairs with the student's; ``prepare``: images as the student takes them (its normalisation
-    and its precision's input cast); ``progress``: the training progress in epochs; ``step``: the
-    optimizer step it trains. The teacher's logits are float32 as the source gives them
-    (:class:`kd.teacher.source.Targets`), never cast again."""
+    one place where the engine reads what the method needs of a step. ``teacher_layers``: the
+    teacher's taps the loss pairs with the student's; ``prepare``: images as the student takes them
+    (its normalisation and its precision's input cast); ``progress``: the training progress in
+    epochs; ``step``: the optimizer step it trains. The teacher's logits are float32 as the source
+    gives them (:class:`kd.teacher.source.Targets`), never cast again."""
     images = prepare(batch.images)
     fields: Dict[str, Any] = {"labels": batch.labels, "progress": progress, "step": step}
     if targets is not None:
