@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import backends  # noqa: E402
 from kd import config as kd_config  # noqa: E402
 from kd.run.loop import Trainer  # noqa: E402
-from kd.run.sides import step_inputs  # noqa: E402
+from kd.run.record import step_inputs  # noqa: E402
 from kd.run.students import Students  # noqa: E402
 from kd.run.timing import StepTimer  # noqa: E402
 

@@ -254,7 +254,8 @@ def student_and_loss(image_folder, tmp_path, **options):
 
 def test_both_heads_reach_the_loss_and_eval_is_their_average(image_folder, tmp_path):
     from kd.losses.deit import deit_distillation
-    from kd.run.sides import StepInputs, StudentSide
+    from kd.run.record import StepInputs
+    from kd.run.sides import StudentSide
 
     student, loss = student_and_loss(image_folder, tmp_path, kd_loss="deit")
     side = StudentSide(student, loss, []).train()
@@ -272,7 +273,8 @@ def test_both_heads_reach_the_loss_and_eval_is_their_average(image_folder, tmp_p
 
 @pytest.mark.parametrize("method", ["kd", "dkd", "nkd", "dist", "mlkd", "ctkd", "lskd"])
 def test_the_logit_methods_train_a_distilled_deit_through_the_heads_average(image_folder, tmp_path, method):
-    from kd.run.sides import StepInputs, StudentSide
+    from kd.run.record import StepInputs
+    from kd.run.sides import StudentSide
 
     student, loss = student_and_loss(image_folder, tmp_path, kd_loss=method)
     images, teacher = torch.randn(2, 3, 32, 32), torch.randn(2, 3)

@@ -22,7 +22,8 @@ from kd.errors import KDError
 from kd.losses import DistillInputs, DistillLoss
 from kd.precision import AutocastPrecision, CastPrecision, MasterWeightPrecision, Precision, make_precision
 from kd.run.loop import Trainer
-from kd.run.sides import StepInputs, StudentSide
+from kd.run.record import StepInputs
+from kd.run.sides import StudentSide
 from kd.run.step import apply_gradients
 
 LEVELS = ["O0", "O1", "O2", "O3"]

@@ -155,7 +155,8 @@ def test_the_students_own_classifier_is_trained_by_the_cell_scores():
     from kd import models
     from kd.data.loader import Batch
     from kd.run.build import setup_feature_layers
-    from kd.run.sides import StudentSide, step_inputs
+    from kd.run.record import step_inputs
+    from kd.run.sides import StudentSide
     from kd.teacher.source import Targets
     from kd.utils.taps import tap
 

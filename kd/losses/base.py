@@ -50,7 +50,7 @@ class DistillInputs:
     (fractional), for warm-ups such as DKD's.
 
     The engine sets the student's fields from its forward and every other field by name from one
-    record per step (:func:`kd.run.sides.step_inputs`): a new per-batch input is a field here, set
+    record per step (:func:`kd.run.record.step_inputs`): a new per-batch input is a field here, set
     there, and read by the method that needs it.
     """
 

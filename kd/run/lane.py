@@ -22,7 +22,7 @@ from kd.run import checkpoint, dot
 from kd.run.ema import ModelEma
 from kd.run.log import NullBar, SetupClock, first_step_record
 from kd.run.meter import LearningWatch, Meter, format_record, nonfinite_flags, nonfinite_message
-from kd.run.sides import step_inputs
+from kd.run.record import step_inputs
 from kd.run.state import TrainState
 from kd.run.step import LOGITS_SUM, BufferGuard, StepOutput, apply_gradients
 from kd.runfolder import RunFolder

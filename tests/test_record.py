@@ -1,6 +1,6 @@
-"""kd.run.sides: a student's inputs for one step, made once from the batch and the teacher's targets
-(:func:`step_inputs`), and the student side that takes them whole and hands its loss
-:class:`kd.losses.DistillInputs`."""
+"""kd.run.record and kd.run.sides: a student's inputs for one step, made once from the batch and the
+teacher's targets (:func:`kd.run.record.step_inputs`), and the student side that takes them whole and
+hands its loss :class:`kd.losses.DistillInputs`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from torch import nn
 
 from kd.data.loader import Batch
 from kd.losses import DistillInputs, build_loss
-from kd.run.sides import StepInputs, StudentSide, step_inputs
+from kd.run.record import StepInputs, step_inputs
+from kd.run.sides import StudentSide
 from kd.teacher.source import Targets
 
 BATCH, CLASSES = 4, 3
