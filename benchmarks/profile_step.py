@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import backends  # noqa: E402
 from kd import config as kd_config  # noqa: E402
-from kd.run.loop import Trainer
+from kd.run.loop import Trainer  # noqa: E402
+from kd.run.record import step_inputs  # noqa: E402
 from kd.run.students import Students  # noqa: E402
 from kd.run.timing import StepTimer  # noqa: E402
 
@@ -72,17 +73,18 @@ def timed(fn, iters: int, warmup: int = 3) -> float:
 
 
 def phases(trainer, timer, iters: int):
-    prec = trainer.lane.precision
+    lane = trainer.lane
+    prec = lane.precision
     batch = next(iter(trainer.data.train))
-    images, labels = prec.input_cast(batch.images), batch.labels
-    t_logits, t_feats = trainer.teacher.forward(images)
+    images = prec.input_cast(batch.images)
+    inputs = step_inputs(batch, trainer.targets(batch), lane.loss, lane.t_layers, prec.input_cast, 0.0, 0)
 
     def teacher():
         trainer.teacher.forward(images)
 
     def student():
         with prec.autocast():
-            parts = trainer.lane.model(images, labels, t_logits, t_feats, 0.0)
+            parts = trainer.lane.model(inputs)
         loss = parts["loss"].float().mean()
         (prec.scaler.scale(loss) if prec.scaler else loss).backward()
         for p in trainer.lane.params:
@@ -93,7 +95,7 @@ def phases(trainer, timer, iters: int):
 
     rows = {"teacher forward": timed(teacher, iters), "student fwd+loss+bwd": timed(student, iters)}
     with prec.autocast():  # gradients to step with
-        parts = trainer.lane.model(images, labels, t_logits, t_feats, 0.0)
+        parts = trainer.lane.model(inputs)
     parts["loss"].float().mean().backward()
     prec._gradients_to_optimizer(trainer.lane.params)
     rows["optimizer step"] = timed(optimizer, iters)

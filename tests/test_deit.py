@@ -254,12 +254,13 @@ def student_and_loss(image_folder, tmp_path, **options):
 
 def test_both_heads_reach_the_loss_and_eval_is_their_average(image_folder, tmp_path):
     from kd.losses.deit import deit_distillation
+    from kd.run.record import StepInputs
     from kd.run.sides import StudentSide
 
     student, loss = student_and_loss(image_folder, tmp_path, kd_loss="deit")
     side = StudentSide(student, loss, []).train()
     images, labels, teacher = torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 0]), torch.randn(4, 3)
-    parts = side(images, labels, teacher)
+    parts = side(StepInputs(images, {"labels": labels, "teacher_logits": teacher}))
     parts["loss"].backward()
     assert student.head.weight.grad.abs().sum() > 0 and student.head_dist.weight.grad.abs().sum() > 0
     with torch.no_grad():
@@ -272,13 +273,17 @@ def test_both_heads_reach_the_loss_and_eval_is_their_average(image_folder, tmp_p
 
 @pytest.mark.parametrize("method", ["kd", "dkd", "nkd", "dist", "mlkd", "ctkd", "lskd"])
 def test_the_logit_methods_train_a_distilled_deit_through_the_heads_average(image_folder, tmp_path, method):
+    from kd.run.record import StepInputs
     from kd.run.sides import StudentSide
 
     student, loss = student_and_loss(image_folder, tmp_path, kd_loss=method)
     images, teacher = torch.randn(2, 3, 32, 32), torch.randn(2, 3)
     assert isinstance(student.train()(images), torch.Tensor)
-    second = dict(second_images=images.flip(3), second_teacher_logits=teacher) if loss.card.views == 2 else {}
-    StudentSide(student, loss, [])(images, torch.tensor([0, 2]), teacher, **second)["loss"].backward()
+    seen = {"labels": torch.tensor([0, 2]), "teacher_logits": teacher}
+    inputs = StepInputs(images, seen)
+    if loss.card.views == 2:
+        inputs = StepInputs(images, {**seen, "second_teacher_logits": teacher}, images.flip(3))
+    StudentSide(student, loss, [])(inputs)["loss"].backward()
     assert student.head.weight.grad.abs().sum() > 0 and student.head_dist.weight.grad.abs().sum() > 0
 
 

@@ -22,6 +22,7 @@ from kd.errors import KDError
 from kd.losses import DistillInputs, DistillLoss, MethodCard
 from kd.precision import AutocastPrecision, CastPrecision, MasterWeightPrecision, Precision, make_precision
 from kd.run.loop import Trainer
+from kd.run.record import StepInputs
 from kd.run.sides import StudentSide
 from kd.run.step import apply_gradients
 
@@ -283,7 +284,7 @@ def test_loss_module_stays_float32_and_sees_float32():
     side, optimizer = precision.convert(side, optimizer)
     assert side.loss.proj.weight.dtype == torch.float32
     images = precision.input_cast(torch.randn(4, 3, 8, 8))
-    parts = side(images, torch.tensor([0, 1, 2, 0]))
+    parts = side(StepInputs(images, {"labels": torch.tensor([0, 1, 2, 0])}))
     assert side.loss.seen == [torch.float32, torch.float32]
     before = side.loss.proj.weight.detach().clone()
     apply_gradients(precision, parts["loss"], optimizer, side.parameters(), lambda: None, None)

@@ -153,8 +153,11 @@ def test_a_model_without_a_final_map_and_linear_classifier_is_refused_in_one_lin
 
 def test_the_students_own_classifier_is_trained_by_the_cell_scores():
     from kd import models
+    from kd.data.loader import Batch
     from kd.run.build import setup_feature_layers
+    from kd.run.record import step_inputs
     from kd.run.sides import StudentSide
+    from kd.teacher.source import Targets
     from kd.utils.taps import tap
 
     loss = build_loss("sddkd", 10, {"ce_weight": 0.0})
@@ -165,6 +168,7 @@ def test_the_students_own_classifier_is_trained_by_the_cell_scores():
     feats = {}
     with torch.no_grad(), tap(teacher, t_keys, feats):
         teacher_logits = teacher(images)
-    parts = StudentSide(student, loss, s_keys)(images, labels, teacher_logits, feats)
+    inputs = step_inputs(Batch(images, labels), Targets(teacher_logits, feats), loss, t_keys, lambda t: t, 0.0, 0)
+    parts = StudentSide(student, loss, s_keys)(inputs)
     parts["loss"].backward()  # the distillation part alone: the classifier's gradient comes from the cells
     assert student.fc.weight.grad is not None and student.fc.weight.grad.abs().sum() > 0

@@ -45,6 +45,10 @@ class DistillInputs:
     ``student_feats`` / ``teacher_feats`` map a layer name to that module's output, for the
     methods with ``uses_features``. ``progress`` is the training progress in epochs
     (fractional), for warm-ups such as DKD's.
+
+    The engine sets the student's fields from its forward and every other field by name from one
+    record per step (:func:`kd.run.record.step_inputs`): a new per-batch input is a field here, set
+    there, and read by the method that needs it.
     """
 
     student_logits: torch.Tensor

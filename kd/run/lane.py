@@ -22,6 +22,7 @@ from kd.run import checkpoint, dot
 from kd.run.ema import ModelEma
 from kd.run.log import NullBar, SetupClock, first_step_record
 from kd.run.meter import LearningWatch, Meter, format_record, nonfinite_flags, nonfinite_message
+from kd.run.record import step_inputs
 from kd.run.state import EpochSums, Generators, TrainState, Weights
 from kd.run.step import LOGITS_SUM, BufferGuard, StepOutput, apply_gradients
 from kd.runfolder import RunFolder
@@ -271,30 +272,17 @@ class Lane:
         backward / sync / unscale / clip / optimizer step (skipped on non-finite gradients), then the
         schedule. Reads nothing back from the device."""
         precision = self.precision
-        images = precision.input_cast(batch.images if self.renorm is None else self.renorm(batch.images))
         progress = self.state.epoch + self.state.batch_in_epoch / max(self.steps_in_epoch, 1)
-        t_logits = t_feats = None
-        if targets is not None:
-            t_logits, t_feats = targets[0], {k: targets[1][k] for k in self.t_layers}
-        indices = None
-        if self.loss.card.uses_samples:
-            assert batch.indices is not None  # every training loader names its samples
-            indices = batch.indices.to(images.device, non_blocking=True)
-        second = t_second = None
-        if self.loss.card.views == 2:  # the loaders made the strong view, the teacher forwarded it
-            assert batch.second_images is not None and targets is not None
-            second = batch.second_images if self.renorm is None else self.renorm(batch.second_images)
-            second, t_second = precision.input_cast(second), targets.second_logits
+        prepare = lambda images: precision.input_cast(images if self.renorm is None else self.renorm(images))  # noqa: E731
+        inputs = step_inputs(batch, targets, self.loss, self.t_layers, prepare, progress, self.state.global_step)
         self.buffers.save()
         with precision.autocast():
-            parts = self.model(
-                images, batch.labels, t_logits, t_feats, progress, indices, self.state.global_step, second, t_second
-            )
+            parts = self.model(inputs)
         parts = {k: v.float().mean() for k, v in parts.items()}
         task, distill = parts.pop(TASK_PART, None), parts.pop(DISTILL_PART, None)  # DOT's parts (--dot)
         self.loss_terms = self.loss_terms or sorted(k for k in parts if k not in ("loss", LOGITS_SUM))
         buffers_finite = self.buffers.check()
-        flags = nonfinite_flags(parts, t_logits, self.loss_terms, buffers_finite)
+        flags = nonfinite_flags(parts, targets.logits if targets is not None else None, self.loss_terms, buffers_finite)
         # The step's policy: a step whose loss or buffers are not finite is skipped whatever its
         # gradients say. Its gradients are made NaN (x1.0 otherwise: bit for bit the same) before
         # any sync, so every process and every skip rule below (loss scaler, kd's own check, a

@@ -1,8 +1,9 @@
-"""The student side of a KD step as one module (the frozen teacher's is :class:`kd.teacher.frozen.TeacherSide`)."""
+"""The student side of a KD step as one module, which turns a step's inputs (:class:`kd.run.record.StepInputs`)
+into the loss parts (the frozen teacher's side is :class:`kd.teacher.frozen.TeacherSide`)."""
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import TYPE_CHECKING, Dict, List
 
 import torch
 from torch import nn
@@ -10,6 +11,9 @@ from torch import nn
 from kd.losses.base import DistillInputs, DistillLoss
 from kd.run.step import LOGITS_SUM
 from kd.utils.taps import tap
+
+if TYPE_CHECKING:  # made by kd.run.record.step_inputs
+    from kd.run.record import StepInputs
 
 
 class StudentSide(nn.Module):
@@ -25,34 +29,29 @@ class StudentSide(nn.Module):
         self.loss = loss
         self.layers = layers
 
-    def forward(
-        self,
-        images,
-        labels,
-        teacher_logits=None,
-        teacher_feats=None,
-        progress: float = 0.0,
-        indices=None,
-        step: int = 0,
-        second_images=None,
-        second_teacher_logits=None,
-    ):
-        """The loss parts of one batch; ``second_images``: each sample's second view, which the
-        student forwards too (a second call, as a loss with ``views = 2`` asks)."""
+    def forward(self, inputs: StepInputs) -> Dict[str, torch.Tensor]:
+        """The loss parts of one step's :class:`StepInputs`: the student forwards its images (and the
+        second view, where the record holds one), and the loss sees its outputs with the record's
+        ``loss_inputs``."""
         feats: Dict[str, torch.Tensor] = {}
         with tap(self.student, self.layers, feats):
-            logits = self.student(images)
+            logits = self.student(inputs.images)
         distill = None
         if isinstance(logits, tuple):  # a distillation token's student, both heads (reads_distill_head)
             logits, distill = logits
         feats = {k: feats[k] for k in self.layers}  # spec order: the losses pair by position
-        second = None if second_images is None else self.student(second_images)
-        inputs = DistillInputs(logits, labels, teacher_logits, feats, teacher_feats or {}, progress, indices, step)
-        inputs.second_student_logits, inputs.second_teacher_logits = second, second_teacher_logits
-        if self.loss.card.uses_classifier:  # this replica's own classifier: its cell scores train it
-            inputs.student_classifier = self.student.get_submodule(str(self.loss.student_head))
-        inputs.distill_logits = distill
-        parts = self.loss(inputs)
+        second = None if inputs.second_images is None else self.student(inputs.second_images)
+        # this replica's own classifier, where the loss trains it through its cell scores
+        classifier = None if inputs.classifier is None else self.student.get_submodule(inputs.classifier)
+        x = DistillInputs(
+            student_logits=logits,
+            student_feats=feats,
+            second_student_logits=second,
+            student_classifier=classifier,
+            distill_logits=distill,
+            **inputs.loss_inputs,
+        )
+        parts = self.loss(x)
         parts[LOGITS_SUM] = logits.detach().float().sum()  # finite iff every logit is: names a non-finite loss's source
         for more in (second, distill):
             if more is not None:
