@@ -18,7 +18,10 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence
 
-from kd import config as kd_config
+from kd.config.options import cli_flag, cli_value
+from kd.config.resolution import RETIRED, apply, resolve, validate
+from kd.config.resolution import load as load_config
+from kd.config.schema import FIELDS, LOSS_OPTIONS, RunConfig
 from kd.errors import KDError
 
 #: options a resume may change (each continues the same training: where the data is, the machine,
@@ -65,16 +68,16 @@ RESUMABLE = frozenset(
 #: keys kd derives (from the recipe, the lr's batch, the schedule's scaling): never compared
 DERIVED = frozenset({"recipe", "description", "reference", "lr_for_batch", "schedule_note"})
 #: what a resume continues as it ran: every key neither resumable nor derived
-FIXED = tuple(k for k in kd_config.FIELDS if k not in DERIVED and k not in RESUMABLE)
+FIXED = tuple(k for k in FIELDS if k not in DERIVED and k not in RESUMABLE)
 
 
-def ran_config(state: Dict[str, Any], path: Path, out: Path) -> kd_config.RunConfig:
+def ran_config(state: Dict[str, Any], path: Path, out: Path) -> RunConfig:
     """The config the run of checkpoint ``path`` trained with (its ``state``), in the folder ``out``."""
     values = state.get("config")
     if not isinstance(values, dict):
         raise KDError(f"{path} holds no run config: it is not a kd training checkpoint; start a new run")
-    kept = {k: v for k, v in values.items() if k not in kd_config.RETIRED}  # as config.yaml is read
-    return dataclasses.replace(kd_config.apply(kd_config.RunConfig(), kept, str(path)), out=str(out))
+    kept = {k: v for k, v in values.items() if k not in RETIRED}  # as config.yaml is read
+    return dataclasses.replace(apply(RunConfig(), kept, str(path)), out=str(out))
 
 
 #: weights files a resume may find at another path, holding the same bytes
@@ -96,10 +99,10 @@ def same_file(new: Optional[str], old: Optional[str], folder: Path, key: str) ->
 
 
 #: the keys that carry the KD method's hyper-parameters
-METHOD_KEYS = (*kd_config.LOSS_OPTIONS, "loss_args")
+METHOD_KEYS = (*LOSS_OPTIONS, "loss_args")
 
 
-def method_args(cfg: kd_config.RunConfig) -> Dict[str, Any]:
+def method_args(cfg: RunConfig) -> Dict[str, Any]:
     """The KD method's hyper-parameters as the run resolves them: its defaults, then what it was given
     (``--temperature`` and its kin, ``loss_args``): a None option is the method's default, not 'auto'."""
     from kd.losses import LOSSES
@@ -107,25 +110,25 @@ def method_args(cfg: kd_config.RunConfig) -> Dict[str, Any]:
     return {**LOSSES.get("ce" if cfg.no_teacher else cfg.kd_loss).defaults, **cfg.loss_kwargs()}
 
 
-def same_args(a: kd_config.RunConfig, b: kd_config.RunConfig) -> bool:
+def same_args(a: RunConfig, b: RunConfig) -> bool:
     """Whether two configs of one method give it the same hyper-parameters (``--temperature 4`` where the
     run left it to the method's default 4)."""
     return a.kd_loss == b.kd_loss and method_args(a) == method_args(b)
 
 
-def run_value(cfg: kd_config.RunConfig, key: str) -> str:
+def run_value(cfg: RunConfig, key: str) -> str:
     """``key``'s value in the command line's words; a method's option left to its default shows that."""
     value = getattr(cfg, key)
-    if value is None and key in kd_config.LOSS_OPTIONS:
+    if value is None and key in LOSS_OPTIONS:
         value = method_args(cfg).get(key)
-    return kd_config.cli_value(value)
+    return cli_value(value)
 
 
-def differences(a: kd_config.RunConfig, b: kd_config.RunConfig, keys) -> list:
+def differences(a: RunConfig, b: RunConfig, keys) -> list:
     return [k for k in keys if getattr(a, k) != getattr(b, k)]
 
 
-def with_last_part(ran: kd_config.RunConfig, config_file: Path, checkpoint: Path) -> kd_config.RunConfig:
+def with_last_part(ran: RunConfig, config_file: Path, checkpoint: Path) -> RunConfig:
     """``ran`` with what the run's last part chose of :data:`RESUMABLE` (its config.yaml, written as a
     resume starts: ``--epochs 200`` stays asked where a stop came before the next checkpoint); every
     other key of ``config_file`` must say what the checkpoint's config says. A missing config.yaml is
@@ -133,7 +136,7 @@ def with_last_part(ran: kd_config.RunConfig, config_file: Path, checkpoint: Path
     if not config_file.exists():
         return ran
     try:
-        saved = kd_config.load(config_file)
+        saved = load_config(config_file)
     except KDError as exc:
         raise KDError(
             f"{config_file} is damaged ({str(exc).split(': ', 1)[-1]}); delete it and kd writes it again "
@@ -141,7 +144,7 @@ def with_last_part(ran: kd_config.RunConfig, config_file: Path, checkpoint: Path
         ) from None
     differ = differences(saved, ran, FIXED)
     if differ:
-        value = kd_config.cli_value
+        value = cli_value
         shown = ", ".join(f"{k} ({value(getattr(saved, k))}; trained: {value(getattr(ran, k))})" for k in differ[:4])
         more = f" and {len(differ) - 4} more" if len(differ) > 4 else ""
         raise KDError(
@@ -151,9 +154,7 @@ def with_last_part(ran: kd_config.RunConfig, config_file: Path, checkpoint: Path
     return dataclasses.replace(ran, **{k: getattr(saved, k) for k in RESUMABLE if k != "out"})
 
 
-def continued(
-    ran: kd_config.RunConfig, options: Dict[str, Any], sets: Sequence[str], recipe: Optional[str] = None
-) -> kd_config.RunConfig:
+def continued(ran: RunConfig, options: Dict[str, Any], sets: Sequence[str], recipe: Optional[str] = None) -> RunConfig:
     """``ran`` with the options of ``kd train --resume`` applied: those of :data:`RESUMABLE` taken,
     every other one refused in one line unless it repeats the run's value. ``recipe`` (the command
     run again with ``--resume``) must be the run's own; its values are the run's already (scaled to its
@@ -163,24 +164,24 @@ def continued(
             f"--resume continues the run of {'recipe ' + str(ran.recipe) if ran.recipe else 'no recipe'}, "
             f"not of recipe {recipe}; leave out --recipe, or start a new run in another --out"
         )
-    asked = kd_config.resolve(options={**options, "out": ran.out}, sets=list(sets), base=ran)
+    asked = resolve(options={**options, "out": ran.out}, sets=list(sets), base=ran)
     moved = [k for k in WEIGHTS if same_file(getattr(asked, k), getattr(ran, k), Path(ran.out), k)]
     differ = [k for k in differences(asked, ran, FIXED) if k not in moved]
     if any(k in METHOD_KEYS for k in differ) and same_args(asked, ran):  # --temperature 4 where T was left at 4
         differ = [k for k in differ if k not in METHOD_KEYS]
     if differ:
-        shown = ", ".join(f"{kd_config.cli_flag(k)} {run_value(asked, k)} (run: {run_value(ran, k)})" for k in differ)
+        shown = ", ".join(f"{cli_flag(k)} {run_value(asked, k)} (run: {run_value(ran, k)})" for k in differ)
         raise KDError(
             f"--resume continues the run as it trained and cannot change {shown}; leave "
             f"{'it' if len(differ) == 1 else 'them'} out, or start a new run in another --out"
         )
     changes = {k: getattr(asked, k) for k in (*RESUMABLE, *moved)}
-    return kd_config.validate(dataclasses.replace(ran, **changes))
+    return validate(dataclasses.replace(ran, **changes))
 
 
 def resumed_config(
     folder: Path, checkpoint: Path, options: Dict[str, Any], sets: Sequence[str], recipe: Optional[str] = None
-) -> kd_config.RunConfig:
+) -> RunConfig:
     """The config that continues the run in ``folder`` from ``checkpoint``: the one it trained with
     (checked against its config.yaml), with the options of ``kd train --resume`` applied."""
     from kd.run.checkpoint import load
