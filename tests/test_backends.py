@@ -264,37 +264,23 @@ OPTIONS = {"ddp_repaug": dict(repeated_aug=3)}  # a job's further options
 
 @pytest.fixture(scope="module")
 def two_process_runs(data7, tmp_path_factory):
-    """Every job of JOBS (plus an evaluation and an averaging job) in the same two processes."""
+    """Every job of JOBS and of ``checks`` (evaluations, averaging, RNG draws) in the same two processes."""
     root = tmp_path_factory.mktemp("two")
+    checks = [  # kind, function, folder, result file, backend
+        ("eval", _eval_job, "eval", "eval.pt", "torch_ddp"),
+        ("eval_fail", _failing_eval_job, "eval_fail", "eval_fail", "torch_ddp"),
+        ("averager", _averager_job, "avg", "avg", "apex_ddp"),
+        ("rng", _rng_job, "rng", "rng", "torch_ddp"),
+    ]
     jobs = [
         {
-            "kind": "eval",
-            "fn": _eval_job,
+            "kind": kind,
+            "fn": fn,
             "port": free_port(),
-            "result": str(root / "eval.pt"),
-            "cfg": tiny_cfg(data7, root / "eval", backend="torch_ddp"),
-        },
-        {
-            "kind": "eval_fail",
-            "fn": _failing_eval_job,
-            "port": free_port(),
-            "result": str(root / "eval_fail"),
-            "cfg": tiny_cfg(data7, root / "eval_fail", backend="torch_ddp"),
-        },
-        {
-            "kind": "averager",
-            "fn": _averager_job,
-            "port": free_port(),
-            "result": str(root / "avg"),
-            "cfg": tiny_cfg(data7, root / "avg", backend="apex_ddp"),
-        },
-        {
-            "kind": "rng",
-            "fn": _rng_job,
-            "port": free_port(),
-            "result": str(root / "rng"),
-            "cfg": tiny_cfg(data7, root / "rng", backend="torch_ddp"),
-        },
+            "result": str(root / result),
+            "cfg": tiny_cfg(data7, root / folder, backend=backend),
+        }
+        for kind, fn, folder, result, backend in checks
     ]
     for name, (student, backend, unused) in JOBS.items():
         cfg = tiny_cfg(

@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 from conftest import TINY_RUN, kd_main, make_image_folder, train_args
-from torch import nn
+from tiny import DROP_RUN
 
 import kd
 from kd import config as kd_config
@@ -22,56 +22,6 @@ from kd.run.launch import train as launch
 from kd.run.students import for_command
 
 
-class DropNet(nn.Module):
-    """A BatchNorm and a dropout: a student whose step draws random masks, as real ones do."""
-
-    def __init__(self, num_classes: int = 10):
-        super().__init__()
-        self.body = nn.Sequential(
-            nn.Conv2d(3, 8, 3, 2, 1),
-            nn.BatchNorm2d(8),
-            nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1),
-            nn.Flatten(),
-            nn.Dropout(0.3),
-        )
-        self.fc = nn.Linear(8, num_classes)
-
-    def forward(self, x):
-        return self.fc(self.body(x))
-
-
-def _register():
-    import timm
-    from timm.models import register_model
-
-    if "kd_drop_net" not in timm.list_models():
-
-        @register_model
-        def kd_drop_net(pretrained=False, num_classes=10, **kwargs):
-            return DropNet(num_classes)
-
-
-_register()
-
-TINY = dict(
-    image_size=16,
-    batch_size=4,
-    workers=0,
-    lr=0.05,
-    device="cpu",
-    log_every=1,
-    seed=5,
-    epochs=1,
-    limit_train_batches=3,
-    limit_val_batches=1,
-    progress_bar=False,
-    teacher="timm:kd_drop_net",
-    teacher_weights="none",
-    student="timm:kd_drop_net",
-)
-
-
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     return make_image_folder(
@@ -80,7 +30,7 @@ def data(tmp_path_factory):
 
 
 def options(data, out, **kw):
-    return {**TINY, "data": str(data), "out": str(out), **kw}
+    return {**DROP_RUN, "data": str(data), "out": str(out), **kw}
 
 
 def state(out: Path):
