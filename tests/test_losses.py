@@ -788,9 +788,11 @@ def test_logit_methods_need_no_layers():
 
 def test_split_layers():
     assert split_layers(["layer2", "features.13:layer3"]) == (["layer2", "features.13"], ["layer2", "layer3"])
-    for bad in (["layer3:"], [":layer3"], ["a:b:c"], ["layer3", "features.13:layer3"]):
-        with pytest.raises(KDError):
+    for bad in (["layer3:"], [":layer3"], ["a:b:c"]):
+        with pytest.raises(KDError, match=f"bad feature layer {bad[0]!r}: use NAME or STUDENT_NAME:TEACHER_NAME"):
             split_layers(bad)
+    with pytest.raises(KDError, match="feature layers name a teacher module twice: layer3, features.13:layer3"):
+        split_layers(["layer3", "features.13:layer3"])
 
 
 def test_feature_methods_on_real_models_through_hooks():

@@ -271,7 +271,7 @@ def test_apex_casts_come_back_on_after_a_teacher_forward_that_raises():
     from kd.precision.apex import _casts_off
 
     handle = SimpleNamespace(_is_active=True)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="CUDA out of memory"):
         with _casts_off(handle):
             assert handle._is_active is False
             raise RuntimeError("CUDA out of memory (in the teacher's forward)")

@@ -213,7 +213,7 @@ def test_apex_ddp_with_several_students_takes_native_amp_where_apex_amp_is_insta
     launch(TrainJob(multi.plan([], opts, [])))
     for name in ("kd", "dkd"):
         assert (tmp_path / "table" / name / "checkpoints" / "last.pt").is_file()
-    with pytest.raises(Chosen):  # one student: apex_ddp's wish holds
+    with pytest.raises(Chosen, match="apex.amp was chosen"):  # one student: apex_ddp's wish holds
         kd.train(kd_config.resolve(options={**opts, "kd_loss": "kd", "out": str(tmp_path / "alone")}))
 
 
