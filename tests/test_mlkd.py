@@ -16,7 +16,7 @@ import json
 
 import pytest
 import torch
-from conftest import TINY_RUN, golden_logits, gradient_probes, kd_main, train_args
+from conftest import TINY_RUN, golden_logits, gradient_probes, kd_main, last_checkpoint, train_args
 
 from kd.errors import KDError
 from kd.losses import DistillInputs, build_loss
@@ -217,10 +217,6 @@ def test_a_prepared_copy_gives_the_folders_strong_views(image_folder, tmp_path, 
 STUDENT = "timm:test_resnet"
 
 
-def checkpoint(out):
-    return torch.load(out / "checkpoints" / "last.pt", weights_only=True)
-
-
 def records(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -242,7 +238,7 @@ def test_mlkd_trains_and_a_resumed_run_equals_the_uninterrupted_one(image_folder
     assert r.returncode == 0, r.stderr
     r = kd_main("train", "--out", tmp_path / "part", "--resume", "--epochs", 2)
     assert r.returncode == 0, r.stderr
-    assert_same_student(checkpoint(tmp_path / "full"), checkpoint(tmp_path / "part"), "resumed")
+    assert_same_student(last_checkpoint(tmp_path / "full"), last_checkpoint(tmp_path / "part"), "resumed")
     last = records(tmp_path / "part")[-1]
     assert last["train_skipped_steps"] == 0
     assert all(last[f"train_{term}"] > 0 for term in ("ce", "kd", "cc", "bc")), last
@@ -282,7 +278,7 @@ def test_mlkd_beside_kd_equals_their_separate_runs(image_folder, tmp_path):
     for method in ("kd", "mlkd"):
         r = kd_main(*train_args(image_folder, tmp_path / method, kd_loss=method, **options))
         assert r.returncode == 0, r.stderr
-        assert_same_student(checkpoint(tmp_path / "table" / method), checkpoint(tmp_path / method), method)
+        assert_same_student(last_checkpoint(tmp_path / "table" / method), last_checkpoint(tmp_path / method), method)
 
 
 def test_soft_labels_refuse_mlkd(tmp_path):

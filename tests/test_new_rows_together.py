@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import make_image_folder
+from conftest import last_checkpoint, make_image_folder
 from tiny import DROP_RUN
 
 import kd
@@ -48,14 +48,10 @@ def alone(data, tmp_path_factory):
             out = root / method
             options = {**DROP_RUN, "data": str(data), "out": str(out)}
             kd.train(kd_config.resolve(recipe=recipe(root, method), options=options))
-            done[method] = state(out)
+            done[method] = last_checkpoint(out)
         return done[method]
 
     return run
-
-
-def state(out: Path) -> dict:
-    return torch.load(out / "checkpoints" / "last.pt", weights_only=True)
 
 
 @pytest.mark.parametrize(
@@ -71,7 +67,7 @@ def test_the_new_rows_together_equal_their_separate_runs_bit_for_bit(data, alone
     recipes = [recipe(tmp_path, method) for method in names]
     launch(TrainJob(multi.plan(recipes, {**DROP_RUN, "data": str(data), "out": str(tmp_path / "table")}, [])))
     for method in names:
-        together, separate = state(tmp_path / "table" / method), alone(method)
+        together, separate = last_checkpoint(tmp_path / "table" / method), alone(method)
         assert together["global_step"] == separate["global_step"] == 3, method
         for part in ("student", "loss"):
             assert together[part].keys() == separate[part].keys(), (method, part)

@@ -20,12 +20,21 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import HANG_GUARD, ROOT, TINY_PAIR, kd_main, make_image_folder
+from conftest import (
+    HANG_GUARD,
+    ROOT,
+    TEST_RESNET_PAIR,
+    TINY_PAIR,
+    cli_options,
+    has_apex_amp,
+    kd_main,
+    make_image_folder,
+)
 
 TINY = [*TINY_PAIR, "--log-every", "1", "--loader", "gpu", "-j", "2", "--no-progress"]
 #: the stopped training runs: timm's test_resnet teaching itself (0.4 M parameters), whose checkpoint,
 #: written at the stop, is a tenth of resnet10t's
-STOPPED = ["--teacher", "timm:test_resnet", "--teacher-weights", "none", "--student", "timm:test_resnet", *TINY[6:]]
+STOPPED = [*cli_options(**TEST_RESNET_PAIR), *TINY[6:]]
 
 
 @pytest.fixture(scope="module")
@@ -148,16 +157,8 @@ def test_kd_teach_stops_promptly_and_continues(data, tmp_path):
     assert (store / f"epoch-{done + 1:03d}.values.npy").exists() and not list(store.glob("*.partial.npy"))
 
 
-def _has_apex_amp() -> bool:
-    try:
-        from apex import amp  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or not _has_apex_amp(), reason="needs CUDA and apex with apex.amp")
+@pytest.mark.skipif(not torch.cuda.is_available() or not has_apex_amp(), reason="needs CUDA and apex with apex.amp")
 @pytest.mark.parametrize("how", ["sigterm", "error"])
 @pytest.mark.parametrize("backend", ["single", "apex_ddp"])
 def test_apex_runs_stop_promptly_too(data, tmp_path, how, backend):

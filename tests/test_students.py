@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import TINY_RUN, kd_main, make_image_folder, train_args
+from conftest import TINY_RUN, kd_main, last_checkpoint, make_image_folder, train_args
 from tiny import DROP_RUN
 
 import kd
@@ -33,17 +33,13 @@ def options(data, out, **kw):
     return {**DROP_RUN, "data": str(data), "out": str(out), **kw}
 
 
-def state(out: Path):
-    return torch.load(out / "checkpoints" / "last.pt", weights_only=True)
-
-
 def test_students_together_equal_separate_runs_bit_for_bit(data, tmp_path):
     students = multi.plan([], options(data, tmp_path / "table", kd_loss="kd,dkd"), [])
     assert students.names == ("kd", "dkd")
     launch(TrainJob(students))
     for method in ("kd", "dkd"):
         kd.train(kd_config.resolve(options=options(data, tmp_path / "alone" / method, kd_loss=method)))
-        together, alone = state(tmp_path / "table" / method), state(tmp_path / "alone" / method)
+        together, alone = last_checkpoint(tmp_path / "table" / method), last_checkpoint(tmp_path / "alone" / method)
         assert together["global_step"] == alone["global_step"] == 3
         for key, value in alone["student"].items():
             assert torch.equal(together["student"][key], value), (method, key)
@@ -70,7 +66,7 @@ def test_students_on_one_mixed_batch_equal_their_separate_runs(data, tmp_path):
     launch(TrainJob(multi.plan([], options(data, tmp_path / "table", kd_loss="kd,dist", **mixing), [])))
     for method in ("kd", "dist"):
         kd.train(kd_config.resolve(options=options(data, tmp_path / "alone" / method, kd_loss=method, **mixing)))
-        together, alone = state(tmp_path / "table" / method), state(tmp_path / "alone" / method)
+        together, alone = last_checkpoint(tmp_path / "table" / method), last_checkpoint(tmp_path / "alone" / method)
         assert together["global_step"] == alone["global_step"] == 3
         for key, value in alone["student"].items():
             assert torch.equal(together["student"][key], value), (method, key)
@@ -84,7 +80,7 @@ def test_a_feature_student_after_another_equals_its_separate_run(data, tmp_path,
     launch(TrainJob(multi.plan([], options(data, tmp_path / "table", kd_loss=methods, **layers), [])))
     for method in methods.split(","):
         kd.train(kd_config.resolve(options=options(data, tmp_path / "alone" / method, kd_loss=method, **layers)))
-        together, alone = state(tmp_path / "table" / method), state(tmp_path / "alone" / method)
+        together, alone = last_checkpoint(tmp_path / "table" / method), last_checkpoint(tmp_path / "alone" / method)
         assert together["global_step"] == alone["global_step"] == 3
         assert alone["loss"] or method not in ("fitnet", "crd")  # connectors (and CRD's memory) are in the checkpoint
         for part in ("student", "loss"):

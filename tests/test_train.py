@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from conftest import kd_main, run_kd, tiny_config, train_args
+from conftest import kd_main, last_checkpoint, run_kd, tiny_config, train_args
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import kd
@@ -112,10 +111,6 @@ def test_fused_teacher_gives_the_same_logits_and_stays_frozen(image_folder, tmp_
     assert "teacher: 20 BatchNorm layers folded, 9 conv+ReLU and 8 conv+add+ReLU fused" in capsys.readouterr().err
 
 
-def _final_params(out: Path):
-    return torch.load(out / "checkpoints" / "last.pt", weights_only=True)
-
-
 def test_resume_equals_uninterrupted_run(image_folder, tmp_path):
     # squeezenet1_1 (its classifier's dropout draws from the resumed generators) saves a tenth of resnet18
     schedule = dict(lr_schedule="cosine", warmup_epochs=1, teacher="squeezenet1_1", student="squeezenet1_1")
@@ -125,7 +120,7 @@ def test_resume_equals_uninterrupted_run(image_folder, tmp_path):
     kd.train(part)
     r = kd_main("train", "--out", tmp_path / "part", "--resume", "--epochs", 3)
     assert r.returncode == 0, r.stderr
-    a, b = _final_params(tmp_path / "full"), _final_params(tmp_path / "part")
+    a, b = last_checkpoint(tmp_path / "full"), last_checkpoint(tmp_path / "part")
     assert a["epoch"] == b["epoch"] == 3 and a["global_step"] == b["global_step"]
     for key in a["student"]:
         assert torch.equal(a["student"][key], b["student"][key]), key
