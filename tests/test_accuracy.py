@@ -128,7 +128,7 @@ def test_two_processes_count_as_one(damaged, tmp_path):
 
 
 def test_the_log_names_the_val_resize_used(tmp_path):
-    """--val-resize 10 with --image-size 32 was logged as the data config's resize 37. A resize
+    """--val-resize 10 with --image-size 32 is logged as resize 10, not the data config's 37. A resize
     smaller than the crop is what torchvision does too (its CenterCrop pads with black; kd's crop
     equals it bit for bit), so it is used and said, not refused."""
     data = make_image_folder(tmp_path / "data", classes=2, train_per_class=4, val_per_class=1, size=(16, 16))

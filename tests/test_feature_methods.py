@@ -124,7 +124,7 @@ def test_the_new_methods_beside_others_equal_their_separate_runs(image_folder, t
 
 def test_crd_trains_on_synthetic_tensors(tmp_path):
     """kd bench times on synthetic tensors: their listing names classes for CRD to draw negatives by
-    (it named class 0 for every sample, and CRD refused the data)."""
+    (not class 0 for every sample, which CRD refuses)."""
     options = dict(student=STUDENT, teacher="resnet18", teacher_weights="none", image_size=32, batch_size=8)
     r = kd_main(*train_args("synthetic", tmp_path / "run", "--loss-arg", "negatives=64", kd_loss="crd",
                             limit_train_batches=2, **options))  # fmt: skip

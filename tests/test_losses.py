@@ -180,7 +180,7 @@ def test_dkd_matches_paper(T, tckd_weight, nckd_weight):
 
 def test_dkd_warmup_is_mdistillers_per_epoch_factor():
     """mdistiller's DKD: ``min(epoch / warmup, 1)`` with the epoch counted from 1, once per epoch:
-    warmup 1 (its ImageNet setting) is no ramp at all (kd had ramped over the first epoch)."""
+    warmup 1 (its ImageNet setting) is no ramp at all, not a ramp over the first epoch."""
     s, t, y = logits(3), logits(4), labels(5)
     args = {"warmup": 4.0}
     full = run("dkd", args, student_logits=s, teacher_logits=t, labels=y, progress=10.0)

@@ -108,7 +108,7 @@ def test_a_diverging_student_stops_alone(data, tmp_path):
 
 def test_students_must_agree_on_what_they_share(data, tmp_path):
     """The refusal names only the keys that differ, in kd train's words (on/off, auto), each with the
-    option that makes them one (it printed Python's False and None and listed 30 keys)."""
+    option that makes them one (not Python's False and None, not every shared key)."""
     a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
     a.write_text(yaml.safe_dump({"kd_loss": "kd", "batch_size": 8, "lr": 0.1, "compile": False}))
     b.write_text(yaml.safe_dump({"kd_loss": "dist", "batch_size": 16, "lr": 0.2, "compile": None}))

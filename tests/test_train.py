@@ -186,7 +186,7 @@ def test_compiled_run_trains_like_the_eager_one(image_folder, tmp_path):
     runs = {}
     for name, extra, runner in (("eager", (), kd_main), ("compiled", ("--compile",), run_kd)):  # compiled apart
         # batch 12: each of the 24 training and 12 val images' batches is as large, so each graph compiles
-        # once (a last val batch of 4 compiled the teacher and the student again)
+        # once (a last val batch of another size would compile the teacher and the student again)
         r = runner(*train_args(image_folder, tmp_path / name, *extra, batch_size=12, no_progress=True))
         assert r.returncode == 0, r.stderr
         runs[name] = json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[-1])
@@ -215,8 +215,8 @@ def test_feature_method_connectors_are_trained_and_checkpointed(image_folder, tm
 
 
 def test_the_logged_lr_is_the_one_the_epoch_trained_at(image_folder, tmp_path):
-    """A milestone after epoch 1: epoch 1 trained at the base lr and is logged so (it had been
-    logged at the decayed lr, the optimizer's value for the next step), in TensorBoard too."""
+    """A milestone after epoch 1: epoch 1 trained at the base lr and is logged so, not at the decayed
+    lr (the optimizer's value for the next step), in TensorBoard too."""
     cfg = tiny_cfg(
         image_folder, tmp_path / "lr", no_teacher=True, teacher=None, lr=0.05, lr_schedule="step", lr_milestones=[1]
     )
