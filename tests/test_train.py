@@ -273,21 +273,3 @@ def test_a_run_that_cannot_learn_says_so_once_while_it_trains(tmp_path):
     said = [line for line in r.stderr.splitlines() if line.startswith("not learning:")]
     assert len(said) == 1 and "after 2 epoch(s) is still at chance (chance is log 4 = 1.39)" in said[0], r.stderr
     assert "try --lr 5e-05 --lr-schedule cosine --warmup-epochs 1 --min-crop-scale 0.25" in said[0]
-
-
-def test_a_loss_far_above_chance_is_said_with_a_smaller_lr_to_try():
-    """MLKD at KD's lr: its cross-entropy reached 16.6 on 10 classes in the first epoch."""
-    from kd.run.meter import LearningWatch
-
-    from types import SimpleNamespace
-
-    run = SimpleNamespace(lr=0.1, warmup_epochs=0.0, grad_clip=None)
-    watch = LearningWatch(10, run)
-    line = watch.see({"epoch": 1, "train_ce": 16.6, "val_top1": 27.0})
-    assert line.startswith("not learning: training cross-entropy 16.60 after 1 epoch(s), far above where it started")
-    assert line.endswith("try --lr 0.01 (a tenth), or --warmup-epochs 1 --grad-clip 5"), line
-    assert watch.see({"epoch": 2, "train_ce": 20.0}) is None  # said once
-    warmed = LearningWatch(10, SimpleNamespace(lr=0.1, warmup_epochs=1.0, grad_clip=None))  # what it does: not advised
-    assert warmed.see({"epoch": 1, "train_ce": 16.6}).endswith("try --lr 0.01 (a tenth), or --grad-clip 5")
-    learning = LearningWatch(10, run)  # still near log 10 after two epochs, but above chance on val: learning
-    assert learning.see({"epoch": 2, "train_ce": 2.5, "val_top1": 20.5}) is None
