@@ -198,11 +198,11 @@ def _rng_job(job):
 
 def fixed_loader(cfg, backend):
     from kd.data.layout import scan_split
-    from kd.data.loader import make_pil_loader
+    from kd.data.loader import Shard, make_pil_loader
 
     _, samples = scan_split(Path(cfg.data), "val")
     num_replicas, rank = backend.data_shard()
-    return make_pil_loader(cfg, samples, False, num_replicas, rank, 4, backend.device, False)
+    return make_pil_loader(cfg, samples, False, Shard(num_replicas, rank, 4, backend.device, False))
 
 
 def evaluate_fixed(cfg, backend):

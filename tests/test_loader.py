@@ -180,12 +180,12 @@ def test_workers_run_nicer_than_the_training_process(tmp_path, monkeypatch):
     monkeypatch.delenv("KD_WORKER_NICE", raising=False)  # conftest turns it off under pytest-xdist
 
     from kd import config as kd_config
-    from kd.data.loader import WORKER_NICE, dataloader_and_sampler
+    from kd.data.loader import WORKER_NICE, Shard, dataloader_and_sampler
 
     cfg = kd_config.resolve(
         options=dict(data="synthetic", no_teacher=True, student="resnet18", workers=1, mp_context="fork")
     )
-    loader, _ = dataloader_and_sampler(cfg, _Niceness(), list, False, 1, 0, 2, torch.device("cpu"))
+    loader, _ = dataloader_and_sampler(cfg, _Niceness(), list, False, Shard(1, 0, 2, torch.device("cpu")))
     (worker_nice,) = {n for batch in loader for n in batch}
     assert worker_nice == min(19, os.nice(0) + WORKER_NICE)
 
