@@ -140,7 +140,7 @@ def has_apex_amp() -> bool:
     """Whether NVIDIA apex with its ``apex.amp`` imports here (25.05 or older)."""
     try:
         from apex import amp  # noqa: F401
-    except Exception:  # apex's import fails in other ways than ImportError where it is half-built
+    except Exception:
         return False
     return True
 
