@@ -37,7 +37,7 @@ from kd.data import gpu as gpu_loader  # noqa: E402
 from kd.data.bytes_dataset import unpacked  # noqa: E402
 from kd.data.decoders import DECODERS, device_lengths  # noqa: E402
 from kd.data.layout import scan  # noqa: E402
-from kd.data.loader import make_pil_loader  # noqa: E402
+from kd.data.loader import Shard, make_pil_loader  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- data
@@ -264,7 +264,7 @@ def main() -> None:
     rows = []  # (loader, decoder, measured, img/s)
     loaders = {}
     if not args.no_pil:
-        pil = make_pil_loader(cfg("pil", args.pil_workers), train, True, 1, 0, args.batch_size, device, True)
+        pil = make_pil_loader(cfg("pil", args.pil_workers), train, True, Shard(1, 0, args.batch_size, device, True))
         print(pil.describe())
         rows.append(("pil", f"PIL, {args.pil_workers} workers", "loader alone", loader_alone(pil, device)))
         loaders["pil"] = pil
@@ -275,7 +275,7 @@ def main() -> None:
         os.environ[gpu_loader.DECODER_ENV] = choice
         try:
             loader = gpu_loader.make_gpu_loader(
-                cfg("gpu", args.gpu_workers), train, True, 1, 0, args.batch_size, device, True
+                cfg("gpu", args.gpu_workers), train, True, Shard(1, 0, args.batch_size, device, True)
             )
         except Exception as exc:  # report and go on with the others
             print(f"skipped decoder {choice}: {exc}")

@@ -26,6 +26,16 @@ from typing import Any, ClassVar, Dict, List, Optional, Tuple, Union
 from kd.errors import KDError
 
 
+class _Below:
+    """A run file's path on a :class:`RunFolder`: ``parts`` joined below its root."""
+
+    def __init__(self, *parts: str):
+        self.parts = parts
+
+    def __get__(self, folder: RunFolder, owner: type) -> Path:
+        return folder.root.joinpath(*self.parts)
+
+
 @dataclass(frozen=True)
 class RunFolder:
     """The paths of a run folder; nothing is created or read by building one."""
@@ -45,37 +55,14 @@ class RunFolder:
         "provenance.json",
     )
 
-    @property
-    def config(self) -> Path:
-        return self.root / "config.yaml"
-
-    @property
-    def metrics(self) -> Path:
-        return self.root / "metrics.jsonl"
-
-    @property
-    def provenance(self) -> Path:
-        return self.root / "provenance.json"
-
-    @property
-    def wall(self) -> Path:
-        return self.root / "wall.jsonl"
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.root / "checkpoints"
-
-    @property
-    def last(self) -> Path:
-        return self.checkpoints / "last.pt"
-
-    @property
-    def best(self) -> Path:
-        return self.checkpoints / "best.pt"
-
-    @property
-    def tensorboard(self) -> Path:
-        return self.root / "tb"
+    config = _Below("config.yaml")
+    metrics = _Below("metrics.jsonl")
+    provenance = _Below("provenance.json")
+    wall = _Below("wall.jsonl")
+    checkpoints = _Below("checkpoints")
+    last = _Below("checkpoints", "last.pt")
+    best = _Below("checkpoints", "best.pt")
+    tensorboard = _Below("tb")
 
     def metric_lines(self) -> List[Tuple[str, Dict[str, Any]]]:
         """metrics.jsonl's lines, each ending in a newline, with its record (:func:`read_json_lines`)."""

@@ -9,6 +9,7 @@ import collections
 import contextlib
 import io
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -80,6 +81,12 @@ WORKER_ERRORS = ("can only test a child process", "can only join a child process
 TINY_PAIR = ["--teacher", "timm:resnet10t", "--teacher-weights", "none", "--student", "timm:resnet10t"]
 TINY_PAIR += ["--image-size", "32", "-b", "4"]
 
+#: timm's own test model (0.4 M parameters; BatchNorm and a ReLU after each residual sum, as resnet18): for
+#: runs whose outcome does not depend on the model's size, where resnet18's checkpoints cost more than its training
+TEST_RESNET = "timm:test_resnet"
+#: :data:`TEST_RESNET` teaching itself from random weights, as options of the run config (:func:`cli_options`)
+TEST_RESNET_PAIR = dict(teacher=TEST_RESNET, teacher_weights="none", student=TEST_RESNET)
+
 #: a tiny run on the CPU, as options of the run config: resnet18 (random weights) teaching resnet18,
 #: 32 px crops, batch 8, no loader workers, one epoch (:func:`train_args`, :func:`tiny_config`)
 TINY_RUN = dict(teacher="resnet18", teacher_weights="none", student="resnet18", image_size=32, batch_size=8)
@@ -120,6 +127,22 @@ def tiny_config(data, out, **options):
     from kd import config as kd_config
 
     return kd_config.resolve(options={**_tiny(options), "data": str(data), "out": str(out)})
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def has_apex_amp() -> bool:
+    """Whether NVIDIA apex with its ``apex.amp`` imports here (25.05 or older)."""
+    try:
+        from apex import amp  # noqa: F401
+    except Exception:
+        return False
+    return True
 
 
 def start_kd(*args) -> subprocess.Popen:
@@ -209,6 +232,11 @@ def kd_main(*args, env=None, threads=None) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(["kd", *argv], code, out, err)
 
 
+def last_checkpoint(out: Path) -> dict:
+    """The state the run in ``out`` saved last: its ``checkpoints/last.pt``."""
+    return torch.load(Path(out) / "checkpoints" / "last.pt", weights_only=True)
+
+
 def resumes_bit_for_bit(tmp_path: Path, args: list, step: int = 4) -> subprocess.CompletedProcess:
     """``kd train ARGS`` run whole, then a copy of its folder resumed from its checkpoint of ``step``:
     both end with the same student, bit for bit. Returns the whole run's result."""
@@ -221,7 +249,7 @@ def resumes_bit_for_bit(tmp_path: Path, args: list, step: int = 4) -> subprocess
     shutil.copytree(whole, again)
     r = kd_main("train", *args, "--out", again, "--resume", again / "checkpoints" / f"step_{step:08d}.pt")
     assert r.returncode == 0 and "resumed" in r.stderr, r.stderr
-    a, b = (torch.load(run / "checkpoints" / "last.pt", weights_only=True)["student"] for run in (whole, again))
+    a, b = (last_checkpoint(run)["student"] for run in (whole, again))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     return first
 

@@ -128,7 +128,7 @@ def test_two_processes_count_as_one(damaged, tmp_path):
 
 
 def test_the_log_names_the_val_resize_used(tmp_path):
-    """--val-resize 10 with --image-size 32 was logged as the data config's resize 37. A resize
+    """--val-resize 10 with --image-size 32 is logged as resize 10, not the data config's 37. A resize
     smaller than the crop is what torchvision does too (its CenterCrop pads with black; kd's crop
     equals it bit for bit), so it is used and said, not refused."""
     data = make_image_folder(tmp_path / "data", classes=2, train_per_class=4, val_per_class=1, size=(16, 16))
@@ -214,7 +214,7 @@ def test_the_gpu_loader_counts_unreadable_val_images_as_the_pil_loader(damaged, 
     from kd.data import gpu as gpu_mod
     from kd.data.gpu import make_gpu_loader
     from kd.data.layout import scan_split
-    from kd.data.loader import make_pil_loader
+    from kd.data.loader import Shard, make_pil_loader
     from kd.utils.accuracy import evaluate
 
     monkeypatch.setenv(gpu_mod.DECODER_ENV, decoder)
@@ -230,8 +230,8 @@ def test_the_gpu_loader_counts_unreadable_val_images_as_the_pil_loader(damaged, 
     net = torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(2), torch.nn.Flatten(), torch.nn.Linear(12, 2)).eval()
     for batch in (1, 4):
         cpu = torch.device("cpu")
-        got = evaluate(net, make_gpu_loader(cfg, val, False, 1, 0, batch, cpu, False), backend, _Fp32())
-        ref = evaluate(net, make_pil_loader(cfg, val, False, 1, 0, batch, cpu, False), backend, _Fp32())
+        got = evaluate(net, make_gpu_loader(cfg, val, False, Shard(1, 0, batch, cpu, False)), backend, _Fp32())
+        ref = evaluate(net, make_pil_loader(cfg, val, False, Shard(1, 0, batch, cpu, False)), backend, _Fp32())
         assert got["images"] == ref["images"] == 20 and got["unreadable"] == ref["unreadable"] == 2
         assert got["unreadable_files"] == ref["unreadable_files"] == sorted(str(p) for p in UNREADABLE(damaged))
         assert got["top1"] == pytest.approx(ref["top1"], abs=5.0)  # one image in 20 may differ by a rounding

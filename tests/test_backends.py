@@ -11,14 +11,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import threading
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as tmp
-from conftest import HANG_GUARD, make_image_folder
+from conftest import HANG_GUARD, free_port, last_checkpoint, make_image_folder
 from torch import nn
 
 import backends
@@ -95,12 +94,6 @@ def _register_models():
 
 
 _register_models()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ----------------------------------------------------------------------------- two processes
@@ -205,11 +198,11 @@ def _rng_job(job):
 
 def fixed_loader(cfg, backend):
     from kd.data.layout import scan_split
-    from kd.data.loader import make_pil_loader
+    from kd.data.loader import Shard, make_pil_loader
 
     _, samples = scan_split(Path(cfg.data), "val")
     num_replicas, rank = backend.data_shard()
-    return make_pil_loader(cfg, samples, False, num_replicas, rank, 4, backend.device, False)
+    return make_pil_loader(cfg, samples, False, Shard(num_replicas, rank, 4, backend.device, False))
 
 
 def evaluate_fixed(cfg, backend):
@@ -264,37 +257,23 @@ OPTIONS = {"ddp_repaug": dict(repeated_aug=3)}  # a job's further options
 
 @pytest.fixture(scope="module")
 def two_process_runs(data7, tmp_path_factory):
-    """Every job of JOBS (plus an evaluation and an averaging job) in the same two processes."""
+    """Every job of JOBS and of ``checks`` (evaluations, averaging, RNG draws) in the same two processes."""
     root = tmp_path_factory.mktemp("two")
+    checks = [  # kind, function, folder, result file, backend
+        ("eval", _eval_job, "eval", "eval.pt", "torch_ddp"),
+        ("eval_fail", _failing_eval_job, "eval_fail", "eval_fail", "torch_ddp"),
+        ("averager", _averager_job, "avg", "avg", "apex_ddp"),
+        ("rng", _rng_job, "rng", "rng", "torch_ddp"),
+    ]
     jobs = [
         {
-            "kind": "eval",
-            "fn": _eval_job,
+            "kind": kind,
+            "fn": fn,
             "port": free_port(),
-            "result": str(root / "eval.pt"),
-            "cfg": tiny_cfg(data7, root / "eval", backend="torch_ddp"),
-        },
-        {
-            "kind": "eval_fail",
-            "fn": _failing_eval_job,
-            "port": free_port(),
-            "result": str(root / "eval_fail"),
-            "cfg": tiny_cfg(data7, root / "eval_fail", backend="torch_ddp"),
-        },
-        {
-            "kind": "averager",
-            "fn": _averager_job,
-            "port": free_port(),
-            "result": str(root / "avg"),
-            "cfg": tiny_cfg(data7, root / "avg", backend="apex_ddp"),
-        },
-        {
-            "kind": "rng",
-            "fn": _rng_job,
-            "port": free_port(),
-            "result": str(root / "rng"),
-            "cfg": tiny_cfg(data7, root / "rng", backend="torch_ddp"),
-        },
+            "result": str(root / result),
+            "cfg": tiny_cfg(data7, root / folder, backend=backend),
+        }
+        for kind, fn, folder, result, backend in checks
     ]
     for name, (student, backend, unused) in JOBS.items():
         cfg = tiny_cfg(
@@ -316,13 +295,9 @@ def errors_of(root: Path, name: str):
     return [p.read_text() for p in sorted((root / "errors" / name).glob("rank*.txt"))]
 
 
-def student_state(out: Path):
-    return torch.load(out / "checkpoints" / "last.pt", weights_only=True)["student"]
-
-
 def single_run(data, out, **kw):
     kd.train(tiny_cfg(data, out, limit_train_batches=2, **kw))
-    return student_state(out)
+    return last_checkpoint(out)["student"]
 
 
 # ----------------------------------------------------------------------------- registry, cheap units
@@ -503,9 +478,9 @@ def test_two_processes_equal_one_after_the_same_steps(two_process_runs, data7, t
     whose batches differ from those without."""
     assert not errors_of(two_process_runs, name)
     single = single_run(data7, tmp_path / "single", student="timm:kd_test_net", **OPTIONS.get(name, {}))
-    multi = student_state(two_process_runs / name)
+    multi = last_checkpoint(two_process_runs / name)["student"]
     if name in OPTIONS:
-        plain = student_state(two_process_runs / "ddp_equal")
+        plain = last_checkpoint(two_process_runs / "ddp_equal")["student"]
         assert any(not torch.allclose(plain[key], multi[key]) for key in plain)
     torch.manual_seed(TINY["seed"])  # as the Trainer does before building the student
     init = TinyNet(7)
@@ -526,7 +501,7 @@ def test_unused_parameter_trains_with_the_flag_detected_and_under_apex(two_proce
         assert (two_process_runs / name / "checkpoints" / "last.pt").is_file(), name
     # apex_ddp: a gradient nobody has stays missing, as on one device (no weight decay on it)
     single = single_run(data7, tmp_path / "single", student="timm:kd_test_unused")
-    apex = student_state(two_process_runs / "apex_unused")
+    apex = last_checkpoint(two_process_runs / "apex_unused")["student"]
     for key in single:
         torch.testing.assert_close(apex[key], single[key], rtol=1e-5, atol=1e-6)
 

@@ -21,7 +21,7 @@ def test_workers_help_says_the_real_default():
 
 def test_losses_fit_a_terminal():
     """Each method: its name and formula on one line, its defaults indented below, no line over 88
-    columns (they had run to 205)."""
+    columns."""
     from cli import cli
     from kd.losses import LOSSES
 

@@ -206,7 +206,7 @@ def test_negatives_are_other_classes_drawn_evenly_and_fixed_by_sample_and_step()
     labels = torch.tensor([0] * 30 + [1] * 50 + [2] * 20)
     loss = build_loss("crd", 3, {"negatives": 4000})
     loss.setup_features({"p": torch.Size([2, 5])}, {"p": torch.Size([2, 6])})
-    # more negatives than the 50 samples outside class 1: said, with what draws fewer (it ran without a word)
+    # more negatives than the 50 samples outside class 1: said, with what draws fewer
     assert loss.setup_samples(labels, 7, lambda t: t) == (
         "crd: 4,000 negatives a sample from 50 samples of other classes (the fewest of a class): drawn with "
         "replacement, so each recurs; --loss-arg negatives=N draws fewer"

@@ -17,6 +17,7 @@ from conftest import HANG_GUARD
 from kd.data import crop_kernel
 from kd.data import gpu as gpu_mod
 from kd.data.gpu import crop_resize
+from kd.data.loader import Shard
 
 triton = pytest.importorskip("triton")
 TESTS = Path(__file__).resolve().parent
@@ -71,9 +72,9 @@ def compare_loaders(data: str, device: str) -> float:
     saved = {k: os.environ.get(k) for k in (gpu_mod.DECODER_ENV, crop_kernel.CROP_ENV)}
     try:
         os.environ[gpu_mod.DECODER_ENV] = "cpu-thread" if device == "cpu" else "auto"
-        fused = gpu_mod.make_gpu_loader(cfg, train, True, 1, 0, 8, dev, True)
+        fused = gpu_mod.make_gpu_loader(cfg, train, True, Shard(1, 0, 8, dev, True))
         os.environ[crop_kernel.CROP_ENV] = "roi_align"
-        separate = gpu_mod.make_gpu_loader(cfg, train, True, 1, 0, 8, dev, True)
+        separate = gpu_mod.make_gpu_loader(cfg, train, True, Shard(1, 0, 8, dev, True))
     finally:
         for k, v in saved.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)

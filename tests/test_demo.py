@@ -101,7 +101,7 @@ def test_a_run_stopped_mid_way_resumes_from_its_last_checkpoint(tmp_path, monkey
     (out / "teacher" / "checkpoints").mkdir(parents=True)
     (out / "teacher" / "checkpoints" / "last.pt").write_bytes(b"")
     (out / demo.DEMO_FILE).write_text(json.dumps({"epochs": 1, "finished": []}))
-    with pytest.raises(ValueError):  # the fake train wrote no metrics: no best epoch to read
+    with pytest.raises(ValueError, match="empty"):  # the fake train wrote no metrics: no best epoch to read
         demo.run_demo(out, epochs=1)
     ((job, overwrite),) = calls
     assert job.students.resume == (out / "teacher" / "checkpoints" / "last.pt",) and not overwrite

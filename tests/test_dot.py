@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import kd_main, one_error_line, run_kd, tiny_config, train_args
+from conftest import kd_main, last_checkpoint, one_error_line, run_kd, tiny_config, train_args
 
 from kd.errors import KDError
 from kd.precision import AutocastPrecision, Precision
@@ -313,10 +313,6 @@ def test_a_method_with_parameters_of_its_own_is_refused(tmp_path):
 SMALL_PAIR = dict(teacher="timm:test_resnet", student="timm:test_resnet")
 
 
-def checkpoint(out):
-    return torch.load(out / "checkpoints" / "last.pt", weights_only=True)
-
-
 def records(out):
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -332,7 +328,7 @@ def test_dot_trains_and_resumes_exactly(image_folder, tmp_path, method):
     assert r.returncode == 0, r.stderr
     r = kd_main("train", "--out", tmp_path / "part", "--resume", "--epochs", 2)
     assert r.returncode == 0, r.stderr
-    a, b = checkpoint(tmp_path / "full"), checkpoint(tmp_path / "part")
+    a, b = last_checkpoint(tmp_path / "full"), last_checkpoint(tmp_path / "part")
     assert a["global_step"] == b["global_step"] == 6
     for key, value in a["student"].items():
         assert torch.equal(value, b["student"][key]), key
@@ -352,7 +348,7 @@ def test_dot_at_o2_keeps_float32_momenta_of_the_masters(image_folder, tmp_path):
     options = dict(opt="O2", amp_dtype="bfloat16", dot=True, dot_delta=0.09, **SMALL_PAIR)
     r = kd_main(*train_args(image_folder, tmp_path / "run", **options))
     assert r.returncode == 0, r.stderr
-    optimizer = checkpoint(tmp_path / "run")["optimizer"]
+    optimizer = last_checkpoint(tmp_path / "run")["optimizer"]
     assert {(g["momentum"], g["delta"]) for g in optimizer["param_groups"]} == {(0.9, 0.09)}
     state = optimizer["state"]
     assert state and all(v.dtype == torch.float32 for s in state.values() for v in s.values())
@@ -374,7 +370,7 @@ def one_process(image_folder, tmp_path_factory):
     out = tmp_path_factory.mktemp("dot") / "one"
     r = kd_main(*train_args(image_folder, out, **TWO_PROCESS_RUN))
     assert r.returncode == 0, r.stderr
-    return checkpoint(out)
+    return last_checkpoint(out)
 
 
 @pytest.mark.slow
@@ -386,7 +382,7 @@ def test_two_processes_equal_one_process_of_the_same_global_batch(image_folder, 
     processes as in one."""
     r = run_kd(*train_args(image_folder, tmp_path / "two", "--backend", backend, "--nproc", 2, **TWO_PROCESS_RUN))
     assert r.returncode == 0, r.stderr
-    one, two = one_process, checkpoint(tmp_path / "two")
+    one, two = one_process, last_checkpoint(tmp_path / "two")
     assert one["global_step"] == two["global_step"] == 3
     for key, value in one["student"].items():
         torch.testing.assert_close(two["student"][key], value, rtol=1e-4, atol=1e-5, msg=key)

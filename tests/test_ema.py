@@ -12,7 +12,16 @@ from typing import Dict, List
 
 import pytest
 import torch
-from conftest import THREADS, cli_options, in_process_trainer, kd_main, make_image_folder, tiny_config
+from conftest import (
+    TEST_RESNET,
+    TEST_RESNET_PAIR,
+    THREADS,
+    cli_options,
+    in_process_trainer,
+    kd_main,
+    make_image_folder,
+    tiny_config,
+)
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 
@@ -20,12 +29,11 @@ from kd.run.ema import ModelEma
 from kd.run.step import StepHook
 from kd.utils import checkpoint_io
 
-TINY = "timm:test_resnet"
 # 24 training images at batch 4: 6 steps an epoch; a step checkpoint at step 4 (epoch 1) and 8 (epoch 2)
-RUN = cli_options(teacher=TINY, teacher_weights="none", student=TINY, image_size=32, batch_size=4, epochs=2)
+RUN = cli_options(**TEST_RESNET_PAIR, image_size=32, batch_size=4, epochs=2)
 RUN += cli_options(device="cpu", workers=0, lr=0.05, save_every_steps=4, keep_last=2, no_progress=True)
 RUN += ["--model-ema", "--model-ema-decay", "0.9"]
-ALONE = dict(no_teacher=True, student=TINY)  # the in-process trainers' student, without a teacher
+ALONE = dict(no_teacher=True, student=TEST_RESNET)  # the in-process trainers' student, without a teacher
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 import yaml
-from conftest import kd_main, run_kd, train_args
+from conftest import kd_main, last_checkpoint, run_kd, train_args
 
 NEW_METHODS = ["crd", "ofd", "reviewkd", "sddkd"]
 #: the logged term of each method where it is not named after the method
@@ -20,10 +20,6 @@ SMALL = {"crd": {"negatives": 64}}
 #: residual sum, as resnet18, whose checkpoints, written each epoch with their momentum and a best
 #: copy, cost more than its training), taught by resnet18, tapped as torchvision's BasicBlocks are
 STUDENT = "timm:test_resnet"
-
-
-def checkpoint(out):
-    return torch.load(out / "checkpoints" / "last.pt", weights_only=True)
 
 
 def recipes(root, methods):
@@ -48,7 +44,7 @@ def test_resumed_students_equal_the_uninterrupted_ones(image_folder, tmp_path):
     r = kd_main("train", "--out", tmp_path / "part", "--resume", "--epochs", 2)
     assert r.returncode == 0, r.stderr
     for method in NEW_METHODS:
-        a, b = checkpoint(tmp_path / "full" / method), checkpoint(tmp_path / "part" / method)
+        a, b = last_checkpoint(tmp_path / "full" / method), last_checkpoint(tmp_path / "part" / method)
         assert a["global_step"] == b["global_step"] == 6
         for part in ("student", "loss"):
             assert a[part].keys() == b[part].keys() and (a[part] or method == "sddkd")  # SDD: no loss parameters
@@ -85,7 +81,7 @@ def test_crd_memory_takes_every_process_samples(two_processes):
     """Two processes of one epoch (the CRD student of :func:`two_processes`): every training sample's
     row in rank 0's memory (the checkpoint's) moved, the half rank 1 trained included; each row is a
     unit vector, and Z was set."""
-    state = checkpoint(two_processes / "crd")["loss"]["_extra_state"]
+    state = last_checkpoint(two_processes / "crd")["loss"]["_extra_state"]
     n = 3 * 8  # image_folder: 3 classes of 8 training images
     memory, z = state[:-2].view(2, n, 128), state[-2:]
     assert torch.isfinite(z).all() and (z > 0).all()
@@ -118,7 +114,7 @@ def test_the_new_methods_beside_others_equal_their_separate_runs(image_folder, t
     for method in NEW_METHODS:
         r = kd_main(*train_args(image_folder, tmp_path / method, *recipes(tmp_path, [method]), **options))
         assert r.returncode == 0, r.stderr
-        together, alone = checkpoint(tmp_path / "table" / method), checkpoint(tmp_path / method)
+        together, alone = last_checkpoint(tmp_path / "table" / method), last_checkpoint(tmp_path / method)
         assert together["global_step"] == alone["global_step"] == 2
         for part in ("student", "loss"):
             assert together[part].keys() == alone[part].keys()
@@ -128,7 +124,7 @@ def test_the_new_methods_beside_others_equal_their_separate_runs(image_folder, t
 
 def test_crd_trains_on_synthetic_tensors(tmp_path):
     """kd bench times on synthetic tensors: their listing names classes for CRD to draw negatives by
-    (it named class 0 for every sample, and CRD refused the data)."""
+    (not class 0 for every sample, which CRD refuses)."""
     options = dict(student=STUDENT, teacher="resnet18", teacher_weights="none", image_size=32, batch_size=8)
     r = kd_main(*train_args("synthetic", tmp_path / "run", "--loss-arg", "negatives=64", kd_loss="crd",
                             limit_train_batches=2, **options))  # fmt: skip
@@ -146,7 +142,7 @@ def test_two_processes_equal_one_process_of_the_same_global_batch(image_folder, 
     r = kd_main(*train_args(image_folder, tmp_path / "one", *recipes(tmp_path, TWO_PROCESS_STUDENTS), **TOGETHER_RUN))
     assert r.returncode == 0, r.stderr
     for method in TOGETHER:
-        one, two = checkpoint(tmp_path / "one" / method), checkpoint(two_processes / method)
+        one, two = last_checkpoint(tmp_path / "one" / method), last_checkpoint(two_processes / method)
         assert one["global_step"] == two["global_step"] == 3
         assert one["loss"], method  # CRD's memory and embeddings, CTKD's temperature
         for part in ("student", "loss"):
@@ -161,7 +157,7 @@ def test_two_processes_train_mlkd(two_processes):
     equal to one process of the same global batch, by design: the median masks and the class- and
     batch-level Gram matrices are taken over each process's batch, as the official DataParallel
     replicas take them over each GPU's share."""
-    assert checkpoint(two_processes / "mlkd")["global_step"] == 3
+    assert last_checkpoint(two_processes / "mlkd")["global_step"] == 3
     last = json.loads((two_processes / "mlkd" / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["train_skipped_steps"] == 0 and all(last[f"train_{t}"] > 0 for t in ("kd", "cc", "bc")), last
 
@@ -174,7 +170,7 @@ def test_crd_reads_each_sample_index_from_a_prepared_copy(image_folder, tmp_path
     assert r.returncode == 0, r.stderr
     r = kd_main(*train_args(copy, tmp_path / "run", "--loss-arg", "negatives=64", kd_loss="crd", student=STUDENT))
     assert r.returncode == 0, r.stderr
-    state = checkpoint(tmp_path / "run")["loss"]["_extra_state"]
+    state = last_checkpoint(tmp_path / "run")["loss"]["_extra_state"]
     memory = state[:-2].view(2, 24, 128)
     torch.testing.assert_close(memory.norm(dim=2), torch.ones(2, 24))
 

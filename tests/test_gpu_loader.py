@@ -33,7 +33,7 @@ from kd.data.bytes_dataset import (
 )
 from kd.data.decoders import BASELINE_ONLY, DECODERS, CpuThread, CpuWorkers, Nvjpeg, make_decoder, pil_rgb
 from kd.data.gpu import GpuLoader, auto_cpu_share, crop_resize, make_gpu_loader
-from kd.data.loader import GPU_LOADER_HINT, MEAN, STD, dataloader_and_sampler, make_pil_loader
+from kd.data.loader import GPU_LOADER_HINT, MEAN, STD, Shard, dataloader_and_sampler, make_pil_loader
 from kd.data.pipeline import choose_loader
 from kd.data.sampler import sample_seed
 from kd.errors import KDError
@@ -269,8 +269,8 @@ def test_pixels_match_the_pil_path(nat_folder, monkeypatch, decoder, train):
 
     _, train_s, val_s = scan(str(nat_folder))
     samples = train_s if train else val_s
-    gpu = make_gpu_loader(cfg, samples, train, 1, 0, 8, CPU, False)
-    pil = make_pil_loader(cfg, samples, train, 1, 0, 8, CPU, False)
+    gpu = make_gpu_loader(cfg, samples, train, Shard(1, 0, 8, CPU, False))
+    pil = make_pil_loader(cfg, samples, train, Shard(1, 0, 8, CPU, False))
     assert gpu.decoder.name == decoder
     for epoch in (0, 1):
         for g, p in zip(batches(gpu, epoch), batches(pil, epoch), strict=True):
@@ -311,9 +311,9 @@ def test_a_share_of_the_images_is_decoded_by_the_workers_in_the_batchs_order(nat
     assert val_sample.kind == PIL_CROP and val_sample.data.shape == (64, 64, 3)
 
     monkeypatch.setenv(gpu_mod.DECODER_ENV, "cpu-thread")
-    shared = make_gpu_loader(cfg_for(nat_folder, cpu_decode_share=0.5), train, True, 1, 0, 8, CPU, False)
+    shared = make_gpu_loader(cfg_for(nat_folder, cpu_decode_share=0.5), train, True, Shard(1, 0, 8, CPU, False))
     assert shared.dataset.cpu_share == 0.5 and "50 % of the images decoded by the workers (PIL)" in shared.describe()
-    alone = make_gpu_loader(cfg_for(nat_folder, cpu_decode_share=0.0), train, True, 1, 0, 8, CPU, False)
+    alone = make_gpu_loader(cfg_for(nat_folder, cpu_decode_share=0.0), train, True, Shard(1, 0, 8, CPU, False))
     for epoch in (0, 1):
         for s, a in zip(batches(shared, epoch), batches(alone, epoch), strict=True):
             assert torch.equal(s.labels, a.labels)
@@ -373,9 +373,9 @@ def test_order_holds_when_every_crop_is_pils(nat_folder):
     cfg = cfg_for(nat_folder)
     for samples, is_train in ((val, False), (train, True)):
         dataset = JpegBytes(samples, 64, is_train, cpu_share=0.5)
-        dl, sampler = dataloader_and_sampler(cfg, dataset, collate_packed, is_train, 1, 0, 8, CPU)
+        dl, sampler = dataloader_and_sampler(cfg, dataset, collate_packed, is_train, Shard(1, 0, 8, CPU))
         refusing = GpuLoader(dl, sampler, CPU, False, None, dataset, RefusingDecoder(CPU))
-        pil = make_pil_loader(cfg, samples, is_train, 1, 0, 8, CPU, False)
+        pil = make_pil_loader(cfg, samples, is_train, Shard(1, 0, 8, CPU, False))
         exact = []
         for r, p in zip(batches(refusing), batches(pil), strict=True):
             assert torch.equal(r.labels, p.labels)
@@ -480,8 +480,8 @@ def test_bad_images_are_counted_and_named(tmp_path, monkeypatch, decoder):
 
     _, _, val = scan(str(root))
     cfg = cfg_for(root)
-    gpu = make_gpu_loader(cfg, val, False, 1, 0, 4, CPU, False)
-    pil = make_pil_loader(cfg, val, False, 1, 0, 4, CPU, False)
+    gpu = make_gpu_loader(cfg, val, False, Shard(1, 0, 4, CPU, False))
+    pil = make_pil_loader(cfg, val, False, Shard(1, 0, 4, CPU, False))
     got, ref = batches(gpu), batches(pil)
     assert {p for b in got for p in b.bad} == bad == {p for b in ref for p in b.bad}
     g = unnormalise(torch.cat([b.images for b in got if len(b)]))
@@ -507,9 +507,9 @@ def test_decoder_failures_go_through_pil(nat_folder):
     _, _, val = scan(str(nat_folder))
     cfg = cfg_for(nat_folder)
     dataset = JpegBytes(val, 64, False)
-    dl, sampler = dataloader_and_sampler(cfg, dataset, collate_packed, False, 1, 0, 8, CPU)
+    dl, sampler = dataloader_and_sampler(cfg, dataset, collate_packed, False, Shard(1, 0, 8, CPU))
     flaky = GpuLoader(dl, sampler, CPU, False, None, dataset, FlakyDecoder(CPU))
-    pil = make_pil_loader(cfg, val, False, 1, 0, 8, CPU, False)
+    pil = make_pil_loader(cfg, val, False, Shard(1, 0, 8, CPU, False))
     for g, p in zip(batches(flaky), batches(pil), strict=True):
         assert sorted(g.labels.tolist()) == sorted(p.labels.tolist()) and not g.bad
         dist = (unnormalise(g.images)[:, None] - unnormalise(p.images)[None]).abs().mean(dim=(2, 3, 4))
@@ -526,10 +526,10 @@ def test_batches_name_their_samples_in_order(nat_folder, tmp_path, monkeypatch):
     _, train, _ = scan(str(nat_folder))
     cfg = cfg_for(nat_folder, cpu_decode_share=0.5, seed=3)
     dataset = JpegBytes(train, 64, True, cpu_share=0.5)
-    dl, sampler = dataloader_and_sampler(cfg, dataset, collate_packed, True, 1, 0, 8, CPU)
+    dl, sampler = dataloader_and_sampler(cfg, dataset, collate_packed, True, Shard(1, 0, 8, CPU))
     loaders = {
         "gpu": GpuLoader(dl, sampler, CPU, False, None, dataset, FlakyDecoder(CPU)),
-        "pil": make_pil_loader(cfg, train, True, 1, 0, 8, CPU, False),
+        "pil": make_pil_loader(cfg, train, True, Shard(1, 0, 8, CPU, False)),
     }
     for epoch in (0, 1):
         sampler.set_epoch(epoch)
@@ -545,8 +545,8 @@ def test_batches_name_their_samples_in_order(nat_folder, tmp_path, monkeypatch):
 
     root, bad = odd_folder(tmp_path)
     _, _, val = scan(str(root))
-    for loader in (make_gpu_loader(cfg_for(root), val, False, 1, 0, 4, CPU, False),
-                   make_pil_loader(cfg_for(root), val, False, 1, 0, 4, CPU, False)):  # fmt: skip
+    for loader in (make_gpu_loader(cfg_for(root), val, False, Shard(1, 0, 4, CPU, False)),
+                   make_pil_loader(cfg_for(root), val, False, Shard(1, 0, 4, CPU, False))):  # fmt: skip
         got = batches(loader)
         good = [i for i, (path, _) in enumerate(val) if path not in bad]
         assert torch.cat([b.indices for b in got]).tolist() == good
@@ -633,7 +633,7 @@ def test_stage_times_account_for_every_batch(nat_folder, monkeypatch):
 
     monkeypatch.setenv(gpu_mod.DECODER_ENV, "cpu-thread")
     _, train_s, _ = scan(str(nat_folder))
-    gpu = make_gpu_loader(cfg_for(nat_folder), train_s, True, 1, 0, 4, CPU, False)
+    gpu = make_gpu_loader(cfg_for(nat_folder), train_s, True, Shard(1, 0, 4, CPU, False))
     for epoch in range(2):
         got = batches(gpu, epoch)
         times = gpu.stage_times
@@ -701,7 +701,7 @@ def test_the_loader_never_waits_for_the_device(nat_folder, monkeypatch):
         (train, True, True),
         (val, False, True),
     ):
-        gpu = make_gpu_loader(cfg_for(nat_folder, cpu_decode_share=0.5), samples, is_train, 1, 0, 4, CPU, False)
+        gpu = make_gpu_loader(cfg_for(nat_folder, cpu_decode_share=0.5), samples, is_train, Shard(1, 0, 4, CPU, False))
         if fused:
             gpu.kernel_missing = None
         OnDevice.reads.clear()  # the decoder's self-check read its probe once when it was made
@@ -722,7 +722,7 @@ def test_decode_thread_errors_reach_the_consumer(image_folder):
     _, train, _ = scan(str(image_folder))
     cfg = cfg_for(image_folder)
     dataset = JpegBytes(train, 32, True)
-    dl, sampler = dataloader_and_sampler(cfg, dataset, collate_packed, True, 1, 0, 8, CPU)
+    dl, sampler = dataloader_and_sampler(cfg, dataset, collate_packed, True, Shard(1, 0, 8, CPU))
     with pytest.raises(RuntimeError, match="decoder exploded"):
         list(GpuLoader(dl, sampler, CPU, False, None, dataset, BrokenDecoder(CPU)))
 
@@ -800,10 +800,10 @@ def test_cuda_loader_matches_the_cpu_path(nat_folder, monkeypatch, train):
     samples = train_s if train else val_s
     cfg = cfg_for(nat_folder, device="cuda", cpu_decode_share=0.3)  # the workers' regions (train) too
     device = torch.device("cuda", 0)
-    gpu = make_gpu_loader(cfg, samples, train, 1, 0, 8, device, True)
+    gpu = make_gpu_loader(cfg, samples, train, Shard(1, 0, 8, device, True))
     assert gpu.decoder.name in ("nvimgcodec", "nvjpeg"), gpu.describe()
     monkeypatch.setenv(gpu_mod.DECODER_ENV, "cpu")
-    cpu = make_gpu_loader(cfg, samples, train, 1, 0, 8, CPU, False)
+    cpu = make_gpu_loader(cfg, samples, train, Shard(1, 0, 8, CPU, False))
     quiet = batches(gpu)
     for g, c in zip(quiet, batches(cpu), strict=True):
         assert g.images.is_cuda and g.images.is_contiguous(memory_format=torch.channels_last)

@@ -5,22 +5,15 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import HANG_GUARD, ROOT, WORKER_ERRORS, kd_main, make_image_folder, run_kd
+from conftest import HANG_GUARD, ROOT, WORKER_ERRORS, free_port, kd_main, make_image_folder, run_kd
 
 STUDENT = "timm:test_convnext"  # LayerNorm, no BatchNorm: N processes equal one
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -180,7 +180,7 @@ def test_dkd_matches_paper(T, tckd_weight, nckd_weight):
 
 def test_dkd_warmup_is_mdistillers_per_epoch_factor():
     """mdistiller's DKD: ``min(epoch / warmup, 1)`` with the epoch counted from 1, once per epoch:
-    warmup 1 (its ImageNet setting) is no ramp at all (kd had ramped over the first epoch)."""
+    warmup 1 (its ImageNet setting) is no ramp at all, not a ramp over the first epoch."""
     s, t, y = logits(3), logits(4), labels(5)
     args = {"warmup": 4.0}
     full = run("dkd", args, student_logits=s, teacher_logits=t, labels=y, progress=10.0)
@@ -788,9 +788,11 @@ def test_logit_methods_need_no_layers():
 
 def test_split_layers():
     assert split_layers(["layer2", "features.13:layer3"]) == (["layer2", "features.13"], ["layer2", "layer3"])
-    for bad in (["layer3:"], [":layer3"], ["a:b:c"], ["layer3", "features.13:layer3"]):
-        with pytest.raises(KDError):
+    for bad in (["layer3:"], [":layer3"], ["a:b:c"]):
+        with pytest.raises(KDError, match=f"bad feature layer {bad[0]!r}: use NAME or STUDENT_NAME:TEACHER_NAME"):
             split_layers(bad)
+    with pytest.raises(KDError, match="feature layers name a teacher module twice: layer3, features.13:layer3"):
+        split_layers(["layer3", "features.13:layer3"])
 
 
 def test_feature_methods_on_real_models_through_hooks():

@@ -16,7 +16,7 @@ import json
 
 import pytest
 import torch
-from conftest import TINY_RUN, golden_logits, gradient_probes, kd_main, train_args
+from conftest import TINY_RUN, golden_logits, gradient_probes, kd_main, last_checkpoint, train_args
 
 from kd.errors import KDError
 from kd.losses import DistillInputs, build_loss
@@ -24,64 +24,32 @@ from kd.losses.mlkd import confidence_shares
 
 RTOL = 1e-9
 
-# (batch, classes, temperature, ce_weight, kd_weight, tie, standardise) -> the official values
+# (batch, classes, temperature, ce_weight, kd_weight, tie, standardise) -> the official values: (loss_ce, loss_kd,
+# loss_cc, loss_bc), the total, the gradient probes of the weak view's and of the strong view's student logits
+# fmt: off
 OFFICIAL = {
-    (6, 5, 1.0, 0.5, 0.5, False, False): {
-        "parts": {
-            "loss_ce": 3.5985241043769625,
-            "loss_kd": 13.417227409718832,
-            "loss_cc": 0.026202637286324555,
-            "loss_bc": 0.15636281796013496,
-        },
-        "total": 17.198316969342255,
-        "grad_weak": [0.16833655254808688, 0.14835115871948543, 1.4632992908434954],
-        "grad_strong": [-3.8958478163561114, 0.028719100029428013, 0.5975062658014809],
-    },
-    (5, 7, 4.0, 1.0, 2.0, False, False): {
-        "parts": {
-            "loss_ce": 6.426736243353217,
-            "loss_kd": 68.03282481502369,
-            "loss_cc": 0.5231616547056153,
-            "loss_bc": 0.3000030943941463,
-        },
-        "total": 75.28272580747667,
-        "grad_weak": [32.49952775969778, 0.5611695029161843, 27.507515690751497],
-        "grad_strong": [2.4867929903588095, -0.7511092343800552, 8.920761884286886],
-    },
-    (4, 5, 2.0, 0.5, 0.5, True, False): {
-        "parts": {
-            "loss_ce": 3.319487503091721,
-            "loss_kd": 16.662530993628497,
-            "loss_cc": 0.19338195312147427,
-            "loss_bc": 0.05281974373755621,
-        },
-        "total": 20.228220193579247,
-        "grad_weak": [7.087515973302713, -0.7093266003607408, 3.820144512030283],
-        "grad_strong": [-3.276971839522168, -0.4208818962312805, 1.000882056286824],
-    },
-    (6, 5, 1.0, 0.5, 0.5, False, True): {
-        "parts": {
-            "loss_ce": 3.5985241043769625,
-            "loss_kd": 2.8116078712150454,
-            "loss_cc": 0.026202637286324555,
-            "loss_bc": 0.15636281796013496,
-        },
-        "total": 6.592697430838467,
-        "grad_weak": [0.6090234988332288, 0.013690226266776656, 0.10647309311690466],
-        "grad_strong": [-0.6815708321888898, 0.020479773223013337, 0.05679459519987633],
-    },
-    (5, 7, 4.0, 1.0, 2.0, False, True): {
-        "parts": {
-            "loss_ce": 6.426736243353217,
-            "loss_kd": 12.089658386943992,
-            "loss_cc": 0.5231616547056153,
-            "loss_bc": 0.3000030943941463,
-        },
-        "total": 19.339559379396967,
-        "grad_weak": [2.340890754210091, 0.03180486089433046, 0.5668603052925315],
-        "grad_strong": [0.9998685769460733, -0.02723496153109256, 0.3586052321569976],
-    },
+    (6, 5, 1.0, 0.5, 0.5, False, False): (
+        (3.5985241043769625, 13.417227409718832, 0.026202637286324555, 0.15636281796013496), 17.198316969342255,
+        [0.16833655254808688, 0.14835115871948543, 1.4632992908434954],
+        [-3.8958478163561114, 0.028719100029428013, 0.5975062658014809]),
+    (5, 7, 4.0, 1.0, 2.0, False, False): (
+        (6.426736243353217, 68.03282481502369, 0.5231616547056153, 0.3000030943941463), 75.28272580747667,
+        [32.49952775969778, 0.5611695029161843, 27.507515690751497],
+        [2.4867929903588095, -0.7511092343800552, 8.920761884286886]),
+    (4, 5, 2.0, 0.5, 0.5, True, False): (
+        (3.319487503091721, 16.662530993628497, 0.19338195312147427, 0.05281974373755621), 20.228220193579247,
+        [7.087515973302713, -0.7093266003607408, 3.820144512030283],
+        [-3.276971839522168, -0.4208818962312805, 1.000882056286824]),
+    (6, 5, 1.0, 0.5, 0.5, False, True): (
+        (3.5985241043769625, 2.8116078712150454, 0.026202637286324555, 0.15636281796013496), 6.592697430838467,
+        [0.6090234988332288, 0.013690226266776656, 0.10647309311690466],
+        [-0.6815708321888898, 0.020479773223013337, 0.05679459519987633]),
+    (5, 7, 4.0, 1.0, 2.0, False, True): (
+        (6.426736243353217, 12.089658386943992, 0.5231616547056153, 0.3000030943941463), 19.339559379396967,
+        [2.340890754210091, 0.03180486089433046, 0.5668603052925315],
+        [0.9998685769460733, -0.02723496153109256, 0.3586052321569976]),
 }
+# fmt: on
 
 
 def inputs(batch, classes, tie):
@@ -99,7 +67,7 @@ def inputs(batch, classes, tie):
 @pytest.mark.parametrize("case", list(OFFICIAL), ids=lambda c: f"b{c[0]}-c{c[1]}-T{c[2]}-tie{c[5]}-ls{c[6]}")
 def test_mlkd_equals_the_official_code(case):
     batch, classes, temperature, ce_weight, kd_weight, tie, standardise = case
-    golden = OFFICIAL[case]
+    (loss_ce, loss_kd, loss_cc, loss_bc), total, grad_weak, grad_strong = OFFICIAL[case]
     sw, ss, tw, ts, labels = inputs(batch, classes, tie)
     sw.requires_grad_()
     ss.requires_grad_()
@@ -109,15 +77,14 @@ def test_mlkd_equals_the_official_code(case):
         dict(temperature=temperature, ce_weight=ce_weight, kd_weight=kd_weight, standardise=int(standardise)),
     )
     out = loss(DistillInputs(sw, labels, tw, second_student_logits=ss, second_teacher_logits=ts))
-    parts = golden["parts"]
-    assert (ce_weight * out["ce"]).item() == pytest.approx(parts["loss_ce"], rel=RTOL)
-    assert out["kd"].item() == pytest.approx(parts["loss_kd"], rel=RTOL)
-    assert out["cc"].item() == pytest.approx(parts["loss_cc"], rel=RTOL)
-    assert out["bc"].item() == pytest.approx(parts["loss_bc"], rel=RTOL)
-    assert out["loss"].item() == pytest.approx(golden["total"], rel=RTOL)
+    assert (ce_weight * out["ce"]).item() == pytest.approx(loss_ce, rel=RTOL)
+    assert out["kd"].item() == pytest.approx(loss_kd, rel=RTOL)
+    assert out["cc"].item() == pytest.approx(loss_cc, rel=RTOL)
+    assert out["bc"].item() == pytest.approx(loss_bc, rel=RTOL)
+    assert out["loss"].item() == pytest.approx(total, rel=RTOL)
     out["loss"].backward()
-    assert gradient_probes(sw.grad) == pytest.approx(golden["grad_weak"], rel=RTOL)
-    assert gradient_probes(ss.grad) == pytest.approx(golden["grad_strong"], rel=RTOL)
+    assert gradient_probes(sw.grad) == pytest.approx(grad_weak, rel=RTOL)
+    assert gradient_probes(ss.grad) == pytest.approx(grad_strong, rel=RTOL)
 
 
 def test_confidence_shares_take_the_median_as_numpy_does():
@@ -250,10 +217,6 @@ def test_a_prepared_copy_gives_the_folders_strong_views(image_folder, tmp_path, 
 STUDENT = "timm:test_resnet"
 
 
-def checkpoint(out):
-    return torch.load(out / "checkpoints" / "last.pt", weights_only=True)
-
-
 def records(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -275,7 +238,7 @@ def test_mlkd_trains_and_a_resumed_run_equals_the_uninterrupted_one(image_folder
     assert r.returncode == 0, r.stderr
     r = kd_main("train", "--out", tmp_path / "part", "--resume", "--epochs", 2)
     assert r.returncode == 0, r.stderr
-    assert_same_student(checkpoint(tmp_path / "full"), checkpoint(tmp_path / "part"), "resumed")
+    assert_same_student(last_checkpoint(tmp_path / "full"), last_checkpoint(tmp_path / "part"), "resumed")
     last = records(tmp_path / "part")[-1]
     assert last["train_skipped_steps"] == 0
     assert all(last[f"train_{term}"] > 0 for term in ("ce", "kd", "cc", "bc")), last
@@ -315,7 +278,7 @@ def test_mlkd_beside_kd_equals_their_separate_runs(image_folder, tmp_path):
     for method in ("kd", "mlkd"):
         r = kd_main(*train_args(image_folder, tmp_path / method, kd_loss=method, **options))
         assert r.returncode == 0, r.stderr
-        assert_same_student(checkpoint(tmp_path / "table" / method), checkpoint(tmp_path / method), method)
+        assert_same_student(last_checkpoint(tmp_path / "table" / method), last_checkpoint(tmp_path / method), method)
 
 
 def test_soft_labels_refuse_mlkd(tmp_path):

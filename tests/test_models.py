@@ -11,6 +11,7 @@ import pytest
 import timm
 import torch
 import torchvision.models as tvm
+from conftest import TEST_RESNET_PAIR
 from timm.data import create_transform, resolve_data_config
 
 from kd import models
@@ -152,8 +153,7 @@ def test_drop_path_reaches_the_students_drop_path_modules_and_never_the_teachers
     from kd import config as kd_config
     from kd.run.build import build_models
 
-    options = dict(data="synthetic", teacher="timm:test_resnet", teacher_weights="none", student="timm:test_resnet")
-    cfg = kd_config.resolve(options={**options, "drop_path": 0.2})
+    cfg = kd_config.resolve(options={"data": "synthetic", **TEST_RESNET_PAIR, "drop_path": 0.2})
     student, _, teacher, _, _ = build_models(cfg, 4)
     assert max(models.drop_path_rates(student)) == pytest.approx(0.2)  # timm's rule: the last block's
     assert models.drop_path_rates(teacher) == []

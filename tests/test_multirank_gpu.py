@@ -20,7 +20,7 @@ import pytest
 import test_backends as tb  # the tiny models (registered with timm) and configs
 import torch
 import torch.multiprocessing as tmp
-from conftest import ROOT, make_image_folder, run_kd
+from conftest import ROOT, free_port, make_image_folder, run_kd
 from torch import nn
 
 import backends
@@ -113,7 +113,7 @@ def one_gpu_two_ranks(tmp_path_factory):
     jobs = [
         {
             "name": name,
-            "port": tb.free_port(),
+            "port": free_port(),
             "cfg": tb.tiny_cfg(
                 "synthetic", root / name, backend=backend, student=student, device="cuda", gpus=[0], **options
             ),

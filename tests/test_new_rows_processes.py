@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.multiprocessing as tmp
-from conftest import make_image_folder
-from test_backends import TINY, _run_jobs, errors_of, free_port
+from conftest import free_port, make_image_folder
+from test_backends import TINY, _run_jobs, errors_of
 
 import kd
 from kd import config as kd_config

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import THREADS, kd_main
+from conftest import TEST_RESNET, THREADS, kd_main, last_checkpoint
 
-MODEL = "timm:test_resnet"
 #: a store's epoch on synthetic tensors: three batches of four 32 px images of 10 classes
 SYNTHETIC = ["--data", "synthetic", "--image-size", 32, "--device", "cpu", "--no-progress", "--epochs", 1]
 SYNTHETIC += ["--limit-train-batches", 3, "--limit-val-batches", 1, "--num-classes", 10, "-b", 4]
-TEACHER = ["--teacher", MODEL, "--teacher-weights", "none"]
+TEACHER = ["--teacher", TEST_RESNET, "--teacher-weights", "none"]
 
 
 @pytest.fixture(scope="module")
@@ -26,22 +25,21 @@ def store(tmp_path_factory):
     return out
 
 
-def student(out):
-    return torch.load(out / "checkpoints" / "last.pt", weights_only=True)["student"]
-
-
 def test_the_logit_rows_from_a_store_are_the_live_teachers_students(store, tmp_path):
     """ttm, wttm and luminet (its per-class statistics over the stored logits of the batch) from the
     store: each the student of the live teacher, bit for bit."""
     methods = ["ttm", "wttm", "luminet"]
-    train = ["train", *SYNTHETIC, "--student", MODEL, "--kd-loss", ",".join(methods)]
+    train = ["train", *SYNTHETIC, "--student", TEST_RESNET, "--kd-loss", ",".join(methods)]
     r = kd_main(*train, *TEACHER, "--out", tmp_path / "live")
     assert r.returncode == 0, r.stderr
     r = kd_main(*train, "--soft-labels", store, "--out", tmp_path / "replay")
     assert r.returncode == 0, r.stderr
     assert "no teacher forward" in r.stderr
     for method in methods:
-        live, replay = student(tmp_path / "live" / method), student(tmp_path / "replay" / method)
+        live, replay = (
+            last_checkpoint(tmp_path / "live" / method)["student"],
+            last_checkpoint(tmp_path / "replay" / method)["student"],
+        )
         assert live.keys() == replay.keys()
         assert all(torch.equal(live[k], replay[k]) for k in live), method
 
@@ -57,7 +55,9 @@ def test_the_logit_rows_from_a_store_are_the_live_teachers_students(store, tmp_p
 )
 def test_crld_and_the_sdd_rows_are_refused_in_one_line(store, tmp_path, methods, why):
     out = tmp_path / "run"
-    r = kd_main("train", *SYNTHETIC, "--student", MODEL, "--kd-loss", methods, "--soft-labels", store, "--out", out)
+    r = kd_main(
+        "train", *SYNTHETIC, "--student", TEST_RESNET, "--kd-loss", methods, "--soft-labels", store, "--out", out
+    )
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("kd: error: --soft-labels "), r.stderr
     assert why in lines[0] and "train it with the live teacher" in lines[0], lines[0]

@@ -19,7 +19,7 @@ MODELS += ["--opt", "O0", "-b", "4", "--image-size", "32", "--iters", "1", "--wa
 
 def test_bench_methods_takes_the_new_rows_and_refuses_an_unknown_one_before_any_run(tmp_path):
     """A misspelt method among them: one line naming it (and the methods, the new rows among them),
-    no run started, nothing written (it ran every other method alone first, the misspelt one a row of notes)."""
+    no run started, nothing written."""
     out = tmp_path / "bench"
     line = one_error_line(kd_main("bench", *MODELS, "--methods", ",".join(["kd", *NEW_ROWS, "wtm"]), "--out", out))
     assert line.startswith("kd: error: unknown KD loss 'wtm'"), line

@@ -8,62 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import make_image_folder
-from torch import nn
+from conftest import last_checkpoint, make_image_folder
+from tiny import DROP_RUN
 
 import kd
 from kd import config as kd_config
 from kd.run import students as multi
 from kd.run.jobs import TrainJob
 from kd.run.launch import train as launch
-
-
-class PooledDropNet(nn.Module):
-    """A BatchNorm, a global pool (SDD reads its input) and a dropout before the linear classifier:
-    a student whose step draws random masks, as real ones do."""
-
-    def __init__(self, num_classes: int = 10):
-        super().__init__()
-        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, 2, 1), nn.BatchNorm2d(8), nn.ReLU())
-        self.global_pool = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten())
-        self.fc = nn.Sequential(nn.Dropout(0.3), nn.Linear(8, num_classes))
-
-    def get_classifier(self) -> nn.Module:
-        return self.fc
-
-    def forward(self, x):
-        return self.fc(self.global_pool(self.body(x)))
-
-
-def _register():
-    import timm
-    from timm.models import register_model
-
-    if "kd_pooled_drop_net" not in timm.list_models():
-
-        @register_model
-        def kd_pooled_drop_net(pretrained=False, num_classes=10, **kwargs):
-            return PooledDropNet(num_classes)
-
-
-_register()
-
-TINY = dict(
-    image_size=16,
-    batch_size=4,
-    workers=0,
-    lr=0.05,
-    device="cpu",
-    log_every=1,
-    seed=5,
-    epochs=1,
-    limit_train_batches=3,
-    limit_val_batches=1,
-    progress_bar=False,
-    teacher="timm:kd_pooled_drop_net",
-    teacher_weights="none",
-    student="timm:kd_pooled_drop_net",
-)
 
 
 @pytest.fixture(scope="module")
@@ -94,16 +46,12 @@ def alone(data, tmp_path_factory):
     def run(method: str) -> dict:
         if method not in done:
             out = root / method
-            options = {**TINY, "data": str(data), "out": str(out)}
+            options = {**DROP_RUN, "data": str(data), "out": str(out)}
             kd.train(kd_config.resolve(recipe=recipe(root, method), options=options))
-            done[method] = state(out)
+            done[method] = last_checkpoint(out)
         return done[method]
 
     return run
-
-
-def state(out: Path) -> dict:
-    return torch.load(out / "checkpoints" / "last.pt", weights_only=True)
 
 
 @pytest.mark.parametrize(
@@ -117,9 +65,9 @@ def state(out: Path) -> dict:
 def test_the_new_rows_together_equal_their_separate_runs_bit_for_bit(data, alone, tmp_path, methods):
     names = methods.split(",")
     recipes = [recipe(tmp_path, method) for method in names]
-    launch(TrainJob(multi.plan(recipes, {**TINY, "data": str(data), "out": str(tmp_path / "table")}, [])))
+    launch(TrainJob(multi.plan(recipes, {**DROP_RUN, "data": str(data), "out": str(tmp_path / "table")}, [])))
     for method in names:
-        together, separate = state(tmp_path / "table" / method), alone(method)
+        together, separate = last_checkpoint(tmp_path / "table" / method), alone(method)
         assert together["global_step"] == separate["global_step"] == 3, method
         for part in ("student", "loss"):
             assert together[part].keys() == separate[part].keys(), (method, part)

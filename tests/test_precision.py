@@ -13,7 +13,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HANG_GUARD, ROOT, in_process_trainer, kd_main, make_image_folder, run_kd, tiny_config
+from conftest import (
+    HANG_GUARD,
+    ROOT,
+    has_apex_amp,
+    in_process_trainer,
+    kd_main,
+    last_checkpoint,
+    make_image_folder,
+    run_kd,
+    tiny_config,
+)
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 
@@ -61,14 +71,6 @@ TRAIN = [
 CPU = torch.device("cpu")
 
 
-def has_apex_amp() -> bool:
-    try:
-        from apex import amp  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 needs_apex = pytest.mark.skipif(not has_apex_amp(), reason="needs NVIDIA apex with apex.amp (25.05 or older)")
 
@@ -87,10 +89,6 @@ def scalars(out: Path, tag: str):
     events = EventAccumulator(str(out / "tb"))
     events.Reload()
     return [e.value for e in events.Scalars(tag)]
-
-
-def last_checkpoint(out: Path) -> dict:
-    return torch.load(out / "checkpoints" / "last.pt", weights_only=True)
 
 
 @pytest.fixture(scope="module")

@@ -240,5 +240,5 @@ def test_a_copy_of_many_shards_keeps_few_files_open(copies, monkeypatch):
     open_now = set(train._files.values())
     train.close()
     for fd in open_now:
-        with pytest.raises(OSError):
+        with pytest.raises(OSError, match="Bad file descriptor"):
             os.fstat(fd)

@@ -313,8 +313,7 @@ def test_short_schedule_scales_milestones():
 
 
 def test_a_scaled_schedule_is_said_at_the_start(image_folder, tmp_path):
-    """--epochs that rescales the planned milestones and warm-up says so in the run's log and config.yaml
-    (it changed them silently)."""
+    """--epochs that rescales the planned milestones and warm-up says so in the run's log and config.yaml."""
     recipe = tmp_path / "plan.yaml"
     recipe.write_text("epochs: 4\nlr_milestones: [2, 3]\nwarmup_epochs: 2\n")
     tiny = dict(no_teacher=True, student="timm:resnet10t", limit_train_batches=1, limit_val_batches=1)

@@ -71,7 +71,7 @@ def test_a_run_times_its_whole_command(teacher_run, image_folder):
 
 def test_a_wall_time_that_cannot_be_written_is_said_and_the_run_stands(image_folder, tmp_path):
     """A wall.jsonl that cannot be appended to (a full disk, here a folder in its place) is one
-    line on stderr; the run's own outcome stays (it was a traceback over a finished run)."""
+    line on stderr, no traceback; the run's own outcome stays."""
     out = tmp_path / "run"
     r = kd_main(*train_args(image_folder, out, no_teacher=True, student="timm:resnet10t"))
     assert r.returncode == 0, r.stderr
@@ -276,7 +276,7 @@ def test_figures_are_part_of_the_plain_install():
 
 
 def test_report_plot_tells_runs_apart_and_draws_what_its_title_says(tmp_path, monkeypatch):
-    """Two runs named kd in two folders get labels a/kd and b/kd (the legend had shown kd twice);
+    """Two runs named kd in two folders get labels a/kd and b/kd, not kd twice;
     without a recipe reference the title does not promise dashed lines."""
     import json
 
@@ -412,8 +412,8 @@ def _table_run(
 
 def test_a_recipe_run_on_a_small_folder_is_never_labelled_the_papers_setting_and_shows_its_last_epoch(tmp_path):
     """A run of a recipe at another batch and epoch count on 600 images is 'unlike' it, with why, in every
-    format (it was 'as imagenet/r34_r18_crd' in the runs table); the paper's table shows the last epoch
-    beside the best (the best, chosen on the validation set, hid that CRD ended below the student alone)."""
+    format, the runs table too; the paper's table shows the last epoch beside the best (the best, chosen on
+    the validation set, can hide that a method ended below the student alone)."""
     small = dict(images=600, options={"batch_size": 32, "epochs": 8})
     _table_run(tmp_path, "imagenet/r34_r18_crd", 73.0, then=70.0, **small)
     _table_run(tmp_path, "imagenet/baseline_r18", 72.0, **small)
@@ -583,7 +583,7 @@ def test_a_part_killed_outright_is_said_to_be_missing_from_the_wall_time(image_f
 
 def test_a_folder_of_several_students_is_reported_without_a_word_about_its_own_files(tmp_path):
     """A run of several students keeps students.yaml beside their folders: kd report says nothing
-    about it (it said 'skipped .../students.yaml: not a run folder'), and still names a folder in it
+    about it (not 'skipped .../students.yaml: not a run folder'), and still names a folder in it
     that holds no run."""
     from kd.commands.report import find_runs
 
@@ -672,7 +672,7 @@ def test_the_papers_table_of_runs_without_a_teacher_is_a_user_error(tmp_path, fm
 
 def test_a_run_of_fewer_batches_than_its_folder_names_both(tmp_path):
     """A run of --limit-train-batches 4 on a folder of 600 images: the footnote names the folder's 600 and the
-    limit as a reason of its own (it said '128 train images'); a run of an older kd, without the folder's
+    limit as a reason of its own (not '128 train images'); a run of an older kd, without the folder's
     count, says its images an epoch."""
     limited = dict(options={"batch_size": 32, "limit_train_batches": 4}, teacher=(50.0, 80.0))
     _table_run(tmp_path / "new", "imagenet/r34_r18_kd", 40.0, images=128, held=600, **limited)

@@ -148,8 +148,8 @@ def test_a_run_refused_in_set_up_leaves_no_lock_and_no_folder(data, tmp_path):
 
 @pytest.mark.slow
 def test_a_second_writer_is_refused_while_the_first_runs_on(data, tmp_path):
-    """The issue's case: ``--resume`` on a folder whose run is still going (it had trained too, and
-    metrics.jsonl ended 1, 2, 1, 2); and --overwrite, and one student's folder of several. The first
+    """``--resume`` on a folder whose run is still going is refused (two writers would both train, leaving
+    metrics.jsonl ending 1, 2, 1, 2); and --overwrite, and one student's folder of several. The first
     run is paused (SIGSTOP) while the second writers are tried: it holds its folders as a running
     one does, and cannot end before they are tried however slow they are; then it runs on."""
     out = tmp_path / "run"

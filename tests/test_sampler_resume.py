@@ -10,12 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import cli_options, kd_main, make_image_folder, one_error_line, run_kd
+from conftest import TEST_RESNET_PAIR, cli_options, kd_main, make_image_folder, one_error_line, run_kd
 
-TINY = "timm:test_resnet"
 # 12 training images at global batch 4: 3 steps an epoch, in one process as in two (6 samples each,
 # timm's ceil(12 / 2) for a set under 256); step checkpoint 4 is mid-way through the second epoch
-RUN = cli_options(teacher=TINY, teacher_weights="none", student=TINY, image_size=32, batch_size=4, epochs=2)
+RUN = cli_options(**TEST_RESNET_PAIR, image_size=32, batch_size=4, epochs=2)
 RUN += cli_options(device="cpu", workers=0, save_every_steps=2, keep_last=9, limit_val_batches=1, no_progress=True)
 RUN += cli_options(repeated_aug=3, mixup=0.8, cutmix=1.0, model_ema=True, model_ema_decay=0.9)
 DDP = cli_options(backend="torch_ddp", nproc=2)

@@ -20,12 +20,21 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import HANG_GUARD, ROOT, TINY_PAIR, kd_main, make_image_folder
+from conftest import (
+    HANG_GUARD,
+    ROOT,
+    TEST_RESNET_PAIR,
+    TINY_PAIR,
+    cli_options,
+    has_apex_amp,
+    kd_main,
+    make_image_folder,
+)
 
 TINY = [*TINY_PAIR, "--log-every", "1", "--loader", "gpu", "-j", "2", "--no-progress"]
 #: the stopped training runs: timm's test_resnet teaching itself (0.4 M parameters), whose checkpoint,
 #: written at the stop, is a tenth of resnet10t's
-STOPPED = ["--teacher", "timm:test_resnet", "--teacher-weights", "none", "--student", "timm:test_resnet", *TINY[6:]]
+STOPPED = [*cli_options(**TEST_RESNET_PAIR), *TINY[6:]]
 
 
 @pytest.fixture(scope="module")
@@ -148,16 +157,8 @@ def test_kd_teach_stops_promptly_and_continues(data, tmp_path):
     assert (store / f"epoch-{done + 1:03d}.values.npy").exists() and not list(store.glob("*.partial.npy"))
 
 
-def _has_apex_amp() -> bool:
-    try:
-        from apex import amp  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or not _has_apex_amp(), reason="needs CUDA and apex with apex.amp")
+@pytest.mark.skipif(not torch.cuda.is_available() or not has_apex_amp(), reason="needs CUDA and apex with apex.amp")
 @pytest.mark.parametrize("how", ["sigterm", "error"])
 @pytest.mark.parametrize("backend", ["single", "apex_ddp"])
 def test_apex_runs_stop_promptly_too(data, tmp_path, how, backend):
@@ -285,8 +286,8 @@ def test_a_second_ctrl_c_waits_for_the_checkpoint_and_a_launched_process_ignores
 
 def test_a_late_copy_of_the_signal_after_the_run_is_no_new_stop():
     """A launched worker's run has stopped on a SIGINT and put the set-up handler back; the
-    launcher's forwarded copy then arrives while the process exits: ignored (it had raised there,
-    a traceback in threading's shutdown)."""
+    launcher's forwarded copy then arrives while the process exits: ignored, no traceback in
+    threading's shutdown."""
     from kd.utils.signals import StopFlag, install_early
 
     restore = install_early(launched=True)
@@ -306,11 +307,11 @@ def test_a_late_copy_of_the_signal_after_the_run_is_no_new_stop():
 @pytest.mark.slow
 def test_sigterm_as_a_launched_run_ends_exits_143_with_its_line(stopped_in_validation, resumed_then_sigterm):
     """SIGTERM to kd's launcher once the last epoch is logged (its checkpoint, the workers' end, the
-    launcher's collection of the results): exit 143 with kd's stop line at once, the run complete
-    (it was 130, 'kd: interrupted', after the agent's 30 s wait for the workers). The run: the
+    launcher's collection of the results): exit 143 with kd's stop line at once, the run complete,
+    not 130 and 'kd: interrupted' after the agent's 30 s wait for the workers. The run: the
     resume of :func:`stopped_in_validation`, its launcher and two ranks."""
     out, text = stopped_in_validation.out, resumed_then_sigterm.text
-    assert resumed_then_sigterm.returncode == 143, text  # the agent's 30 s wait ended 130, 'kd: interrupted'
+    assert resumed_then_sigterm.returncode == 143, text
     assert "Traceback" not in text and text.strip().splitlines()[-1] == (
         f"kd: stopped by SIGTERM as the run ended; {out} holds it complete"
     ), text
@@ -320,7 +321,7 @@ def test_sigterm_as_a_launched_run_ends_exits_143_with_its_line(stopped_in_valid
 
 def test_sigterm_while_torch_is_imported_is_one_line(data, tmp_path):
     """SIGTERM in a kd train's first second, while Python imports torch (before any run's handler):
-    one line and exit 143, nothing written (it was the default action: killed, no line)."""
+    one line and exit 143, nothing written (not the default action: killed, no line)."""
     marker = uuid.uuid4().hex
     out = tmp_path / "run"
     proc = start(marker, "--data", data, "--device", "cpu", *TINY, "--out", out)

@@ -162,7 +162,7 @@ def first_skip_and_stop(out: Path, stderr: str):
 @pytest.mark.slow
 def test_the_streak_limit_does_not_shrink_with_the_number_of_processes(data, tmp_path):
     """Every step after the first diverges (lr 1e12); the run stops after --max-nonfinite-steps skipped
-    steps, with one process and with two (it had stopped after 2 of 4 with two: summed streaks)."""
+    steps, with one process and with two (the processes' streaks are not summed)."""
     args = ["train", "--data", data, "--no-teacher", "--student", SMALL_STUDENT, "--image-size", 32, "-b", 8]
     args += ["-j", 0, "--device", "cpu", "--lr", "1e12", "--log-every", 1, "--epochs", 4]
     args += ["--max-nonfinite-steps", 4]
@@ -195,8 +195,7 @@ def test_no_checkpoint_holds_a_nonfinite_buffer(data, tmp_path):
 @pytest.mark.slow
 def test_one_unreadable_file_counts_once_over_epochs_and_processes(tmp_path):
     """A broken file is met every epoch, by either process or by both in one epoch: it is one
-    unreadable image, so a run with --max-bad-images 2 lives past epoch 3 (it had died there: one
-    file counted per epoch)."""
+    unreadable image, so a run with --max-bad-images 2 lives past epoch 3 (not one count per epoch)."""
     from kd.data.sampler import SeededSampler
 
     data = make_image_folder(tmp_path / "data", classes=2, train_per_class=4, val_per_class=1, size=(16, 16))
@@ -271,7 +270,7 @@ def test_apex_casts_come_back_on_after_a_teacher_forward_that_raises():
     from kd.precision.apex import _casts_off
 
     handle = SimpleNamespace(_is_active=True)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="CUDA out of memory"):
         with _casts_off(handle):
             assert handle._is_active is False
             raise RuntimeError("CUDA out of memory (in the teacher's forward)")

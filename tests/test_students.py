@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import TINY_RUN, kd_main, make_image_folder, train_args
-from torch import nn
+from conftest import TINY_RUN, kd_main, last_checkpoint, make_image_folder, train_args
+from tiny import DROP_RUN
 
 import kd
 from kd import config as kd_config
@@ -22,56 +22,6 @@ from kd.run.launch import train as launch
 from kd.run.students import for_command
 
 
-class DropNet(nn.Module):
-    """A BatchNorm and a dropout: a student whose step draws random masks, as real ones do."""
-
-    def __init__(self, num_classes: int = 10):
-        super().__init__()
-        self.body = nn.Sequential(
-            nn.Conv2d(3, 8, 3, 2, 1),
-            nn.BatchNorm2d(8),
-            nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1),
-            nn.Flatten(),
-            nn.Dropout(0.3),
-        )
-        self.fc = nn.Linear(8, num_classes)
-
-    def forward(self, x):
-        return self.fc(self.body(x))
-
-
-def _register():
-    import timm
-    from timm.models import register_model
-
-    if "kd_drop_net" not in timm.list_models():
-
-        @register_model
-        def kd_drop_net(pretrained=False, num_classes=10, **kwargs):
-            return DropNet(num_classes)
-
-
-_register()
-
-TINY = dict(
-    image_size=16,
-    batch_size=4,
-    workers=0,
-    lr=0.05,
-    device="cpu",
-    log_every=1,
-    seed=5,
-    epochs=1,
-    limit_train_batches=3,
-    limit_val_batches=1,
-    progress_bar=False,
-    teacher="timm:kd_drop_net",
-    teacher_weights="none",
-    student="timm:kd_drop_net",
-)
-
-
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     return make_image_folder(
@@ -80,11 +30,7 @@ def data(tmp_path_factory):
 
 
 def options(data, out, **kw):
-    return {**TINY, "data": str(data), "out": str(out), **kw}
-
-
-def state(out: Path):
-    return torch.load(out / "checkpoints" / "last.pt", weights_only=True)
+    return {**DROP_RUN, "data": str(data), "out": str(out), **kw}
 
 
 def test_students_together_equal_separate_runs_bit_for_bit(data, tmp_path):
@@ -93,7 +39,7 @@ def test_students_together_equal_separate_runs_bit_for_bit(data, tmp_path):
     launch(TrainJob(students))
     for method in ("kd", "dkd"):
         kd.train(kd_config.resolve(options=options(data, tmp_path / "alone" / method, kd_loss=method)))
-        together, alone = state(tmp_path / "table" / method), state(tmp_path / "alone" / method)
+        together, alone = last_checkpoint(tmp_path / "table" / method), last_checkpoint(tmp_path / "alone" / method)
         assert together["global_step"] == alone["global_step"] == 3
         for key, value in alone["student"].items():
             assert torch.equal(together["student"][key], value), (method, key)
@@ -120,7 +66,7 @@ def test_students_on_one_mixed_batch_equal_their_separate_runs(data, tmp_path):
     launch(TrainJob(multi.plan([], options(data, tmp_path / "table", kd_loss="kd,dist", **mixing), [])))
     for method in ("kd", "dist"):
         kd.train(kd_config.resolve(options=options(data, tmp_path / "alone" / method, kd_loss=method, **mixing)))
-        together, alone = state(tmp_path / "table" / method), state(tmp_path / "alone" / method)
+        together, alone = last_checkpoint(tmp_path / "table" / method), last_checkpoint(tmp_path / "alone" / method)
         assert together["global_step"] == alone["global_step"] == 3
         for key, value in alone["student"].items():
             assert torch.equal(together["student"][key], value), (method, key)
@@ -134,7 +80,7 @@ def test_a_feature_student_after_another_equals_its_separate_run(data, tmp_path,
     launch(TrainJob(multi.plan([], options(data, tmp_path / "table", kd_loss=methods, **layers), [])))
     for method in methods.split(","):
         kd.train(kd_config.resolve(options=options(data, tmp_path / "alone" / method, kd_loss=method, **layers)))
-        together, alone = state(tmp_path / "table" / method), state(tmp_path / "alone" / method)
+        together, alone = last_checkpoint(tmp_path / "table" / method), last_checkpoint(tmp_path / "alone" / method)
         assert together["global_step"] == alone["global_step"] == 3
         assert alone["loss"] or method not in ("fitnet", "crd")  # connectors (and CRD's memory) are in the checkpoint
         for part in ("student", "loss"):
@@ -162,7 +108,7 @@ def test_a_diverging_student_stops_alone(data, tmp_path):
 
 def test_students_must_agree_on_what_they_share(data, tmp_path):
     """The refusal names only the keys that differ, in kd train's words (on/off, auto), each with the
-    option that makes them one (it printed Python's False and None and listed 30 keys)."""
+    option that makes them one (not Python's False and None, not every shared key)."""
     a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
     a.write_text(yaml.safe_dump({"kd_loss": "kd", "batch_size": 8, "lr": 0.1, "compile": False}))
     b.write_text(yaml.safe_dump({"kd_loss": "dist", "batch_size": 16, "lr": 0.2, "compile": None}))
@@ -263,7 +209,7 @@ def test_apex_ddp_with_several_students_takes_native_amp_where_apex_amp_is_insta
     launch(TrainJob(multi.plan([], opts, [])))
     for name in ("kd", "dkd"):
         assert (tmp_path / "table" / name / "checkpoints" / "last.pt").is_file()
-    with pytest.raises(Chosen):  # one student: apex_ddp's wish holds
+    with pytest.raises(Chosen, match="apex.amp was chosen"):  # one student: apex_ddp's wish holds
         kd.train(kd_config.resolve(options={**opts, "kd_loss": "kd", "out": str(tmp_path / "alone")}))
 
 

@@ -117,8 +117,8 @@ def test_explicit_float32_teacher_under_o1(data, trained, tmp_path):
 
 
 def test_teacher_broken_even_in_float32_stops_before_training(data, trained, tmp_path):
-    """At O0 such a teacher used to train epochs of NaN and exit 0: at O0 on the CPU (nothing to
-    choose) its weights are checked, and its logits on the probe batches, which finite weights can
+    """Such a teacher stops the run before its first step, not after epochs of NaN: at O0 on the CPU
+    (nothing to choose) its weights are checked, and its logits on the probe batches, which finite weights can
     overflow; under O1 its float32 fallback's probe says so."""
     weights = with_bias(trained, float("inf"), tmp_path)
     with pytest.raises(KDError, match="teacher timm:resnet10t has non-finite weights .*its weights are broken"):
@@ -203,7 +203,7 @@ def test_a_run_ending_on_nonfinite_steps_does_not_succeed(data, tmp_path, monkey
 @pytest.mark.parametrize("opt", ["O2", "O3"])
 def test_a_float32_teacher_is_fed_what_it_was_probed_with(data, trained, tmp_path, opt):
     """At O2/O3 the student's input is cast to bfloat16; a float32 teacher still gets the float32 crop
-    (it had been fed the student's rounded one, while its probe saw float32)."""
+    (not the student's rounded one: its probe saw float32)."""
     cfg = cfg_for(data, tmp_path / opt, teacher_weights=str(trained), opt=opt, teacher_precision="float32")
     backend = backends.get("single")(cfg)
     backend.setup()

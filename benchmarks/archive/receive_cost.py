@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 from kd import config as kd_config  # noqa: E402
 from kd.data.bytes_dataset import JpegBytes, collate_packed  # noqa: E402
 from kd.data.layout import scan  # noqa: E402
-from kd.data.loader import dataloader_and_sampler  # noqa: E402
+from kd.data.loader import Shard, dataloader_and_sampler  # noqa: E402
 
 
 def main() -> None:
@@ -37,7 +37,7 @@ def main() -> None:
     cfg = kd_config.resolve(options=options)
     dataset = JpegBytes(train, cfg.image_size, True)
     loader, sampler = dataloader_and_sampler(
-        cfg, dataset, collate_packed, True, 1, 0, args.batch_size, torch.device("cpu")
+        cfg, dataset, collate_packed, True, Shard(1, 0, args.batch_size, torch.device("cpu"))
     )
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)

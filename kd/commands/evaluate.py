@@ -15,7 +15,7 @@ from typing import Any, Dict, Optional
 from kd import models
 from kd.config import RunConfig
 from kd.data.layout import scan_split
-from kd.data.loader import default_workers, make_pil_loader
+from kd.data.loader import Shard, default_workers, make_pil_loader
 from kd.errors import KDError
 from kd.precision import make_precision
 from kd.run.runtime import resolve as resolve_runtime
@@ -167,7 +167,8 @@ def evaluate_model(
     # frozen, as kd runs a teacher
     precision = TeacherPrecision(backend.device, make_precision(cfg, backend.device).dtype)
     net = precision.convert(net)
-    loader = make_pil_loader(dataclasses.replace(cfg), samples, False, 1, 0, batch_size, backend.device, channels_last)
+    shard = Shard(1, 0, batch_size, backend.device, channels_last)
+    loader = make_pil_loader(dataclasses.replace(cfg), samples, False, shard)
     try:
         result = evaluate(net, loader, backend, precision)
     finally:

@@ -47,6 +47,7 @@ from kd.data.loader import (
     STD,
     Batch,
     DeviceLoader,
+    Shard,
     dataloader_and_sampler,
     left_out,
     normalisation,
@@ -494,25 +495,14 @@ def decoder_choice() -> str:
     return os.environ.get(DECODER_ENV, "auto").strip() or "auto"
 
 
-def make_gpu_loader(
-    cfg,
-    samples,
-    train: bool,
-    num_replicas: int,
-    rank: int,
-    local_batch: int,
-    device: torch.device,
-    channels_last: bool,
-    every_sample: bool = False,
-    views: int = 1,
-) -> GpuLoader:
-    """A ``--loader gpu`` loader over ``samples``, sampled exactly as the PIL loader (``every_sample``
+def make_gpu_loader(cfg, samples, train: bool, shard: Shard, every_sample: bool = False, views: int = 1) -> GpuLoader:
+    """A ``--loader gpu`` loader over ``samples`` for ``shard``, sampled exactly as the PIL loader (``every_sample``
     as there); ``views`` 2: the workers make each training sample's strong view with PIL
     (:class:`JpegBytes`), normalised on the device."""
-    decoder, notes = shared_decoder(device, decoder_choice())
+    decoder, notes = shared_decoder(shard.device, decoder_choice())
     share = cfg.cpu_decode_share
     if share is None:
-        share = auto_cpu_share(decoder, worker_count(cfg, num_replicas), train)
+        share = auto_cpu_share(decoder, worker_count(cfg, shard.num_replicas), train)
     dataset = JpegBytes(
         samples,
         cfg.image_size,
@@ -524,10 +514,10 @@ def make_gpu_loader(
         cpu_share=share,
         views=views if train else 1,
     )
-    loader, sampler = dataloader_and_sampler(
-        cfg, dataset, collate_packed, train, num_replicas, rank, local_batch, device, every_sample
-    )
+    loader, sampler = dataloader_and_sampler(cfg, dataset, collate_packed, train, shard, every_sample)
     limit = cfg.limit_train_batches if train else cfg.limit_val_batches
-    out = GpuLoader(loader, sampler, decoder.device, channels_last, limit, dataset, decoder, notes, normalisation(cfg))
-    out.left_out = left_out(samples, train, rank)
+    out = GpuLoader(
+        loader, sampler, decoder.device, shard.channels_last, limit, dataset, decoder, notes, normalisation(cfg)
+    )
+    out.left_out = left_out(samples, train, shard.rank)
     return out

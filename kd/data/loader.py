@@ -406,19 +406,22 @@ class SyntheticLoader:
             yield Batch(self.images, self.labels, indices=indices, second_images=self.second_images)
 
 
+@dataclass(frozen=True)
+class Shard:
+    """This process's share of a split and where its batches go: process ``rank`` of ``num_replicas``,
+    ``local_batch`` samples a step, on ``device`` (channels-last where ``channels_last``)."""
+
+    num_replicas: int
+    rank: int
+    local_batch: int
+    device: torch.device
+    channels_last: bool = False
+
+
 def make_pil_loader(
-    cfg,
-    samples,
-    train: bool,
-    num_replicas: int,
-    rank: int,
-    local_batch: int,
-    device: torch.device,
-    channels_last: bool,
-    every_sample: bool = False,
-    views: int = 1,
+    cfg, samples, train: bool, shard: Shard, every_sample: bool = False, views: int = 1
 ) -> DeviceLoader:
-    """A PIL loader over ``samples``: shuffled and padded for training, sharded exactly for val;
+    """A PIL loader over ``samples`` for ``shard``: shuffled and padded for training, sharded exactly for val;
     ``every_sample``: a training loader keeps its last short batch (kd teach's store); ``views`` 2:
     training batches carry each sample's strong view too (:attr:`Batch.second_images`)."""
     resize, interpolation = val_transform(cfg)
@@ -434,13 +437,11 @@ def make_pil_loader(
         augment,
         cfg.train_interpolation,
     )
-    loader, sampler = dataloader_and_sampler(
-        cfg, dataset, collate, train, num_replicas, rank, local_batch, device, every_sample
-    )
+    loader, sampler = dataloader_and_sampler(cfg, dataset, collate, train, shard, every_sample)
     limit = cfg.limit_train_batches if train else cfg.limit_val_batches
-    out = DeviceLoader(loader, sampler, device, channels_last, limit, normalisation(cfg))
+    out = DeviceLoader(loader, sampler, shard.device, shard.channels_last, limit, normalisation(cfg))
     out.augments = augment_note(cfg) if train else ""
-    out.left_out = left_out(samples, train, rank)
+    out.left_out = left_out(samples, train, shard.rank)
     return out
 
 
@@ -452,21 +453,12 @@ def left_out(samples, train: bool, rank: int) -> List[str]:
     return samples.left_out() if isinstance(samples, Prepared) and not train and rank == 0 else []
 
 
-def dataloader_and_sampler(
-    cfg,
-    dataset,
-    collate_fn,
-    train: bool,
-    num_replicas: int,
-    rank: int,
-    local_batch: int,
-    device: torch.device,
-    every_sample: bool = False,
-):
-    """The DataLoader and SeededSampler over ``dataset``, with the worker settings of the module
+def dataloader_and_sampler(cfg, dataset, collate_fn, train: bool, shard: Shard, every_sample: bool = False):
+    """The DataLoader and SeededSampler of ``shard`` over ``dataset``, with the worker settings of the module
     docstring; training drops a last short batch unless ``every_sample``, and repeats each sample
     ``--repeated-aug`` times an epoch where that is on."""
     repeats = cfg.repeated_aug if train and not every_sample else 0
+    num_replicas, rank, local_batch = shard.num_replicas, shard.rank, shard.local_batch
     sampler = SeededSampler(len(dataset), num_replicas, rank, shuffle=train, seed=cfg.seed, pad=train, repeats=repeats)
     workers = worker_count(cfg, num_replicas)
     # its own generator, with workers or without: iterating never draws from the training's (dropout) generators
@@ -488,7 +480,7 @@ def dataloader_and_sampler(
         sampler=sampler,
         num_workers=workers,
         collate_fn=collate_fn,
-        pin_memory=device.type == "cuda",
+        pin_memory=shard.device.type == "cuda",
         drop_last=drop_last,
         **kwargs,
     )

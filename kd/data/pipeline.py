@@ -18,7 +18,7 @@ from kd.data.augment_options import wanted
 from kd.data.cache import CachedVal, default_budget_gb
 from kd.data.gpu import decoder_choice, make_gpu_loader, shared_decoder
 from kd.data.layout import scan
-from kd.data.loader import Loader, SyntheticLoader, make_pil_loader, val_transform
+from kd.data.loader import Loader, Shard, SyntheticLoader, make_pil_loader, val_transform
 from kd.data.registry import AUTO_LOADER, LOADERS, check_loader
 
 SYNTHETIC_CLASSES = 1000
@@ -69,18 +69,18 @@ def build(
         return Data(train, val, [str(i) for i in range(n)], len(listing), 0, train_samples=listing)
     name, why = choose_loader(cfg.loader, device, augments=wanted(cfg))
     classes, train_samples, val_samples = scan(cfg.data)
-    make = LOADERS.get(name)
-    train = make(cfg, train_samples, True, num_replicas, rank, local_batch, device, channels_last, every_sample, views)
+    shard = Shard(num_replicas, rank, local_batch, device, channels_last)
+    train = LOADERS.get(name)(cfg, train_samples, True, shard, every_sample, views)
     train.why = why
     describe = getattr(train_samples, "describe", None)  # a prepared copy says what it holds
     train.source = describe() if describe is not None else ""
-    val = build_val(cfg, val_samples, num_replicas, rank, local_batch, device, channels_last)
+    val = build_val(cfg, val_samples, shard)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", num_replicas))  # this host's processes under a launcher
     budget = default_budget_gb(min(local, num_replicas)) if cfg.val_cache_gb is None else cfg.val_cache_gb
     if budget > 0:
         val = CachedVal(val, cfg.image_size, device, channels_last, budget * 2**30)
     data = Data(train, val, classes, len(train_samples), len(val_samples), val_samples, train_samples)
-    data.own_val = lambda other: build_val(other, val_samples, num_replicas, rank, local_batch, device, channels_last)
+    data.own_val = lambda other: build_val(other, val_samples, shard)
     return data
 
 
@@ -113,7 +113,7 @@ def choose_loader(choice: str, device: torch.device, augments: bool = False) -> 
     return "gpu", f"--loader auto: CUDA and the {decoder.name} decoder work here"
 
 
-def build_val(cfg, samples, num_replicas: int, rank: int, local_batch: int, device, channels_last: bool) -> Loader:
+def build_val(cfg, samples, shard: Shard) -> Loader:
     """The val loader for ``cfg``'s validation transform. ``--loader auto`` validates on the PIL path:
     its crops are torchvision's ``Resize`` + ``CenterCrop`` bit for bit, whatever the machine, and the
     val cache keeps them after the first pass. ``--loader gpu`` validates on the device where the
@@ -121,4 +121,4 @@ def build_val(cfg, samples, num_replicas: int, rank: int, local_batch: int, devi
     models) always goes through the PIL path, as the device resizes bilinearly only."""
     on_device = cfg.loader == "gpu" and val_transform(cfg)[1] == "bilinear"
     make = make_gpu_loader if on_device else make_pil_loader
-    return make(cfg, samples, False, num_replicas, rank, local_batch, device, channels_last)
+    return make(cfg, samples, False, shard)

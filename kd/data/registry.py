@@ -14,10 +14,10 @@ from kd.registry import Registry
 if TYPE_CHECKING:
     from kd.data.loader import DeviceLoader
 
-#: ``--loader NAME``: ``make(cfg, samples, train, num_replicas, rank, local_batch, device,
-#: channels_last, every_sample=False, views=1)`` for each name, returning a :class:`kd.data.loader.DeviceLoader`
-#: (or a subclass); ``every_sample``: training keeps its last short batch (kd teach's store); ``views``
-#: 2: training batches carry each sample's strong view (:mod:`kd.data.views`).
+#: ``--loader NAME``: ``make(cfg, samples, train, shard, every_sample=False, views=1)`` for each name
+#: (``shard``: a :class:`kd.data.loader.Shard`), returning a :class:`kd.data.loader.DeviceLoader` (or a
+#: subclass); ``every_sample``: training keeps its last short batch (kd teach's store); ``views`` 2:
+#: training batches carry each sample's strong view (:mod:`kd.data.views`).
 LOADERS: Registry[Callable[..., DeviceLoader]] = Registry("loader")
 LOADERS.register_lazy("pil", "kd.data.loader:make_pil_loader")
 LOADERS.register_lazy("gpu", "kd.data.gpu:make_gpu_loader")
