@@ -152,7 +152,7 @@ def test_checkpoint_write_is_atomic(tmp_path):
         def __reduce__(self):
             raise OSError(28, "No space left on device")
 
-    with pytest.raises(Exception):
+    with pytest.raises(OSError, match="No space left on device"):
         save_atomic({"a": torch.zeros(3), "b": Boom()}, path)
     assert torch.equal(torch.load(path, weights_only=True)["a"], torch.ones(3))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.pt", "c.pt.sha256"]
