@@ -37,7 +37,7 @@ def _loss_names():
 
 
 def _copy_formats():
-    from kd.data.prepare import TRAIN_FORMATS
+    from kd.data.prepared_writer import TRAIN_FORMATS
 
     return TRAIN_FORMATS
 
@@ -302,7 +302,7 @@ def prepare_cmd(src, dst, fmt, max_side, quality, workers, overwrite, no_progres
     """Write a copy of the ImageNet-layout folder SRC to DST that the loaders read faster: training
     images reduced once (longer side capped) into a few large shard files, validation images as they
     are. Resumable: run it again to finish. Train with kd train --data DST."""
-    from kd.data.prepare import Settings, prepare
+    from kd.data.prepared_writer import Settings, prepare
 
     prepare(
         src,

@@ -31,8 +31,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from kd.data.prepare import Settings, prepare  # noqa: E402
 from kd.data.prepared import open_copy, verify_copy  # noqa: E402
+from kd.data.prepared_writer import Settings, prepare  # noqa: E402
 from kd.utils import checkpoint_io  # noqa: E402
 
 RAW_BYTES = 256 * 192 * 3  # a 320x240 source at --max-side 256, as raw RGB pixels

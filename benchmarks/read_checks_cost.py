@@ -30,8 +30,8 @@ import torch  # noqa: E402
 from checksum_cost import jpeg_folder, median_seconds  # noqa: E402
 
 from kd.data.folder import ImageFolderPIL  # noqa: E402
-from kd.data.prepare import Settings, prepare  # noqa: E402
 from kd.data.prepared import open_copy  # noqa: E402
+from kd.data.prepared_writer import Settings, prepare  # noqa: E402
 from kd.teacher.store import class_dtype, damaged_row  # noqa: E402
 
 IMAGENET_TRAIN = 1_281_167

@@ -240,7 +240,7 @@ def test_the_gpu_loader_counts_unreadable_val_images_as_the_pil_loader(damaged, 
 def test_a_prepared_copy_counts_the_val_images_it_left_out(one_process, damaged, tmp_path):
     """kd prepare leaves unreadable val images out of the copy (and says so); an accuracy on the
     copy is still over the whole val split, as on the folder: the same images, names and top-1."""
-    from kd.data.prepare import Settings, prepare
+    from kd.data.prepared_writer import Settings, prepare
 
     r, out = one_process
     assert r.returncode == 0, r.stderr

@@ -192,7 +192,7 @@ def _ranks(parent: int):
 def test_a_dead_rank_restarts_the_group_from_its_checkpoint(data, ddp_reference, tmp_path):
     """--max-restarts 1: the agent restarts the group, which resumes from the last checkpoint and
     ends as the uninterrupted run (without restarts the group goes down in one line:
-    tests/test_lifeline.py)."""
+    tests/test_process_deaths.py)."""
     out = tmp_path / "run"
     proc = start("train", "--data", data, *ARGS, *DDP, "-j", "0", "--out", out, "--max-restarts", 1)
     wait_for(lambda: (out / "metrics.jsonl").exists() and len(_ranks(proc.pid)) == 2, proc)  # in epoch 2 of 3

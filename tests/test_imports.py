@@ -222,7 +222,7 @@ LAYERS: List[Tuple[str, List[str]]] = [
             "kd.checksum",
             "kd.runfolder",
             "kd.runlock",
-            "kd.lifeline",
+            "kd.process_deaths",
             "kd.registry",
             "kd.version",
             "kd.nest",

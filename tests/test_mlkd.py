@@ -197,7 +197,7 @@ def test_a_prepared_copy_gives_the_folders_strong_views(image_folder, tmp_path, 
     """A raw-pixel copy of the (small) images holds their decoded pixels: both loaders read the same
     strong views from it as from the folder."""
     import kd.data.gpu as gpu_mod
-    from kd.data.prepare import Settings, prepare
+    from kd.data.prepared_writer import Settings, prepare
 
     monkeypatch.setenv(gpu_mod.DECODER_ENV, "cpu-thread")
     copy = tmp_path / "copy"

@@ -1,4 +1,4 @@
-"""The paper setting a run resembles (kd.run.papers): a run whose teacher weights, weight decay or
+"""The paper setting a run resembles (kd.run.paper_setting): a run whose teacher weights, weight decay or
 temperature depart from it says so in one line at its start (and in config.yaml), and ``kd report``
 marks it: its paper_setting column, a footnote in the markdown and LaTeX tables."""
 
@@ -13,7 +13,7 @@ from conftest import kd_main, train_args
 
 from kd import config as kd_config
 from kd.commands.report import method_defaults
-from kd.run import papers
+from kd.run import paper_setting
 
 
 def setting(**options):
@@ -21,7 +21,7 @@ def setting(**options):
 
 
 def test_kd_defaults_on_the_papers_pairs_are_told_apart_from_the_papers():
-    name, found = papers.departures(setting(teacher="resnet50", student="timm:mobilenetv1_100"), method_defaults)
+    name, found = paper_setting.departures(setting(teacher="resnet50", student="timm:mobilenetv1_100"), method_defaults)
     assert name == "imagenet/r50_mv1_kd"
     assert [d.words for d in found] == [
         "teacher weights pretrained = IMAGENET1K_V2 (the paper's: IMAGENET1K_V1, --teacher-weights torchvision:IMAGENET1K_V1)",
@@ -29,38 +29,41 @@ def test_kd_defaults_on_the_papers_pairs_are_told_apart_from_the_papers():
         "T 4 (the paper's: 1)",
     ]
     # resnet34's default weights are the papers' V1: only the decay and the temperature differ
-    assert papers.cell(setting(teacher="resnet34", student="resnet18"), method_defaults) == (
+    assert paper_setting.cell(setting(teacher="resnet34", student="resnet18"), method_defaults) == (
         "unlike imagenet/r34_r18_kd: no wd on BN/bias, T 4"
     )
     # a student of the same family, another method: that method's recipe of the pair
-    assert papers.cell(setting(teacher="resnet50", student="mobilenet_v2", kd_loss="dkd"), method_defaults) == (
+    assert paper_setting.cell(setting(teacher="resnet50", student="mobilenet_v2", kd_loss="dkd"), method_defaults) == (
         "unlike imagenet/r50_mv1_dkd: teacher IMAGENET1K_V2, no wd on BN/bias"
     )
     assert (
-        papers.cell(setting(student="resnet18", no_teacher=True), method_defaults)
+        paper_setting.cell(setting(student="resnet18", no_teacher=True), method_defaults)
         == "unlike imagenet/baseline_r18: no wd on BN/bias"
     )
     assert (
-        papers.cell(setting(teacher="resnet152", student="resnet18"), method_defaults) == "-"
+        paper_setting.cell(setting(teacher="resnet152", student="resnet18"), method_defaults) == "-"
     )  # no paper has this pair
 
 
 def test_the_papers_setting_is_not_marked_and_an_override_of_a_recipe_is():
-    assert papers.departures(kd_config.resolve(recipe="imagenet/r50_mv1_kd").to_dict(), method_defaults) == (
+    assert paper_setting.departures(kd_config.resolve(recipe="imagenet/r50_mv1_kd").to_dict(), method_defaults) == (
         "imagenet/r50_mv1_kd",
         [],
     )
-    assert papers.start_line(kd_config.resolve(recipe="imagenet/r50_mv1_kd").to_dict(), method_defaults) is None
+    assert paper_setting.start_line(kd_config.resolve(recipe="imagenet/r50_mv1_kd").to_dict(), method_defaults) is None
     theirs = setting(teacher="resnet34", student="resnet18", wd_bn_bias=True, temperature=1.0)
-    assert papers.cell(theirs, method_defaults) == "as imagenet/r34_r18_kd"
+    assert paper_setting.cell(theirs, method_defaults) == "as imagenet/r34_r18_kd"
     changed = kd_config.resolve(
         recipe="imagenet/r50_mv1_kd", options={"teacher_weights": "pretrained", "temperature": 4}
     )
-    assert papers.cell(changed.to_dict(), method_defaults) == "unlike imagenet/r50_mv1_kd: teacher IMAGENET1K_V2, T 4"
+    assert (
+        paper_setting.cell(changed.to_dict(), method_defaults)
+        == "unlike imagenet/r50_mv1_kd: teacher IMAGENET1K_V2, T 4"
+    )
     dropped = kd_config.resolve(recipe="imagenet/r50_mv1_kd", options={"drop_path": 0.05}).to_dict()
-    assert papers.cell(dropped, method_defaults) == "unlike imagenet/r50_mv1_kd: drop path 0.05"
+    assert paper_setting.cell(dropped, method_defaults) == "unlike imagenet/r50_mv1_kd: drop path 0.05"
     # a teacher from a file is not compared (its weights are not known here); none is
-    assert papers.cell(
+    assert paper_setting.cell(
         setting(teacher="resnet34", student="resnet18", teacher_weights="none", wd_bn_bias=True), method_defaults
     ) == ("unlike imagenet/r34_r18_kd: teacher none, T 4")
 
@@ -123,7 +126,9 @@ def test_the_papers_table_footnotes_a_run_unlike_the_paper(tmp_path, fmt):
 def test_a_saved_config_keeps_the_line_as_a_comment_only(tmp_path):
     """config.yaml's notes are comments: the saved config loads as before."""
     cfg = kd_config.resolve(options={"data": "/imagenet", "teacher": "resnet34", "student": "resnet18"})
-    kd_config.save(cfg, tmp_path / "config.yaml", notes=[papers.start_line(cfg.to_dict(), method_defaults) or ""])
+    kd_config.save(
+        cfg, tmp_path / "config.yaml", notes=[paper_setting.start_line(cfg.to_dict(), method_defaults) or ""]
+    )
     assert kd_config.load(tmp_path / "config.yaml") == cfg
     assert "paper_setting" not in yaml.safe_load((tmp_path / "config.yaml").read_text())
 
@@ -132,14 +137,14 @@ def test_what_a_config_leaves_out_is_not_compared():
     """A config of an older kd (or written by hand) that leaves the settings out resembles its recipe
     and departs from it in nothing known."""
     partial = {"kd_loss": "kd", "teacher": "resnet34", "student": "resnet18", "epochs": 1}
-    assert papers.cell(partial, method_defaults) == "as imagenet/r34_r18_kd"
+    assert paper_setting.cell(partial, method_defaults) == "as imagenet/r34_r18_kd"
 
 
 def test_a_run_on_other_classes_than_imagenet_resembles_no_paper(image_folder, tmp_path):
     """The recipes are ImageNet-1k's: a run on a folder of other classes (kd demo's digits, say) is
     compared with none, at its start or in kd report."""
-    assert papers.cell(setting(student="resnet18", no_teacher=True, num_classes=10), method_defaults) == "-"
-    assert papers.cell(setting(student="resnet18", no_teacher=True, num_classes=1000), method_defaults) != "-"
+    assert paper_setting.cell(setting(student="resnet18", no_teacher=True, num_classes=10), method_defaults) == "-"
+    assert paper_setting.cell(setting(student="resnet18", no_teacher=True, num_classes=1000), method_defaults) != "-"
     out = tmp_path / "run"
     r = kd_main(*train_args(image_folder, out, no_teacher=True, no_progress=True))
     assert r.returncode == 0, r.stderr
@@ -153,24 +158,24 @@ def test_a_run_on_other_classes_than_imagenet_resembles_no_paper(image_folder, t
 def test_a_dot_run_resembles_the_dot_recipe_and_departs_from_the_others():
     """--dot is part of the paper setting: a KD run with it resembles the DOT recipe of its pair, and
     the DOT recipe's setting without it (or a KD recipe with it) departs, at the start and in kd report."""
-    assert papers.cell(setting(teacher="resnet34", student="resnet18", dot=True), method_defaults).startswith(
+    assert paper_setting.cell(setting(teacher="resnet34", student="resnet18", dot=True), method_defaults).startswith(
         "unlike imagenet/r34_r18_kd_dot:"
     )
-    assert papers.cell(
+    assert paper_setting.cell(
         kd_config.resolve(recipe="imagenet/r34_r18_kd_dot", options={"data": "/imagenet"}).to_dict(), method_defaults
     ) == ("as imagenet/r34_r18_kd_dot")
     off = kd_config.resolve(recipe="imagenet/r34_r18_kd_dot", options={"data": "/imagenet", "dot": False}).to_dict()
-    assert papers.cell(off, method_defaults) == "unlike imagenet/r34_r18_kd_dot: no DOT"
+    assert paper_setting.cell(off, method_defaults) == "unlike imagenet/r34_r18_kd_dot: no DOT"
     on = kd_config.resolve(recipe="imagenet/r34_r18_kd", options={"data": "/imagenet", "dot": True}).to_dict()
-    assert papers.cell(on, method_defaults) == "unlike imagenet/r34_r18_kd: DOT"
+    assert paper_setting.cell(on, method_defaults) == "unlike imagenet/r34_r18_kd: DOT"
 
 
 def test_a_standardised_run_resembles_the_logit_standardisation_recipe():
     """--logit-standardisation is part of the paper setting: a DKD run with it resembles DKD + LS of its
     pair (and departs from its T 2), one without it DKD's recipe."""
     ls = setting(teacher="resnet34", student="resnet18", kd_loss="dkd", standardise=True, wd_bn_bias=True)
-    assert papers.cell(ls, method_defaults) == "unlike imagenet/r34_r18_dkd_ls: T 1"
+    assert paper_setting.cell(ls, method_defaults) == "unlike imagenet/r34_r18_dkd_ls: T 1"
     plain = setting(teacher="resnet34", student="resnet18", kd_loss="dkd", wd_bn_bias=True)
-    assert papers.cell(plain, method_defaults) == "as imagenet/r34_r18_dkd"
+    assert paper_setting.cell(plain, method_defaults) == "as imagenet/r34_r18_dkd"
     recipe = kd_config.resolve(recipe="imagenet/r50_mv1_mlkd_ls", options={"data": "/imagenet"}).to_dict()
-    assert papers.cell(recipe, method_defaults) == "as imagenet/r50_mv1_mlkd_ls"
+    assert paper_setting.cell(recipe, method_defaults) == "as imagenet/r50_mv1_mlkd_ls"

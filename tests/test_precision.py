@@ -251,7 +251,7 @@ def test_o2_weights_bfloat16_batchnorm_float32_masters_float32(data, tmp_path):
 def test_o3_everything_bfloat16_no_masters(data, tmp_path):
     t = trainer(tiny_cfg(data, tmp_path / "o3", opt="O3", fuse_teacher=False))
     assert {p.dtype for p in t.lane.side.student.parameters()} == {torch.bfloat16}
-    teacher = t.teacher.module.teacher  # its own precision (kd.teacher.probe): weights in bfloat16 under autocast
+    teacher = t.teacher.module.teacher  # its own precision (kd.teacher.precision): weights in bfloat16 under autocast
     assert _dtypes(teacher, bn=False) == {torch.bfloat16} and _dtypes(teacher, bn=True) == {torch.float32}
     opt_params = {id(p) for g in t.lane.optimizer.param_groups for p in g["params"]}
     assert opt_params == {id(p) for p in t.lane.side.parameters() if p.requires_grad}

@@ -19,8 +19,8 @@ from PIL import Image
 from kd import config as kd_config
 from kd.data import build
 from kd.data.layout import scan
-from kd.data.prepare import Settings, prepare, reduced_size
 from kd.data.prepared import MANIFEST, RAW, Prepared
+from kd.data.prepared_writer import Settings, prepare, reduced_size
 from kd.errors import KDError
 
 CPU = torch.device("cpu")

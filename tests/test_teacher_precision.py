@@ -1,4 +1,4 @@
-"""The teacher's own precision (kd.teacher.probe) and non-finite losses at every opt level, on the CPU.
+"""The teacher's own precision (kd.teacher.precision) and non-finite losses at every opt level, on the CPU.
 
 The teachers are trained by kd itself (``--no-teacher``), then given a classifier bias that a
 reduced precision cannot carry: 3.40e38 is finite in float32 but rounds to inf in bfloat16

@@ -17,8 +17,8 @@ import torch
 from conftest import kd_main, make_image_folder, train_args
 
 from kd.checksum import file_sha256
-from kd.data.prepare import Settings, prepare
 from kd.data.prepared import FORMAT_VERSION, MANIFEST, read_manifest, sealed
+from kd.data.prepared_writer import Settings, prepare
 from kd.errors import KDError
 from kd.utils import checkpoint_io
 

@@ -130,7 +130,7 @@ def evaluate_model(
     None means: from the kd checkpoint ``weights`` where it is one (see :func:`resolve`), else the
     default. The result holds the metrics, the settings used and ``settings``, a line saying so.
     """
-    from kd.teacher.probe import TeacherPrecision
+    from kd.teacher.precision import TeacherPrecision
 
     backends = own("backends")
 

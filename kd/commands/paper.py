@@ -84,7 +84,7 @@ Table = Tuple[List[List[str]], List[str]]
 
 def _marked(title: str, row: Dict[str, object], footnotes: List[str]) -> str:
     """``title`` with the number of its footnote where its run departs from the paper setting it
-    resembles (kd.run.papers: teacher weights, weight decay, temperature); the footnote added once."""
+    resembles (kd.run.paper_setting: teacher weights, weight decay, temperature); the footnote added once."""
     setting = str(row.get("paper_setting") or "-")
     if not setting.startswith("unlike "):
         return title

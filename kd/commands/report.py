@@ -18,9 +18,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from kd.commands import table
 from kd.errors import KDError, writing
-from kd.run import papers
+from kd.run import paper_setting
 from kd.run.log import unended_parts, wall_parts
-from kd.run.papers import Departure
+from kd.run.paper_setting import Departure
 from kd.runfolder import RunFolder
 
 COLUMNS = [
@@ -112,7 +112,7 @@ def collect(run: Path) -> Dict[str, object]:
         "reference_top1": ref if ref is not None else "-",
         "diff": round(best["val_top1"] - ref, 2) if ref is not None else "-",
         # the classes the run trained (its config leaves the folder's count out)
-        "paper_setting": papers.cell(
+        "paper_setting": paper_setting.cell(
             {**cfg, "num_classes": last.get("classes", cfg.get("num_classes"))},
             method_defaults,
             lambda recipe: setting_gaps(cfg, recipe, records),
@@ -131,7 +131,7 @@ def collect(run: Path) -> Dict[str, object]:
         "_teacher_sha256": teacher_sha256(run),
         # what a student-alone row must share with the students it heads (kd.commands.paper)
         "_setting": {key: cfg.get(key) for key in ("data", "epochs", "batch_size")},
-        "_standardised": papers.standardised(cfg),
+        "_standardised": paper_setting.standardised(cfg),
         "_dot": bool(cfg.get("dot")),
         "_imagenet": bool(records) and records[0].get("train_images", 0) >= 0.99 * IMAGENET_TRAIN_IMAGES,
         "_no_wall": None if parts or unended else "no wall.jsonl (a run of an older kd): its wall time is not known",

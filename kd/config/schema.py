@@ -59,7 +59,7 @@ class RunConfig:
     teacher: Optional[str] = None
     teacher_weights: str = "pretrained"
     teacher_precision: str = (
-        "auto"  # auto: the run's dtype, checked before training, with a fallback (kd.teacher.probe)
+        "auto"  # auto: the run's dtype, checked before training, with a fallback (kd.teacher.precision)
     )
     student: Optional[str] = None
     student_weights: str = "none"

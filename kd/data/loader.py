@@ -27,7 +27,7 @@ from kd.data.augment import describe as augment_note
 from kd.data.augment_options import wanted
 from kd.data.folder import ImageFolderPIL, collate
 from kd.data.sampler import SeededSampler
-from kd.lifeline import quiet_resource_sharer
+from kd.process_deaths import quiet_resource_sharer
 
 MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
@@ -74,12 +74,12 @@ def mp_context(name: str):
     """
     ctx = multiprocessing.get_context(name)
     if name == "forkserver":
-        # kd.lifeline first: the server and the workers it forks die with this process (a kill -9)
-        preload = ["kd.lifeline", "torch", "kd.data.loader", "kd.data.folder", "kd.data.bytes_dataset"]
+        # kd.process_deaths first: the server and the workers it forks die with this process (a kill -9)
+        preload = ["kd.process_deaths", "torch", "kd.data.loader", "kd.data.folder", "kd.data.bytes_dataset"]
         ctx.set_forkserver_preload(preload)
         from multiprocessing import forkserver
 
-        from kd.lifeline import forkserver_guarded
+        from kd.process_deaths import forkserver_guarded
         from kd.utils.signals import ignoring_sigint
 
         # ignoring SIGINT: a Ctrl-C while it imports torch stops the run, not it with a traceback
@@ -160,7 +160,7 @@ def worker_count(cfg, num_replicas: int) -> int:
 def seed_worker(worker_id: int) -> None:
     """Run nicer than the training process (WORKER_NICE); seed Python's and NumPy's RNGs from
     torch's per-worker seed (for third-party transforms); say nothing when the process this worker
-    serves is killed while taking a batch (:func:`kd.lifeline.quiet_resource_sharer`)."""
+    serves is killed while taking a batch (:func:`kd.process_deaths.quiet_resource_sharer`)."""
     quiet_resource_sharer()
     try:
         nice = int(os.environ.get("KD_WORKER_NICE", WORKER_NICE))

@@ -5,7 +5,7 @@ casting of the model and inputs, master weights, the loss scaler, and the pieces
 (scaled backward, unscale with a non-finite flag, optimizer step, scale update, zero). The
 engine's step (:func:`kd.run.step.apply_gradients`) calls those pieces in order, clips, and
 decides whether a step is skipped; nothing outside this package touches a scaler. The frozen
-teacher's autocast is its own precision's (:mod:`kd.teacher.probe`).
+teacher's autocast is its own precision's (:mod:`kd.teacher.precision`).
 
 | level | student | loss scaling (float16) |
 |---|---|---|
@@ -14,7 +14,7 @@ teacher's autocast is its own precision's (:mod:`kd.teacher.probe`).
 | O2 | weights in reduced precision except BatchNorm (float32); float32 master weights in the optimizer | dynamic |
 | O3 | everything in reduced precision, no master weights: a speed ceiling, not a recipe | none |
 
-The frozen teacher has a precision of its own (:mod:`kd.teacher.probe`, ``--teacher-precision``): by
+The frozen teacher has a precision of its own (:mod:`kd.teacher.precision`, ``--teacher-precision``): by
 default the run's dtype (float32 at O0), its conv/linear weights stored in that dtype under
 autocast at every level, with a fallback checked on validation batches before training.
 

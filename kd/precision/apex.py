@@ -11,7 +11,7 @@ What kd asks of apex.amp, per level:
   in ``convert()`` (after the optimizer is built, before the backend wraps the model). The
   models handed to apex are the student side without its KD loss module, which stays float32
   with its inputs cast up (as in the native levels), so the KD softmax never runs in float16.
-* the teacher: it has its own precision (:mod:`kd.teacher.probe`) on torch.autocast; at O1 apex's
+* the teacher: it has its own precision (:mod:`kd.teacher.precision`) on torch.autocast; at O1 apex's
   globally patched torch functions are switched off around its forward (as
   ``amp.disable_casts()`` does, but back on even when the forward raises), so a teacher that
   kd runs in bfloat16 or float32 stays so.

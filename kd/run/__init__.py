@@ -10,7 +10,8 @@ images, stops, logging, checkpoints; ``build``: its parts; ``state``: where its 
 ``apply_gradients``); the moving average of a student's weights (``ema``); device-side sums
 (``meter``); a lane's checkpoints (``checkpoint``), the run's log, optimizer and schedules, the
 machine's facts (``runtime``), the benchmark timer
-(``timing``), and the student side as one module (``sides``). Where each process sits, stops,
+(``timing``), the student side as one module (``sides``), and the paper setting a run resembles
+(``paper_setting``). Where each process sits, stops,
 accuracy across processes, feature taps and checkpoint file I/O are below every package, in
 ``kd.utils``.
 

@@ -16,7 +16,7 @@ from kd.errors import KDError
 from kd.losses import LOSSES, DistillLoss, build_loss, split_layers
 from kd.precision import make_precision
 from kd.precision.cpu import slow_precision_warning
-from kd.run import papers
+from kd.run import paper_setting
 from kd.run.dot import check_applies
 from kd.run.ema import ModelEma
 from kd.run.lane import Lane, stop_in_setup
@@ -106,7 +106,9 @@ def build_lane(
     setting = {k: v for k, v in cfg.to_dict().items() if not (cfg.soft_labels and k == "teacher_weights")}
     setting["num_classes"] = num_classes
     # what kd kept or chose, and where it departs from the paper it resembles: also in config.yaml
-    notes = [line for line in (lr_note(cfg), cfg.schedule_note, papers.start_line(setting, method_defaults)) if line]
+    notes = [
+        line for line in (lr_note(cfg), cfg.schedule_note, paper_setting.start_line(setting, method_defaults)) if line
+    ]
     clock.mark("optimizer")  # with the precision, the backend's wrap and torch.compile's
     lane = Lane(
         name=name,

@@ -208,8 +208,8 @@ def launch_local(job: Job, nproc: int):
 
 def worker(job: Job, error_dir: str, visible: Optional[str], launcher: Optional[int] = None):
     """The entrypoint of each process kd's launcher starts (module level, so it pickles); it dies
-    with ``launcher``, the launching process (:mod:`kd.lifeline`)."""
-    from kd.lifeline import die_with_parent
+    with ``launcher``, the launching process (:mod:`kd.process_deaths`)."""
+    from kd.process_deaths import die_with_parent
     from kd.utils.signals import Interrupted, exit_when_stopped, install_early, stopped_in_run
 
     if launcher is not None:
@@ -267,7 +267,7 @@ def _crashed(exc: BaseException, error_dir: str) -> SystemExit:
 def peer_failed(error_dir: str, rank: int, within: float = 1.0) -> bool:
     """Whether another rank of this launch (its pid in ``error_dir``) has ended with a failure,
     watched for ``within`` seconds: a killed peer's connections close as it dies."""
-    from kd.lifeline import ended_in_failure
+    from kd.process_deaths import ended_in_failure
 
     pids = [int(p.read_text(encoding="utf-8")) for p in Path(error_dir).glob("pid*.txt") if p.stem != f"pid{rank:05d}"]
     deadline = time.monotonic() + within

@@ -28,7 +28,7 @@ from kd.run.step import StepHook, StepOutput, check_batch
 from kd.runfolder import nearest_folder
 from kd.teacher import store as kd_store
 from kd.teacher.frozen import build_teacher
-from kd.teacher.probe import PROBE_BATCHES
+from kd.teacher.precision import PROBE_BATCHES
 from kd.utils.signals import Interrupted, StopFlag
 
 

@@ -1,5 +1,5 @@
 """The frozen teacher of a run, set up once: on its device, fused, its precision chosen on a few
-validation batches (:mod:`kd.teacher.probe`), wrapped forward-only by the backend, compiled where asked.
+validation batches (:mod:`kd.teacher.precision`), wrapped forward-only by the backend, compiled where asked.
 
 One :class:`Teacher` serves one student (``kd train``) or several (``kd train --kd-loss kd,dkd``,
 :mod:`kd.run.students`): its outputs are float32 logits and tapped features (:class:`TeacherSide`, the
@@ -19,7 +19,7 @@ from torch import nn
 from kd import models
 from kd.data.loader import val_transform
 from kd.models import teacher_preprocessing_note
-from kd.teacher import probe as kd_teacher
+from kd.teacher import precision as kd_teacher
 from kd.teacher.source import Targets
 from kd.utils.accuracy import evaluate
 from kd.utils.signals import StopFlag
@@ -58,7 +58,7 @@ class ToSize:
 
 class Teacher:
     """``model`` (frozen, on the CPU) ready to run: ``forward(images)`` gives its float32 logits and the
-    features of ``layers``; ``precision`` is the :class:`kd.teacher.probe.TeacherPrecision` it runs in.
+    features of ``layers``; ``precision`` is the :class:`kd.teacher.precision.TeacherPrecision` it runs in.
 
     ``precision`` (the student's) gives the dtype the choice starts from and the context another
     model's forward needs; ``val`` is the loader the choice probes; ``notes`` receives the choice

@@ -1,4 +1,4 @@
-"""Every helper process kd starts dies with the process that started it, even after a kill -9.
+"""Process deaths: every helper process kd starts dies with the one that started it, even after a kill -9.
 
 Without help, a killed run leaves its helpers running: the loader's forkserver waits for the end
 of its "alive" pipe, whose write end each DataLoader worker it forked also holds (multiprocessing

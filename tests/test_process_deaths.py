@@ -1,4 +1,4 @@
-"""A kill -9 leaves no process behind, and a killed rank is one line (kd.lifeline, kd.run.launch).
+"""A kill -9 leaves no process behind, and a killed rank is one line (kd.process_deaths, kd.run.launch).
 
 Real ``kd train`` processes with DataLoader workers started through the forkserver; every process
 kd starts inherits a marker in its environment (test_signals' helpers), and /proc is searched for it.
