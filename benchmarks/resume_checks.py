@@ -16,9 +16,9 @@ import torch
 import torchvision
 
 from kd import config as kd_config
-from kd import models
 from kd.run.resume import ran_config, resumed_config, with_last_part
 from kd.utils.checkpoint_io import read, save_atomic
+from kd.utils.weight_files import check_classes
 
 
 def main() -> None:
@@ -50,7 +50,7 @@ def main() -> None:
         ),
         (
             "1,000 class names compared",
-            lambda: models.check_classes(read(last, "x", mmap=True)["classes"], classes, last, run),
+            lambda: check_classes(read(last, "x", mmap=True)["classes"], classes, last, run),
         ),
     ]:
         times = []

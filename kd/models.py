@@ -1,14 +1,14 @@
-"""Models by name (torchvision, or ``timm:NAME``) and weight loading from local files."""
+"""Models by name (torchvision, or ``timm:NAME``): their names, building, and weights published by name.
+
+Building covers stochastic depth (``--drop-path``) and a timm model fed another size than its own;
+weights from files are read by :mod:`kd.utils.weight_files`, and each model's data config (how it
+wants its images) is in :mod:`kd.data.data_config` and :mod:`kd.data.model_data`."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 import sys
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -16,6 +16,7 @@ from torch import nn
 from kd.errors import KDError, suggest
 from kd.utils import archs, checkpoint_io, model_names
 from kd.utils.model_names import TIMM_PREFIX
+from kd.utils.weight_files import classifier_outputs, extract_state, kd_checkpoint, load_into, load_state_file
 from kd.utils.weights import NamedWeights, timm_weights
 from kd.utils.weights import torchvision_weights as tv_weights
 
@@ -348,7 +349,7 @@ def origin_member(name: str, weights: Optional[str]) -> Any:
     for _ in range(8):
         if is_named(weights):
             return torchvision_weights(name, str(weights))
-        obj = _kd_checkpoint(str(weights)) if weights else None
+        obj = kd_checkpoint(str(weights)) if weights else None
         if not obj or obj.get("student_name") != name or not isinstance(obj.get("config"), dict):
             return None
         weights = obj["config"].get("student_weights")
@@ -382,72 +383,6 @@ def without_aux_heads(model: nn.Module, state: Dict[str, torch.Tensor]) -> Dict[
     return {k: v for k, v in state.items() if k in own or not k.startswith(AUX_HEADS)}
 
 
-def classifier_outputs(state: Dict[str, torch.Tensor]) -> Optional[int]:
-    """Number of classes of the last 2-D weight in a state dict (the classifier head)."""
-    last = None
-    for key, value in state.items():
-        if key.endswith("weight") and getattr(value, "ndim", 0) == 2:
-            last = value
-    return None if last is None else int(last.shape[0])
-
-
-def load_state_file(path: str) -> Dict[str, torch.Tensor]:
-    """A state dict from a file: plain, wrapped (``state_dict``/``model``/...), or a kd checkpoint.
-
-    Loaded with ``weights_only=True``: a file that needs arbitrary code to unpickle is refused; a
-    file kd wrote is checked against the SHA-256 beside it first (:func:`kd.utils.checkpoint_io.verify`).
-    """
-    p = Path(path)
-    if not p.is_file():
-        raise KDError(f"weights file {path} does not exist (expected pretrained, none or a file path)")
-    checkpoint_io.verify(p)  # a file kd wrote: against the sum beside it
-    return extract_state(checkpoint_io.read(p, "cannot read weights file"), path)
-
-
-def extract_state(obj: Any, path: str) -> Dict[str, torch.Tensor]:
-    if isinstance(obj, dict) and "kd_version" in obj and isinstance(obj.get("student"), dict):
-        obj = obj["student"]
-    for key in ("state_dict_ema", "state_dict", "model_ema", "model", "student", "net"):
-        if isinstance(obj, dict) and isinstance(obj.get(key), dict) and _is_state(obj[key]):
-            obj = obj[key]
-            break
-    if not (isinstance(obj, dict) and _is_state(obj)):
-        raise KDError(f"{path} holds no state dict (a mapping of parameter names to tensors)")
-    prefixes = ("module.", "_orig_mod.", "model.")
-    out = {}
-    for key, value in obj.items():
-        for prefix in prefixes:
-            while key.startswith(prefix):
-                key = key[len(prefix) :]
-        out[key] = value
-    return out
-
-
-def _is_state(d: dict) -> bool:
-    return bool(d) and all(isinstance(k, str) for k in d) and any(isinstance(v, torch.Tensor) for v in d.values())
-
-
-def load_into(model: nn.Module, state: Dict[str, torch.Tensor], name: str, source: str) -> None:
-    """Load ``state`` strictly into ``model``; a mismatch is one clear KDError."""
-    own = model.state_dict()
-    missing = [k for k in own if k not in state]
-    unexpected = [k for k in state if k not in own]
-    shape = [k for k in own if k in state and tuple(own[k].shape) != tuple(state[k].shape)]
-    if missing or unexpected or shape:
-        parts = []
-        if shape:
-            k = shape[0]
-            parts.append(
-                f"{len(shape)} shape mismatches (e.g. {k}: file {tuple(state[k].shape)} vs model {tuple(own[k].shape)})"
-            )
-        if missing:
-            parts.append(f"{len(missing)} missing keys (e.g. {missing[0]})")
-        if unexpected:
-            parts.append(f"{len(unexpected)} unexpected keys (e.g. {unexpected[0]})")
-        raise KDError(f"weights {source} do not fit {name}: {'; '.join(parts)}")
-    model.load_state_dict(state, strict=True)
-
-
 def train_both_heads(model: nn.Module, name: str, method: str) -> None:
     """A student with a distillation token (timm's distilled DeiT) made to return (class head's,
     distillation head's) logits in train mode; in eval mode it returns their average as before.
@@ -466,300 +401,3 @@ def freeze(model: nn.Module) -> nn.Module:
     for p in model.parameters():
         p.requires_grad_(False)
     return model
-
-
-# ----------------------------------------------------------------------------- each model's data config
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
-INTERPOLATIONS = ("bilinear", "bicubic")
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    """How a model wants its images (timm's ``resolve_data_config``, torchvision's weight transforms):
-    the normalisation (0-1 scale), and its evaluation transform, the short side resized to
-    ``val_resize(image_size)`` with ``interpolation``, then the centre crop."""
-
-    mean: Tuple[float, float, float] = IMAGENET_MEAN
-    std: Tuple[float, float, float] = IMAGENET_STD
-    interpolation: str = "bilinear"
-    #: the short side before the crop, as a multiple of the crop (256/224 for torchvision's ImageNet)
-    resize_ratio: float = 256 / 224
-    #: timm floors ``image_size / crop_pct``; torchvision's resize sizes are published numbers, kd rounds
-    floor: bool = False
-    source: str = "torchvision's ImageNet defaults"
-    #: the resolution its weights were trained at (timm's ``input_size``, torchvision's crop size, a kd
-    #: run's ``--image-size``); None: no weights of a known size, it takes the run's crop as it is
-    size: Optional[int] = None
-    #: its weights' published evaluation crop (timm's ``test_input_size`` where given), and the short
-    #: side as a multiple of it there (timm's ``1 / test_crop_pct``; None: ``resize_ratio``)
-    eval_size: Optional[int] = None
-    eval_ratio: Optional[float] = None
-    #: timm's ``crop_mode`` (center, squash, border); kd's evaluation crops from the centre
-    crop_mode: str = "center"
-
-    def val_resize(self, image_size: int, ratio: Optional[float] = None) -> int:
-        value = image_size * (ratio or self.resize_ratio)
-        return int(math.floor(value + 1e-6)) if self.floor else int(round(value))
-
-    def train_size(self, crop: int) -> int:
-        """The side this model is fed during training when the run's crops are ``crop`` pixels."""
-        return self.size or crop
-
-    def evaluation(self, crop: int) -> Tuple[int, int]:
-        """Its evaluation crop and short-side resize: its weights' published ones, else at ``crop``."""
-        if not self.eval_size:
-            return crop, self.val_resize(crop)
-        return self.eval_size, self.val_resize(self.eval_size, self.eval_ratio)
-
-    def training_line(self, crop: int) -> str:
-        """What the model sees in training: ``train 224`` or ``train 224->299 (resized on the device)``."""
-        size = self.train_size(crop)
-        return f"train {crop}" if size == crop else f"train {crop}->{size} (resized on the device)"
-
-    def describe(
-        self, image_size: int, resize: Optional[int] = None, interpolation: Optional[str] = None, own: bool = False
-    ) -> str:
-        """One line: the normalisation and the evaluation transform; ``resize`` and ``interpolation``
-        where the run's options (``--val-resize``, ``val_interpolation``) replace the model's; ``own``:
-        evaluated at its weights' own size where they have one (:meth:`evaluation`), not ``image_size``."""
-        mean = ", ".join(f"{m:g}" for m in self.mean)
-        std = ", ".join(f"{s:g}" for s in self.std)
-        if own:
-            image_size, resize = self.evaluation(image_size)
-        size = resize or self.val_resize(image_size)
-        option = " (--val-resize)" if resize and not own else ""
-        how = f"{interpolation} (val_interpolation)" if interpolation else self.interpolation
-        line = f"mean ({mean}) std ({std}); eval: {how} resize {size}{option}, centre crop {image_size} ({self.source})"
-        if self.crop_mode != "center":
-            line += f"; timm crops these weights by {self.crop_mode!r}, kd from the centre"
-        if size < image_size:  # torchvision's CenterCrop pads; kd's crop is the same, bit for bit
-            line += f"; resize {size} is smaller than the crop: its border is padded with black, as torchvision does"
-        return line
-
-    def to_dict(self) -> Dict[str, Any]:
-        return {
-            "mean": list(self.mean),
-            "std": list(self.std),
-            "interpolation": self.interpolation,
-            "resize_ratio": self.resize_ratio,
-            "floor": self.floor,
-            "source": self.source,
-            "size": self.size,
-            "eval_size": self.eval_size,
-            "eval_ratio": self.eval_ratio,
-            "crop_mode": self.crop_mode,
-        }
-
-    @classmethod
-    def from_dict(cls, d: Dict[str, Any]) -> DataConfig:
-        if d.get("interpolation", "bilinear") not in INTERPOLATIONS:
-            raise KDError(f"interpolation {d.get('interpolation')!r}: kd resizes with {' or '.join(INTERPOLATIONS)}")
-        return cls(
-            tuple(float(x) for x in d.get("mean", IMAGENET_MEAN)),  # type: ignore[arg-type]
-            tuple(float(x) for x in d.get("std", IMAGENET_STD)),  # type: ignore[arg-type]
-            str(d.get("interpolation", "bilinear")),
-            float(d.get("resize_ratio", 256 / 224)),
-            bool(d.get("floor", False)),
-            str(d.get("source", "given")),
-            _size(d.get("size")),
-            _size(d.get("eval_size")),
-            float(d["eval_ratio"]) if d.get("eval_ratio") else None,
-            str(d.get("crop_mode") or "center"),
-        )
-
-
-def _size(value: Any) -> Optional[int]:
-    return int(value) if value else None
-
-
-def data_config(name: str, weights: Optional[str] = "none") -> DataConfig:
-    """Model ``name``'s data config, from its name and ``weights`` alone (no model is built):
-    a timm model's pretrained config (its default tag's, or ``timm:TAG``'s); a torchvision model's
-    named weights' transforms (``pretrained`` is the library's default weights); otherwise
-    torchvision's ImageNet defaults. Weights from a file keep the model's own config (timm) or
-    the defaults (torchvision). Named weights and a kd checkpoint carry their size (training and
-    evaluation); random weights and other files take the run's."""
-    weights = weights or "none"
-    stored = kd_run_data(weights)
-    if stored:  # a kd checkpoint: the data config its run trained and validated with, at its run's size
-        size, resize = kd_run_sizes(weights)
-        at_size = {"size": size, "eval_size": size, "eval_ratio": resize / size if size and resize else None}
-        return DataConfig.from_dict({**stored, "source": f"its kd run, {Path(weights).name}", **at_size})
-    if name.startswith(TIMM_PREFIX):
-        from timm.models import get_pretrained_cfg
-
-        arch = timm_arch(name, weights) if is_named(weights) else name[len(TIMM_PREFIX) :]
-        cfg = get_pretrained_cfg(arch)
-        if cfg is None:
-            return DataConfig(source=f"timm has no pretrained config for {arch}: torchvision's ImageNet defaults")
-        interpolation = cfg.interpolation if cfg.interpolation in INTERPOLATIONS else "bicubic"
-        sizes: Dict[str, Any] = {}
-        if is_named(weights):  # the sizes of these weights (timm's resolve_data_config, use_test_size at eval)
-            test = cfg.test_input_size or cfg.input_size
-            test_pct = cfg.test_crop_pct or cfg.crop_pct
-            sizes = {"size": cfg.input_size[-1], "eval_size": test[-1], "eval_ratio": 1.0 / test_pct}
-            sizes["crop_mode"] = cfg.crop_mode or "center"
-        mean, std = tuple(cfg.mean), tuple(cfg.std)
-        return DataConfig(mean, std, interpolation, 1.0 / cfg.crop_pct, True, f"timm {arch}", **sizes)  # type: ignore[arg-type]
-    if not is_named(weights):
-        return DataConfig()
-    member = torchvision_weights(name, weights)
-    keys = getattr(member.transforms, "keywords", {})
-    crop, resize = keys.get("crop_size", 224), keys.get("resize_size", 256)
-    mode = str(getattr(keys.get("interpolation"), "value", "bilinear"))
-    return DataConfig(
-        tuple(keys.get("mean", IMAGENET_MEAN)),  # type: ignore[arg-type]
-        tuple(keys.get("std", IMAGENET_STD)),  # type: ignore[arg-type]
-        mode if mode in INTERPOLATIONS else "bilinear",
-        resize / crop,
-        False,
-        f"torchvision {type(member).__name__}.{member.name}",
-        size=crop,
-        eval_size=crop,
-    )
-
-
-def _kd_checkpoint(weights: str) -> Optional[Dict[str, Any]]:
-    """A kd checkpoint's contents (memory-mapped), or None for named weights and other files."""
-    if not weights or is_named(weights) or weights == "none" or not Path(weights).is_file():
-        return None
-    checkpoint_io.verify(weights)  # damaged: said here, not taken for a file of another kind
-    try:
-        obj = checkpoint_io.read(weights, "cannot read weights file", mmap=True)
-    except KDError:  # not a file kd can read: building the model says why
-        return None
-    return obj if isinstance(obj, dict) and "kd_version" in obj else None
-
-
-def kd_run_model(weights: str) -> Optional[str]:
-    """The model a kd checkpoint holds (its run's student), or None for any other weights."""
-    obj = _kd_checkpoint(weights)
-    return obj.get("student_name") if obj else None
-
-
-def kd_run_sizes(weights: str) -> Tuple[Optional[int], Optional[int]]:
-    """The ``--image-size`` a kd checkpoint's run trained at and its ``--val-resize`` where given;
-    None for any other weights."""
-    obj = _kd_checkpoint(weights)
-    config = obj.get("config") if obj else None
-    if not isinstance(config, dict):
-        return None, None
-    return _size(config.get("image_size")), _size(config.get("val_resize"))
-
-
-def kd_run_data(weights: str) -> Optional[Dict[str, Any]]:
-    """The student's data config saved in a kd checkpoint's config, or None for any other weights."""
-    obj = _kd_checkpoint(weights)
-    config = obj.get("config") if obj else None
-    data = config.get("student_data") if isinstance(config, dict) else None
-    return data if isinstance(data, dict) else None
-
-
-def with_data_configs(cfg):
-    """``cfg`` with its student's and its teacher's data configs (``student_data``, ``teacher_data``)
-    resolved from their names and weights where not given (a saved config keeps its own)."""
-    changes: Dict[str, Any] = {}
-    if cfg.student_data is None and cfg.student is not None:
-        student = data_config(cfg.student, cfg.student_weights)
-        if cfg.student.startswith("vit_") and student.size and student.size != cfg.image_size:
-            raise KDError(
-                f"student {cfg.student} with {cfg.student_weights} is built for {student.size} px images only "
-                f"(torchvision's ViTs take one size): pass --image-size {student.size}"
-            )
-        changes["student_data"] = student.to_dict()
-    if cfg.teacher_data is None and not cfg.no_teacher and cfg.teacher:
-        changes["teacher_data"] = data_config(cfg.teacher, cfg.teacher_weights).to_dict()
-    return dataclasses.replace(cfg, **changes) if changes else cfg
-
-
-MeanStd = Tuple[Sequence[float], Sequence[float]]
-
-
-class Renormalise:
-    """Images normalised with one mean and std (the loaders') as another model wants them:
-    ``x * std_a / std_b + (mean_a - mean_b) / std_b`` per channel, one kernel on the device."""
-
-    def __init__(
-        self, source: Tuple[Sequence[float], Sequence[float]], target: Tuple[Sequence[float], Sequence[float]]
-    ):
-        (mean_a, std_a), (mean_b, std_b) = source, target
-        self.scale = [sa / sb for sa, sb in zip(std_a, std_b)]
-        self.shift = [(ma - mb) / sb for ma, mb, sb in zip(mean_a, mean_b, std_b)]
-        self._on: Dict[Any, Tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def __call__(self, images: torch.Tensor) -> torch.Tensor:
-        key = images.device
-        if key not in self._on:
-            self._on[key] = (
-                torch.tensor(self.scale, device=key).view(1, 3, 1, 1),
-                torch.tensor(self.shift, device=key).view(1, 3, 1, 1),
-            )
-        scale, shift = self._on[key]
-        return torch.addcmul(shift, images, scale)
-
-
-def renormaliser(loader_norm: Optional[MeanStd], data: Optional[Dict[str, Any]]) -> Optional[Renormalise]:
-    """A :class:`Renormalise` from the loaders' normalisation (0-255 scale, as the loaders keep it)
-    to a model's data config, or None where they agree (or either is unknown: synthetic data)."""
-    if loader_norm is None or not data:
-        return None
-    source = ([m / 255 for m in loader_norm[0]], [s / 255 for s in loader_norm[1]])
-    target = (list(data["mean"]), list(data["std"]))
-    if all(abs(a - b) < 1e-9 for a, b in zip([*source[0], *source[1]], [*target[0], *target[1]])):
-        return None
-    return Renormalise(source, target)
-
-
-def run_settings(weights: str) -> Dict[str, Any]:
-    """``model``, ``num_classes`` and ``config`` (the run's RunConfig as a dict) of a kd checkpoint;
-    an empty dict for any other weights. Reading problems are left to :func:`kd.models.build`."""
-    obj = _kd_checkpoint(weights)
-    if obj is None or not isinstance(obj.get("student"), dict):
-        return {}
-    stored = obj.get("config")
-    config: Dict[str, Any] = stored if isinstance(stored, dict) else {}
-    return {
-        "model": obj.get("student_name") or config.get("student"),
-        "num_classes": obj.get("num_classes") or config.get("num_classes"),
-        "config": config,
-    }
-
-
-def run_classes(weights: Optional[str]) -> Optional[List[str]]:
-    """The class names a kd checkpoint's run trained on (its folders' names, in label order), or
-    None for any other weights."""
-    obj = _kd_checkpoint(weights) if weights else None
-    classes = obj.get("classes") if obj else None
-    return [str(c) for c in classes] if isinstance(classes, (list, tuple)) and classes else None
-
-
-def check_classes(kept: Optional[Sequence[str]], found: Sequence[str], what: str, data: Any) -> None:
-    """The class names ``found`` in ``data`` must be those ``what`` (a kd checkpoint) was trained on,
-    in the same order: other classes would score every label against another class's output."""
-    if not kept or list(kept) == list(found):
-        return
-    missing = [c for c in kept if c not in set(found)]
-    extra = [c for c in found if c not in set(kept)]
-    parts = [f"{', '.join(names[:3])}{' ...' if len(names) > 3 else ''} {how}" for names, how in
-             ((missing, "missing"), (extra, "not trained on")) if names]  # fmt: skip
-    differ = "; ".join(parts) or "the same names in another order"
-    raise KDError(
-        f"{data} has other classes than {what} was trained on: {differ} ({len(kept)} trained, {len(found)} here); "
-        "give the data it was trained on"
-    )
-
-
-def teacher_preprocessing_note(cfg) -> Optional[str]:
-    """Where a kd-trained teacher was validated at other sizes than this run: why its top-1 differs."""
-    trained = run_settings(cfg.teacher_weights).get("config") or {}
-    if not trained.get("image_size"):
-        return None
-    theirs = (trained["image_size"], trained.get("val_resize") or DataConfig().val_resize(trained["image_size"]))
-    ours = DataConfig.from_dict(cfg.teacher_data or {}).evaluation(cfg.image_size)
-    if theirs == ours:
-        return None
-    return (
-        f"teacher {cfg.teacher}: trained and validated at image size {theirs[0]}, val resize {theirs[1]}; this run "
-        f"validates at {ours[0]}, {ours[1]}, so its top-1 here differs from its own run's"
-    )

@@ -74,8 +74,8 @@ def test_the_loaders_names_are_known_without_torch():
 def test_config_names_match_the_modules_that_act_on_them():
     """A name validated in kd.config and mapped to its mechanics in a lower module (which kd.config
     does not import: torch) is the same list in both."""
-    from kd import models, precision
-    from kd.data import prepared, prepared_writer
+    from kd import precision
+    from kd.data import data_config, prepared, prepared_writer
     from kd.teacher import precision as teacher_precision
     from kd.teacher import store
 
@@ -83,5 +83,5 @@ def test_config_names_match_the_modules_that_act_on_them():
     assert kd_config.AMP_DTYPES == tuple(precision.DTYPES)
     assert kd_config.TEACHER_PRECISIONS == ("auto", *teacher_precision.DTYPES)
     assert kd_config.SOFT_LABEL_DTYPES == ("auto", *store.DTYPES)
-    assert kd_config.INTERPOLATIONS == models.INTERPOLATIONS
+    assert kd_config.INTERPOLATIONS == data_config.INTERPOLATIONS
     assert set(prepared_writer.TRAIN_FORMATS) <= set(prepared.FORMATS)  # (the index codes, val images' too)

@@ -15,6 +15,7 @@ from conftest import TEST_RESNET_PAIR
 from timm.data import create_transform, resolve_data_config
 
 from kd import models
+from kd.data.model_data import data_config, with_data_configs
 from kd.errors import KDError
 from kd.utils import weights
 
@@ -25,7 +26,7 @@ from kd.utils import weights
 )
 def test_timm_data_config_is_timms_own(arch):
     name, _, tag = arch.partition(".")
-    ours = models.data_config(f"timm:{name}", f"timm:{tag}" if tag else "none")
+    ours = data_config(f"timm:{name}", f"timm:{tag}" if tag else "none")
     theirs = resolve_data_config(model=timm.create_model(arch, pretrained=False))
     assert ours.mean == pytest.approx(theirs["mean"]) and ours.std == pytest.approx(theirs["std"])
     assert ours.interpolation == theirs["interpolation"]
@@ -39,11 +40,11 @@ def test_timm_data_config_is_timms_own(arch):
 def test_torchvision_weights_bring_their_published_eval_transform(weights, resize):
     member = models.torchvision_weights("resnet50", weights)
     reference = member.transforms()
-    ours = models.data_config("resnet50", weights)
+    ours = data_config("resnet50", weights)
     assert ours.val_resize(224) == reference.resize_size[0] == resize and reference.crop_size[0] == 224
     assert ours.mean == pytest.approx(reference.mean) and ours.std == pytest.approx(reference.std)
     assert ours.interpolation == reference.interpolation.value
-    assert models.data_config("resnet50", "none").val_resize(224) == 256  # no weights: ImageNet's usual
+    assert data_config("resnet50", "none").val_resize(224) == 256  # no weights: ImageNet's usual
 
 
 def test_named_weights_load_from_torchs_cache_offline(tmp_path, monkeypatch):
@@ -120,7 +121,7 @@ def test_the_teacher_line_of_pretrained_v2_weights_names_the_papers_v1():
         cfg = kd_config.resolve(options={"data": "/d", "teacher": "resnet50", "teacher_weights": weights,
                                          "student": "resnet18"})  # fmt: skip
         logger = SimpleNamespace(info=lines.append)
-        Lane.log_data_configs(SimpleNamespace(cfg=models.with_data_configs(cfg), logger=logger))  # type: ignore[arg-type]
+        Lane.log_data_configs(SimpleNamespace(cfg=with_data_configs(cfg), logger=logger))  # type: ignore[arg-type]
     v2, v1 = [line for line in lines if line.startswith("teacher resnet50:")]
     assert v2.endswith(
         "(torchvision ResNet50_Weights.IMAGENET1K_V2); pretrained is torchvision's default IMAGENET1K_V2, "

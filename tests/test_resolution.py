@@ -20,9 +20,10 @@ from timm.models import get_pretrained_cfg
 
 import backends
 from kd import config as kd_config
-from kd import models
 from kd.commands import evaluate
 from kd.data.folder import ImageFolderPIL
+from kd.data.model_data import data_config, with_data_configs
+from kd.errors import KDError
 from kd.run.loop import Trainer
 from kd.run.students import Students
 
@@ -44,7 +45,7 @@ def trainer(data, out):
         options=dict(
             data=str(data), out=str(out), teacher=TEACHER, teacher_weights="none", student="resnet18",
             image_size=32, batch_size=6, workers=0, device="cpu", epochs=1, progress_bar=False,
-            teacher_data=models.data_config(TEACHER, TAG).to_dict(),
+            teacher_data=data_config(TEACHER, TAG).to_dict(),
         )
     )  # fmt: skip
     backend = backends.get("single")(cfg)
@@ -149,7 +150,7 @@ def test_kd_eval_of_timm_weights_is_timms_test_transform(photos):
     transform = create_transform(**config)
     for path, got in zip(photos, kd_eval_crops(settings, photos)):
         torch.testing.assert_close(got, transform(Image.open(path).convert("RGB")), rtol=0, atol=1e-5)
-    assert models.data_config("timm:efficientnet_b3", "pretrained").train_size(224) == 288
+    assert data_config("timm:efficientnet_b3", "pretrained").train_size(224) == 288
 
 
 def _inception_file(torch_home: Path) -> None:
@@ -190,8 +191,8 @@ def test_a_vit_student_of_weights_at_another_size_says_which_size(data, tmp_path
         options=dict(data=str(data), out=str(tmp_path), no_teacher=True, student="vit_b_16", image_size=224,
                      student_weights="torchvision:IMAGENET1K_SWAG_E2E_V1")
     )  # fmt: skip
-    with pytest.raises(models.KDError, match="built for 384 px images only .*: pass --image-size 384"):
-        models.with_data_configs(cfg)
+    with pytest.raises(KDError, match="built for 384 px images only .*: pass --image-size 384"):
+        with_data_configs(cfg)
 
 
 @pytest.mark.slow

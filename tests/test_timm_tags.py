@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 from test_early_answers import error_line, kd_then_torch
 
 from kd import models
+from kd.data.model_data import data_config
 from kd.errors import KDError
 
 TAGGED = "timm:resnet10t.c3_in1k"
@@ -44,7 +45,7 @@ def test_the_tag_chooses_the_pretrained_weights_and_their_data_config():
     assert models.timm_arch(TAGGED, "pretrained") == "resnet10t.c3_in1k"
     assert models.timm_arch(TAGGED, "timm:c3_in1k") == "resnet10t.c3_in1k"
     assert models.timm_arch("timm:resnet10t", "timm:c3_in1k") == "resnet10t.c3_in1k"
-    vit = models.data_config("timm:vit_base_patch16_224.augreg_in21k_ft_in1k", "pretrained")
+    vit = data_config("timm:vit_base_patch16_224.augreg_in21k_ft_in1k", "pretrained")
     assert vit.mean == (0.5, 0.5, 0.5) and vit.source == "timm vit_base_patch16_224.augreg_in21k_ft_in1k"
 
 

@@ -14,12 +14,15 @@ from typing import Any, Dict, Optional
 
 from kd import models
 from kd.config import RunConfig
+from kd.data.data_config import DataConfig
 from kd.data.layout import scan_split
 from kd.data.loader import Shard, default_workers, make_pil_loader
+from kd.data.model_data import data_config
 from kd.errors import KDError
 from kd.precision import make_precision
 from kd.run.runtime import resolve as resolve_runtime
 from kd.siblings import own
+from kd.utils import weight_files
 from kd.utils.accuracy import evaluate
 
 DEFAULT_IMAGE_SIZE = 224
@@ -35,7 +38,7 @@ class EvalSettings:
     val_resize: int
     workers: int
     sources: Dict[str, str]
-    data: models.DataConfig = dataclasses.field(default_factory=models.DataConfig)  # mean, std, interpolation
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)  # mean, std, interpolation
 
     def describe(self, num_classes: int) -> str:
         return ", ".join(
@@ -60,7 +63,7 @@ def resolve(
     workers: Optional[int] = None,
 ) -> EvalSettings:
     """The settings of an evaluation: what is given, else the checkpoint's run, else the defaults."""
-    run = models.run_settings(weights)
+    run = weight_files.run_settings(weights)
     cfg = run.get("config", {})
     sources: Dict[str, str] = {}
 
@@ -77,13 +80,13 @@ def resolve(
     model = pick("model", model, run.get("model"), None)
     if model is None:
         if not models.is_named(weights) and weights != "none":
-            models.load_state_file(weights)  # a file kd cannot read: what is wrong with it, not a missing option
+            weight_files.load_state_file(weights)  # a file kd cannot read: what is wrong with it, not a missing option
         what = "with --weights pretrained" if weights == "pretrained" else f"for {weights}: not a kd checkpoint"
         raise KDError(f"--model NAME is required {what} (a kd checkpoint names its model)")
     num_classes = pick("classes", num_classes, run.get("num_classes"), None, "class folders of val/")
-    own = models.DataConfig.from_dict(cfg["student_data"]) if cfg.get("student_data") else None
+    own = DataConfig.from_dict(cfg["student_data"]) if cfg.get("student_data") else None
     if own is None:
-        own = models.data_config(model, weights)
+        own = data_config(model, weights)
     # weights of a published size evaluate at it (torchvision's transforms(), timm's test size and crop)
     published, published_resize = own.evaluation(DEFAULT_IMAGE_SIZE)
     size_source = f"the weights': {own.source}" if own.eval_size else "default"
@@ -142,7 +145,7 @@ def evaluate_model(
             f"{s.model} from {weights} has {n} classes ({s.sources['classes']}) but {data}/val has "
             f"{len(classes)} class folders; evaluate it on data with its own classes"
         )
-    models.check_classes(models.run_classes(weights), classes, weights, f"{data}/val")
+    weight_files.check_classes(weight_files.run_classes(weights), classes, weights, f"{data}/val")
     cfg = RunConfig(
         data=data,
         student=s.model,

@@ -15,8 +15,8 @@ import json
 from pathlib import Path
 from typing import Any, Dict
 
+from kd.data.data_config import DataConfig
 from kd.errors import KDError, writing
-from kd.models import DataConfig
 from kd.run import checkpoint
 from kd.runfolder import RunFolder
 from kd.utils import checkpoint_io

@@ -117,7 +117,7 @@ def resolve(
         cfg = scale_schedule(cfg, planned.epochs, overrides)
     if cfg.teacher is None and not cfg.no_teacher and cfg.teacher_weights:
         check_method(cfg.kd_loss)  # a mistyped name is answered before the checkpoint is read (with torch)
-        from kd.models import kd_run_model
+        from kd.utils.weight_files import kd_run_model
 
         cfg = dataclasses.replace(cfg, teacher=kd_run_model(cfg.teacher_weights))  # a kd checkpoint names its model
     return validate(cfg, teaching)

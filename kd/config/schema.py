@@ -18,7 +18,7 @@ LR_SCHEDULES = ("step", "cosine", "constant", "timm-cosine")
 MP_CONTEXTS = ("fork", "forkserver", "spawn")
 #: how kd teach stores the logits (--logits-dtype): auto chooses one of the others (kd.teacher.store)
 SOFT_LABEL_DTYPES = ("auto", "float16", "float32")
-#: val_interpolation (kd.models resizes with these)
+#: val_interpolation (kd.data.data_config resizes with these)
 INTERPOLATIONS = ("bilinear", "bicubic")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
@@ -32,7 +32,7 @@ class RunConfig:
     image_size: int = 224
     val_resize: Optional[int] = None  # default: the student's data config's, at image_size
     val_interpolation: Optional[str] = None  # bilinear | bicubic; default: the student's data config's
-    # each model's data config (kd.models.DataConfig as a dict: mean, std, interpolation, resize);
+    # each model's data config (kd.data.data_config.DataConfig as a dict: mean, std, interpolation, resize);
     # None: resolved from the model's name and weights at set-up, then saved here
     student_data: Optional[Dict[str, Any]] = None
     teacher_data: Optional[Dict[str, Any]] = None

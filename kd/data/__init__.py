@@ -1,5 +1,6 @@
 """Datasets, samplers and loaders (CPU-only workers; the GPU pipeline in its own module; the
-``--loader`` names in :mod:`kd.data.registry`).
+``--loader`` names in :mod:`kd.data.registry`), and each model's data config (:mod:`kd.data.data_config`,
+:mod:`kd.data.model_data`).
 
 ``Batch``, ``Data`` and ``build`` load their modules when first used: a spawned loader worker
 imports ``kd.data.folder`` or ``kd.data.bytes_dataset`` through this package, and should not pay

@@ -45,7 +45,7 @@ def normalisation(cfg) -> Tuple[Tuple[float, ...], Tuple[float, ...]]:
 def val_transform(cfg) -> Tuple[int, str]:
     """The validation's short-side resize and its interpolation: ``--val-resize`` and
     ``val_interpolation`` where given, else the student's data config's at ``--image-size``."""
-    from kd.models import DataConfig
+    from kd.data.data_config import DataConfig
 
     data = getattr(cfg, "student_data", None)
     dc = DataConfig.from_dict(data) if data else DataConfig()

@@ -12,6 +12,8 @@ import torch
 from torch import nn
 
 from kd import models
+from kd.data.data_config import DataConfig, renormaliser
+from kd.data.model_data import with_data_configs
 from kd.errors import KDError
 from kd.losses import LOSSES, DistillLoss, build_loss, split_layers
 from kd.precision import make_precision
@@ -44,7 +46,7 @@ def build_lane(
     set-up's clock; ``alone``: the run's only student; ``first``: the first built (it alone shows a
     progress bar). A stop signal during set-up ends it at the next of a few points, every process
     alike, with nothing written."""
-    cfg = models.with_data_configs(cfg)
+    cfg = with_data_configs(cfg)
     dev = backend.device
     runtime = resolve_runtime(cfg, dev)
     if dev.type == "cuda":
@@ -80,7 +82,7 @@ def build_lane(
         if sampling:
             logger.info(sampling)
     # the loaders normalise for the (first) student; another student renormalises on the device
-    renorm = models.renormaliser(getattr(data.train, "norm", None), cfg.student_data)
+    renorm = renormaliser(getattr(data.train, "norm", None), cfg.student_data)
     stop_in_setup(shared.stop, backend)
     if cfg.dot:  # once its connectors, heads and memory exist; the loss hands over its two parts
         check_applies(loss, precision.splits_gradients, cfg.kd_loss)
@@ -279,7 +281,7 @@ def build_models(cfg, num_classes: int, teacher: Optional[nn.Module] = None):
 
 def teacher_size(cfg) -> int:
     """The size in pixels the teacher is fed in training (the run's crop, or its weights' size)."""
-    return models.DataConfig.from_dict(cfg.teacher_data or {}).train_size(cfg.image_size)
+    return DataConfig.from_dict(cfg.teacher_data or {}).train_size(cfg.image_size)
 
 
 def size_lines(cfg, student: nn.Module, teacher: Optional[nn.Module]) -> List[str]:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from kd import models
+from kd.data.data_config import DataConfig
 from kd.data.loader import Batch
 from kd.errors import KDError, NonFinite
 from kd.losses.base import DISTILL_PART, TASK_PART, DistillLoss
@@ -409,7 +410,7 @@ class Lane:
             ("teacher", cfg.teacher, cfg.teacher_data, cfg.teacher_weights),
         ):
             if data:
-                config = models.DataConfig.from_dict(data)
+                config = DataConfig.from_dict(data)
                 if role == "student":  # the run's crops as they are; --val-resize, val_interpolation where given
                     given = (cfg.val_resize, cfg.val_interpolation)
                     line = f"train {cfg.image_size}; " + config.describe(cfg.image_size, *given)

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 import torch
 
 from kd import config as kd_config
-from kd import models
 from kd.data.loader import Batch
+from kd.data.model_data import with_data_configs
 from kd.data.pipeline import build as build_data
 from kd.errors import KDError, NonFinite, writing
 from kd.losses import LOSSES
@@ -30,6 +30,7 @@ from kd.run.step import StepHook, StepOutput, check_batch, stand_in
 from kd.runfolder import RunFolder
 from kd.teacher.frozen import Teacher, build_teacher
 from kd.teacher.store import SoftLabels, wanted_manifest
+from kd.utils import weight_files
 from kd.utils.signals import Interrupted, StopFlag
 
 if TYPE_CHECKING:  # the run's description, built by the command
@@ -66,13 +67,15 @@ def check_classes(students: Students, resumed: Dict[str, Any], classes: Sequence
     for name, cfg in students.training():  # a resumed student's first: the run the user asked to continue
         if name in resumed:
             path, state = resumed[name]
-            models.check_classes(state.get("classes"), classes, path, cfg.data)
+            weight_files.check_classes(state.get("classes"), classes, path, cfg.data)
     if not first.no_teacher and first.teacher_weights:
-        models.check_classes(models.run_classes(first.teacher_weights), classes, first.teacher_weights, first.data)
+        weight_files.check_classes(
+            weight_files.run_classes(first.teacher_weights), classes, first.teacher_weights, first.data
+        )
     for _, cfg in students.training():
-        kept = models.run_classes(cfg.student_weights)
+        kept = weight_files.run_classes(cfg.student_weights)
         if kept and len(kept) == len(classes):  # other classes in number: a new head, built as asked
-            models.check_classes(kept, classes, cfg.student_weights, cfg.data)
+            weight_files.check_classes(kept, classes, cfg.student_weights, cfg.data)
 
 
 def start_folder(lane: Lane, resumed: bool) -> None:
@@ -107,7 +110,7 @@ class Trainer:
         runs); ``stop`` the process's :class:`kd.utils.signals.StopFlag` (its own where not given)."""
         clock = SetupClock(command_start(default=time.time()))  # every student's first step counts from here
         clock.mark("launch")  # interpreter, imports, launcher, process group, device
-        cfg = models.with_data_configs(students.first)  # the loaders normalise for the first student
+        cfg = with_data_configs(students.first)  # the loaders normalise for the first student
         runtime = resolve_runtime(cfg, backend.device)
         alone = len(students.names) == 1
         self.students = students

@@ -18,6 +18,7 @@ from kd.checksum import file_sha256
 from kd.errors import KDError
 from kd.runfolder import RunFolder, write_json
 from kd.utils import checkpoint_io
+from kd.utils.weight_files import kd_run_model
 from kd.version import __version__
 
 #: the libraries whose versions a run records (apex read from its metadata: never imported here)
@@ -59,7 +60,7 @@ def side(model: Optional[str], weights: Optional[str]) -> Dict[str, Any]:
         file = Path(weights)
         if not file.is_file():  # a soft-label store's teacher, read on another machine
             return {**out, "library": "file", "file": str(file), "sha256": None}
-        out["library"] = "kd checkpoint" if models.kd_run_model(weights) else "file"
+        out["library"] = "kd checkpoint" if kd_run_model(weights) else "file"
     return {**out, "file": str(file.resolve()), "sha256": sha256(file)}
 
 

@@ -16,6 +16,7 @@ import torch
 
 from kd import models
 from kd.data.augment_options import wanted as augments
+from kd.data.model_data import with_data_configs
 from kd.data.pipeline import build as build_data
 from kd.data.pipeline import choose_loader
 from kd.errors import KDError
@@ -54,7 +55,7 @@ class Teaching:
         try:
             stop_in_setup(self.stop, backend)
             num_replicas, rank = backend.data_shard()
-            cfg = models.with_data_configs(cfg)
+            cfg = with_data_configs(cfg)
             if cfg.student_data is None:  # no student: the loaders normalise as the teacher wants
                 cfg = dataclasses.replace(cfg, student_data=cfg.teacher_data)
             self.cfg = cfg

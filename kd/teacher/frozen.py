@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kd import models
+from kd.data.data_config import DataConfig, renormaliser
 from kd.data.loader import val_transform
-from kd.models import teacher_preprocessing_note
+from kd.data.model_data import teacher_preprocessing_note
 from kd.teacher import precision as kd_teacher
 from kd.teacher.source import Targets
 from kd.utils.accuracy import evaluate
@@ -216,7 +216,7 @@ def build_teacher(
     with precision.other_model_context():  # (apex O1: its casts off, as for the teacher's forward)
         for hook in hooks:
             hook.on_teacher(model, cfg, data.train)
-    teacher_data = models.DataConfig.from_dict(cfg.teacher_data or {})
+    teacher_data = DataConfig.from_dict(cfg.teacher_data or {})
     crop, resize = teacher_data.evaluation(cfg.image_size)
     evaluation = (crop, resize, teacher_data.interpolation)
     val, owns_val, val_size = data.val, False, None
@@ -227,7 +227,7 @@ def build_teacher(
     elif crop != cfg.image_size:  # no own crops (synthetic data): the run's, resized on the device
         val_size = crop
     train_size = teacher_data.train_size(cfg.image_size)
-    renorm = models.renormaliser(getattr(data.train, "norm", None), cfg.teacher_data)
+    renorm = renormaliser(getattr(data.train, "norm", None), cfg.teacher_data)
     notes = notes if notes is not None else []
     sizes = dict(train_size=train_size if train_size != cfg.image_size else None, val_size=val_size)
     return Teacher(model, layers, cfg, backend, runtime, precision, val, log, notes, renorm, owns_val, **sizes)
