@@ -265,3 +265,21 @@ def test_a_file_size_limit_at_a_checkpoint_write_is_one_line(data, tmp_path):
         "raise the file-size limit (ulimit -f) or write to a filesystem that takes larger files, then start again"
     )
     assert not list((out / "checkpoints").iterdir()), "a partial file was left behind"
+
+
+def test_a_checkpoint_without_the_methods_state_is_refused(data, tmp_path):
+    """A method with trained modules of its own (FitNet's connectors) resumes only from a checkpoint that
+    holds them: one without them is refused in one line, not resumed with fresh connectors."""
+    from kd.utils import checkpoint_io
+
+    out = tmp_path / "run"
+    args = ["train", "--data", data, *ARGS, "--kd-loss", "fitnet", "-j", 0, "--epochs", 1, "--out", out]
+    assert kd_main(*args).returncode == 0
+    last = out / "checkpoints" / "last.pt"
+    state = torch.load(last, weights_only=True)
+    assert state["loss"], "FitNet's connectors are in the checkpoint"
+    del state["loss"]
+    checkpoint_io.save_atomic(state, last)
+    r = kd_main("train", "--out", out, "--resume", "--epochs", 2, "--no-progress")
+    assert r.returncode == 2 and "holds no" in r.stderr and "(loss)" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr

@@ -98,6 +98,8 @@ def restore_run(lane, state: dict) -> None:
             part.load_state_dict(in_memory(state[key]))
         elif key in REQUIRED:
             raise KDError(f"the checkpoint holds no {REQUIRED[key]}")
+        elif key == "loss" and part.state_dict():  # trained modules of the method's own: never fresh ones
+            raise KDError(f"the checkpoint holds no state of --kd-loss {lane.cfg.kd_loss}'s own modules (loss)")
 
 
 def every_process(lane) -> Dict[str, Any]:
