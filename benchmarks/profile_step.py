@@ -1,7 +1,8 @@
-"""Where the time of kd's KD step goes, on one GPU.
+"""Where the time of kd's step goes, per method, on one GPU.
 
     python benchmarks/profile_step.py --opt O1 --amp-dtype bfloat16
     python benchmarks/profile_step.py --opt O1 --variant fuse_teacher=false --variant cudnn_benchmark=false
+    python benchmarks/profile_step.py --teacher resnet34 --methods kd,at,ofd,crd,reviewkd --amp-dtype float16
 
 Builds the run as ``kd train`` does (``Trainer`` on the ``single`` backend, synthetic input,
 random-init models, the teacher's BatchNorm statistics calibrated on the input), then times
@@ -9,17 +10,19 @@ with CUDA events, each phase alone over ``--iters``: the teacher forward; the st
 forward + KD loss + backward; the optimizer step; and the whole training step as the
 engine runs it. ``--variant KEY=VALUE[,KEY=VALUE]`` (repeatable) adds a row built with those
 config overrides, for A/B comparisons. One torch.profiler pass over whole steps of the
-first configuration groups the GPU kernel time by kind. Prints markdown tables.
+first configuration groups the GPU kernel time by kind. ``--methods`` repeats all of it per method
+(KD first: each method's extra milliseconds per kind are against it). Prints markdown tables.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import collections
+import dataclasses
 import re
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -34,8 +37,9 @@ from kd.run.students import Students  # noqa: E402
 from kd.run.timing import StepTimer  # noqa: E402
 
 
-def build(args, overrides):
+def build(args, overrides, method="kd"):
     options = dict(
+        kd_loss=method,
         teacher=args.teacher,
         student=args.student,
         data="synthetic",
@@ -49,7 +53,7 @@ def build(args, overrides):
         compile=args.compile,
         progress_bar=False,
         backend="single",
-        device="cuda",
+        device=args.device,
     )
     cfg = kd_config.resolve(options=options, sets=overrides)
     backend = backends.get("single")(cfg)
@@ -60,9 +64,15 @@ def build(args, overrides):
 
 
 def timed(fn, iters: int, warmup: int = 3) -> float:
-    """Milliseconds per call of ``fn``, CUDA events around ``iters`` calls after ``warmup``."""
+    """Milliseconds per call of ``fn``, CUDA events around ``iters`` calls after ``warmup`` (the host's
+    clock on the CPU: a dry run of the script)."""
     for _ in range(warmup):
         fn()
+    if not torch.cuda.is_available():
+        start_s = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return 1000 * (time.perf_counter() - start_s) / iters
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(iters):
@@ -87,6 +97,7 @@ def phases(trainer, timer, iters: int):
             parts = trainer.lane.model(inputs)
         loss = parts["loss"].float().mean()
         (prec.scaler.scale(loss) if prec.scaler else loss).backward()
+        trainer.lane.loss.after_step()  # CRD's memory update, as each step of the engine makes it
         for p in trainer.lane.params:
             p.grad = None
 
@@ -102,7 +113,7 @@ def phases(trainer, timer, iters: int):
     trainer.lane.optimizer.zero_grad(set_to_none=True)
     trainer.train_epoch()  # the engine's own loop, timed by the StepTimer hook after the warm-up
     result = timer.result(trainer.backend)
-    rows["whole kd step"] = 1000 * result["timed_seconds"] / max(result["timed_steps"], 1)
+    rows["whole step"] = 1000 * result["timed_seconds"] / max(result["timed_steps"], 1)
     return rows
 
 
@@ -122,14 +133,16 @@ def kernel_kinds(trainer, timer, steps: int):
     trainer.data.train.steps = steps  # the synthetic loader's length
     trainer.lane.state.batch_in_epoch = 0  # phases() left the position at the end of its epoch
     timer.warmup = 0
-    activities = [torch.profiler.ProfilerActivity.CUDA]
+    cuda = torch.cuda.is_available()
+    activities = [torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=activities) as prof:
         trainer.lane.state.epoch = 0
         trainer.train_epoch()
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
     totals, kernels = collections.Counter(), collections.Counter()
     for evt in prof.key_averages():
-        us = getattr(evt, "self_device_time_total", None)
+        us = getattr(evt, "self_device_time_total", None) if cuda else evt.self_cpu_time_total
         us = getattr(evt, "self_cuda_time_total", 0) if us is None else us
         if not us or evt.key.startswith("ProfilerStep"):
             continue
@@ -148,44 +161,66 @@ def main() -> None:
     ap.add_argument("--opt", default="O1")
     ap.add_argument("--amp-dtype", default="bfloat16")
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script (host clock, CPU ops)")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--profile-steps", type=int, default=6)
     ap.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]")
+    ap.add_argument("--methods", default="kd", help="comma-separated KD methods, each profiled alone (KD first)")
     args = ap.parse_args()
 
+    import timm
+    import torchvision
+
     print(
-        f"torch {torch.__version__}, {torch.cuda.get_device_name()}, {args.teacher} -> {args.student}, "
-        f"batch {args.batch_size}, {args.opt} {args.amp_dtype}{' compiled' if args.compile else ''}\n"
+        f"torch {torch.__version__}, torchvision {torchvision.__version__}, timm {timm.__version__}, "
+        f"{torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}, {args.teacher} -> {args.student}, "
+        f"batch {args.batch_size}, "
+        f"{args.opt} {args.amp_dtype}{' compiled' if args.compile else ''}\n"
     )
+    methods = [m for m in args.methods.split(",") if m]
     table = []
-    profile = None
-    for variant in ["", *args.variant]:
-        sets = [s for s in variant.split(",") if s]
-        trainer, timer = build(args, sets)
-        rows = phases(trainer, timer, args.iters)
-        table.append((variant or "default", rows))
-        if profile is None:
-            profile = kernel_kinds(trainer, timer, args.profile_steps)
-        del trainer
-        torch.cuda.empty_cache()
+    profiles = {}
+    for method in methods:
+        for variant in ["", *args.variant]:
+            sets = [s for s in variant.split(",") if s]
+            trainer, timer = build(args, sets, method)
+            rows = phases(trainer, timer, args.iters)
+            table.append((method, variant or "default", rows))
+            if method not in profiles:
+                profiles[method] = kernel_kinds(trainer, timer, args.profile_steps)
+            del trainer
+            torch.cuda.empty_cache()
+            said = ", ".join(f"{n} {v:.2f} ms" for n, v in rows.items())
+            print(f"profiled {method} {variant or 'default'}: {said}", file=sys.stderr, flush=True)
 
-    names = list(table[0][1])
-    print("| config | " + " | ".join(f"{n} (ms)" for n in names) + " | images/s (whole step) |")
-    print("|---|" + "---|" * (len(names) + 1))
-    for variant, rows in table:
+    names = list(table[0][2])
+    print("| method | config | " + " | ".join(f"{n} (ms)" for n in names) + " | images/s (whole step) |")
+    print("|---|---|" + "---|" * (len(names) + 1))
+    for method, variant, rows in table:
         cells = " | ".join(f"{rows[n]:.2f}" for n in names)
-        print(f"| {variant} | {cells} | {1000 * args.batch_size / rows['whole kd step']:,.0f} |")
+        print(f"| {method} | {variant} | {cells} | {1000 * args.batch_size / rows['whole step']:,.0f} |")
 
-    totals, kernels = profile
-    whole = sum(totals.values()) or 1.0
-    print(f"\nGPU kernel time by kind over {args.profile_steps} whole steps (default config):\n")
-    print("| kind | ms per step | share |\n|---|---|---|")
-    for kind, us in totals.most_common():
-        print(f"| {kind} | {us / 1000 / args.profile_steps:.2f} | {100 * us / whole:.0f}% |")
-    print("\n| top kernels | ms per step |\n|---|---|")
-    for name, us in kernels.most_common(20):
-        print(f"| {name[:90]} | {us / 1000 / args.profile_steps:.2f} |")
+    steps = args.profile_steps
+    kinds = [kind for kind, _ in KINDS] + ["other"]
+    print(f"\nGPU kernel time by kind, ms per step over {steps} whole steps (default config):\n")
+    print("| kind | " + " | ".join(methods) + " |\n|---|" + "---|" * len(methods))
+    for kind in kinds + ["all"]:
+        cells = []
+        for method in methods:
+            totals = profiles[method][0]
+            us = sum(totals.values()) if kind == "all" else totals.get(kind, 0)
+            cells.append(f"{us / 1000 / steps:.2f}")
+        print(f"| {kind} | " + " | ".join(cells) + " |")
+    base = profiles[methods[0]][1]
+    for method in methods:
+        kernels = profiles[method][1]
+        against = f" (and against {methods[0]})" if method != methods[0] else ""
+        print(f"\n{method}: top kernels, ms per step{against}")
+        print("| kernel | ms per step | extra |\n|---|---|---|")
+        for name, us in kernels.most_common(12):
+            extra = (us - base.get(name, 0)) / 1000 / steps
+            print(f"| {name[:90]} | {us / 1000 / steps:.2f} | {extra:+.2f} |")
 
 
 if __name__ == "__main__":

@@ -68,21 +68,48 @@ def test_fused_model_matches_the_original(name, expected):
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
 
-def test_tapped_layers_keep_their_outputs():
+def test_tapped_layers_are_returned_and_fused_around():
+    """Stage outputs tapped: the fused model returns them beside the logits, equal to what hooks see
+    on the original, and the fusion is as whole as without taps (each is the value of a fused op)."""
     model = scrambled("resnet18", seed=1)
     x = torch.randn(2, 3, 64, 64)
-    ref_feats, feats = {}, {}
+    ref_feats = {}
     with torch.no_grad(), tap(model, ["layer2", "layer3"], ref_feats):
         ref = model(x)
-    fused, _ = fuse_teacher(copy.deepcopy(model), keep=["layer2", "layer3"])
-    with torch.no_grad(), tap(fused, ["layer2", "layer3"], feats):
-        out = fused(x)
+    fused, note = fuse_teacher(copy.deepcopy(model), taps=["layer3", "layer2"])
+    with torch.no_grad():
+        out, feats = fused(x)
+    assert fused.returned_taps == ("layer3", "layer2") and list(feats) == ["layer3", "layer2"]
     for name in ("layer2", "layer3"):
         torch.testing.assert_close(feats[name], ref_feats[name], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
-    # layer2 and layer3 are called whole (their BatchNorms stay); layer1 and layer4 are fused
-    assert isinstance(fused.get_submodule("layer3.0.bn1"), nn.BatchNorm2d)
-    assert not any(isinstance(m, nn.BatchNorm2d) for m in fused.get_submodule("layer1").modules())
+    assert note == fuse_teacher(copy.deepcopy(model))[1]  # 20 BatchNorms folded, 9 conv+ReLU, 8 conv+add+ReLU
+    assert fused_calls(fused)["bn"] == 0
+
+
+def test_a_pre_relu_tap_keeps_its_sum_from_the_in_place_relu():
+    """torchvision's block applies its one in-place ReLU module to its sum: tapped, the sum is a
+    value of the graph and that ReLU runs out of place; every other block stays fused."""
+    model = scrambled("resnet18", seed=2)
+    x = torch.randn(2, 3, 64, 64)
+    key = "layer2.1.relu<2"
+    ref_feats = {}
+    with torch.no_grad(), tap(model, [key], ref_feats):
+        ref = model(x)
+    assert bool((ref_feats[key] < 0).any())  # before the ReLU
+    fused, note = fuse_teacher(copy.deepcopy(model), taps=[key])
+    with torch.no_grad():
+        out, feats = fused(x)
+    torch.testing.assert_close(feats[key], ref_feats[key], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    assert note.startswith("20 BatchNorm layers folded, 9 conv+ReLU and 7 conv+add+ReLU fused"), note
+    assert fused_calls(fused)["plain relu/add"] == 2  # the tapped block's sum and its ReLU, out of place
+
+
+def test_a_tap_the_forward_never_reaches_leaves_the_model_unfused():
+    model = scrambled("resnet18")
+    same, note = fuse_teacher(model, taps=["layer2.1.relu<3"])
+    assert same is model and note == "not fused (the forward never reached tap 'layer2.1.relu<3')"
 
 
 class Shared(nn.Module):

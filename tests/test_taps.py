@@ -12,7 +12,7 @@ from torch import nn
 from torchvision import models as tv
 
 from kd.errors import KDError
-from kd.utils.taps import kept_whole, pooled_key, pre_relu_keys, tap
+from kd.utils.taps import pooled_key, pre_relu_keys, tap
 
 PROBE = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(0))
 
@@ -150,17 +150,12 @@ def test_a_model_without_a_known_classifier_is_refused():
         pooled_key(nn.Sequential(nn.Conv2d(3, 4, 3)), "crd", "student x")
 
 
-def test_the_modules_a_fused_teacher_keeps_whole():
-    assert kept_whole("layer3") == "layer3"
-    assert kept_whole("layer1.1.relu<2") == "layer1.1"  # the block whose sum the tap reads
-    assert kept_whole("fc<1") == "fc"
-
-
 def test_a_pre_relu_tap_survives_the_teachers_fusion():
     from kd.teacher.fuse import fuse_teacher
 
     model = randomised(tv.resnet18(num_classes=10))
     [(key, _)] = pre_relu_keys(model, ["layer2"], PROBE, "ofd", "teacher")
-    fused, _ = fuse_teacher(copy.deepcopy(model), keep=[kept_whole(key)])
-    assert key.partition("<")[0] in dict(fused.named_modules())  # the block was kept whole, the rest fused
-    torch.testing.assert_close(tapped(fused, [key])[key], tapped(model, [key])[key], rtol=1e-4, atol=1e-3)
+    fused, _ = fuse_teacher(copy.deepcopy(model), taps=[key])
+    with torch.no_grad():
+        _, feats = fused(PROBE)
+    torch.testing.assert_close(feats[key], tapped(model, [key])[key], rtol=1e-4, atol=1e-3)

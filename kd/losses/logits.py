@@ -55,6 +55,14 @@ def standardised(
     return standardise(student_logits), standardise(teacher_logits.detach())
 
 
+def without_target(x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """(N, C - 1): each row of (N, C) ``x`` without its ``labels`` column, the rest in class order.
+    Gathered at indices computed on the device: a boolean mask's selection would wait for the host
+    to learn its size (a sync every step, and a break in torch.compile's graph)."""
+    rest = torch.arange(x.shape[1] - 1, device=x.device).expand(x.shape[0], -1)
+    return x.gather(1, rest + (rest >= labels.reshape(-1, 1)).long())
+
+
 def binary_log_probs(log_p: torch.Tensor, gt: torch.Tensor) -> torch.Tensor:
     """(N, 2) log-probabilities of (the target class, all the others) from (N, C) ``log_p``.
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from kd.errors import KDError
 from kd.losses.base import DistillInputs, DistillLoss
-from kd.losses.logits import float32_or_wider
+from kd.losses.logits import float32_or_wider, without_target
 
 
 def nkd_parts(
@@ -30,14 +30,12 @@ def nkd_parts(
     t = temperature
     s = float32_or_wider(student_logits)
     z = float32_or_wider(teacher_logits.detach())
-    batch, classes = s.shape
     label = labels.reshape(-1, 1)
 
     target = -(z.softmax(dim=1).gather(1, label) * F.log_softmax(s, dim=1).gather(1, label)).mean()
 
-    others = torch.ones_like(s, dtype=torch.bool).scatter_(1, label, False)
-    s_others = s[others].reshape(batch, classes - 1) / t
-    z_others = z[others].reshape(batch, classes - 1) / t
+    s_others = without_target(s, labels) / t
+    z_others = without_target(z, labels) / t
     non_target = -(z_others.softmax(dim=1) * F.log_softmax(s_others, dim=1)).sum(dim=1).mean() * (t * t)
     return target, non_target
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from kd.errors import KDError
 from kd.losses.base import DistillInputs, DistillLoss
-from kd.losses.logits import dkd_rows, float32_or_wider
+from kd.losses.logits import dkd_rows, float32_or_wider, without_target
 
 
 def cells(fmap: torch.Tensor, scales: Sequence[int], grid: int) -> torch.Tensor:
@@ -72,9 +72,7 @@ def nkd_rows(
     target = -(z.softmax(dim=1).gather(1, label) * F.log_softmax(student, dim=1).gather(1, label)).squeeze(1)
     s_rest, z_rest = student / t, z / t
     if drop_target:
-        others = torch.ones_like(student, dtype=torch.bool).scatter_(1, label, False)
-        s_rest = s_rest[others].reshape(student.shape[0], -1)
-        z_rest = z_rest[others].reshape(student.shape[0], -1)
+        s_rest, z_rest = without_target(s_rest, labels), without_target(z_rest, labels)
     rest = -(z_rest.softmax(dim=1) * F.log_softmax(s_rest, dim=1)).sum(dim=1) * (t * t)
     return target + gamma * rest
 

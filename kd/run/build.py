@@ -76,6 +76,7 @@ def build_lane(
     # Module.to(device, memory_format=...) is valid at run time; torch's overloads list the two apart
     side = StudentSide(student, loss, s_layers).to(dev, memory_format=runtime.memory_format)  # type: ignore[call-overload]
     side = backend.convert_model(side)  # before the optimizer: sync-BN layers, parameter layout
+    side.taps.install(side.student)  # on a tapped module the conversion replaced
     if loss.card.uses_samples:  # CRD's memory: one row per training sample, classes to draw negatives from
         labels = torch.tensor([label for _, label in data.train_samples], dtype=torch.long)
         sampling = loss.setup_samples(labels, cfg.seed, backend.all_gather)

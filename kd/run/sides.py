@@ -10,7 +10,7 @@ from torch import nn
 
 from kd.losses.base import DistillInputs, DistillLoss
 from kd.run.step import LOGITS_SUM
-from kd.utils.taps import tap
+from kd.utils.taps import Taps
 
 if TYPE_CHECKING:  # made by kd.run.record.step_inputs
     from kd.run.record import StepInputs
@@ -28,18 +28,18 @@ class StudentSide(nn.Module):
         self.student = student
         self.loss = loss
         self.layers = layers
+        self.taps = Taps(student, layers)  # hooks torch.compile traces with the forward
 
     def forward(self, inputs: StepInputs) -> Dict[str, torch.Tensor]:
         """The loss parts of one step's :class:`StepInputs`: the student forwards its images (and the
         second view, where the record holds one), and the loss sees its outputs with the record's
         ``loss_inputs``."""
-        feats: Dict[str, torch.Tensor] = {}
-        with tap(self.student, self.layers, feats):
-            logits = self.student(inputs.images)
+        self.taps.arm(self.student)
+        logits = self.student(inputs.images)
+        feats = self.taps.take(self.student)  # spec order: the losses pair by position
         distill = None
         if isinstance(logits, tuple):  # a distillation token's student, both heads (reads_distill_head)
             logits, distill = logits
-        feats = {k: feats[k] for k in self.layers}  # spec order: the losses pair by position
         second = None if inputs.second_images is None else self.student(inputs.second_images)
         # this replica's own classifier, where the loss trains it through its cell scores
         classifier = None if inputs.classifier is None else self.student.get_submodule(inputs.classifier)

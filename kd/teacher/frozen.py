@@ -23,7 +23,7 @@ from kd.teacher import precision as kd_teacher
 from kd.teacher.source import Targets
 from kd.utils.accuracy import evaluate
 from kd.utils.signals import StopFlag
-from kd.utils.taps import tap
+from kd.utils.taps import Taps
 
 
 class TeacherSide(nn.Module):
@@ -33,13 +33,17 @@ class TeacherSide(nn.Module):
         super().__init__()
         self.teacher = teacher
         self.layers = layers
+        # a fused teacher returns its taps with its logits (kd.teacher.fuse); another is tapped by hooks
+        self.returns_taps = bool(layers) and tuple(getattr(teacher, "returned_taps", ())) == tuple(layers)
+        self.taps = Taps(teacher, [] if self.returns_taps else layers)
 
     def forward(self, images: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-        feats: Dict[str, torch.Tensor] = {}
-        with tap(self.teacher, self.layers, feats):
-            logits = self.teacher(images)
-        feats = {k: feats[k] for k in self.layers}
-        return logits.float(), feats
+        if self.returns_taps:
+            logits, feats = self.teacher(images)
+            return logits.float(), dict(feats)
+        self.taps.arm(self.teacher)
+        logits = self.teacher(images)
+        return logits.float(), self.taps.take(self.teacher)
 
 
 class ToSize:

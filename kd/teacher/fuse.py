@@ -14,18 +14,23 @@ convolutions. :func:`fuse_teacher` rewrites the model's torch.fx graph:
 
 The fused calls run in the weights' dtype: the precision object stores the teacher's weights
 in the reduced dtype at O1-O3 (after fusion), and the calls cast their inputs to it, which is
-what autocast would do. Modules named in ``keep`` (tapped feature layers) are called as they
-are, so their forward hooks still see their outputs; nothing inside them is fused.
+what autocast would do. Tapped tensors (``taps``: kd.utils.taps keys) become outputs of the
+graph, so the fusion goes on around them: a stage's output is the fused op that makes it, and a
+pre-ReLU sum is kept as the value it is (its block's last convolution, sum and ReLU then run
+unfused, the ReLU out of place). The fused model returns ``(logits, {key: tensor})`` and names the
+keys in its ``returned_taps``.
 """
 
 from __future__ import annotations
 
 import operator
-from typing import Dict, Iterable, Optional, Tuple, Type, TypeVar, Union
+from typing import Dict, Optional, Sequence, Tuple, Type, TypeVar, Union
 
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
+
+from kd.utils.taps import split_key
 
 RELUS = (F.relu, torch.relu, torch.relu_)
 ADDS = (operator.add, operator.iadd, torch.add)
@@ -52,12 +57,62 @@ def conv_bias_add_relu(x, weight, z, bias, stride, padding, dilation, groups: in
 
 
 class _Tracer(fx.Tracer):
-    def __init__(self, keep: Iterable[str]):
-        super().__init__()
-        self.keep = set(keep)
+    """torch.fx's tracer that also finds the graph values of tap keys: a module's output (its last
+    call's), or the input of its K-th call."""
 
-    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return qualname in self.keep or super().is_leaf_module(m, qualname)
+    def __init__(self, taps: Sequence[str]):
+        super().__init__()
+        self.wanted: Dict[str, set] = {}
+        for key in taps:
+            name, call = split_key(key)
+            self.wanted.setdefault(name, set()).add(call)
+        self.calls: Dict[str, int] = {}
+        self.found: Dict[str, fx.Node] = {}
+
+    def _keep(self, key: str, value: object) -> None:
+        if not isinstance(value, fx.Proxy):
+            raise TypeError(f"tap {key!r} is not one tensor")
+        self.found[key] = value.node
+
+    def call_module(self, m: nn.Module, forward, args, kwargs):
+        name = self.path_of_module(m)
+        calls = self.wanted.get(name, ())
+        if calls:
+            self.calls[name] = n = self.calls.get(name, 0) + 1
+            if n in calls:
+                self._keep(f"{name}<{n}", args[0] if args else None)
+        out = super().call_module(m, forward, args, kwargs)
+        if 0 in calls:
+            self._keep(name, out)
+        return out
+
+
+def _return_taps(gm: fx.GraphModule, taps: Sequence[str], found: Dict[str, fx.Node]) -> None:
+    """The graph returns ``(its output, {key: tapped value})``. An in-place module that reads a
+    tapped input (a block's ReLU reading its sum) would overwrite it: a ReLU runs out of place
+    instead, any other such module on a copy."""
+    missing = [key for key in taps if key not in found]
+    if missing:
+        raise KeyError(f"the forward never reached tap {missing[0]!r}")
+    for key in taps:
+        node = found[key]
+        if "<" not in key:
+            continue
+        for user in list(node.users):
+            module = gm.get_submodule(_target(user)) if user.op == "call_module" else None
+            if not getattr(module, "inplace", False):
+                continue
+            with gm.graph.inserting_before(user):
+                if isinstance(module, (nn.ReLU, nn.ReLU6)):
+                    fn = F.relu6 if isinstance(module, nn.ReLU6) else torch.relu
+                    new = gm.graph.call_function(fn, (node,))
+                    user.replace_all_uses_with(new)
+                    gm.graph.erase_node(user)
+                else:
+                    copy = gm.graph.call_method("clone", (node,))
+                    user.replace_input_with(node, copy)
+    (output,) = [node for node in gm.graph.nodes if node.op == "output"]
+    output.args = ((output.args[0], {key: found[key] for key in taps}),)
 
 
 def _target(node: fx.Node) -> str:
@@ -171,21 +226,28 @@ def _fuse_relus(gm: fx.GraphModule, calls: Calls) -> Tuple[int, int]:
     return convs, adds
 
 
-def fuse_teacher(model: nn.Module, keep: Iterable[str] = ()) -> Tuple[nn.Module, str]:
+def fuse_teacher(model: nn.Module, taps: Sequence[str] = ()) -> Tuple[nn.Module, str]:
     """The eval-mode ``model`` with BatchNorms folded and conv+bias(+add)+ReLU fused.
 
     Returns the new module (a torch.fx GraphModule that reuses ``model``'s submodules and
     changes the folded convolutions in place: use it, not ``model``, afterwards) and a one-line
-    account of what was done. A model torch.fx cannot
-    trace is returned unchanged, and the account says so.
+    account of what was done. With ``taps``, the module returns ``(output, {key: tensor})``
+    (its ``returned_taps``: the keys). A model torch.fx cannot trace, or whose taps it cannot
+    find, is returned unchanged, and the account says so.
     """
     if model.training:
         raise ValueError("fuse_teacher needs a model in eval mode")
+    tracer = _Tracer(taps)
     try:
-        graph = _Tracer(keep).trace(model)
+        graph = tracer.trace(model)
     except Exception as exc:  # dynamic control flow and the like: run the model as it is
         return model, f"not fused (torch.fx cannot trace it: {type(exc).__name__})"
     gm = fx.GraphModule(model, graph, class_name=type(model).__name__ + "Fused")
+    if taps:
+        try:
+            _return_taps(gm, taps, tracer.found)
+        except KeyError as exc:
+            return model, f"not fused ({exc.args[0]})"
     calls: Calls = {}
     for node in gm.graph.nodes:
         if node.op == "call_module":
@@ -199,6 +261,7 @@ def fuse_teacher(model: nn.Module, keep: Iterable[str] = ()) -> Tuple[nn.Module,
     gm.delete_all_unused_submodules()
     gm.graph.lint()
     gm.recompile()
+    setattr(gm, "returned_taps", tuple(taps))  # read by kd.teacher.frozen.TeacherSide
     on_cuda = any(p.is_cuda for p in gm.parameters())
     return gm, (
         f"{folded} BatchNorm layers folded, {convs} conv+ReLU and {adds} conv+add+ReLU fused "

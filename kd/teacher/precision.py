@@ -42,7 +42,6 @@ from kd.errors import KDError
 from kd.precision import DTYPES as REDUCED
 from kd.precision import dtype_name
 from kd.teacher.fuse import fuse_teacher
-from kd.utils.taps import kept_whole
 
 DTYPES = {**REDUCED, "float32": torch.float32}
 PROBE_BATCHES = 2  # validation batches per process
@@ -256,10 +255,10 @@ def fuse_and_choose(
     """The frozen teacher, fused for inference (:mod:`kd.teacher.fuse`) where ``fuse``, then passed to
     ``choose`` (which picks its precision on a few validation batches). Where the device refuses
     the fused model there (a cuDNN without runtime fusion, say), the plain teacher is used and
-    ``log`` says why. Tapped ``layers`` are kept whole."""
+    ``log`` says why. The fused teacher returns the tapped ``layers`` with its logits."""
     if fuse:
         start = time.perf_counter()
-        fused, note = fuse_teacher(copy.deepcopy(teacher), keep=[kept_whole(key) for key in layers])
+        fused, note = fuse_teacher(copy.deepcopy(teacher), taps=layers)
         note += f" ({time.perf_counter() - start:.1f} s)"
         try:
             chosen = choose(fused.to(memory_format=memory_format))

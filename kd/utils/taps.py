@@ -9,9 +9,11 @@ A tap key names what is kept:
 
 :func:`pre_relu_keys` and :func:`pooled_key` find these keys for a model from one forward.
 
-Hooks are registered for the duration of one forward call on the module that runs it.
-DataParallel replicas copy each module's ``__dict__`` shallowly, so they share its hook dict: a
-replica's hook fires for every replica's module, and keeps what its own module saw only.
+Hooks are registered once per tapped module and stay (:class:`Taps`): a forward keeps tensors only while
+its module is armed, so ``torch.compile`` traces the hooks as part of the model's forward instead of
+falling back to eager for a block that registers and removes them. What one armed forward kept lives
+on the tapped module itself (its ``_kd_tap`` slot), so DataParallel's replicas, which share each
+module's hook dict but not its attributes, each keep their own.
 """
 
 from __future__ import annotations
@@ -50,48 +52,91 @@ def split_key(key: str) -> Tuple[str, int]:
     return name, int(call)
 
 
-def kept_whole(key: str) -> str:
-    """The module that must run as it is for ``key`` to see its tensor (model rewrites such as the
-    teacher's fusion leave it alone): the module itself, or for an input tap the module's parent,
-    whose own ops (a residual sum) make that input."""
-    name, call = split_key(key)
-    return name.rpartition(".")[0] or name if call else name
+#: the attribute of a tapped module that holds what its armed forward kept (None when not armed)
+SLOT = "_kd_tap"
+
+
+def _keep_output(module: nn.Module, _inputs, output) -> None:
+    slot = getattr(module, SLOT)
+    if slot is not None and 0 in slot["want"]:
+        slot[0] = output
+
+
+def _keep_input(module: nn.Module, inputs) -> None:
+    slot = getattr(module, SLOT)
+    if slot is not None:
+        slot["calls"] += 1
+        if slot["calls"] in slot["want"]:
+            x = inputs[0]
+            slot[slot["calls"]] = x.clone() if getattr(module, "inplace", False) else x
+
+
+class Taps:
+    """The tensors ``keys`` of one forward of ``model``: :meth:`arm` before it, :meth:`take` after.
+
+    The hooks are registered once per module (a module tapped again, by another :class:`Taps`, keeps
+    its hooks) and do nothing while the module is not armed: another forward (MLKD's second view, an
+    evaluation, an EMA copy) keeps nothing. ``arm`` and ``take`` are given the model the forward runs,
+    a DataParallel replica's own where one runs it."""
+
+    def __init__(self, model: nn.Module, keys: Sequence[str]):
+        self.keys = list(keys)
+        wanted: Dict[str, set] = {}
+        for key in self.keys:
+            name, call = split_key(key)
+            wanted.setdefault(name, set()).add(call)
+        self.wanted = {name: frozenset(calls) for name, calls in wanted.items()}
+        self.install(model)
+
+    def install(self, model: nn.Module) -> None:
+        """The hooks on ``model``'s tapped modules, where they have none yet (after a conversion
+        that replaced a module: SyncBatchNorm)."""
+        for name in self.wanted:
+            module = model.get_submodule(name)
+            if SLOT not in module.__dict__:
+                setattr(module, SLOT, None)
+            # DataParallel's replicas share their module's hook dicts: one pair of hooks serves them all
+            if _keep_input not in module._forward_pre_hooks.values():
+                module.register_forward_pre_hook(_keep_input)
+                module.register_forward_hook(_keep_output)
+
+    def arm(self, model: nn.Module) -> None:
+        for name, calls in self.wanted.items():
+            setattr(model.get_submodule(name), SLOT, {"calls": 0, "want": calls})
+
+    def take(self, model: nn.Module) -> Dict[str, torch.Tensor]:
+        """What the forward since :meth:`arm` kept, in ``keys`` order; the modules disarmed. KeyError
+        naming a key the forward never reached."""
+        kept = {}
+        for name in self.wanted:
+            module = model.get_submodule(name)
+            kept[name] = getattr(module, SLOT) or {}
+            setattr(module, SLOT, None)
+        out = {}
+        for key in self.keys:
+            name, call = split_key(key)
+            if call not in kept[name]:
+                raise KeyError(f"the forward never reached tap {key!r}")
+            out[key] = kept[name][call]
+        return out
 
 
 @contextlib.contextmanager
 def tap(model: nn.Module, keys: List[str], store: Dict[str, torch.Tensor]):
-    """Within the block, the tensors ``keys`` of one forward of ``model`` land in ``store``."""
+    """Within the block, one forward of ``model``; at its end the tensors ``keys`` land in ``store``
+    (a probe's forward; a training step arms its side's :class:`Taps` itself)."""
     if not keys:
         yield store
         return
-    modules = dict(model.named_modules())
-    handles = []
-    for key in keys:
-        name, call = split_key(key)
-        mine = modules[name]
-        if call == 0:
-
-            def hook(module, _inputs, output, key=key, mine=mine):
-                if module is mine:
-                    store[key] = output
-
-            handles.append(mine.register_forward_hook(hook))
-        else:
-            calls = [0]
-
-            def pre_hook(module, inputs, key=key, mine=mine, call=call, calls=calls):
-                if module is mine:
-                    calls[0] += 1
-                    if calls[0] == call:
-                        x = inputs[0]
-                        store[key] = x.clone() if getattr(module, "inplace", False) else x
-
-            handles.append(mine.register_forward_pre_hook(pre_hook))
+    taps = Taps(model, keys)
+    taps.arm(model)
     try:
         yield store
-    finally:
-        for handle in handles:
-            handle.remove()
+    except BaseException:
+        for name in taps.wanted:
+            setattr(model.get_submodule(name), SLOT, None)
+        raise
+    store.update(taps.take(model))
 
 
 def _inside(name: str, stage: str) -> bool:

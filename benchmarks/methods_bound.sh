@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Each KD method's step against KD's on one GPU (ResNet-34 -> ResNet-18, O1 float16, batch 256, synthetic
+# input): where the time goes, eager and compiled, and the six-row table run against the sum of its parts.
+# Usage: bash benchmarks/methods_bound.sh PART...   (PART: env | profile | profile_compiled | six | six_compiled |
+#        rest); logs go to $OUT (default /tmp/kd-methods).
+#   profile           benchmarks/profile_step.py per method, eager: teacher forward, student fwd+loss+bwd, optimizer
+#                     step and the engine's whole step (ms), GPU kernel time by kind per method, top kernels
+#   profile_compiled  the same with --compile for KD and the feature methods of the six-row table ($CMETHODS)
+#   six               kd bench --methods kd,at,ofd,crd,reviewkd,dkd: the six students in one run and each alone
+#   six_compiled      the same with --compile
+#   rest              kd bench --methods for the other methods of the goals (FitNet, NKD, MLKD, DIST,
+#                     CTKD, LS), KD among them
+set -uo pipefail
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/kd-methods}; mkdir -p "$OUT"
+PY=python3
+PAIR="--teacher resnet34 --student resnet18"
+B="$PY -m cli bench $PAIR --backends single --opt O1 --amp-dtype float16 -b 256 --iters 40 --warmup 10"
+P="$PY benchmarks/profile_step.py $PAIR --opt O1 --amp-dtype float16 --iters 20 --warmup 5 --profile-steps 4"
+SIX=kd,at,ofd,crd,reviewkd,dkd
+for part in "$@"; do case "$part" in
+  env) { git log --oneline -1 2>/dev/null; nvidia-smi -L; nproc
+         $PY -c "import torch, torchvision, timm; print('torch', torch.__version__, 'torchvision', torchvision.__version__, 'timm', timm.__version__)"
+       } 2>&1 | tee "$OUT/env.log" ;;
+  profile) timeout 400 $P --methods kd,at,fitnet,ofd,crd,reviewkd,nkd,mlkd,dkd 2>&1 | grep -v Warn | tee "$OUT/profile.log" ;;
+  profile_compiled) timeout 420 $P --compile --methods "${CMETHODS:-kd,at,ofd,crd,reviewkd}" 2>&1 | grep -v Warn \
+                      | tee "$OUT/profile_compiled.log" ;;
+  six) timeout 560 $B --methods $SIX --out /tmp/kdb/six 2>&1 | tee "$OUT/six.log" ;;
+  six_compiled) timeout 580 $B --methods $SIX --compile --out /tmp/kdb/six_compiled 2>&1 | tee "$OUT/six_compiled.log" ;;
+  rest) timeout 560 $B --methods kd,fitnet,nkd,mlkd,dist,ctkd,lskd --out /tmp/kdb/rest 2>&1 | tee "$OUT/rest.log" ;;
+  *) echo "unknown part $part"; exit 2 ;;
+esac; done

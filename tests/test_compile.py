@@ -1,0 +1,151 @@
+"""torch.compile of a step (kd.run.sides, kd.teacher.frozen, kd.utils.taps): each method's student side
+and the teacher side trace as one graph, taps included, and the compiled step equals the eager one.
+
+A side that registers its feature hooks inside the forward (kd before taps were registered once) made
+torch.compile give the whole forward back to eager without a word: ``--compile`` did nothing for AT,
+FitNet, OFD, CRD, ReviewKD, SDD and CRLD; NKD's boolean-mask selection broke the graph as well.
+Dynamo alone (no code generation) finds both; the equality runs AOT autograd's graphs of the forward
+and backward (``aot_eager``: what inductor compiles, without the minute of C++ it takes on the CPU;
+inductor itself: tests/test_train.py's compiled run).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch._dynamo
+from conftest import TEST_RESNET_PAIR
+from torch._dynamo.backends.debugging import aot_eager
+
+from kd import config as kd_config
+from kd.data.loader import Batch
+from kd.losses import LOSSES, DistillInputs, build_loss
+from kd.run.build import build_models
+from kd.run.record import step_inputs
+from kd.run.sides import StudentSide
+from kd.teacher.frozen import TeacherSide
+from kd.teacher.fuse import fuse_teacher
+from kd.teacher.source import Targets
+
+CLASSES, BATCH = 3, 4
+
+
+def step_of(method: str):
+    """(student side, teacher side, the step's inputs) of ``method`` on two tiny ResNets, built as kd
+    train builds them."""
+    options = dict(TEST_RESNET_PAIR, kd_loss=method, image_size=32, batch_size=BATCH, device="cpu", data="synthetic")
+    cfg = kd_config.resolve(options=options)
+    student, loss, teacher, s_layers, t_layers = build_models(cfg, CLASSES)
+    if loss.card.uses_samples:
+        loss.setup_samples(torch.arange(16) % CLASSES, 0, lambda t: t)
+    g = torch.Generator().manual_seed(3)
+    views = [torch.randn(BATCH, 3, 32, 32, generator=g) for _ in range(loss.card.views)]
+    batch = Batch(views[0], torch.tensor([0, 2, 1, 0]), indices=torch.tensor([5, 1, 7, 3]))
+    batch.second_images = views[1] if len(views) > 1 else None
+    teacher_side = TeacherSide(teacher, t_layers)
+    with torch.no_grad():
+        logits, feats = teacher_side(batch.images)
+        second = teacher_side(batch.second_images)[0] if batch.second_images is not None else None
+    inputs = step_inputs(batch, Targets(logits, feats, second), loss, t_layers, lambda x: x, 0.5, 3)
+    return StudentSide(student, loss, s_layers), teacher_side, inputs
+
+
+def logit_inputs(card) -> DistillInputs:
+    """A step's inputs for a method that reads logits only (both views' where it has two, both heads'
+    where it reads a distillation head)."""
+    g = torch.Generator().manual_seed(4)
+
+    def logits(grad: bool = False):
+        return torch.randn(BATCH, CLASSES, generator=g).requires_grad_(grad)
+
+    two = card.views == 2
+    return DistillInputs(
+        student_logits=logits(True),
+        labels=torch.tensor([0, 2, 1, 0]),
+        teacher_logits=logits() if card.needs_teacher else None,
+        second_student_logits=logits(True) if two else None,
+        second_teacher_logits=logits() if two else None,
+        distill_logits=logits(True) if card.reads_distill_head else None,
+        progress=0.5,
+        step=3,
+    )
+
+
+def traced(module, *args, backend="eager"):
+    """The graphs torch.compile traced of ``module(*args)`` (compiled with ``backend`` after them)
+    and its output: a forward dynamo gives back to eager whole traces none."""
+    graphs = []
+
+    def record(gm, example):
+        graphs.append(gm)
+        return gm.forward if backend == "eager" else aot_eager(gm, example)
+
+    torch._dynamo.reset()
+    out = torch.compile(module, backend=record)(*args)
+    return graphs, out
+
+
+def outputs(graph) -> int:
+    (node,) = [node for node in graph.graph.nodes if node.op == "output"]
+    return len(node.args[0])
+
+
+LOGIT_ONLY = [m for m in LOSSES.names() if not (LOSSES.card(m).uses_features or LOSSES.card(m).uses_classifier)]
+
+
+@pytest.mark.parametrize("method", LOGIT_ONLY)
+def test_each_logit_methods_loss_compiles_as_one_graph(method):
+    """The feature methods' sides, taps included: the equality test below."""
+    loss = build_loss(method, CLASSES, {})
+    assert len(traced(loss, logit_inputs(loss.card))[0]) == 1
+
+
+def test_the_teacher_side_compiles_as_one_graph_with_its_taps():
+    """Output taps (AT's stages) and input taps of an in-place ReLU's call (OFD's pre-ReLU sums), by
+    hooks or returned by the fused teacher (kd.teacher.fuse): one graph whose outputs are the logits
+    and every tapped tensor, equal to the unfused teacher's in eager."""
+    for method in ("at", "ofd"):
+        _, teacher, inputs = step_of(method)
+        fused = TeacherSide(fuse_teacher(copy.deepcopy(teacher.teacher), taps=teacher.layers)[0], teacher.layers)
+        assert fused.returns_taps and not teacher.returns_taps
+        with torch.no_grad():
+            logits, feats = teacher(inputs.images)
+            for side in (teacher, fused):
+                graphs, (got, got_feats) = traced(side, inputs.images)
+                assert len(graphs) == 1 and outputs(graphs[0]) == 1 + len(teacher.layers) == 5, method
+                torch.testing.assert_close(got, logits, rtol=1e-4, atol=1e-4)
+                assert list(got_feats) == teacher.layers
+                for key in feats:
+                    torch.testing.assert_close(got_feats[key], feats[key], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["at", "ofd", "crd", "reviewkd", "sdnkd", "mlkd"])
+def test_the_compiled_step_equals_the_eager_one(method):
+    """The student side in one graph, taps included; its loss parts and every trained parameter's
+    gradient, compiled against eager, on the same inputs from the same weights (float32 on the CPU:
+    equal to rounding)."""
+    side, _, inputs = step_of(method)
+    twin = copy.deepcopy(side)
+    results = []
+    for compiled in (False, True):
+        if compiled:
+            graphs, parts = traced(twin, inputs, backend="aot_eager")
+            assert len(graphs) == 1
+        else:
+            parts = side(inputs)
+        parts["loss"].backward()
+        params = twin if compiled else side
+        grads = {n: p.grad for n, p in params.named_parameters() if p.requires_grad}
+        results.append(({k: v.detach() for k, v in parts.items()}, grads))
+    (eager, eager_grads), (got, got_grads) = results
+    assert eager.keys() == got.keys() and eager_grads.keys() == got_grads.keys()
+    for key in eager:
+        torch.testing.assert_close(got[key], eager[key], rtol=1e-5, atol=1e-6)
+    assert any(g is not None and bool(g.abs().sum() > 0) for g in eager_grads.values())
+    for name in eager_grads:
+        if eager_grads[name] is None:
+            assert got_grads[name] is None, name
+        else:
+            torch.testing.assert_close(got_grads[name], eager_grads[name], rtol=1e-4, atol=1e-6, msg=name)
