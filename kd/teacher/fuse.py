@@ -261,7 +261,7 @@ def fuse_teacher(model: nn.Module, taps: Sequence[str] = ()) -> Tuple[nn.Module,
     gm.delete_all_unused_submodules()
     gm.graph.lint()
     gm.recompile()
-    setattr(gm, "returned_taps", tuple(taps))  # read by kd.teacher.frozen.TeacherSide
+    gm.returned_taps = tuple(taps)  # type: ignore[assignment]  # read by kd.teacher.frozen.TeacherSide
     on_cuda = any(p.is_cuda for p in gm.parameters())
     return gm, (
         f"{folded} BatchNorm layers folded, {convs} conv+ReLU and {adds} conv+add+ReLU fused "
