@@ -129,13 +129,17 @@ KINDS = [
 ]
 
 
-def kernel_kinds(trainer, timer, steps: int):
+def kernel_kinds(trainer, timer, steps: int, ops: int = 0):
+    """(GPU time by kind, by kernel) over ``steps`` whole steps, and with ``ops`` the aten ops that
+    launched the most of it, by their inputs' shapes and dtypes (the ``ops`` largest)."""
     trainer.data.train.steps = steps  # the synthetic loader's length
     trainer.lane.state.batch_in_epoch = 0  # phases() left the position at the end of its epoch
     timer.warmup = 0
     cuda = torch.cuda.is_available()
     activities = [torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU]
-    with torch.profiler.profile(activities=activities) as prof:
+    if ops and cuda:
+        activities.append(torch.profiler.ProfilerActivity.CPU)
+    with torch.profiler.profile(activities=activities, record_shapes=bool(ops)) as prof:
         trainer.lane.state.epoch = 0
         trainer.train_epoch()
         if cuda:
@@ -144,13 +148,22 @@ def kernel_kinds(trainer, timer, steps: int):
     for evt in prof.key_averages():
         us = getattr(evt, "self_device_time_total", None) if cuda else evt.self_cpu_time_total
         us = getattr(evt, "self_cuda_time_total", 0) if us is None else us
-        if not us or evt.key.startswith("ProfilerStep"):
+        if not us or evt.key.startswith("ProfilerStep") or (ops and cuda and evt.key.startswith("aten::")):
             continue
         name = evt.key
         kind = next((k for k, pat in KINDS if re.search(pat, name, re.I)), "other")
         totals[kind] += us
         kernels[name] += us
-    return totals, kernels
+    by_op = collections.Counter()
+    if ops:
+        for evt in prof.events():
+            us = getattr(evt, "self_device_time_total", 0) if cuda else evt.self_cpu_time_total
+            if not us or not evt.name.startswith("aten::"):
+                continue
+            shapes = [tuple(s) for s in evt.input_shapes if s][:2]
+            dtypes = [d for d in getattr(evt, "input_dtypes", []) if d][:2]
+            by_op[f"{evt.name} {shapes} {dtypes}"] += us
+    return totals, kernels, by_op.most_common(ops)
 
 
 def main() -> None:
@@ -167,6 +180,7 @@ def main() -> None:
     ap.add_argument("--profile-steps", type=int, default=6)
     ap.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]")
     ap.add_argument("--methods", default="kd", help="comma-separated KD methods, each profiled alone (KD first)")
+    ap.add_argument("--ops", type=int, default=0, help="also the N aten ops with the most GPU time, per method")
     args = ap.parse_args()
 
     import timm
@@ -179,6 +193,9 @@ def main() -> None:
         f"{args.opt} {args.amp_dtype}{' compiled' if args.compile else ''}\n"
     )
     methods = [m for m in args.methods.split(",") if m]
+    trainer, timer = build(args, [], methods[0])  # the process's first build and steps warm the GPU up, untimed
+    phases(trainer, timer, args.iters)
+    del trainer
     table = []
     profiles = {}
     for method in methods:
@@ -188,7 +205,7 @@ def main() -> None:
             rows = phases(trainer, timer, args.iters)
             table.append((method, variant or "default", rows))
             if method not in profiles:
-                profiles[method] = kernel_kinds(trainer, timer, args.profile_steps)
+                profiles[method] = kernel_kinds(trainer, timer, args.profile_steps, args.ops)
             del trainer
             torch.cuda.empty_cache()
             said = ", ".join(f"{n} {v:.2f} ms" for n, v in rows.items())
@@ -221,6 +238,11 @@ def main() -> None:
         for name, us in kernels.most_common(12):
             extra = (us - base.get(name, 0)) / 1000 / steps
             print(f"| {name[:90]} | {us / 1000 / steps:.2f} | {extra:+.2f} |")
+        if profiles[method][2]:
+            print(f"\n{method}: aten ops by GPU time, ms per step (inputs' shapes and dtypes)")
+            print("| op | ms per step |\n|---|---|")
+            for op, us in profiles[method][2]:
+                print(f"| {op[:160]} | {us / 1000 / steps:.2f} |")
 
 
 if __name__ == "__main__":

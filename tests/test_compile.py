@@ -108,7 +108,8 @@ def test_the_teacher_side_compiles_as_one_graph_with_its_taps():
     and every tapped tensor, equal to the unfused teacher's in eager."""
     for method in ("at", "ofd"):
         _, teacher, inputs = step_of(method)
-        fused = TeacherSide(fuse_teacher(copy.deepcopy(teacher.teacher), taps=teacher.layers)[0], teacher.layers)
+        fused_model = fuse_teacher(copy.deepcopy(teacher.teacher), taps=teacher.layers)[0]
+        fused = TeacherSide(copy.deepcopy(fused_model), teacher.layers)  # as the teacher's precision copies it
         assert fused.returns_taps and not teacher.returns_taps
         with torch.no_grad():
             logits, feats = teacher(inputs.images)

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import copy
+import json
 import operator
 
 import pytest
 import torch
 import torchvision
+from conftest import TEST_RESNET_PAIR, kd_main, train_args
 from torch import nn
 
-from kd.teacher.fuse import conv_bias_add_relu, conv_bias_relu, fuse_teacher
+from kd.teacher.fuse import conv_bias_add_relu, conv_bias_relu, fuse_teacher, returned_taps
 from kd.utils.taps import tap
 
 
@@ -79,7 +81,8 @@ def test_tapped_layers_are_returned_and_fused_around():
     fused, note = fuse_teacher(copy.deepcopy(model), taps=["layer3", "layer2"])
     with torch.no_grad():
         out, feats = fused(x)
-    assert fused.returned_taps == ("layer3", "layer2") and list(feats) == ["layer3", "layer2"]
+    assert returned_taps(fused) == returned_taps(copy.deepcopy(fused)) == ("layer3", "layer2")
+    assert list(feats) == ["layer3", "layer2"] and returned_taps(model) == ()
     for name in ("layer2", "layer3"):
         torch.testing.assert_close(feats[name], ref_feats[name], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
@@ -177,3 +180,23 @@ def test_cudnn_fused_convolutions_match_the_plain_ops(dtype):
     tol = {torch.float32: 2e-3, torch.float16: 2e-2, torch.bfloat16: 6e-2}[dtype]  # TF32 / half rounding
     assert (out - ref).abs().max().item() <= tol * ref.abs().max().item()
     assert (out.argmax(1) == ref.argmax(1)).float().mean().item() >= 0.9
+
+
+@pytest.mark.parametrize("method", ["at", "ofd"])
+def test_a_feature_method_trains_from_the_fused_teacher_as_from_the_plain_one(image_folder, tmp_path, method):
+    """The run a user's GPU makes (the teacher fused by default there), on the CPU: at O1 the teacher's
+    precision is chosen on copies of the fused model, which return its taps (stage outputs; pre-ReLU
+    sums) as the model does, and the student trains as from the unfused teacher."""
+    losses = {}
+    for fused in (True, False):
+        out = tmp_path / f"fused_{fused}"
+        fuse = f"fuse_teacher={str(fused).lower()}"
+        r = kd_main(
+            *train_args(
+                image_folder, out, "--set", fuse, **TEST_RESNET_PAIR, kd_loss=method, opt="O1", limit_train_batches=2
+            )
+        )
+        assert r.returncode == 0, r.stderr
+        assert ("BatchNorm layers folded" in r.stderr) is fused, r.stderr
+        losses[fused] = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["train_loss"]
+    assert losses[True] == pytest.approx(losses[False], rel=5e-3)  # the teacher in bfloat16, fused or not

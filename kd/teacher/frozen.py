@@ -20,6 +20,7 @@ from kd.data.data_config import DataConfig, renormaliser
 from kd.data.loader import val_transform
 from kd.data.model_data import teacher_preprocessing_note
 from kd.teacher import precision as kd_teacher
+from kd.teacher.fuse import returned_taps
 from kd.teacher.source import Targets
 from kd.utils.accuracy import evaluate
 from kd.utils.signals import StopFlag
@@ -34,7 +35,7 @@ class TeacherSide(nn.Module):
         self.teacher = teacher
         self.layers = layers
         # a fused teacher returns its taps with its logits (kd.teacher.fuse); another is tapped by hooks
-        self.returns_taps = bool(layers) and tuple(getattr(teacher, "returned_taps", ())) == tuple(layers)
+        self.returns_taps = bool(layers) and returned_taps(teacher) == tuple(layers)
         self.taps = Taps(teacher, [] if self.returns_taps else layers)
 
     def forward(self, images: torch.Tensor) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:

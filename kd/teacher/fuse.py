@@ -18,7 +18,7 @@ what autocast would do. Tapped tensors (``taps``: kd.utils.taps keys) become out
 graph, so the fusion goes on around them: a stage's output is the fused op that makes it, and a
 pre-ReLU sum is kept as the value it is (its block's last convolution, sum and ReLU then run
 unfused, the ReLU out of place). The fused model returns ``(logits, {key: tensor})`` and names the
-keys in its ``returned_taps``.
+keys in its graph (:func:`returned_taps`, which a copy of the model keeps).
 """
 
 from __future__ import annotations
@@ -226,13 +226,25 @@ def _fuse_relus(gm: fx.GraphModule, calls: Calls) -> Tuple[int, int]:
     return convs, adds
 
 
+def returned_taps(model: nn.Module) -> Tuple[str, ...]:
+    """The tap keys a fused model returns beside its output (:func:`fuse_teacher`), read from its
+    graph; none for any other model."""
+    if not isinstance(model, fx.GraphModule):
+        return ()
+    outputs = [node.args[0] for node in model.graph.nodes if node.op == "output"]
+    if len(outputs) != 1 or not isinstance(outputs[0], tuple) or len(outputs[0]) != 2:
+        return ()
+    taps = outputs[0][1]
+    return tuple(taps) if isinstance(taps, dict) and all(isinstance(k, str) for k in taps) else ()
+
+
 def fuse_teacher(model: nn.Module, taps: Sequence[str] = ()) -> Tuple[nn.Module, str]:
     """The eval-mode ``model`` with BatchNorms folded and conv+bias(+add)+ReLU fused.
 
     Returns the new module (a torch.fx GraphModule that reuses ``model``'s submodules and
     changes the folded convolutions in place: use it, not ``model``, afterwards) and a one-line
     account of what was done. With ``taps``, the module returns ``(output, {key: tensor})``
-    (its ``returned_taps``: the keys). A model torch.fx cannot trace, or whose taps it cannot
+    (:func:`returned_taps`). A model torch.fx cannot trace, or whose taps it cannot
     find, is returned unchanged, and the account says so.
     """
     if model.training:
@@ -261,7 +273,6 @@ def fuse_teacher(model: nn.Module, taps: Sequence[str] = ()) -> Tuple[nn.Module,
     gm.delete_all_unused_submodules()
     gm.graph.lint()
     gm.recompile()
-    gm.returned_taps = tuple(taps)  # type: ignore[assignment]  # read by kd.teacher.frozen.TeacherSide
     on_cuda = any(p.is_cuda for p in gm.parameters())
     return gm, (
         f"{folded} BatchNorm layers folded, {convs} conv+ReLU and {adds} conv+add+ReLU fused "
