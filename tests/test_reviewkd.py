@@ -16,9 +16,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kd.errors import KDError
 from kd.losses import LOSSES, DistillInputs, build_loss
+from kd.losses.features import nearest
 from kd.losses.reviewkd import ReviewKD, as_levels, context_mse, hcl, review
 from kd.utils.taps import pre_relu_keys, tap
 
@@ -290,6 +292,38 @@ def test_reduced_precision_features_give_a_float32_loss():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = loss(x)
     assert out["loss"].dtype == torch.float32 and torch.isfinite(out["loss"])
+
+
+class Float32Outputs(TorchDispatchMode):
+    """The ops that make a float32 tensor, while it is active."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and out.dtype == torch.float32:
+            self.ops.append(func.__name__)
+        return out
+
+
+def test_under_autocast_the_chain_runs_in_the_reduced_dtype():
+    """The ABF chain's maps (hundreds of channels at the stages' sizes) under autocast: no float32 copy
+    of a student map before its convolution (autocast casts it back: two passes for the same values),
+    and the nearest resizes in the maps' dtype, exact in any (autocast runs them in float32 on CUDA)."""
+    loss, x = scenario(STUDENT_HW)
+    loss.float()
+    levels = [f.to(torch.bfloat16) for f in as_levels(x.student_feats)]
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad(), Float32Outputs() as seen:
+        outputs = review(loss.abfs, levels, [t.shape[-2:] for t in as_levels(x.teacher_feats)])
+    assert all(o.dtype == torch.bfloat16 for o in outputs)
+    assert [op for op in seen.ops if op not in ("t.default", "view.default")] == [], seen.ops
+    if torch.cuda.is_available():
+        with torch.autocast("cuda", dtype=torch.float16):
+            small = torch.randn(2, 3, 4, 4, device="cuda", dtype=torch.float16)
+            assert nearest(small, (8, 8)).dtype == torch.float16
+            assert torch.equal(nearest(small, (8, 8)), F.interpolate(small.float(), size=(8, 8)).half())
 
 
 # warmup 1 is mdistiller's ImageNet value: the epoch counts from 1, so no ramp at all

@@ -133,6 +133,20 @@ def check_maps(method: str, name: str, shape: Sequence[int]) -> None:
         )
 
 
+def for_layer(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x`` as a layer with ``weight`` takes it: as it is under autocast, which casts it for the
+    layer once (a float32 copy first would be cast straight back: two passes over the map for the
+    same values), else in the weight's dtype."""
+    return x if torch.is_autocast_enabled(x.device.type) else x.to(weight.dtype)
+
+
+def nearest(x: torch.Tensor, size: Sequence[int]) -> torch.Tensor:
+    """``x`` resized to ``size`` by nearest neighbour in its own dtype: a gather, exact in any dtype
+    (autocast would run it in float32, and everything after it, on maps of hundreds of channels)."""
+    with torch.autocast(x.device.type, enabled=False):
+        return F.interpolate(x, size=tuple(size), mode="nearest")
+
+
 def pool_to_common(a: torch.Tensor, b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Average-pools the larger spatial map(s) down to the smaller size, per dimension."""
     size = (min(a.shape[-2], b.shape[-2]), min(a.shape[-1], b.shape[-1]))
@@ -156,4 +170,4 @@ class Connector(nn.Module):
             nn.init.normal_(self.conv.weight, 0.0, weight_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.bn(self.conv(x.to(self.conv.weight.dtype)))
+        return self.bn(self.conv(for_layer(x, self.conv.weight)))

@@ -11,7 +11,7 @@ from torch import nn
 
 from kd.errors import KDError
 from kd.losses.base import DistillInputs, DistillLoss
-from kd.losses.features import check_maps, default_stage_layers, feature_pairs
+from kd.losses.features import check_maps, default_stage_layers, feature_pairs, for_layer, nearest
 from kd.losses.logits import float32_or_wider
 
 #: where each side's stages are tapped: before their final ReLU, or their output (after it)
@@ -53,14 +53,14 @@ class ABF(nn.Module):
         self, feat: torch.Tensor, residual: Optional[torch.Tensor], out_size: Sequence[int]
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """(this level's output at ``out_size``, the residual handed to the next, shallower level)."""
-        x = self.reduce(feat.to(self.reduce.conv.weight.dtype))
+        x = self.reduce(for_layer(feat, self.reduce.conv.weight))
         if self.attention is not None:
             assert residual is not None  # every level but the deepest fuses
-            residual = F.interpolate(residual, size=x.shape[-2:], mode="nearest")
+            residual = nearest(residual, x.shape[-2:])
             weights = torch.sigmoid(self.attention(torch.cat([x, residual], dim=1)))
             x = x * weights[:, 0:1] + residual * weights[:, 1:2]
         if tuple(x.shape[-2:]) != tuple(out_size):
-            x = F.interpolate(x, size=tuple(out_size), mode="nearest")
+            x = nearest(x, out_size)
         return self.expand(x), x
 
 
