@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -191,6 +192,8 @@ def test_compiled_run_trains_like_the_eager_one(image_folder, tmp_path):
         args = train_args(image_folder, tmp_path / name, *extra, kd_loss="ofd", batch_size=12, no_progress=True)
         r = runner(*args)
         assert r.returncode == 0, r.stderr
+        # the first step's line says how much of it torch.compile took
+        assert bool(re.search(r"and the step [\d.]+ s \(torch\.compile [\d.]+ s of it\)", r.stderr)) == bool(extra)
         runs[name] = json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[-1])
     assert runs["compiled"]["train_loss"] == pytest.approx(runs["eager"]["train_loss"], rel=1e-3)
     assert runs["compiled"]["val_top1"] == pytest.approx(runs["eager"]["val_top1"])

@@ -137,6 +137,7 @@ class SetupClock:
         self.started = started
         self.last = started
         self.parts: Dict[str, float] = {}
+        self.compiled_before = compile_seconds()  # another run's in this process (tests, benchmarks)
 
     def mark(self, part: str) -> None:
         """``part`` ends now: the seconds since the last mark are its."""
@@ -163,9 +164,11 @@ def first_step_record(clock: SetupClock, asked: float, waited: float, device, lo
     # between the set-up and the first batch: the epoch's start (loader iterator, logging)
     before = max(total - clock.seconds - waited - step, 0.0)
     parts = ", ".join(f"{name} {seconds:.1f}" for name, seconds in clock.parts.items())
+    compiling = compile_seconds() - clock.compiled_before
+    of_it = f" (torch.compile {compiling:.1f} s of it)" if compiling > 0 else ""
     log(
         f"first step done {total:.1f} s after the command (set-up {clock.seconds:.1f} s: {parts}; then "
-        f"the epoch's start {before:.1f} s, the first batch {waited:.1f} s and the step {step:.1f} s)"
+        f"the epoch's start {before:.1f} s, the first batch {waited:.1f} s and the step {step:.1f} s{of_it})"
     )
     note = bytecode_note()
     if note:
@@ -173,7 +176,24 @@ def first_step_record(clock: SetupClock, asked: float, waited: float, device, lo
     record = {"startup_s": total, "startup_setup_s": clock.seconds}
     record.update({f"startup_{name.replace(' ', '_')}_s": seconds for name, seconds in clock.parts.items()})
     record.update(startup_epoch_start_s=before, startup_first_batch_s=waited, startup_step_s=step)
+    if compiling > 0:
+        record["startup_compile_s"] = compiling
     return record
+
+
+def compile_seconds() -> float:
+    """Seconds torch.compile has spent in this process, by its own account: the forward graphs, and
+    the backward graphs it compiles at their first use; 0 where nothing compiled (or this torch keeps
+    no such account)."""
+    if "torch._dynamo" not in sys.modules:  # nothing compiled, and importing it costs seconds
+        return 0.0
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+    except ImportError:
+        return 0.0
+    return float(
+        sum(sum(compilation_time_metrics.get(k, ())) for k in ("_compile.compile_inner", "backward._backward_impl"))
+    )
 
 
 def bytecode_note(module=None) -> Optional[str]:
