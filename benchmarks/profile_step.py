@@ -117,9 +117,9 @@ def phases(trainer, timer, iters: int):
     return rows
 
 
-KINDS = [
-    ("conv / matmul", r"conv|gemm|xmma|cudnn|cutlass|wgmma|sm90|sm80|implicit|winograd|fprop|dgrad|wgrad"),
+KINDS = [  # the first that matches: cuDNN's BatchNorm kernels are BatchNorm, not convolutions
     ("batchnorm", r"batch_?norm|bn_"),
+    ("conv / matmul", r"conv|gemm|xmma|cudnn|cutlass|wgmma|sm90|sm80|implicit|winograd|fprop|dgrad|wgrad"),
     ("optimizer", r"sgd|adam|multi_tensor"),
     ("pooling", r"pool"),
     ("softmax / reductions", r"softmax|reduce|norm|sum|topk"),
