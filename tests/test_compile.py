@@ -150,3 +150,59 @@ def test_the_compiled_step_equals_the_eager_one(method):
             assert got_grads[name] is None, name
         else:
             torch.testing.assert_close(got_grads[name], eager_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+class Untouchable(float):
+    """A number any arithmetic, comparison or conversion of refuses: stored, it is never read."""
+
+    def _refuse(self, *args, **kwargs):
+        raise AssertionError("read a number its card does not say it reads")
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _refuse
+    __floordiv__ = __rfloordiv__ = __mod__ = __pow__ = __neg__ = __floor__ = __ceil__ = __round__ = _refuse
+    __lt__ = __le__ = __gt__ = __ge__ = __float__ = __int__ = __bool__ = _refuse
+    __hash__ = float.__hash__
+
+
+class UntouchableStep(int):
+    _refuse = Untouchable._refuse
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __xor__ = __rxor__ = __mod__ = _refuse
+    __lt__ = __le__ = __gt__ = __ge__ = __float__ = __int__ = __index__ = __bool__ = _refuse
+    __hash__ = int.__hash__
+
+
+@pytest.mark.parametrize("method", [m for m in LOSSES.names() if m != "ce"])
+def test_a_method_reads_the_progress_and_the_step_only_where_its_card_says(method):
+    """The record hands the progress and the step only to the methods whose card says they read them
+    (kd.run.record.step_inputs), so a compiled step of any other does not depend on them; a method
+    that read them without saying so would train with 0.0 and 0 for them."""
+    card = LOSSES.card(method)
+    given = dict(
+        progress=1.5 if card.reads_progress else Untouchable(), step=7 if card.reads_step else UntouchableStep()
+    )
+    if method in LOGIT_ONLY:
+        x = logit_inputs(card)
+        x.progress, x.step = given["progress"], given["step"]
+        build_loss(method, CLASSES, {})(x)
+    else:
+        side, _, inputs = step_of(method)
+        side(inputs._replace(loss_inputs={**inputs.loss_inputs, **given}))
+
+
+def test_a_step_compiles_once_whatever_its_progress_and_step():
+    """Each step's record differs in its progress and step: KD's compiled step, which reads neither,
+    is one graph over several steps (it was two: a second compilation at the second step)."""
+    side, _, inputs = step_of("kd")
+    graphs = []
+
+    def record(gm, _example):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(side, backend=record)
+    for step in range(3):
+        batch = Batch(inputs.images, inputs.loss_inputs["labels"])
+        targets = Targets(inputs.loss_inputs["teacher_logits"], {})
+        compiled(step_inputs(batch, targets, side.loss, [], lambda x: x, 0.37 * step, step))
+    assert len(graphs) == 1

@@ -40,9 +40,8 @@ def test_a_logit_method_gets_the_labels_the_teachers_logits_as_given_and_its_tap
     batch, targets = batch_and_targets()
     x = step_inputs(batch, targets, build_loss("kd", CLASSES, {}), ["b"], double, 1.5, 7)
     assert torch.equal(x.images, batch.images * 2) and x.second_images is None
-    assert set(x.loss_inputs) == {"labels", "progress", "step", "teacher_logits", "teacher_feats"}
+    assert set(x.loss_inputs) == {"labels", "teacher_logits", "teacher_feats"}
     assert x.loss_inputs["labels"] is batch.labels
-    assert (x.loss_inputs["progress"], x.loss_inputs["step"]) == (1.5, 7)
     assert x.loss_inputs["teacher_logits"] is targets.logits  # float32 from the source: not cast (copied) again
     assert list(x.loss_inputs["teacher_feats"]) == ["b"] and x.loss_inputs["teacher_feats"]["b"] is targets.feats["b"]
 
@@ -50,7 +49,17 @@ def test_a_logit_method_gets_the_labels_the_teachers_logits_as_given_and_its_tap
 def test_a_student_alone_gets_no_teacher_fields():
     batch, _ = batch_and_targets()
     x = step_inputs(batch, None, build_loss("ce", CLASSES, {}), [], double, 0.0, 0)
-    assert set(x.loss_inputs) == {"labels", "progress", "step"}
+    assert set(x.loss_inputs) == {"labels"}
+
+
+def test_the_progress_and_the_step_go_to_the_methods_that_read_them():
+    """Not to the others: a compiled step guards on every number its record hands the loss, and these
+    change every step (a second compilation at the second step, for nothing)."""
+    batch, targets = batch_and_targets()
+    dkd = step_inputs(batch, targets, build_loss("dkd", CLASSES, {}), [], double, 1.5, 7)
+    assert dkd.loss_inputs["progress"] == 1.5 and "step" not in dkd.loss_inputs
+    crd = step_inputs(batch, targets, build_loss("crd", CLASSES, {}), [], double, 1.5, 7)
+    assert crd.loss_inputs["step"] == 7 and "progress" not in crd.loss_inputs
 
 
 def test_the_methods_needs_of_a_batch_are_read_where_the_record_is_made():

@@ -27,37 +27,41 @@ LOSSES.add(
     "kd.losses.ofd:OverhaulDistillation",
     MethodCard("OFD", uses_features=True, tap_point="pre_relu", reads_teacher_norms=True),
 )
-LOSSES.add("crd", "kd.losses.crd:CRD", MethodCard("CRD", uses_features=True, uses_pooled=True, uses_samples=True))
+LOSSES.add(
+    "crd",
+    "kd.losses.crd:CRD",
+    MethodCard("CRD", uses_features=True, uses_pooled=True, uses_samples=True, reads_step=True),
+)
 LOSSES.add(
     "reviewkd",
     "kd.losses.reviewkd:ReviewKD",
-    MethodCard("ReviewKD", uses_features=True, tap_point="pre_relu", uses_pooled=True),
+    MethodCard("ReviewKD", uses_features=True, tap_point="pre_relu", uses_pooled=True, reads_progress=True),
 )
-LOSSES.add("dkd", "kd.losses.dkd:DecoupledKD", MethodCard("DKD", class_labels=True))
+LOSSES.add("dkd", "kd.losses.dkd:DecoupledKD", MethodCard("DKD", class_labels=True, reads_progress=True))
 LOSSES.add("dist", "kd.losses.dist:DIST", MethodCard("DIST"))
 LOSSES.add("nkd", "kd.losses.nkd:NormalizedKD", MethodCard("NKD", class_labels=True))
-LOSSES.add("ctkd", "kd.losses.ctkd:CurriculumKD", MethodCard("KD + CTKD"))
-LOSSES.add("ctdkd", "kd.losses.ctkd:CurriculumDKD", MethodCard("DKD + CTKD", class_labels=True))
+LOSSES.add("ctkd", "kd.losses.ctkd:CurriculumKD", MethodCard("KD + CTKD", reads_progress=True))
+LOSSES.add("ctdkd", "kd.losses.ctkd:CurriculumDKD", MethodCard("DKD + CTKD", class_labels=True, reads_progress=True))
 LOSSES.add("mlkd", "kd.losses.mlkd:MultiLevelKD", MethodCard("MLKD", views=2))
 LOSSES.add("lskd", "kd.losses.lskd:LogitStandardizationKD", MethodCard("KD + LS"))
 LOSSES.add("ttm", "kd.losses.ttm:TransformedTeacherMatching", MethodCard("TTM"))
 LOSSES.add("wttm", "kd.losses.ttm:WeightedTTM", MethodCard("WTTM"))
-LOSSES.add("luminet", "kd.losses.luminet:LumiNet", MethodCard("LumiNet"))
+LOSSES.add("luminet", "kd.losses.luminet:LumiNet", MethodCard("LumiNet", reads_progress=True))
 LOSSES.add("crld", "kd.losses.crld:CrossViewKD", MethodCard("CRLD", views=2))
 LOSSES.add(
     "sdkd",
     "kd.losses.sdd:ScaleDecoupledKD",
-    MethodCard("SD-KD", uses_features=True, uses_classifier=True, class_labels=True),
+    MethodCard("SD-KD", uses_features=True, uses_classifier=True, class_labels=True, reads_progress=True),
 )
 LOSSES.add(
     "sddkd",
     "kd.losses.sdd:ScaleDecoupledDKD",
-    MethodCard("SD-DKD", uses_features=True, uses_classifier=True, class_labels=True),
+    MethodCard("SD-DKD", uses_features=True, uses_classifier=True, class_labels=True, reads_progress=True),
 )
 LOSSES.add(
     "sdnkd",
     "kd.losses.sdd:ScaleDecoupledNKD",
-    MethodCard("SD-NKD", uses_features=True, uses_classifier=True, class_labels=True),
+    MethodCard("SD-NKD", uses_features=True, uses_classifier=True, class_labels=True, reads_progress=True),
 )
 LOSSES.add("deit", "kd.losses.deit:DeiTDistillation", MethodCard("DeiT", reads_distill_head=True))
 

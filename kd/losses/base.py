@@ -44,7 +44,8 @@ class DistillInputs:
     reduced precision, but its logits are cast up before the softmax of the KD term.
     ``student_feats`` / ``teacher_feats`` map a layer name to that module's output, for the
     methods with ``uses_features``. ``progress`` is the training progress in epochs
-    (fractional), for warm-ups such as DKD's.
+    (fractional), for warm-ups such as DKD's; the engine gives it to methods whose card
+    ``reads_progress`` only (0.0 to the others), and ``step`` likewise (``reads_step``).
 
     The engine sets the student's fields from its forward and every other field by name from one
     record per step (:func:`kd.run.record.step_inputs`): a new per-batch input is a field here, set

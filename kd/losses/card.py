@@ -44,6 +44,11 @@ class MethodCard:
     #: reads each sample's target class from the labels (DKD's, NKD's split): mixup's and cutmix's soft
     #: targets have none, so they are refused
     class_labels: bool = False
+    #: reads the training progress in epochs (a warm-up ramp, a curriculum); a method that does not is
+    #: not handed it, so its compiled step does not depend on a number that changes every step
+    reads_progress: bool = False
+    #: reads the optimizer step it trains (CRD's draw of negatives); likewise handed only where read
+    reads_step: bool = False
 
 
 class Methods(Registry):

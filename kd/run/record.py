@@ -50,7 +50,11 @@ def step_inputs(
     epochs; ``step``: the optimizer step it trains. The teacher's logits are float32 as the source
     gives them (:class:`kd.teacher.source.Targets`), never cast again."""
     images = prepare(batch.images)
-    fields: Dict[str, Any] = {"labels": batch.labels, "progress": progress, "step": step}
+    fields: Dict[str, Any] = {"labels": batch.labels}
+    if loss.card.reads_progress:  # only where read: a compiled step guards on what it reads
+        fields["progress"] = progress
+    if loss.card.reads_step:
+        fields["step"] = step
     if targets is not None:
         fields["teacher_logits"] = targets.logits
         fields["teacher_feats"] = {k: targets.feats[k] for k in teacher_layers}

@@ -57,13 +57,13 @@ SLOT = "_kd_tap"
 
 
 def _keep_output(module: nn.Module, _inputs, output) -> None:
-    slot = getattr(module, SLOT)
+    slot = getattr(module, SLOT, None)
     if slot is not None and 0 in slot["want"]:
         slot[0] = output
 
 
 def _keep_input(module: nn.Module, inputs) -> None:
-    slot = getattr(module, SLOT)
+    slot = getattr(module, SLOT, None)
     if slot is not None:
         slot["calls"] += 1
         if slot["calls"] in slot["want"]:
