@@ -8,8 +8,10 @@
 #   profile_compiled  the same with --compile for KD and the feature methods of the six-row table ($CMETHODS)
 #   six               kd bench --methods kd,at,ofd,crd,reviewkd,dkd: the six students in one run and each alone
 #   six_compiled      the same with --compile
-#   rest              kd bench --methods for the other methods of the goals (FitNet, NKD, MLKD, DIST,
-#                     CTKD, LS), KD among them
+#   rest              kd bench --methods for the other methods of the goals (FitNet, NKD, MLKD, DIST, CTKD, LS),
+#                     KD among them
+#   parts             after six (and six_compiled): the six-row run against the teacher's forward (profiled) plus
+#                     each student's own step, and its 100 ImageNet epochs (benchmarks/table_vs_parts.py)
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/kd-methods}; mkdir -p "$OUT"
@@ -28,5 +30,11 @@ for part in "$@"; do case "$part" in
   six) timeout 560 $B --methods $SIX --out /tmp/kdb/six 2>&1 | tee "$OUT/six.log" ;;
   six_compiled) timeout 580 $B --methods $SIX --compile --out /tmp/kdb/six_compiled 2>&1 | tee "$OUT/six_compiled.log" ;;
   rest) timeout 560 $B --methods kd,fitnet,nkd,mlkd,dist,ctkd,lskd --out /tmp/kdb/rest 2>&1 | tee "$OUT/rest.log" ;;
+  parts) for C in "" --compile; do
+           NAME=six${C:+_compiled}; [ -f /tmp/kdb/$NAME/bench.json ] || continue
+           T=$($P $C --methods kd 2>&1 | sed -n 's/.*profiled kd default: teacher forward \([0-9.]*\) ms.*/\1/p' | tail -1)
+           echo "== $NAME (teacher forward $T ms)" | tee -a "$OUT/parts.log"
+           $PY benchmarks/table_vs_parts.py /tmp/kdb/$NAME/bench.json --teacher-ms "$T" 2>&1 | tee -a "$OUT/parts.log"
+         done ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac; done

@@ -206,3 +206,34 @@ def test_a_step_compiles_once_whatever_its_progress_and_step():
         targets = Targets(inputs.loss_inputs["teacher_logits"], {})
         compiled(step_inputs(batch, targets, side.loss, [], lambda x: x, 0.37 * step, step))
     assert len(graphs) == 1
+
+
+def on(device: str, inputs):
+    """A step's record with its tensors (and those of its dicts) on ``device``."""
+
+    def move(v):
+        if isinstance(v, torch.Tensor):
+            return v.to(device)
+        return {k: move(x) for k, x in v.items()} if isinstance(v, dict) else v
+
+    return inputs._replace(images=move(inputs.images), loss_inputs=move(inputs.loss_inputs))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("method", ["at", "ofd", "crd", "reviewkd", "sdkd"])
+def test_on_cuda_inductors_step_equals_the_eager_one(method):
+    """The feature methods compiled by inductor (Triton kernels) on the GPU, in float32: the loss and
+    every gradient as eager computes them, to float32 rounding."""
+    side, _, inputs = step_of(method)
+    side, inputs = side.cuda(), on("cuda", inputs)
+    twin = copy.deepcopy(side)
+    torch._dynamo.reset()
+    eager = side(inputs)
+    eager["loss"].backward()
+    got = torch.compile(twin)(inputs)
+    got["loss"].backward()
+    torch.testing.assert_close(got["loss"], eager["loss"], rtol=1e-4, atol=1e-5)
+    for (name, a), b in zip(side.named_parameters(), twin.parameters()):
+        if a.grad is not None:
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-3, atol=1e-5, msg=name)
