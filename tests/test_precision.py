@@ -439,7 +439,7 @@ class NanAfterEpoch1(DistillLoss):
     """Cross-entropy, then NaN from the second epoch on (a run going bad). Not registered: the
     registry is global, and every registered loss must have golden-value tests."""
 
-    card = MethodCard(needs_teacher=False)
+    card = MethodCard(needs_teacher=False, reads_progress=True)
     name = "nan_after_epoch_1"
 
     def forward(self, x: DistillInputs):

@@ -138,8 +138,9 @@ class DistillLoss(nn.Module):
     defaults: ClassVar[Dict[str, Any]] = dict(LABEL_TERM)
     renamed: ClassVar[Dict[str, str]] = {}
     #: what the method is (set with its registration, :meth:`kd.losses.card.Methods.get`): an unregistered
-    #: subclass is a logit method that needs a teacher
-    card: ClassVar[MethodCard] = MethodCard()
+    #: subclass is a logit method that needs a teacher, and is handed the progress and the step (it may
+    #: read them: a registered method's card says whether it does)
+    card: ClassVar[MethodCard] = MethodCard(reads_progress=True, reads_step=True)
     name: ClassVar[str] = ""
 
     def __init_subclass__(cls, **kwargs: Any):
