@@ -194,7 +194,10 @@ def test_a_dead_rank_restarts_the_group_from_its_checkpoint(data, ddp_reference,
     ends as the uninterrupted run (without restarts the group goes down in one line:
     tests/test_process_deaths.py)."""
     out = tmp_path / "run"
-    proc = start("train", "--data", data, *ARGS, *DDP, "-j", "0", "--out", out, "--max-restarts", 1)
+    # a checkpoint every step: the same training, slower, so that the kill lands well before the end
+    # (epochs of 0.4 s left it a second), and the group resumes mid-epoch
+    more = ["--max-restarts", 1, "--save-every-steps", 1]
+    proc = start("train", "--data", data, *ARGS, *DDP, "-j", "0", "--out", out, *more)
     wait_for(lambda: (out / "metrics.jsonl").exists() and len(_ranks(proc.pid)) == 2, proc)  # in epoch 2 of 3
     os.kill(_ranks(proc.pid)[-1], signal.SIGKILL)
     _, err = proc.communicate(timeout=HANG_GUARD)

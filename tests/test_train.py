@@ -183,13 +183,13 @@ def test_a_kd_checkpoint_as_teacher_names_its_model(image_folder, teacher_run, t
 
 @pytest.mark.slow
 def test_compiled_run_trains_like_the_eager_one(image_folder, tmp_path):
-    """--compile (torch.compile of teacher and student; inductor's C++ backend on the CPU) of a feature
-    method: OFD's pre-ReLU taps on both sides (in-place ReLU inputs cloned) and its connectors."""
+    """--compile (torch.compile of teacher and student; inductor's C++ backend on the CPU). The feature
+    methods' compiled graphs against eager: tests/test_compile.py."""
     runs = {}
     for name, extra, runner in (("eager", (), kd_main), ("compiled", ("--compile",), run_kd)):  # compiled apart
         # batch 12: each of the 24 training and 12 val images' batches is as large, so each graph compiles
         # once (a last val batch of another size would compile the teacher and the student again)
-        args = train_args(image_folder, tmp_path / name, *extra, kd_loss="ofd", batch_size=12, no_progress=True)
+        args = train_args(image_folder, tmp_path / name, *extra, batch_size=12, no_progress=True)
         r = runner(*args)
         assert r.returncode == 0, r.stderr
         # the first step's line says how much of it torch.compile took
