@@ -32,7 +32,8 @@ for part in "$@"; do case "$part" in
   rest) timeout 560 $B --methods kd,fitnet,nkd,mlkd,dist,ctkd,lskd --out /tmp/kdb/rest 2>&1 | tee "$OUT/rest.log" ;;
   parts) for C in "" --compile; do
            NAME=six${C:+_compiled}; [ -f /tmp/kdb/$NAME/bench.json ] || continue
-           T=$($P $C --methods kd 2>&1 | sed -n 's/.*profiled kd default: teacher forward \([0-9.]*\) ms.*/\1/p' | tail -1)
+           T=$(timeout 300 $P $C --methods kd 2>&1 | sed -n 's/.*profiled kd default: teacher forward \([0-9.]*\) ms.*/\1/p' | tail -1)
+           [ -n "$T" ] || { echo "== $NAME: no teacher forward measured" | tee -a "$OUT/parts.log"; continue; }
            echo "== $NAME (teacher forward $T ms)" | tee -a "$OUT/parts.log"
            $PY benchmarks/table_vs_parts.py /tmp/kdb/$NAME/bench.json --teacher-ms "$T" 2>&1 | tee -a "$OUT/parts.log"
          done ;;

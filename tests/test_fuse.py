@@ -109,6 +109,25 @@ def test_a_pre_relu_tap_keeps_its_sum_from_the_in_place_relu():
     assert fused_calls(fused)["plain relu/add"] == 2  # the tapped block's sum and its ReLU, out of place
 
 
+def test_a_stage_output_and_its_pre_relu_sum_tapped_together():
+    """Students of one run may tap a stage's output (AT) and its sum before the ReLU (OFD): the output
+    is the ReLU that now runs out of place, and both come back as the original model's."""
+    model = scrambled("resnet18", seed=3)
+    x = torch.randn(2, 3, 64, 64)
+    keys = ["layer2", "layer2.1.relu<2", "layer3"]
+    ref_feats = {}
+    with torch.no_grad(), tap(model, keys, ref_feats):
+        ref = model(x)
+    fused, note = fuse_teacher(copy.deepcopy(model), taps=keys)
+    assert note.startswith("20 BatchNorm layers folded"), note
+    with torch.no_grad():
+        out, feats = fused(x)
+    assert list(feats) == keys and bool((feats["layer2"] >= 0).all()) and bool((feats[keys[1]] < 0).any())
+    for key in keys:
+        torch.testing.assert_close(feats[key], ref_feats[key], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
 def test_a_tap_the_forward_never_reaches_leaves_the_model_unfused():
     model = scrambled("resnet18")
     same, note = fuse_teacher(model, taps=["layer2.1.relu<3"])

@@ -51,9 +51,12 @@ def step_inputs(
     gives them (:class:`kd.teacher.source.Targets`), never cast again."""
     images = prepare(batch.images)
     fields: Dict[str, Any] = {"labels": batch.labels}
-    if loss.card.reads_progress:  # only where read: a compiled step guards on what it reads
+    # only where read (a compiled step guards on what it is handed); a class that does not say its own
+    # card (a user's subclass of a method) may read what its parent's card does not
+    said = "card" in type(loss).__dict__
+    if loss.card.reads_progress or not said:
         fields["progress"] = progress
-    if loss.card.reads_step:
+    if loss.card.reads_step or not said:
         fields["step"] = step
     if targets is not None:
         fields["teacher_logits"] = targets.logits

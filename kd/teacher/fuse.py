@@ -94,6 +94,11 @@ def _return_taps(gm: fx.GraphModule, taps: Sequence[str], found: Dict[str, fx.No
     missing = [key for key in taps if key not in found]
     if missing:
         raise KeyError(f"the forward never reached tap {missing[0]!r}")
+    # the output first: a rewrite below that replaces a tapped node (a stage's output that is the
+    # ReLU run out of place) updates the output too
+    (output,) = [node for node in gm.graph.nodes if node.op == "output"]
+    output.args = ((output.args[0], {key: found[key] for key in taps}),)
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
     for key in taps:
         node = found[key]
         if "<" not in key:
@@ -102,17 +107,20 @@ def _return_taps(gm: fx.GraphModule, taps: Sequence[str], found: Dict[str, fx.No
             module = gm.get_submodule(_target(user)) if user.op == "call_module" else None
             if not getattr(module, "inplace", False):
                 continue
+            # what eager reads of the sum after the in-place call is its result: so does the graph
+            later = [u for u in node.users if u is not user and u is not output and order[u] > order[user]]
             with gm.graph.inserting_before(user):
                 if isinstance(module, (nn.ReLU, nn.ReLU6)):
                     fn = F.relu6 if isinstance(module, nn.ReLU6) else torch.relu
-                    new = gm.graph.call_function(fn, (node,))
-                    user.replace_all_uses_with(new)
+                    result = gm.graph.call_function(fn, (node,))
+                    user.replace_all_uses_with(result)
                     gm.graph.erase_node(user)
                 else:
                     copy = gm.graph.call_method("clone", (node,))
                     user.replace_input_with(node, copy)
-    (output,) = [node for node in gm.graph.nodes if node.op == "output"]
-    output.args = ((output.args[0], {key: found[key] for key in taps}),)
+                    result = copy
+            for u in later:
+                u.replace_input_with(node, result)
 
 
 def _target(node: fx.Node) -> str:
