@@ -98,7 +98,6 @@ def _return_taps(gm: fx.GraphModule, taps: Sequence[str], found: Dict[str, fx.No
     # ReLU run out of place) updates the output too
     (output,) = [node for node in gm.graph.nodes if node.op == "output"]
     output.args = ((output.args[0], {key: found[key] for key in taps}),)
-    order = {node: i for i, node in enumerate(gm.graph.nodes)}
     for key in taps:
         node = found[key]
         if "<" not in key:
@@ -108,6 +107,7 @@ def _return_taps(gm: fx.GraphModule, taps: Sequence[str], found: Dict[str, fx.No
             if not getattr(module, "inplace", False):
                 continue
             # what eager reads of the sum after the in-place call is its result: so does the graph
+            order = {n: i for i, n in enumerate(gm.graph.nodes)}  # anew: earlier rewrites inserted nodes
             later = [u for u in node.users if u is not user and u is not output and order[u] > order[user]]
             with gm.graph.inserting_before(user):
                 if isinstance(module, (nn.ReLU, nn.ReLU6)):
