@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from kd.utils.taps import split_key
+from kd.utils.taps import wanted_calls
 
 RELUS = (F.relu, torch.relu, torch.relu_)
 ADDS = (operator.add, operator.iadd, torch.add)
@@ -62,10 +62,7 @@ class _Tracer(fx.Tracer):
 
     def __init__(self, taps: Sequence[str]):
         super().__init__()
-        self.wanted: Dict[str, set] = {}
-        for key in taps:
-            name, call = split_key(key)
-            self.wanted.setdefault(name, set()).add(call)
+        self.wanted = wanted_calls(taps)
         self.calls: Dict[str, int] = {}
         self.found: Dict[str, fx.Node] = {}
 

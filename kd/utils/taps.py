@@ -19,7 +19,7 @@ module's hook dict but not its attributes, each keep their own.
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -52,6 +52,15 @@ def split_key(key: str) -> Tuple[str, int]:
     return name, int(call)
 
 
+def wanted_calls(keys: Sequence[str]) -> Dict[str, FrozenSet[int]]:
+    """For each tapped module, the calls ``keys`` want of it (0: its output; K: its K-th call's input)."""
+    wanted: Dict[str, set] = {}
+    for key in keys:
+        name, call = split_key(key)
+        wanted.setdefault(name, set()).add(call)
+    return {name: frozenset(calls) for name, calls in wanted.items()}
+
+
 #: the attribute of a tapped module that holds what its armed forward kept (None when not armed)
 SLOT = "_kd_tap"
 
@@ -81,11 +90,7 @@ class Taps:
 
     def __init__(self, model: nn.Module, keys: Sequence[str]):
         self.keys = list(keys)
-        wanted: Dict[str, set] = {}
-        for key in self.keys:
-            name, call = split_key(key)
-            wanted.setdefault(name, set()).add(call)
-        self.wanted = {name: frozenset(calls) for name, calls in wanted.items()}
+        self.wanted = wanted_calls(self.keys)
         self.install(model)
 
     def install(self, model: nn.Module) -> None:
@@ -107,11 +112,8 @@ class Taps:
     def take(self, model: nn.Module) -> Dict[str, torch.Tensor]:
         """What the forward since :meth:`arm` kept, in ``keys`` order; the modules disarmed. KeyError
         naming a key the forward never reached."""
-        kept = {}
-        for name in self.wanted:
-            module = model.get_submodule(name)
-            kept[name] = getattr(module, SLOT) or {}
-            setattr(module, SLOT, None)
+        kept = {name: getattr(model.get_submodule(name), SLOT) or {} for name in self.wanted}
+        self.disarm(model)
         out = {}
         for key in self.keys:
             name, call = split_key(key)
@@ -119,6 +121,10 @@ class Taps:
                 raise KeyError(f"the forward never reached tap {key!r}")
             out[key] = kept[name][call]
         return out
+
+    def disarm(self, model: nn.Module) -> None:
+        for name in self.wanted:
+            setattr(model.get_submodule(name), SLOT, None)
 
 
 @contextlib.contextmanager
@@ -133,8 +139,7 @@ def tap(model: nn.Module, keys: List[str], store: Dict[str, torch.Tensor]):
     try:
         yield store
     except BaseException:
-        for name in taps.wanted:
-            setattr(model.get_submodule(name), SLOT, None)
+        taps.disarm(model)
         raise
     store.update(taps.take(model))
 
