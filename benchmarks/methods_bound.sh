@@ -10,8 +10,9 @@
 #   six_compiled      the same with --compile
 #   rest              kd bench --methods for the other methods of the goals (FitNet, NKD, MLKD, DIST, CTKD, LS),
 #                     KD among them
-#   parts             after six (and six_compiled): the six-row run against the teacher's forward (profiled) plus
-#                     each student's own step, and its 100 ImageNet epochs (benchmarks/table_vs_parts.py)
+#   parts             after six (and six_compiled): the six-row run against the teacher's forward (from the profile
+#                     parts' logs where they ran, else profiled) plus each student's own step, and its 100 ImageNet
+#                     epochs (benchmarks/table_vs_parts.py)
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/kd-methods}; mkdir -p "$OUT"
@@ -32,7 +33,9 @@ for part in "$@"; do case "$part" in
   rest) timeout 560 $B --methods kd,fitnet,nkd,mlkd,dist,ctkd,lskd --out /tmp/kdb/rest 2>&1 | tee "$OUT/rest.log" ;;
   parts) for C in "" --compile; do
            NAME=six${C:+_compiled}; [ -f /tmp/kdb/$NAME/bench.json ] || continue
-           T=$(timeout 300 $P $C --methods kd 2>&1 | sed -n 's/.*profiled kd default: teacher forward \([0-9.]*\) ms.*/\1/p' | tail -1)
+           LOG=$OUT/profile${C:+_compiled}.log  # the teacher's forward from the profile part where it ran, else profiled now
+           [ -s "$LOG" ] || timeout 300 $P $C --methods kd > "$LOG" 2>&1
+           T=$(sed -n 's/.*profiled kd default: teacher forward \([0-9.]*\) ms.*/\1/p' "$LOG" | tail -1)
            [ -n "$T" ] || { echo "== $NAME: no teacher forward measured" | tee -a "$OUT/parts.log"; continue; }
            echo "== $NAME (teacher forward $T ms)" | tee -a "$OUT/parts.log"
            $PY benchmarks/table_vs_parts.py /tmp/kdb/$NAME/bench.json --teacher-ms "$T" 2>&1 | tee -a "$OUT/parts.log"

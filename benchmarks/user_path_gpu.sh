@@ -6,7 +6,7 @@
 # with apex where it is installed. Every run reports its exit code, wall time, first-step time,
 # teacher precision, losses and skipped steps.
 # Usage: bash benchmarks/user_path_gpu.sh PART...  (PART: data | teacher | backends | together | overflow | stops | ctrlc | field |
-#        apex | fast | resolution | store | integrity | teacher34 | table | newer | methods | latest | inception |
+#        apex | fast | resolution | store | integrity | teacher34 | taps | table | newer | methods | latest | inception |
 #        shapes | learn | runfolder | vit)
 # fast: the command as typed (kd's defaults) beside the best flags known and prepared copies, each as a share of
 #       the synthetic step, and the first step's breakdown; resolution: a short run on the folder and on a copy.
@@ -289,6 +289,14 @@ PYEOF
          $KD report "$RUNS/table" "$RUNS/table_alone" "$RUNS/newer" "$RUNS/newer_ls" --format markdown 2>&1 | tee -a "$OUT/summary.txt"
          $T 300 $PY -m cli bench --teacher resnet34 --student resnet18 --backends single --opt O1 --amp-dtype float16 -b 256 \
            --methods kd,nkd,ctkd,ctdkd --iters 40 --warmup 10 2>&1 | tail -8 | tee -a "$OUT/summary.txt" ;;
+  taps) # the feature methods' taps read from the fused teacher's graph, on the folder: a resnet34 teacher trained by kd
+        # (teacher34), then AT, FitNet, OFD, CRD, ReviewKD and SD-NKD from one teacher forward at O1 float16
+        # (fuse_teacher auto: on for CUDA), then AT and OFD with --compile
+        T34=$RUNS/teacher34/checkpoints/best.pt
+        students taps at,fitnet,ofd,crd,reviewkd,sdnkd $COMMON --teacher resnet34 --teacher-weights "$T34" \
+          --student resnet18 --opt O1 --amp-dtype float16 --epochs ${TAPS_EPOCHS:-2} --lr 0.2
+        students taps_compiled at,ofd $COMMON --teacher resnet34 --teacher-weights "$T34" --student resnet18 \
+          --opt O1 --amp-dtype float16 --epochs 1 --lr 0.2 --compile ;;
   methods) # the feature methods under each backend and opt level (one epoch each), two ranks on GPU 0, and their steps timed
          T34=$RUNS/teacher34/checkpoints/best.pt
          for combo in "single O1" "dp O1" "torch_ddp O1" "apex_ddp O1" "apex_ddp O2" "single O3"; do
