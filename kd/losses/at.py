@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from kd.losses.base import DistillInputs, DistillLoss
 from kd.losses.features import default_stage_layers, feature_pairs, map_pairs, pool_to_common
 
-
 _REDUCED = (torch.float16, torch.bfloat16)
 
 
