@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -332,3 +333,19 @@ def gradient_probes(grad):
     w1 = torch.arange(1, n + 1, dtype=torch.float64).reshape(grad.shape)
     w2 = torch.cos(torch.arange(n, dtype=torch.float64) * 0.37).reshape(grad.shape)
     return [(grad * w1).sum().item(), (grad * w2).sum().item(), (grad**2).sum().item()]
+
+
+class Float32Copies(TorchDispatchMode):
+    """Records each op that makes a float32 tensor of at least ``numel`` elements (a float32 copy of a
+    reduced-dtype feature map, or a pass over one): ``with Float32Copies(x.numel()) as seen: ...; seen.ops``."""
+
+    def __init__(self, numel: int):
+        super().__init__()
+        self.numel, self.ops = numel, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in [] if func.is_view else out if isinstance(out, (tuple, list)) else [out]:  # a view copies nothing
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.numel() >= self.numel:
+                self.ops.append(str(func))
+        return out

@@ -13,7 +13,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, Float32Copies
 
 from kd.errors import KDError
 from kd.losses import LOSSES, DistillInputs, build_loss, split_layers
@@ -380,28 +380,14 @@ def test_at_hand_values():
 def test_at_maps_of_a_reduced_dtype_make_no_float32_copy(dtype):
     """The attention of a float16/bfloat16 map: no float32 tensor of the map's size is made, forward or
     backward; the values are the float32 expression's (within float32 rounding) and its gradient bit for bit."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from kd.losses.at import attention_map
-
-    class Sizes(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.float32 = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, (tuple, list)) else [out]:
-                if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.numel() >= feat.numel():
-                    self.float32.append(str(func))
-            return out
 
     feat = (3 * feats(33, (4, 5, 6, 7))).to(dtype).requires_grad_()  # 5 channels: 2 / C is not a power of two
     grad = feats(34, (4, 6, 7))
-    with Sizes() as sizes:
+    with Float32Copies(feat.numel()) as seen:
         got = attention_map(feat, 2.0)
         got.backward(grad)
-    assert sizes.float32 == []
+    assert seen.ops == []
     ref_feat = feat.detach().clone().requires_grad_()
     want = ref_feat.float().abs().pow(2.0).mean(dim=1)
     want.backward(grad)

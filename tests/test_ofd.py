@@ -6,10 +6,11 @@ import math
 
 import pytest
 import torch
+from conftest import Float32Copies
 
 from kd.errors import KDError
 from kd.losses import DistillInputs, build_loss
-from kd.losses.ofd import partial_l2, relu_margins
+from kd.losses.ofd import partial_l2, relu_margins, stage_distance
 
 # Golden values from the official code, clovaai/overhaul-distillation@76344a84a7ce23c894f41a2e05b866c9b73fd85a,
 # ImageNet/distiller.py (unmodified: Distiller, get_margin_from_BN, distillation_loss) with the
@@ -218,6 +219,25 @@ def test_reduced_precision_features_give_a_finite_float32_loss(dtype):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = loss(x)
     assert out["ofd"].dtype == torch.float32 and torch.isfinite(out["loss"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_reduced_dtype_stage_backward_makes_no_float32_copy(dtype):
+    """A float16/bfloat16 stage of one size: the loss is the float32 expression's (within float32 rounding),
+    the student's gradient its bits, and the backward makes no float32 tensor of the map's size."""
+    g = torch.Generator().manual_seed(40)
+    student = (2 * torch.randn(3, 5, 4, 6, generator=g)).to(dtype).requires_grad_()
+    teacher = (2 * torch.randn(3, 5, 4, 6, generator=g)).to(dtype)
+    margin = -torch.rand(5, generator=g) - 0.1
+    got = 0.37 * stage_distance(student, teacher, margin)
+    with Float32Copies(student.numel()) as seen:
+        got.backward()
+    assert seen.ops == []
+    ref = student.detach().clone().requires_grad_()
+    want = 0.37 * partial_l2(ref.float(), teacher.float(), margin)
+    want.backward()
+    assert got.dtype == torch.float32 and close(got.item(), want.item(), rtol=1e-6)
+    assert torch.equal(student.grad, ref.grad)
 
 
 def test_unequal_sizes_pool_the_larger_map_after_the_connector():

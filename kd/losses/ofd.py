@@ -44,6 +44,47 @@ def partial_l2(student: torch.Tensor, teacher: torch.Tensor, margin: torch.Tenso
     return torch.where(kept, (student - target).pow(2), torch.zeros_like(student)).sum()
 
 
+class _PartialL2(torch.autograd.Function):
+    """:func:`partial_l2` of a float16/bfloat16 student map, with the float32 passes of eager autograd cut.
+
+    Forward in float32 as the expression (the teacher's side without autograd): ``u = s - t'``,
+    ``v = u`` where ``t' > 0`` else ``max(u, 0)`` (``v = u`` where kept, else 0), the loss ``v . v``.
+    Backward: ``2 v g`` per element rounded once to the student's dtype, one pass (the bits of the
+    expression's backward). The expression's autograd made a float32 copy of the student's map and
+    ran the mask, the square, the selection and their backwards as separate passes over it.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, student: torch.Tensor, teacher: torch.Tensor, margin: torch.Tensor
+    ) -> torch.Tensor:
+        with torch.autocast(student.device.type, enabled=False):
+            target = torch.maximum(teacher, margin.view(1, -1, 1, 1))  # float32, as the margins
+            u = torch.sub(student, target)
+            v = torch.where(target > 0, u, u.clamp(min=0)).view(-1)
+            ctx.save_for_backward(v)
+            ctx.shape, ctx.dtype = student.shape, student.dtype
+            return torch.dot(v, v)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        (v,) = ctx.saved_tensors
+        out = torch.empty(ctx.shape, dtype=ctx.dtype, device=v.device)
+        return torch.mul(v.view(ctx.shape), 2 * grad.float(), out=out), None, None
+
+
+def stage_distance(student: torch.Tensor, teacher: torch.Tensor, margin: torch.Tensor) -> torch.Tensor:
+    """:func:`partial_l2` of one stage's connector output and teacher map, the larger average-pooled to the
+    smaller; reduced-dtype maps of one size (the ImageNet pairs) through :class:`_PartialL2` in eager."""
+    if (
+        student.dtype in (torch.float16, torch.bfloat16)
+        and student.shape == teacher.shape
+        and not torch.compiler.is_compiling()
+    ):
+        return _PartialL2.apply(student, teacher.detach(), margin.float())
+    return partial_l2(*pool_to_common(float32_or_wider(student), float32_or_wider(teacher.detach())), margin)
+
+
 class OverhaulDistillation(DistillLoss):
     """OFD: ``ce_weight * CE + ofd_weight * sum_i 2^-(n-1-i) partial_l2(connector_i(f_s), f_t) / N``.
 
@@ -119,9 +160,7 @@ class OverhaulDistillation(DistillLoss):
         margins = self.margins.split(self.channels)
         stages = []
         for connector, margin, (s, t) in zip(self.connectors, margins, pairs):
-            student = float32_or_wider(connector(x.student_feats[s]))
-            teacher = float32_or_wider(x.teacher_feats[t].detach())
-            stages.append(partial_l2(*pool_to_common(student, teacher), margin))
+            stages.append(stage_distance(connector(x.student_feats[s]), x.teacher_feats[t], margin))
         n = len(stages)
         ofd = sum(loss / 2 ** (n - 1 - i) for i, loss in enumerate(stages)) / x.student_feats[pairs[0][0]].shape[0]
         return self.hparams["ofd_weight"] * ofd, {"ofd": ofd}
