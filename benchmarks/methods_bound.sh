@@ -2,7 +2,7 @@
 # Each KD method's step against KD's on one GPU (ResNet-34 -> ResNet-18, O1 float16, batch 256, synthetic
 # input): where the time goes, eager and compiled, and the six-row table run against the sum of its parts.
 # Usage: bash benchmarks/methods_bound.sh PART...   (PART: env | profile | profile_compiled | six | six_compiled |
-#        rest); logs go to $OUT (default /tmp/kd-methods).
+#        rest | parts | parts_compiled); logs go to $OUT (default /tmp/kd-methods).
 #   profile           benchmarks/profile_step.py per method, eager: teacher forward, student fwd+loss+bwd, optimizer
 #                     step and the engine's whole step (ms), GPU kernel time by kind per method, top kernels
 #   profile_compiled  the same with --compile for KD and the feature methods of the six-row table ($CMETHODS)
@@ -10,9 +10,9 @@
 #   six_compiled      the same with --compile
 #   rest              kd bench --methods for the other methods of the goals (FitNet, NKD, MLKD, DIST, CTKD, LS),
 #                     KD among them
-#   parts             after six (and six_compiled): the six-row run against the teacher's forward (from the profile
-#                     parts' logs where they ran, else profiled) plus each student's own step, and its 100 ImageNet
-#                     epochs (benchmarks/table_vs_parts.py)
+#   parts             after six (parts_compiled: after six_compiled): the six-row run against the teacher's
+#                     forward (from the profile part's log where it ran, else profiled) plus each student's own
+#                     step, and its 100 ImageNet epochs (benchmarks/table_vs_parts.py)
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/kd-methods}; mkdir -p "$OUT"
@@ -31,14 +31,15 @@ for part in "$@"; do case "$part" in
   six) timeout 560 $B --methods $SIX --out /tmp/kdb/six 2>&1 | tee "$OUT/six.log" ;;
   six_compiled) timeout 580 $B --methods $SIX --compile --out /tmp/kdb/six_compiled 2>&1 | tee "$OUT/six_compiled.log" ;;
   rest) timeout 560 $B --methods kd,fitnet,nkd,mlkd,dist,ctkd,lskd --out /tmp/kdb/rest 2>&1 | tee "$OUT/rest.log" ;;
-  parts) for C in "" --compile; do
-           NAME=six${C:+_compiled}; [ -f /tmp/kdb/$NAME/bench.json ] || continue
-           LOG=$OUT/profile${C:+_compiled}.log  # the teacher's forward from the profile part where it ran, else profiled now
-           [ -s "$LOG" ] || timeout 300 $P $C --methods kd > "$LOG" 2>&1
-           T=$(sed -n 's/.*profiled kd default: teacher forward \([0-9.]*\) ms.*/\1/p' "$LOG" | tail -1)
-           [ -n "$T" ] || { echo "== $NAME: no teacher forward measured" | tee -a "$OUT/parts.log"; continue; }
-           echo "== $NAME (teacher forward $T ms)" | tee -a "$OUT/parts.log"
-           $PY benchmarks/table_vs_parts.py /tmp/kdb/$NAME/bench.json --teacher-ms "$T" 2>&1 | tee -a "$OUT/parts.log"
-         done ;;
+  parts|parts_compiled)
+         C=; [ "$part" = parts ] || C=--compile
+         NAME=six${C:+_compiled}
+         [ -f /tmp/kdb/$NAME/bench.json ] || { echo "== $NAME: run $NAME first" | tee -a "$OUT/$part.log"; continue; }
+         LOG=$OUT/profile${C:+_compiled}.log  # the teacher's forward from the profile part where it ran, else profiled now
+         [ -s "$LOG" ] || timeout 300 $P $C --methods kd > "$LOG" 2>&1
+         T=$(sed -n 's/.*profiled kd default: teacher forward \([0-9.]*\) ms.*/\1/p' "$LOG" | tail -1)
+         [ -n "$T" ] || { echo "== $NAME: no teacher forward measured" | tee -a "$OUT/$part.log"; continue; }
+         echo "== $NAME (teacher forward $T ms)" | tee -a "$OUT/$part.log"
+         $PY benchmarks/table_vs_parts.py /tmp/kdb/$NAME/bench.json --teacher-ms "$T" 2>&1 | tee -a "$OUT/$part.log" ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac; done
