@@ -3,7 +3,8 @@ exit code 2 before torchvision is imported, not the 50-line ``torchvision::nms``
 
 from __future__ import annotations
 
-from conftest import one_error_line, run_kd
+import torch
+from conftest import ROOT, kd_main, make_image_folder, one_error_line, run_kd
 
 from kd.utils.installed import mismatch, version_of
 
@@ -35,3 +36,22 @@ def test_kd_names_a_mismatched_pair_in_one_line_before_importing_torchvision(tmp
     line = one_error_line(r)
     assert line.startswith(f"kd: error: torchvision 0.20.0+cu999 does not work with torch {version_of('torch')}"), line
     assert "pip install --force-reinstall torch==" in line and "nms" not in r.stderr, r.stderr
+
+
+def test_the_stated_torch_minimum_is_the_one_kd_checks(tmp_path, monkeypatch):
+    """setup.cfg's torch>= is kd's MIN_TORCH, and an older torch gets one line, not a traceback later."""
+    import configparser
+
+    from kd.version import MIN_TORCH
+
+    setup = configparser.ConfigParser()
+    setup.read(ROOT / "setup.cfg")
+    pins = [line.strip() for line in setup["options"]["install_requires"].splitlines() if line.startswith("torch>=")]
+    assert pins == [f"torch>={MIN_TORCH[0]}.{MIN_TORCH[1]}"]
+    monkeypatch.setattr(torch, "__version__", "2.3.1+cpu")
+    data = make_image_folder(tmp_path / "data", classes=2, train_per_class=2, val_per_class=1, size=(16, 16))
+    r = kd_main("train", "--data", data, "--no-teacher", "--student", "resnet18", "--out", tmp_path / "old")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "kd: error: kd needs torch 2.4 or newer, this is torch 2.3.1+cpu: pip install 'torch>=2.4'"
+    ], r.stderr
+    assert not (tmp_path / "old").exists()

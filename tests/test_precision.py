@@ -741,3 +741,18 @@ def test_prefer_apex_picks_apex_for_float16_and_native_for_bfloat16():
     assert native.impl == "native" and "not apex.amp: apex.amp does float16 only" in native.describe()
     with pytest.raises(KDError, match="float16 only"):
         make_precision(dataclasses.replace(cfg, amp_dtype="bfloat16", amp_impl="apex"), cuda)
+
+
+def test_apex_casts_come_back_on_after_a_teacher_forward_that_raises():
+    """apex's own disable_casts() leaves its casts off for the rest of the process when the block
+    raises (no try/finally); kd's turns them back on (the handle is apex's AmpHandle's one flag)."""
+    from types import SimpleNamespace
+
+    from kd.precision.apex import _casts_off
+
+    handle = SimpleNamespace(_is_active=True)
+    with pytest.raises(RuntimeError, match="CUDA out of memory"):
+        with _casts_off(handle):
+            assert handle._is_active is False
+            raise RuntimeError("CUDA out of memory (in the teacher's forward)")
+    assert handle._is_active is True
