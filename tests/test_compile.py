@@ -16,12 +16,12 @@ import copy
 import pytest
 import torch
 import torch._dynamo
-from conftest import TEST_RESNET_PAIR
+from conftest import TEST_RESNET_PAIR, in_process_trainer, tiny_config
 from torch._dynamo.backends.debugging import aot_eager
 
 from kd import config as kd_config
 from kd.data.loader import Batch
-from kd.losses import LOSSES, DistillInputs, build_loss
+from kd.losses import LOSSES, DistillInputs, DistillLoss, MethodCard, build_loss
 from kd.run.build import build_models
 from kd.run.record import step_inputs
 from kd.run.sides import StudentSide
@@ -206,6 +206,53 @@ def test_a_step_compiles_once_whatever_its_progress_and_step():
         targets = Targets(inputs.loss_inputs["teacher_logits"], {})
         compiled(step_inputs(batch, targets, side.loss, [], lambda x: x, 0.37 * step, step))
     assert len(graphs) == 1
+
+
+def test_a_graph_break_is_said_in_one_line_with_dynamos_reason():
+    """A step torch.compile cuts into graphs (here a host read, ``.item()``) runs the code between them
+    eager: the first step's log says so in one line, with dynamo's reason, counted from the run's start."""
+    from kd.run.log import graph_break_note, graph_breaks
+
+    def step(x):
+        y = x * 2
+        return y + 1 if y.sum().item() > 0 else y - 1
+
+    torch._dynamo.reset()
+    before = graph_breaks()
+    torch.compile(step, backend="eager")(torch.ones(4))
+    broken = graph_breaks()
+    broken.subtract(before)
+    note = graph_break_note(+broken)
+    assert note.startswith("torch.compile: 1 graph break(s) in the first step, the code between the graphs ran eager: ")
+    assert "Tensor.item()" in note and "\n" not in note and note.endswith("(TORCH_LOGS=graph_breaks says where)")
+
+
+class HostRead(DistillLoss):
+    """Cross-entropy read back by the host inside the step (a graph break). Not registered."""
+
+    card = MethodCard(needs_teacher=False)
+    name = "host_read"
+
+    def forward(self, x: DistillInputs):
+        ce = torch.nn.functional.cross_entropy(x.student_logits.float(), x.labels)
+        return {"loss": ce * 1.0 if ce.item() > -1 else ce}
+
+
+def test_a_run_whose_step_breaks_says_so_once(image_folder, tmp_path, monkeypatch, capsys):
+    """The run's own path: the first step's log names the break (dynamo's eager backend stands in for
+    inductor, the same graphs without their kernels)."""
+    import kd.run.build
+
+    monkeypatch.setattr(kd.run.build, "build_loss", lambda name, num_classes, args: HostRead(num_classes))
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model, mode=None: compile_(model, backend="eager"))
+    torch._dynamo.reset()
+    cfg = tiny_config(image_folder, tmp_path / "run", no_teacher=True, compile=True, limit_train_batches=2)
+    trainer = in_process_trainer(cfg)
+    trainer.fit()
+    trainer.close()
+    lines = [line for line in capsys.readouterr().err.splitlines() if "graph break" in line]
+    assert len(lines) == 1 and " graph break(s) in the first step" in lines[0] and "Tensor.item()" in lines[0]
 
 
 def on(device: str, inputs):

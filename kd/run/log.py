@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -138,6 +139,7 @@ class SetupClock:
         self.last = started
         self.parts: Dict[str, float] = {}
         self.compiled_before = compile_seconds()  # another run's in this process (tests, benchmarks)
+        self.breaks_before = graph_breaks()  # and its graph breaks
 
     def mark(self, part: str) -> None:
         """``part`` ends now: the seconds since the last mark are its."""
@@ -170,6 +172,12 @@ def first_step_record(clock: SetupClock, asked: float, waited: float, device, lo
         f"first step done {total:.1f} s after the command (set-up {clock.seconds:.1f} s: {parts}; then "
         f"the epoch's start {before:.1f} s, the first batch {waited:.1f} s and the step {step:.1f} s{of_it})"
     )
+    broken = graph_breaks()
+    broken.subtract(clock.breaks_before)
+    broken = +broken  # the breaks of this student's first step (the first student's: with the teacher's)
+    clock.breaks_before = graph_breaks()  # the next student's first step counts from here
+    if broken:
+        log(graph_break_note(broken))
     note = bytecode_note()
     if note:
         log(note)
@@ -178,7 +186,35 @@ def first_step_record(clock: SetupClock, asked: float, waited: float, device, lo
     record.update(startup_epoch_start_s=before, startup_first_batch_s=waited, startup_step_s=step)
     if compiling > 0:
         record["startup_compile_s"] = compiling
+        record["startup_graph_breaks"] = float(sum(broken.values()))
     return record
+
+
+def graph_breaks() -> Counter:
+    """torch.compile's graph breaks in this process so far, by reason (dynamo's count); empty where
+    nothing compiled."""
+    if "torch._dynamo" not in sys.modules:
+        return Counter()
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return Counter()
+    return Counter(counters.get("graph_break", {}))
+
+
+def graph_break_note(breaks: Counter) -> str:
+    """One line for a compiled step that torch.compile cut into graphs: the code between them ran eager.
+    Each reason by its first line (dynamo's own words), the commonest first."""
+    said = "; ".join(
+        reason.strip().splitlines()[0].rstrip(".") + (f" (x{n})" if n > 1 else "")
+        for reason, n in breaks.most_common(3)
+    )
+    more = f"; {len(breaks) - 3} more" if len(breaks) > 3 else ""
+    total = sum(breaks.values())
+    return (
+        f"torch.compile: {total} graph break(s) in the first step, the code between the graphs ran eager: "
+        f"{said}{more} (TORCH_LOGS=graph_breaks says where)"
+    )
 
 
 def compile_seconds() -> float:
