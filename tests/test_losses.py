@@ -376,13 +376,15 @@ def test_at_hand_values():
     assert close(out["at"], 1.0) and close(out["loss"], math.log(2) + 1000.0)
 
 
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_at_maps_of_a_reduced_dtype_make_no_float32_copy(dtype):
-    """The attention of a float16/bfloat16 map: no float32 tensor of the map's size is made, forward or
-    backward; the values are the float32 expression's (within float32 rounding) and its gradient bit for bit."""
+def test_at_maps_of_a_reduced_dtype_make_no_float32_copy(dtype, layout):
+    """The attention of a float16/bfloat16 map, in either memory layout: no float32 tensor of the map's
+    size is made, forward or backward; the values are the float32 expression's (within float32
+    rounding) and its gradient bit for bit, in the map's layout."""
     from kd.losses.at import attention_map
 
-    feat = (3 * feats(33, (4, 5, 6, 7))).to(dtype).requires_grad_()  # 5 channels: 2 / C is not a power of two
+    feat = (3 * feats(33, (4, 5, 6, 7))).to(dtype).to(memory_format=layout).requires_grad_()  # 2 / 5: inexact
     grad = feats(34, (4, 6, 7))
     with Float32Copies(feat.numel()) as seen:
         got = attention_map(feat, 2.0)
@@ -392,7 +394,7 @@ def test_at_maps_of_a_reduced_dtype_make_no_float32_copy(dtype):
     want = ref_feat.float().abs().pow(2.0).mean(dim=1)
     want.backward(grad)
     assert torch.allclose(got, want, rtol=1e-6, atol=0) and got.dtype == torch.float32
-    assert torch.equal(feat.grad, ref_feat.grad)
+    assert torch.equal(feat.grad, ref_feat.grad) and feat.grad.is_contiguous(memory_format=layout)
 
 
 # ---------------------------------------------------------------- FitNet

@@ -221,13 +221,15 @@ def test_reduced_precision_features_give_a_finite_float32_loss(dtype):
     assert out["ofd"].dtype == torch.float32 and torch.isfinite(out["loss"])
 
 
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_a_reduced_dtype_stage_backward_makes_no_float32_copy(dtype):
-    """A float16/bfloat16 stage of one size: the loss is the float32 expression's (within float32 rounding),
-    the student's gradient its bits, and the backward makes no float32 tensor of the map's size."""
+def test_a_reduced_dtype_stage_backward_makes_no_float32_copy(dtype, layout):
+    """A float16/bfloat16 stage of one size, in either memory layout (--channels-last): the loss is the
+    float32 expression's (within float32 rounding), the student's gradient its bits in the map's layout,
+    and the backward makes no float32 tensor of the map's size."""
     g = torch.Generator().manual_seed(40)
-    student = (2 * torch.randn(3, 5, 4, 6, generator=g)).to(dtype).requires_grad_()
-    teacher = (2 * torch.randn(3, 5, 4, 6, generator=g)).to(dtype)
+    student = (2 * torch.randn(3, 5, 4, 6, generator=g)).to(dtype).to(memory_format=layout).requires_grad_()
+    teacher = (2 * torch.randn(3, 5, 4, 6, generator=g)).to(dtype).to(memory_format=layout)
     margin = -torch.rand(5, generator=g) - 0.1
     got = 0.37 * stage_distance(student, teacher, margin)
     with Float32Copies(student.numel()) as seen:
@@ -237,7 +239,7 @@ def test_a_reduced_dtype_stage_backward_makes_no_float32_copy(dtype):
     want = 0.37 * partial_l2(ref.float(), teacher.float(), margin)
     want.backward()
     assert got.dtype == torch.float32 and close(got.item(), want.item(), rtol=1e-6)
-    assert torch.equal(student.grad, ref.grad)
+    assert torch.equal(student.grad, ref.grad) and student.grad.is_contiguous(memory_format=layout)
 
 
 def test_unequal_sizes_pool_the_larger_map_after_the_connector():

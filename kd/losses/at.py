@@ -18,7 +18,7 @@ class _SquareMean(torch.autograd.Function):
     """``f.float().pow(2).mean(1)`` of a float16 or bfloat16 map (N, C, H, W) without a float32 copy of it.
 
     Forward: one reduction reads the map and accumulates its squares in float32 (CUDA reads the reduced
-    dtype in the kernel), as the root of the sum, squared: float32 values within an ulp of the sum.
+    dtype in the kernel), as the root of the sum, squared: the expression's float32 values to a few ulps.
     Backward: ``2 f g / C`` in float32 per element, rounded once to the map's dtype (``mul`` into a
     tensor of that dtype), the bits of the expression's own backward. Eager ran the cast, ``abs``,
     ``pow`` and their backwards as separate float32 passes over every tapped map (4.8 ms of copies and

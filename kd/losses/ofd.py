@@ -61,16 +61,24 @@ class _PartialL2(torch.autograd.Function):
         with torch.autocast(student.device.type, enabled=False):
             target = torch.maximum(teacher, margin.view(1, -1, 1, 1))  # float32, as the margins
             u = torch.sub(student, target)
-            v = torch.where(target > 0, u, u.clamp(min=0)).view(-1)
+            v = torch.where(target > 0, u, u.clamp(min=0))
             ctx.save_for_backward(v)
-            ctx.shape, ctx.dtype = student.shape, student.dtype
-            return torch.dot(v, v)
+            ctx.dtype = student.dtype
+            flat = flat_view(v)
+            return torch.dot(flat, flat)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         (v,) = ctx.saved_tensors
-        out = torch.empty(ctx.shape, dtype=ctx.dtype, device=v.device)
-        return torch.mul(v.view(ctx.shape), 2 * grad.float(), out=out), None, None
+        return torch.mul(v, 2 * grad.float(), out=torch.empty_like(v, dtype=ctx.dtype)), None, None
+
+
+def flat_view(x: torch.Tensor) -> torch.Tensor:
+    """``x``'s elements as one dimension without a copy, in its memory's order (a channels-last map's too),
+    for a sum over them all."""
+    strides = x.stride()
+    order = sorted(range(x.dim()), key=lambda d: -strides[d])
+    return x.permute(order).reshape(-1)
 
 
 def stage_distance(student: torch.Tensor, teacher: torch.Tensor, margin: torch.Tensor) -> torch.Tensor:

@@ -206,7 +206,7 @@ def graph_break_note(breaks: Counter) -> str:
     """One line for a compiled step that torch.compile cut into graphs: the code between them ran eager.
     Each reason by its first line (dynamo's own words), the commonest first."""
     said = "; ".join(
-        reason.strip().splitlines()[0].rstrip(".") + (f" (x{n})" if n > 1 else "")
+        (reason.strip().splitlines() or ["(no reason given)"])[0].rstrip(".") + (f" (x{n})" if n > 1 else "")
         for reason, n in breaks.most_common(3)
     )
     more = f"; {len(breaks) - 3} more" if len(breaks) > 3 else ""
