@@ -203,16 +203,24 @@ def test_cudnn_fused_convolutions_match_the_plain_ops(dtype):
 
 @pytest.mark.parametrize("method", ["at", "ofd"])
 def test_a_feature_method_trains_from_the_fused_teacher_as_from_the_plain_one(image_folder, tmp_path, method):
-    """The run a user's GPU makes (the teacher fused by default there), on the CPU: at O1 the teacher's
-    precision is chosen on copies of the fused model, which return its taps (stage outputs; pre-ReLU
-    sums) as the model does, and the student trains as from the unfused teacher."""
+    """The run a user's GPU makes (the teacher fused and the maps channels-last by default there), on the
+    CPU: at O1 the teacher's precision is chosen on copies of the fused model, which return its taps
+    (stage outputs; pre-ReLU sums) as the model does, and the student trains as from the unfused teacher."""
     losses = {}
     for fused in (True, False):
         out = tmp_path / f"fused_{fused}"
         fuse = f"fuse_teacher={str(fused).lower()}"
         r = kd_main(
             *train_args(
-                image_folder, out, "--set", fuse, **TEST_RESNET_PAIR, kd_loss=method, opt="O1", limit_train_batches=2
+                image_folder,
+                out,
+                "--set",
+                fuse,
+                **TEST_RESNET_PAIR,
+                kd_loss=method,
+                opt="O1",
+                limit_train_batches=2,
+                channels_last=True,
             )
         )
         assert r.returncode == 0, r.stderr
