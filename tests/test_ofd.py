@@ -242,6 +242,16 @@ def test_a_reduced_dtype_stage_backward_makes_no_float32_copy(dtype, layout):
     assert torch.equal(student.grad, ref.grad) and student.grad.is_contiguous(memory_format=layout)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("-inf"), float("inf")])
+def test_a_non_finite_student_map_gives_a_non_finite_loss(bad):
+    """A float16 map that overflowed, even where the partial L2 leaves a position out (s <= t' <= 0): the
+    loss is not finite, as the official code's ``mse * mask`` makes it (0 * inf), so kd skips the step."""
+    student = torch.full((2, 3, 2, 2), -1.0, dtype=torch.float16)
+    teacher = torch.full((2, 3, 2, 2), -0.5, dtype=torch.float16)  # t' <= 0 and s <= t': left out
+    student[0, 0, 0, 0] = bad
+    assert not torch.isfinite(stage_distance(student.requires_grad_(), teacher, -torch.ones(3)))
+
+
 def test_unequal_sizes_pool_the_larger_map_after_the_connector():
     loss, x = small()
     connector = loss.connectors[0]

@@ -7,6 +7,7 @@ from typing import Dict, List
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from kd.losses.base import DistillInputs, DistillLoss
 from kd.losses.features import default_stage_layers, feature_pairs, map_pairs, pool_to_common
@@ -33,6 +34,7 @@ class _SquareMean(torch.autograd.Function):
             return torch.linalg.vector_norm(feat, 2, dim=1, dtype=torch.float32).square() / feat.shape[1]
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         (feat,) = ctx.saved_tensors
         scale = (grad.float() / (feat.shape[1] / 2.0)).unsqueeze(1)  # 2 g / C as the mean and pow backwards round it

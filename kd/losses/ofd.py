@@ -7,6 +7,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from kd.errors import KDError
 from kd.losses.base import DistillInputs, DistillLoss
@@ -48,9 +49,10 @@ class _PartialL2(torch.autograd.Function):
     """:func:`partial_l2` of a float16/bfloat16 student map, with the float32 passes of eager autograd cut.
 
     Forward in float32 as the expression (the teacher's side without autograd): ``u = s - t'``,
-    ``v = u`` where ``t' > 0`` else ``max(u, 0)`` (``v = u`` where kept, else 0), the loss ``v . v``.
-    Backward: ``2 v g`` per element rounded once to the student's dtype, one pass (the bits of the
-    expression's backward). The expression's autograd made a float32 copy of the student's map and
+    ``v = u`` where ``t' > 0`` else ``max(u, 0)`` (``v = u`` where kept, else 0), the loss the sum of
+    ``v u`` (``v^2``; a non-finite map gives a non-finite loss, as the official code's mask product
+    does). Backward: ``2 v g`` per element rounded once to the student's dtype, one pass (the bits of
+    the expression's backward). The expression's autograd made a float32 copy of the student's map and
     ran the mask, the square, the selection and their backwards as separate passes over it.
     """
 
@@ -64,21 +66,16 @@ class _PartialL2(torch.autograd.Function):
             v = torch.where(target > 0, u, u.clamp(min=0))
             ctx.save_for_backward(v)
             ctx.dtype = student.dtype
-            flat = flat_view(v)
-            return torch.dot(flat, flat)
+            # v . u, summed as torch sums (a tree: a dot product's one long float32 run drifts by 1e-4 over
+            # an ImageNet stage); v * u is v^2, and 0 * inf a NaN where a non-finite map is left out, as the
+            # official code's mask product makes it: a map that overflowed gives a loss that says so
+            return (v * u).sum()
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         (v,) = ctx.saved_tensors
         return torch.mul(v, 2 * grad.float(), out=torch.empty_like(v, dtype=ctx.dtype)), None, None
-
-
-def flat_view(x: torch.Tensor) -> torch.Tensor:
-    """``x``'s elements as one dimension without a copy, in its memory's order (a channels-last map's too),
-    for a sum over them all."""
-    strides = x.stride()
-    order = sorted(range(x.dim()), key=lambda d: -strides[d])
-    return x.permute(order).reshape(-1)
 
 
 def stage_distance(student: torch.Tensor, teacher: torch.Tensor, margin: torch.Tensor) -> torch.Tensor:

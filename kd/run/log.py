@@ -156,7 +156,9 @@ class SetupClock:
 def first_step_record(clock: SetupClock, asked: float, waited: float, device, log) -> Dict[str, float]:
     """Seconds from the command to this process's first step, which began by asking for its batch at
     ``asked`` (``perf_counter``) and waited ``waited`` for it, with the set-up's parts (``clock``):
-    logged, and returned for metrics.jsonl (one device sync, once)."""
+    logged, and returned for metrics.jsonl (one device sync, once). The step's seconds and torch.compile's
+    run from the batch's asking (a later student's include the students before it, which step first);
+    the graph breaks are this student's own (the first student's with the teacher's), said in one line."""
     if device.type == "cuda":
         import torch
 
