@@ -35,9 +35,11 @@ for part in "$@"; do case "$part" in
          C=; [ "$part" = parts ] || C=--compile
          NAME=six${C:+_compiled}
          [ -f /tmp/kdb/$NAME/bench.json ] || { echo "== $NAME: run $NAME first" | tee -a "$OUT/$part.log"; continue; }
-         LOG=$OUT/profile${C:+_compiled}.log  # the teacher's forward from the profile part where it ran, else profiled now
-         [ -s "$LOG" ] || timeout 300 $P $C --methods kd > "$LOG" 2>&1
-         T=$(sed -n 's/.*profiled kd default: teacher forward \([0-9.]*\) ms.*/\1/p' "$LOG" | tail -1)
+         LOG=$OUT/profile${C:+_compiled}.log  # the teacher's forward from the profile part where it ran kd, else profiled now
+         forward() { sed -n 's/.*profiled kd default: teacher forward \([0-9.]*\) ms.*/\1/p' "$1" 2>/dev/null | tail -1; }
+         T=$(forward "$LOG")
+         [ -n "$T" ] || { timeout 300 $P $C --methods kd > "$OUT/teacher_forward${C:+_compiled}.log" 2>&1
+                          T=$(forward "$OUT/teacher_forward${C:+_compiled}.log"); }
          [ -n "$T" ] || { echo "== $NAME: no teacher forward measured" | tee -a "$OUT/$part.log"; continue; }
          echo "== $NAME (teacher forward $T ms)" | tee -a "$OUT/$part.log"
          $PY benchmarks/table_vs_parts.py /tmp/kdb/$NAME/bench.json --teacher-ms "$T" 2>&1 | tee -a "$OUT/$part.log" ;;
