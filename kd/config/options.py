@@ -196,6 +196,18 @@ TRAIN_OPTIONS = (
         ("--smoothing",),
         "Label smoothing of the mixed targets (timm's Mixup; --label-smoothing is for hard labels).",
     ),
+    Option(
+        "bce_loss",
+        ("--bce-loss",),
+        "The label term is timm's BinaryCrossEntropy (a sigmoid per class, the mean over samples and "
+        "classes, as timm's train.py --bce-loss), not the softmax cross-entropy; logged as bce.",
+    ),
+    Option(
+        "bce_target_thresh",
+        ("--bce-target-thresh",),
+        "With --bce-loss: targets (mixed or smoothed) above this are 1, the rest 0 (timm's).",
+        "P",
+    ),
     Option("image_size", ("--image-size",), "Train crop and val crop size."),
     Option(
         "val_resize",

@@ -158,6 +158,7 @@ def check(cfg: RunConfig, teaching: bool, methods: Methods) -> RunConfig:
         validate_dot(cfg, methods)
     validate_averaging(cfg)
     validate_mixing(cfg, methods)
+    validate_label_loss(cfg)
     return cfg
 
 
@@ -279,6 +280,16 @@ def validate_loss_options(cfg: RunConfig, methods: Methods) -> None:
             f"--logit-standardisation: KD loss {cfg.kd_loss!r} has no standardisation switch; the methods with it: "
             f"{switched} (lskd is KD with it)"
         )
+
+
+def validate_label_loss(cfg: RunConfig) -> None:
+    """--bce-target-thresh only with --bce-loss, and a probability."""
+    if cfg.bce_target_thresh is None:
+        return
+    if not cfg.bce_loss:
+        raise KDError("--bce-target-thresh thresholds the targets of --bce-loss; give --bce-loss too")
+    if not 0.0 <= cfg.bce_target_thresh < 1.0:
+        raise KDError(f"--bce-target-thresh must be in [0, 1), got {cfg.bce_target_thresh:g}")
 
 
 def validate_mixing(cfg: RunConfig, methods: Methods) -> None:

@@ -141,6 +141,9 @@ class RunConfig:
     mixup_prob: float = 1.0  # the chance that a batch is mixed
     mixup_switch_prob: float = 0.5  # with both on: the chance that a mixed batch is cut-mixed
     smoothing: float = 0.0  # label smoothing of the mixed targets (timm's Mixup label_smoothing)
+    # the label term as timm's train.py --bce-loss makes it (kd.losses.base.DistillLoss.use_bce)
+    bce_loss: bool = False  # timm's BinaryCrossEntropy (a sigmoid per class) for the softmax cross-entropy
+    bce_target_thresh: Optional[float] = None  # with bce_loss: targets above it 1, the rest 0
     # recipe metadata (not options)
     recipe: Optional[str] = None
     description: Optional[str] = None

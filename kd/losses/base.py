@@ -157,6 +157,10 @@ class DistillLoss(nn.Module):
             raise KDError(f"KD loss {self.name!r} has no hyper-parameter {', '.join(unknown)}; valid: {valid}")
         self.hparams: Dict[str, Any] = {**self.defaults, **hparams}
         self.split_parts = False
+        #: the label term's loss where it is not the softmax cross-entropy (``--bce-loss``: timm's
+        #: BinaryCrossEntropy, :meth:`use_bce`), logged under :attr:`label_name`
+        self.label_loss: Optional[nn.Module] = None
+        self.label_name = "ce"
 
     @classmethod
     def translate_old(cls, old: str, value: Any) -> Optional[Dict[str, Any]]:
@@ -223,9 +227,27 @@ class DistillLoss(nn.Module):
         """Runs on the loss after each optimizer step, on every process (``uses_samples`` methods
         override this)."""
 
+    def use_bce(self, target_threshold: Optional[float] = None) -> None:
+        """The label term becomes timm's ``BinaryCrossEntropy`` (``--bce-loss``, as timm's train.py builds it:
+        a sigmoid per class, the mean over samples and classes; ``label_smoothing`` smooths hard labels,
+        mixed targets come smoothed by the mixer; ``target_threshold``: targets above it 1, the rest 0),
+        logged as ``bce``."""
+        from timm.loss import BinaryCrossEntropy
+
+        self.label_loss = BinaryCrossEntropy(
+            smoothing=self.hparams["label_smoothing"], target_threshold=target_threshold
+        )
+        self.label_name = "bce"
+
+    def labels_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The label term of one head's float ``logits`` (indices or probabilities as labels)."""
+        if self.label_loss is not None:
+            return self.label_loss(logits, labels)
+        return F.cross_entropy(logits, labels, label_smoothing=self.hparams["label_smoothing"])
+
     def label_term(self, x: DistillInputs) -> torch.Tensor:
-        """Cross-entropy of the student on the labels (indices or probabilities), in float32."""
-        return F.cross_entropy(x.student_logits.float(), x.labels, label_smoothing=self.hparams["label_smoothing"])
+        """Cross-entropy (or ``--bce-loss``'s binary cross-entropy) of the student on the labels."""
+        return self.labels_loss(x.student_logits.float(), x.labels)
 
     def distill(self, x: DistillInputs) -> Tuple[Optional[torch.Tensor], Dict[str, torch.Tensor]]:  # pragma: no cover
         """(the weighted distillation part added to the label term, or None; the named terms to log)."""
@@ -237,8 +259,8 @@ class DistillLoss(nn.Module):
         task = self.hparams["ce_weight"] * ce
         total = task if part is None else task + part
         if self.split_parts and part is not None:
-            return {"loss": total, "ce": ce, **terms, TASK_PART: task, DISTILL_PART: part}
-        return {"loss": total, "ce": ce, **terms}
+            return {"loss": total, self.label_name: ce, **terms, TASK_PART: task, DISTILL_PART: part}
+        return {"loss": total, self.label_name: ce, **terms}
 
 
 class TwoViewLoss(DistillLoss):
@@ -248,7 +270,5 @@ class TwoViewLoss(DistillLoss):
 
     def label_term(self, x: DistillInputs) -> torch.Tensor:
         assert x.second_student_logits is not None  # a views = 2 method always gets the second view
-        smoothing = self.hparams["label_smoothing"]
-        weak = F.cross_entropy(float32_or_wider(x.student_logits), x.labels, label_smoothing=smoothing)
-        strong = F.cross_entropy(float32_or_wider(x.second_student_logits), x.labels, label_smoothing=smoothing)
-        return weak + strong
+        weak = self.labels_loss(float32_or_wider(x.student_logits), x.labels)
+        return weak + self.labels_loss(float32_or_wider(x.second_student_logits), x.labels)

@@ -266,6 +266,8 @@ def build_models(cfg, num_classes: int, teacher: Optional[nn.Module] = None):
 
         loss_args = {k: v for k, v in loss_args.items() if k in CrossEntropy.defaults}
     loss = build_loss("ce" if cfg.no_teacher else cfg.kd_loss, num_classes, loss_args)
+    if cfg.bce_loss:
+        loss.use_bce(cfg.bce_target_thresh)
     with seeded(cfg.seed):
         student = models.build(cfg.student, num_classes, cfg.student_weights, cfg.image_size, cfg.drop_path)
     if loss.card.reads_distill_head:

@@ -205,6 +205,8 @@ class LearningWatch:
 
     def see(self, record: Dict[str, Any]) -> Optional[str]:
         """The line to print after the epoch of ``record`` (a metrics.jsonl record), or None."""
+        if "train_bce" in record:  # --bce-loss: no softmax cross-entropy to hold against log C
+            return None
         ce = record.get("train_ce", record.get("train_loss"))
         if self.said or not self.chance or ce is None or not math.isfinite(ce):
             return None

@@ -251,6 +251,8 @@ PER_STUDENT = (
     "kd_loss",
     "ce_weight",
     "label_smoothing",
+    "bce_loss",
+    "bce_target_thresh",
     "temperature",
     "standardise",
     "loss_args",
