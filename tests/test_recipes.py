@@ -274,6 +274,22 @@ PUBLISHED.update(
         },
     }
 )
+# Hao840/vanillaKD@a27b029 readme.md, "Training, Strategy A2" (8 processes x --batch-size 256), with train-kd.py's
+# defaults (its line numbers) for what the command leaves out; timm 0.6.5's train.py beneath it
+PUBLISHED["imagenet/vanillakd_r50_a2_kd"] = dict(
+    teacher="timm:beitv2_base_patch16_224.in1k_ft_in22k_in1k", teacher_weights="pretrained",  # kd's choice (recipe)
+    student="timm:resnet50", student_weights="none", kd_loss="kd",
+    loss={"ce_weight": 1.0, "kd_weight": 1.0, "temperature": 1.0},  # train-kd.py:90, 113-114; losses/kd.py
+    bce_loss=True, bce_target_thresh=None,  # --bce-loss 1; train-kd.py:247, 747-748
+    batch_size=8 * 256, lr=5e-3, epochs=300, optimizer="lamb", opt_eps=None, opt_betas=None,  # :177, 179
+    weight_decay=0.02, wd_bn_bias=False, grad_clip=None,  # timm's filter_bias_and_bn; --clip-grad None (:117)
+    lr_schedule="timm-cosine", warmup_epochs=5, warmup_lr=1e-6, min_lr=1e-6,  # :207
+    drop_path=0.05, model_ema=False, aa="rand-m7-mstd0.5", color_jitter=0.0, reprob=0.0,  # :249
+    mixup=0.1, cutmix=1.0, mixup_prob=1.0, mixup_switch_prob=0.5, smoothing=0.0,  # :263, 265
+    label_smoothing=None, repeated_aug=3, image_size=224, min_crop_scale=0.08,
+    val_resize=235, val_interpolation="bicubic",  # --crop-pct 0.95: floor(224 / 0.95); resnet50's bicubic
+    opt="O1", top1=None,  # --amp; the README publishes no top-1 of this setting
+)  # fmt: skip
 #: what a recipe may list under reference.differences: kd's choices, a model of the same layers built by another
 #: library, a setting kd cannot express yet (named), or what the source suggests
 ALLOWED_DIFFERENCES = ("kd's choice", "for mdistiller's own", "for mmcls's own", "suggests", "each process's batch")
@@ -433,7 +449,7 @@ NAMED_BEFORE = {"kd", "dkd", "dist", "lskd", "at", "fitnet"}
 #: recipes of earlier methods added after the renaming (DOT's)
 RECIPES_SINCE = {
     "imagenet/r34_r18_kd_dot", "imagenet/r50_mv1_kd_dot", "imagenet/r34_r18_dkd_ls", "imagenet/r50_mv1_lskd",
-    "imagenet/r50_mv1_dkd_ls", "imagenet/deit3s_deitti_kd",
+    "imagenet/r50_mv1_dkd_ls", "imagenet/deit3s_deitti_kd", "imagenet/vanillakd_r50_a2_kd",
 }  # fmt: skip
 
 
