@@ -290,6 +290,10 @@ PUBLISHED["imagenet/vanillakd_r50_a2_kd"] = dict(
     val_resize=235, val_interpolation="bicubic",  # --crop-pct 0.95: floor(224 / 0.95); resnet50's bicubic
     opt="O1", top1=None,  # --amp; the README publishes no top-1 of this setting
 )  # fmt: skip
+# Strategy A1, the same README's other command: 600 epochs, wd 0.01, smoothing 0.1, mixup 0.2
+PUBLISHED["imagenet/vanillakd_r50_a1_kd"] = dict(
+    PUBLISHED["imagenet/vanillakd_r50_a2_kd"], epochs=600, weight_decay=0.01, smoothing=0.1, mixup=0.2
+)
 #: what a recipe may list under reference.differences: kd's choices, a model of the same layers built by another
 #: library, a setting kd cannot express yet (named), or what the source suggests
 ALLOWED_DIFFERENCES = ("kd's choice", "for mdistiller's own", "for mmcls's own", "suggests", "each process's batch")
@@ -450,6 +454,7 @@ NAMED_BEFORE = {"kd", "dkd", "dist", "lskd", "at", "fitnet"}
 RECIPES_SINCE = {
     "imagenet/r34_r18_kd_dot", "imagenet/r50_mv1_kd_dot", "imagenet/r34_r18_dkd_ls", "imagenet/r50_mv1_lskd",
     "imagenet/r50_mv1_dkd_ls", "imagenet/deit3s_deitti_kd", "imagenet/vanillakd_r50_a2_kd",
+    "imagenet/vanillakd_r50_a1_kd",
 }  # fmt: skip
 
 
