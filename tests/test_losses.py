@@ -376,16 +376,22 @@ def test_at_hand_values():
     assert close(out["at"], 1.0) and close(out["loss"], math.log(2) + 1000.0)
 
 
+CUDA = pytest.param(
+    "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_at_maps_of_a_reduced_dtype_make_no_float32_copy(dtype, layout):
+def test_at_maps_of_a_reduced_dtype_make_no_float32_copy(dtype, layout, device):
     """The attention of a float16/bfloat16 map, in either memory layout: no float32 tensor of the map's
     size is made, forward or backward; the values are the float32 expression's (within float32
-    rounding) and its gradient bit for bit, in the map's layout."""
+    rounding) and its gradient bit for bit, in the map's layout (on the GPU too: ``pytest -m gpu``)."""
     from kd.losses.at import attention_map
 
-    feat = (3 * feats(33, (4, 5, 6, 7))).to(dtype).to(memory_format=layout).requires_grad_()  # 2 / 5: inexact
-    grad = feats(34, (4, 6, 7))
+    feat = (3 * feats(33, (4, 5, 6, 7))).to(device, dtype).to(memory_format=layout).requires_grad_()  # 2 / 5
+    grad = feats(34, (4, 6, 7)).to(device)
     with Float32Copies(feat.numel()) as seen:
         got = attention_map(feat, 2.0)
         got.backward(grad)

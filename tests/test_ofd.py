@@ -221,16 +221,23 @@ def test_reduced_precision_features_give_a_finite_float32_loss(dtype):
     assert out["ofd"].dtype == torch.float32 and torch.isfinite(out["loss"])
 
 
+CUDA = pytest.param(
+    "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_a_reduced_dtype_stage_backward_makes_no_float32_copy(dtype, layout):
+def test_a_reduced_dtype_stage_backward_makes_no_float32_copy(dtype, layout, device):
     """A float16/bfloat16 stage of one size, in either memory layout (--channels-last): the loss is the
     float32 expression's (within float32 rounding), the student's gradient its bits in the map's layout,
-    and the backward makes no float32 tensor of the map's size."""
+    and the backward makes no float32 tensor of the map's size (on the GPU too: ``pytest -m gpu``)."""
     g = torch.Generator().manual_seed(40)
-    student = (2 * torch.randn(3, 5, 4, 6, generator=g)).to(dtype).to(memory_format=layout).requires_grad_()
-    teacher = (2 * torch.randn(3, 5, 4, 6, generator=g)).to(dtype).to(memory_format=layout)
-    margin = -torch.rand(5, generator=g) - 0.1
+    student = (2 * torch.randn(3, 5, 4, 6, generator=g)).to(device, dtype).to(memory_format=layout)
+    student.requires_grad_()
+    teacher = (2 * torch.randn(3, 5, 4, 6, generator=g)).to(device, dtype).to(memory_format=layout)
+    margin = -torch.rand(5, generator=g).to(device) - 0.1
     got = 0.37 * stage_distance(student, teacher, margin)
     with Float32Copies(student.numel()) as seen:
         got.backward()
