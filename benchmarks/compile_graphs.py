@@ -23,11 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch._dynamo  # noqa: E402
-from torch._dynamo.utils import counters  # noqa: E402
 
 import backends  # noqa: E402
 from kd import config as kd_config  # noqa: E402
 from kd.losses import LOSSES  # noqa: E402
+from kd.run.log import graph_breaks  # noqa: E402
 from kd.run.loop import Trainer  # noqa: E402
 from kd.run.students import Students  # noqa: E402
 
@@ -54,7 +54,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for method in args.methods.split(","):
             torch._dynamo.reset()
-            counters.clear()
+            before = graph_breaks()
             graphs.clear()
             options = dict(
                 data="synthetic", teacher="resnet18", teacher_weights="none", student="resnet18", kd_loss=method,
@@ -71,7 +71,7 @@ def main() -> None:
                     trainer.fit()
                 finally:
                     trainer.close()
-            breaks = counters.get("graph_break", {})
+            breaks = graph_breaks() - before
             reasons = "; ".join(reason.splitlines()[0] for reason in breaks) or "-"
             print(f"| {method} | {len(graphs)} | {sum(breaks.values())} | {reasons} |", flush=True)
 

@@ -349,3 +349,9 @@ class Float32Copies(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.numel() >= self.numel:
                 self.ops.append(str(func))
         return out
+
+
+#: a ``device`` parameter that runs on the GPU (``pytest -m gpu``) and skips itself without CUDA
+CUDA = pytest.param(
+    "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+)

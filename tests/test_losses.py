@@ -13,7 +13,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, Float32Copies
+from conftest import CUDA, ROOT, Float32Copies
 
 from kd.errors import KDError
 from kd.losses import LOSSES, DistillInputs, build_loss, split_layers
@@ -374,11 +374,6 @@ def test_at_hand_values():
         teacher_feats={"x": torch.tensor([[[[0.0, 3.0]]]])},
     )
     assert close(out["at"], 1.0) and close(out["loss"], math.log(2) + 1000.0)
-
-
-CUDA = pytest.param(
-    "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-)
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])

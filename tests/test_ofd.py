@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import Float32Copies
+from conftest import CUDA, Float32Copies
 
 from kd.errors import KDError
 from kd.losses import DistillInputs, build_loss
@@ -219,11 +219,6 @@ def test_reduced_precision_features_give_a_finite_float32_loss(dtype):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = loss(x)
     assert out["ofd"].dtype == torch.float32 and torch.isfinite(out["loss"])
-
-
-CUDA = pytest.param(
-    "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-)
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])

@@ -10,9 +10,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from kd.losses.base import DistillInputs, DistillLoss
-from kd.losses.features import default_stage_layers, feature_pairs, map_pairs, pool_to_common
-
-_REDUCED = (torch.float16, torch.bfloat16)
+from kd.losses.features import REDUCED_DTYPES, default_stage_layers, feature_pairs, map_pairs, pool_to_common
 
 
 class _SquareMean(torch.autograd.Function):
@@ -43,7 +41,7 @@ class _SquareMean(torch.autograd.Function):
 
 def attention_map(feat: torch.Tensor, p: float) -> torch.Tensor:
     """Spatial attention (N, H, W): mean over channels of |f|^p, in float32 (not normalised)."""
-    if p == 2 and feat.dtype in _REDUCED and not torch.compiler.is_compiling():
+    if p == 2 and feat.dtype in REDUCED_DTYPES and not torch.compiler.is_compiling():
         return _SquareMean.apply(feat)
     return feat.float().abs().pow(p).mean(dim=1)
 

@@ -133,6 +133,10 @@ def check_maps(method: str, name: str, shape: Sequence[int]) -> None:
         )
 
 
+#: the dtypes autocast gives feature maps, where AT's and OFD's losses avoid float32 copies of them
+REDUCED_DTYPES = (torch.float16, torch.bfloat16)
+
+
 def for_layer(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x`` as a layer with ``weight`` takes it: as it is under autocast, which casts it for the
     layer once (a float32 copy first would be cast straight back: two passes over the map for the

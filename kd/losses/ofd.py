@@ -11,7 +11,14 @@ from torch.autograd.function import once_differentiable
 
 from kd.errors import KDError
 from kd.losses.base import DistillInputs, DistillLoss
-from kd.losses.features import Connector, default_stage_layers, feature_pairs, map_pairs, pool_to_common
+from kd.losses.features import (
+    REDUCED_DTYPES,
+    Connector,
+    default_stage_layers,
+    feature_pairs,
+    map_pairs,
+    pool_to_common,
+)
 from kd.losses.logits import float32_or_wider
 
 # below this probability of a negative pre-ReLU value the expectation is replaced by -3 std
@@ -81,11 +88,7 @@ class _PartialL2(torch.autograd.Function):
 def stage_distance(student: torch.Tensor, teacher: torch.Tensor, margin: torch.Tensor) -> torch.Tensor:
     """:func:`partial_l2` of one stage's connector output and teacher map, the larger average-pooled to the
     smaller; reduced-dtype maps of one size (the ImageNet pairs) through :class:`_PartialL2` in eager."""
-    if (
-        student.dtype in (torch.float16, torch.bfloat16)
-        and student.shape == teacher.shape
-        and not torch.compiler.is_compiling()
-    ):
+    if student.dtype in REDUCED_DTYPES and student.shape == teacher.shape and not torch.compiler.is_compiling():
         return _PartialL2.apply(student, teacher.detach(), margin.float())
     return partial_l2(*pool_to_common(float32_or_wider(student), float32_or_wider(teacher.detach())), margin)
 

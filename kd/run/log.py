@@ -174,10 +174,9 @@ def first_step_record(clock: SetupClock, asked: float, waited: float, device, lo
         f"first step done {total:.1f} s after the command (set-up {clock.seconds:.1f} s: {parts}; then "
         f"the epoch's start {before:.1f} s, the first batch {waited:.1f} s and the step {step:.1f} s{of_it})"
     )
-    broken = graph_breaks()
-    broken.subtract(clock.breaks_before)
-    broken = +broken  # the breaks of this student's first step (the first student's: with the teacher's)
-    clock.breaks_before = graph_breaks()  # the next student's first step counts from here
+    now = graph_breaks()
+    broken = now - clock.breaks_before  # this student's first step's (the first student's: with the teacher's)
+    clock.breaks_before = now  # the next student's first step counts from here
     if broken:
         log(graph_break_note(broken))
     note = bytecode_note()
