@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import kd_main, one_error_line, train_args
+from conftest import kd_main, one_error_line, resumes_bit_for_bit, train_args
 from timm.data.mixup import mixup_target
 from timm.loss import BinaryCrossEntropy
 
@@ -57,11 +57,15 @@ def test_bce_takes_both_views_of_a_two_view_method():
     assert torch.equal(loss.label_term(inputs), theirs(weak, y) + theirs(strong, y))
 
 
-def test_a_run_with_bce_logs_it_and_its_threshold_needs_it(image_folder, tmp_path):
-    out = tmp_path / "bce"
-    r = kd_main(*train_args(image_folder, out, "--bce-loss", "--bce-target-thresh", "0.2", limit_train_batches=1))
-    assert r.returncode == 0, r.stderr
-    record = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+def test_a_run_with_bce_logs_it_resumes_bit_for_bit_and_its_threshold_needs_it(image_folder, tmp_path):
+    """Mixed targets through --bce-loss with a threshold: logged as bce; resumed from its fourth step
+    (mid-epoch) it ends bit for bit where the whole run ended."""
+    args = ["--data", image_folder, "--student", "timm:test_resnet", "--teacher", "timm:test_resnet"]
+    args += ["--teacher-weights", "none", "--image-size", "32", "-b", "8", "--device", "cpu", "--workers", "0"]
+    args += ["--epochs", "2", "--save-every-steps", "2", "--keep-last", "9", "--mixup", "0.8", "--cutmix", "1.0"]
+    args += ["--limit-val-batches", "1", "--bce-loss", "--bce-target-thresh", "0.2"]
+    resumes_bit_for_bit(tmp_path, args)
+    record = json.loads((tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()[-1])
     assert record["train_bce"] > 0 and "train_ce" not in record
     r = kd_main(*train_args(image_folder, tmp_path / "thresh", "--bce-target-thresh", "0.2"))
     assert one_error_line(r) == (
