@@ -12,7 +12,8 @@
 #                     KD among them
 #   parts             after six (parts_compiled: after six_compiled): the six-row run against the teacher's
 #                     forward (from the profile part's log where it ran, else profiled) plus each student's own
-#                     step, and its 100 ImageNet epochs (benchmarks/table_vs_parts.py)
+#                     step, and its 100 ImageNet epochs (benchmarks/table_vs_parts.py); TEACHER_MS=ms takes the
+#                     teacher's forward from an earlier profile
 set -uo pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/kd-methods}; mkdir -p "$OUT"
@@ -25,7 +26,7 @@ for part in "$@"; do case "$part" in
   env) { git log --oneline -1 2>/dev/null; nvidia-smi -L; nproc
          $PY -c "import torch, torchvision, timm; print('torch', torch.__version__, 'torchvision', torchvision.__version__, 'timm', timm.__version__)"
        } 2>&1 | tee "$OUT/env.log" ;;
-  profile) timeout 400 $P --methods kd,at,fitnet,ofd,crd,reviewkd,nkd,mlkd,dkd 2>&1 | grep -v Warn | tee "$OUT/profile.log" ;;
+  profile) timeout 420 $P --methods ${PMETHODS:-kd,at,fitnet,ofd,crd,reviewkd,nkd,mlkd,dkd,dist,ctkd,lskd} 2>&1 | grep -v Warn | tee "$OUT/profile.log" ;;
   profile_compiled) timeout 420 $P --compile --methods "${CMETHODS:-kd,at,ofd,crd,reviewkd}" 2>&1 | grep -v Warn \
                       | tee "$OUT/profile_compiled.log" ;;
   six) timeout 560 $B --methods $SIX --out /tmp/kdb/six 2>&1 | tee "$OUT/six.log" ;;
@@ -37,7 +38,7 @@ for part in "$@"; do case "$part" in
          [ -f /tmp/kdb/$NAME/bench.json ] || { echo "== $NAME: run $NAME first" | tee -a "$OUT/$part.log"; continue; }
          LOG=$OUT/profile${C:+_compiled}.log  # the teacher's forward from the profile part where it ran kd, else profiled now
          forward() { sed -n 's/.*profiled kd default: teacher forward \([0-9.]*\) ms.*/\1/p' "$1" 2>/dev/null | tail -1; }
-         T=$(forward "$LOG")
+         T=${TEACHER_MS:-$(forward "$LOG")}  # TEACHER_MS: a forward measured by an earlier call
          [ -n "$T" ] || { timeout 300 $P $C --methods kd > "$OUT/teacher_forward${C:+_compiled}.log" 2>&1
                           T=$(forward "$OUT/teacher_forward${C:+_compiled}.log"); }
          [ -n "$T" ] || { echo "== $NAME: no teacher forward measured" | tee -a "$OUT/$part.log"; continue; }

@@ -102,6 +102,27 @@ def test_the_teacher_forwards_the_mixed_batch_the_student_trains_on(image_folder
         trainer.close()
 
 
+def test_nkd_takes_a_mixed_images_larger_part_as_its_class_and_says_so(image_folder, tmp_path):
+    """NKD under mixup trains on the mixed targets' argmax (as cls_KD's NKDLoss does), and its log says so;
+    the values are held against the official code in tests/test_nkd.py."""
+    cfg = tiny_config(
+        image_folder, tmp_path / "r", mixup=0.8, kd_loss="nkd", student="timm:test_resnet", teacher="timm:test_resnet"
+    )
+    trainer = in_process_trainer(cfg)
+    try:
+        assert [n for n in trainer.lane.notes if "larger part of its mixed target" in n] == [
+            "--kd-loss nkd: a mixed image's target class is the larger part of its mixed target (the argmax), "
+            "as the method's official code takes it"
+        ]
+        seen = {}
+        step = trainer.lane.step
+        trainer.lane.step = lambda b, t: (seen.setdefault("labels", b.labels), step(b, t))[1]
+        trainer.step(next(iter(trainer.data.train)))
+        assert seen["labels"].dim() == 2 and trainer.lane.state.global_step == 1
+    finally:
+        trainer.close()
+
+
 def test_a_mixed_run_resumes_bit_for_bit(tmp_path, image_folder):
     """--mixup 0.8 --cutmix 1.0 resumed from a checkpoint of its fourth step (mid-epoch) ends bit for bit
     where it ended: the resumed process mixes each step as the uninterrupted one did."""

@@ -4,7 +4,8 @@ Golden values: yzd-v/cls_KD ``mmcls/models/dis_losses/nkd.py`` (``NKDLoss.forwar
 1e5d48f36957ee460d39d7ebc592c6cc7f8f3d66 (branch 1.0). A script outside this repository imported
 that file (only the mmcls registry import and decorator removed), ran it in float64 on the CPU
 with the deterministic logits and labels below and printed the loss and the gradient with
-respect to the student's logits with ``repr``.
+respect to the student's logits with ``repr``; for the mixed targets, the same script gave it mmcls's mixed scores (its
+``gt_label.score``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 
 from kd.errors import KDError
 from kd.losses import DistillInputs, build_loss
+from kd.losses.nkd import nkd_parts
 
 RTOL = 1e-9
 BATCH, CLASSES = 3, 6
@@ -154,11 +156,93 @@ def test_saturated_logits_stay_finite():
     assert student.grad is not None and torch.isfinite(student.grad).all()
 
 
-def test_soft_labels_are_refused():
+# Mixed targets, as mmcls's batch augments hand them to the official NKDLoss: lam * one-hot(a) + (1 - lam)
+# * one-hot(b) for (a, b, lam) below; the official code takes each row's argmax (classes 0, 5, 5), so its
+# target class differs from LABELS in the second row. Golden values from the same script, float64.
+MIXED = [(0, 3, 0.7), (3, 5, 0.4), (5, 1, 0.55)]
+OFFICIAL_MIXED = {
+    (1.0, 1.0): {  # the official DeiT setting (deit-s3_distill_deit-t_img.py)
+        "loss": 2.824299866811928,
+        "grad": [
+            [
+                -0.17321754598008676,
+                -0.08105938020389877,
+                0.09186381663415501,
+                0.09406216989209892,
+                0.04943538108288098,
+                0.018915558574850663,
+            ],
+            [
+                0.28955501742439127,
+                0.0864099248197224,
+                0.015703212817961464,
+                -0.03250001861304844,
+                -0.1479839924032372,
+                -0.21118414404578945,
+            ],
+            [
+                -0.0005343558707552185,
+                -0.008873106210213096,
+                -0.02870714614779706,
+                -0.028147422906707416,
+                0.09755236191627122,
+                -0.03129033078079843,
+            ],
+        ],
+    },
+    (1.0, 1.5): {
+        "loss": 3.6885907103812254,
+        "grad": [
+            [
+                -0.17321754598008676,
+                -0.14890356449972258,
+                0.11000087259623575,
+                0.12213865213279262,
+                0.06502991310158912,
+                0.024951672649191913,
+            ],
+            [
+                0.3694428129314999,
+                0.10725927130993487,
+                0.014370522696217754,
+                -0.05382510957933692,
+                -0.22606335331252606,
+                -0.21118414404578945,
+            ],
+            [
+                -0.000981461560495204,
+                -0.013740474821488725,
+                -0.04430193264595724,
+                -0.04594989873651269,
+                0.1362640985452523,
+                -0.03129033078079843,
+            ],
+        ],
+    },
+}
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("temp, gamma", sorted(OFFICIAL_MIXED))
+def test_mixed_targets_take_their_larger_part_as_the_official_code_does(temp, gamma, smoothing):
+    golden = OFFICIAL_MIXED[(temp, gamma)]
+    mixed = torch.zeros(BATCH, CLASSES, dtype=torch.float64)
+    for row, (a, b, lam) in enumerate(MIXED):
+        mixed[row, a] += lam
+        mixed[row, b] += 1 - lam
+    mixed = mixed * (1 - smoothing) + smoothing / CLASSES  # timm's mixer smooths them; the official code does not
     x = golden_inputs()
-    x.labels = F.one_hot(LABELS, CLASSES).double() * 0.7 + 0.05
+    x.labels = mixed
+    out = build_loss("nkd", CLASSES, {"ce_weight": 0.0, "temperature": temp, "non_target_weight": gamma})(x)
+    assert out["loss"].item() == pytest.approx(golden["loss"], rel=RTOL)
+    out["loss"].backward()
+    expected = torch.tensor(golden["grad"], dtype=torch.float64)
+    torch.testing.assert_close(x.student_logits.grad, expected, rtol=RTOL, atol=1e-15)
+
+
+def test_the_parts_alone_refuse_soft_labels():
     with pytest.raises(KDError, match="class-index labels"):
-        build_loss("nkd", CLASSES, {})(x)
+        nkd_parts(fill((BATCH, CLASSES), 1), fill((BATCH, CLASSES), 2), F.one_hot(LABELS, CLASSES).double(), 1.0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

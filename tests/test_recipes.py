@@ -262,6 +262,14 @@ PUBLISHED.update(
         "imagenet/deit_ti_distilled": dict(DEIT, student="timm:deit_tiny_distilled_patch16_224", top1=74.5),
         "imagenet/deit_s_distilled": dict(DEIT, student="timm:deit_small_distilled_patch16_224", top1=81.2),
         "imagenet/deit3s_deitti_kd": dict(CLS_KD_DEIT, top1=76.01),
+        # the same file with its NKD block on (NKDLoss temp 1.0, gamma 1.0: distiller config:57-62) and the student's
+        # label loss at full weight (distiller.py:121; only KDLoss scales it); published in cls_KD's nkd.md
+        "imagenet/deit3s_deitti_nkd": dict(
+            CLS_KD_DEIT,
+            kd_loss="nkd",
+            loss={"ce_weight": 1.0, "non_target_weight": 1.0, "temperature": 1.0},
+            top1=76.68,
+        ),
         # README_deit.md:216, 221 without the distillation flags (main.py:145: --distillation-type none)
         **{
             f"imagenet/baseline_deit_{size}": dict(

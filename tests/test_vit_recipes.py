@@ -16,6 +16,7 @@ from kd.errors import KDError
 
 DEIT = ("imagenet/deit_ti_distilled", "imagenet/deit_s_distilled")
 DEIT3 = "imagenet/deit3s_deitti_kd"
+DEIT3_NKD = "imagenet/deit3s_deitti_nkd"
 ALONE = ("imagenet/baseline_deit_ti", "imagenet/baseline_deit_s")  # DeiT's recipe without distillation
 #: the weights each teacher was trained with, as the sources name them
 TEACHER_FILES = {
@@ -25,6 +26,7 @@ TEACHER_FILES = {
     # yzd-v/cls_KD@1e5d48f deit-s3_distill_deit-t_img.py:24 is mmcls's deit3-small-p16_in21k-pre_3rdparty_in1k,
     # converted from this file (configs/deit3/metafile.yml:72-74)
     DEIT3: "https://dl.fbaipublicfiles.com/deit/deit_3_small_224_21k.pth",
+    DEIT3_NKD: "https://dl.fbaipublicfiles.com/deit/deit_3_small_224_21k.pth",
 }
 
 
@@ -72,11 +74,13 @@ def test_the_deit3_row_trains_the_plain_deit_tiny_without_stochastic_depth():
         train_both_heads(student, cfg.student, "deit")
 
 
-def test_the_deit3_rows_kd_cannot_run_are_refused_as_the_recipe_says():
-    """cls_KD's NKD row takes each sample's target class from the mixed targets' arg-max; kd refuses a
-    target-class method under mixup (the recipe's comment says why that row has no recipe)."""
-    with pytest.raises(KDError, match="nkd splits each sample's target class"):
-        kd_config.resolve(recipe=DEIT3, options={"kd_loss": "nkd", "loss_args": {}})
+def test_the_deit3_nkd_row_trains_on_mixed_targets_where_dkd_is_refused():
+    """cls_KD's NKD row takes each sample's target class from the mixed targets' arg-max, as kd's nkd does;
+    DKD's official code has no such rule (its scatter needs class indices), so kd refuses it under mixup."""
+    cfg = kd_config.resolve(recipe=DEIT3_NKD)
+    assert cfg.kd_loss == "nkd" and cfg.mixup == 0.8 and cfg.cutmix == 1.0
+    with pytest.raises(KDError, match="dkd splits each sample's target class"):
+        kd_config.resolve(recipe=DEIT3_NKD, options={"kd_loss": "dkd", "loss_args": {}})
 
 
 @pytest.mark.parametrize("name", DEIT + ALONE)
@@ -93,6 +97,7 @@ def test_recipes_list_shows_the_vit_rows():
     assert rows["imagenet/deit_ti_distilled"].endswith("| 4 GPUs x 256 | 74.50 |"), rows["imagenet/deit_ti_distilled"]
     assert rows["imagenet/deit_s_distilled"].endswith("| 4 GPUs x 256 | 81.20 |")
     assert rows[DEIT3].endswith("| 4 GPUs x 256 | 76.01 |")
+    assert rows[DEIT3_NKD].endswith("| nkd | 300 | 1024 | 0.001 | 4 GPUs x 256 | 76.68 |"), rows[DEIT3_NKD]
     assert rows["imagenet/baseline_deit_ti"].endswith("| ce | 300 | 1024 | 0.001 | 4 GPUs x 256 | 72.20 |")
     assert rows["imagenet/baseline_deit_s"].endswith("| 4 GPUs x 256 | 79.80 |")
     assert (
@@ -118,6 +123,7 @@ def test_report_latex_puts_each_vit_recipe_beside_its_reference(tmp_path):
     _run(tmp_path, "imagenet/deit_ti_distilled", 74.2)
     _run(tmp_path, "imagenet/deit_s_distilled", 81.3)
     _run(tmp_path, DEIT3, 75.9)
+    _run(tmp_path, DEIT3_NKD, 76.5)
     _run(tmp_path, "imagenet/baseline_deit_ti", 72.0)  # the student alone of the DeiT III -> DeiT-Ti table
     r = kd_main("report", tmp_path, "--format", "latex", "--epoch", "best")
     assert r.returncode == 0, r.stderr
@@ -129,6 +135,11 @@ def test_report_latex_puts_each_vit_recipe_beside_its_reference(tmp_path):
             "timm:deit3_small_patch16_224.fb_in22k_ft_in1k",
             "timm:deit_tiny_patch16_224",
             "KD & 75.90 & 93.90 & 76.01 & -0.11",
+        ),
+        (
+            "timm:deit3_small_patch16_224.fb_in22k_ft_in1k",
+            "timm:deit_tiny_patch16_224",
+            "NKD & 76.50 & 94.50 & 76.68 & -0.18",
         ),
         (
             "timm:deit3_small_patch16_224.fb_in22k_ft_in1k",

@@ -319,7 +319,7 @@ def validate_mixing(cfg: RunConfig, methods: Methods) -> None:
                 f"train {name} without --mixup and --cutmix"
             )
     for name, card in cards:
-        if card.class_labels:
+        if card.class_labels and not card.class_of_mixed:
             raise KDError(
                 f"--kd-loss {name} splits each sample's target class from the others; mixup's and cutmix's "
                 f"soft targets have no one target class: train it without --mixup and --cutmix"

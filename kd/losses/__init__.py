@@ -39,7 +39,7 @@ LOSSES.add(
 )
 LOSSES.add("dkd", "kd.losses.dkd:DecoupledKD", MethodCard("DKD", class_labels=True, reads_progress=True))
 LOSSES.add("dist", "kd.losses.dist:DIST", MethodCard("DIST"))
-LOSSES.add("nkd", "kd.losses.nkd:NormalizedKD", MethodCard("NKD", class_labels=True))
+LOSSES.add("nkd", "kd.losses.nkd:NormalizedKD", MethodCard("NKD", class_labels=True, class_of_mixed=True))
 LOSSES.add("ctkd", "kd.losses.ctkd:CurriculumKD", MethodCard("KD + CTKD", reads_progress=True))
 LOSSES.add("ctdkd", "kd.losses.ctkd:CurriculumDKD", MethodCard("DKD + CTKD", class_labels=True, reads_progress=True))
 LOSSES.add("mlkd", "kd.losses.mlkd:MultiLevelKD", MethodCard("MLKD", views=2))

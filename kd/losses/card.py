@@ -42,8 +42,11 @@ class MethodCard:
     #: reads the distillation head of a student with a distillation token apart from its class head (DeiT)
     reads_distill_head: bool = False
     #: reads each sample's target class from the labels (DKD's, NKD's split): mixup's and cutmix's soft
-    #: targets have none, so they are refused
+    #: targets have none, so they are refused, unless ``class_of_mixed``
     class_labels: bool = False
+    #: under mixup and cutmix, takes a mixed sample's target class as the larger part of its mixed target
+    #: (its argmax), as the method's official code does with mixed targets (cls_KD's NKD)
+    class_of_mixed: bool = False
     #: reads the training progress in epochs (a warm-up ramp, a curriculum); a method that does not is
     #: not handed it, so its compiled step does not depend on a number that changes every step
     reads_progress: bool = False

@@ -50,6 +50,9 @@ class NormalizedKD(DistillLoss):
     (``deit-s3_distill_deit-t_img.py``) use ``non_target_weight`` 1.0. The non-target term is a
     cross-entropy, as the official code computes it, not a KL divergence: same gradient, but its
     logged value keeps the teacher's non-target entropy and is not 0 when the student matches.
+    Under mixup and cutmix (labels that are mixed targets, (N, C)) a sample's target class is the
+    larger part of its mixed target, their argmax, as the official code takes it
+    (``NKDLoss.forward``: ``torch.max(gt_label, dim=1)``); smoothing the targets does not move it.
     """
 
     defaults = {"ce_weight": 1.0, "non_target_weight": 1.5, "temperature": 1.0}
@@ -57,6 +60,7 @@ class NormalizedKD(DistillLoss):
     def distill(self, x: DistillInputs):
         h = self.hparams
         assert x.teacher_logits is not None  # a method that needs_teacher always gets its logits
-        target, non_target = nkd_parts(x.student_logits, x.teacher_logits, x.labels, h["temperature"])
+        labels = x.labels if x.labels.dim() == 1 else x.labels.argmax(dim=1)  # a mixed sample: its larger part
+        target, non_target = nkd_parts(x.student_logits, x.teacher_logits, labels, h["temperature"])
         kd = target + h["non_target_weight"] * non_target
         return kd, {"kd": kd, "target": target, "non_target": non_target}

@@ -16,6 +16,7 @@ from kd.data.data_config import DataConfig, renormaliser
 from kd.data.model_data import with_data_configs
 from kd.errors import KDError
 from kd.losses import LOSSES, DistillLoss, build_loss, split_layers
+from kd.losses.card import MethodCard
 from kd.precision import make_precision
 from kd.precision.cpu import slow_precision_warning
 from kd.run import paper_setting
@@ -110,7 +111,14 @@ def build_lane(
     setting["num_classes"] = num_classes
     # what kd kept or chose, and where it departs from the paper it resembles: also in config.yaml
     notes = [
-        line for line in (lr_note(cfg), cfg.schedule_note, paper_setting.start_line(setting, method_defaults)) if line
+        line
+        for line in (
+            lr_note(cfg),
+            cfg.schedule_note,
+            paper_setting.start_line(setting, method_defaults),
+            mixed_class_note(cfg, loss.card),
+        )
+        if line
     ]
     clock.mark("optimizer")  # with the precision, the backend's wrap and torch.compile's
     lane = Lane(
@@ -285,6 +293,16 @@ def build_models(cfg, num_classes: int, teacher: Optional[nn.Module] = None):
 def teacher_size(cfg) -> int:
     """The size in pixels the teacher is fed in training (the run's crop, or its weights' size)."""
     return DataConfig.from_dict(cfg.teacher_data or {}).train_size(cfg.image_size)
+
+
+def mixed_class_note(cfg, card: MethodCard) -> str:
+    """The line of a target-class method that takes a mixed image's class from its mixed target, where one is mixed."""
+    if not (card.class_of_mixed and (cfg.mixup or cfg.cutmix)):
+        return ""
+    return (
+        f"--kd-loss {cfg.kd_loss}: a mixed image's target class is the larger part of its mixed target (the argmax), "
+        "as the method's official code takes it"
+    )
 
 
 def size_lines(cfg, student: nn.Module, teacher: Optional[nn.Module]) -> List[str]:
