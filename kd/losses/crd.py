@@ -128,6 +128,9 @@ class CRD(DistillLoss):
             order=torch.argsort(labels, stable=True),  # sample indices grouped by class
             counts=counts,
             starts=torch.cumsum(counts, 0) - counts,
+            # each draw's own key, hashed once here: written in the step, inductor's Triton code adds the
+            # constant to a 32-bit index and fails to compile ("Scalar 2654435769 is out of range for type int32")
+            draw_keys=_mix(torch.arange(int(self.hparams["negatives"])) + 0x9E3779B9),
         )
         self.seed = seed
         self.gather = gather
@@ -147,7 +150,7 @@ class CRD(DistillLoss):
         """The device of the banks and class index: moved from the CPU to ``device`` at the first step,
         then kept there (DataParallel's replicas on other GPUs read from it)."""
         if self.shared["memory"].device.type == "cpu" and device.type != "cpu":
-            for key in ("memory", "labels", "order", "counts", "starts"):
+            for key in ("memory", "labels", "order", "counts", "starts", "draw_keys"):
                 self.shared[key] = self.shared[key].to(device)
         return self.shared["memory"].device
 
@@ -155,9 +158,8 @@ class CRD(DistillLoss):
         """(B, 1 + negatives): each sample's own index, then indices of samples of other classes, drawn
         uniformly with replacement from a hash of (seed, step, sample index, draw)."""
         s = self.shared
-        k = int(self.hparams["negatives"])
         key = _mix(_mix(torch.tensor(self.seed) ^ _mix(torch.tensor(step))).to(indices.device) ^ indices)
-        draws = _mix(_mix(key[:, None] ^ _mix(torch.arange(k, device=indices.device) + 0x9E3779B9)[None, :]))
+        draws = _mix(_mix(key[:, None] ^ s["draw_keys"][None, :]))
         label = s["labels"][indices]
         others = (self.n_data - s["counts"][label])[:, None]
         r = draws % others  # a position among the samples of other classes, in class order
