@@ -92,6 +92,7 @@ def test_a_sample_augments_alike_with_0_and_2_workers(image_folder):
     "options, words",
     [
         (["--aa", "rand-x9"], ["--aa rand-x9", "Unknown RandAugment config section"]),
+        (["--aa", "randaugment"], ["--aa randaugment is no augmentation string timm reads (rand-m9-mstd0.5-inc1, "]),
         (["--reprob", "1.5"], ["--reprob must be between 0 and 1"]),
         (["--aa", AA, "--loader", "gpu"], ["--loader gpu", "--loader pil"]),
     ],
@@ -101,6 +102,7 @@ def test_bad_augmentations_are_refused_in_one_line_before_any_work(tmp_path, ima
     r = kd_main("train", *args, "--out", tmp_path / "r", *options)
     line = one_error_line(r)
     assert all(w in line for w in words), line
+    assert not line.rstrip().endswith(":"), line  # a reason that says nothing is left out
     assert not (tmp_path / "r").exists()
 
 

@@ -94,6 +94,12 @@ def T(*extra, data="data", out="new"):
     ]
 
 
+def UNNAMED(weights):
+    """A run whose teacher is named by its --teacher-weights alone (a kd checkpoint names its model)."""
+    args = ["train", "--data", "{root}/data", "--teacher-weights", weights, "--student", "resnet18"]
+    return args + ["--out", "{root}/new", *BASE]
+
+
 CASES = {
     "unknown option": (T("--frobnicate"), "no such option"),
     "unknown student": (
@@ -134,6 +140,10 @@ CASES = {
     "unknown loader": (T("--loader", "dali"), "unknown loader 'dali'"),
     "weights do not fit": (T("--teacher-weights", "{root}/wrong.pt"), "do not fit"),
     "weights missing": (T("--teacher-weights", "{root}/nope.pt"), "does not exist"),
+    # without --teacher the file must name the model: what is wrong with it is said, not "--teacher is required"
+    "teacher weights alone, missing": (UNNAMED("{root}/nope.pt"), "weights file {root}/nope.pt does not exist"),
+    "teacher weights alone, garbage": (UNNAMED("{root}/garbage.pt"), "cannot read weights file {root}/garbage.pt"),
+    "teacher weights alone, not kd's": (UNNAMED("{root}/wrong.pt"), "not a kd checkpoint, so it names no model"),
     "weights garbage": (T("--teacher-weights", "{root}/garbage.pt"), "cannot read weights"),
     "malicious pickle": (T("--teacher-weights", "{root}/evil.pt"), "refuses"),
     "resume nothing": (T("--resume", out="fresh"), "nothing to resume"),
@@ -213,7 +223,7 @@ def check(world, name, runner):
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert "Traceback" not in r.stderr, r.stderr
     assert len(lines) == 1 and lines[0].startswith("kd: error: "), r.stderr
-    assert expected.lower() in lines[0].lower(), lines[0]
+    assert expected.format(root=world).lower() in lines[0].lower(), lines[0]
     assert snapshot(world) == before, "an existing file changed"
     assert not (world / "new").exists(), "a failed start left its --out folder behind"
     assert not Path("/tmp/kd-pwned").exists()

@@ -340,6 +340,18 @@ def test_short_schedule_scales_milestones():
     assert kd_config.resolve(recipe="imagenet/r34_r18_dkd").schedule_note is None
 
 
+def test_another_image_size_scales_the_recipes_val_resize():
+    """A recipe's val resize (DeiT's 256 for 224) keeps its ratio at the user's --image-size, as the
+    default does and as timm derives it (floor(size / crop_pct)); a --val-resize given stays."""
+    cfg = kd_config.resolve(recipe="imagenet/deit3s_deitti_nkd", options={"image_size": 64})
+    assert cfg.val_resize == 73  # floor(64 / 0.875)
+    assert kd_config.resolve(recipe="imagenet/deit3s_deitti_nkd", sets=["image_size=448"]).val_resize == 512
+    given = kd_config.resolve(recipe="imagenet/deit3s_deitti_nkd", options={"image_size": 64, "val_resize": 64})
+    assert given.val_resize == 64
+    assert kd_config.resolve(recipe="imagenet/deit3s_deitti_nkd").val_resize == 256
+    assert kd_config.resolve(recipe="imagenet/r34_r18_dkd", options={"image_size": 64}).val_resize is None
+
+
 def test_a_scaled_schedule_is_said_at_the_start(image_folder, tmp_path):
     """--epochs that rescales the planned milestones and warm-up says so in the run's log and config.yaml."""
     recipe = tmp_path / "plan.yaml"

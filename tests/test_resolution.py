@@ -209,3 +209,24 @@ def test_a_kd_trained_teacher_is_fed_and_validated_at_its_runs_size(data, tmp_pa
     assert "teacher resnet18: train 32->48 (resized on the device); " in result.stderr
     assert "teacher resnet18: validated on its own crops (bilinear, resize 50, crop 48)" in result.stderr
     assert "so its top-1 here differs" not in result.stderr
+
+
+def test_a_kd_trained_timm_teacher_is_compared_with_its_runs_own_val_resize(tmp_path):
+    """A timm teacher kd trained at 64 px validated at its crop_pct's resize (DeiT III: 0.9, so 71), not the
+    default 0.875's 73: a run at its sizes says nothing, a run at other sizes names the run's 71."""
+    from types import SimpleNamespace
+
+    from kd.data.model_data import data_config, teacher_preprocessing_note
+
+    name = "timm:deit3_small_patch16_224"
+    own = data_config(name, "none")
+    assert own.val_resize(64) == 71
+    path = tmp_path / "best.pt"
+    config = {"image_size": 64, "val_resize": None, "student": name, "student_data": own.to_dict()}
+    torch.save({"kd_version": "0", "student": {"w": torch.zeros(1)}, "student_name": name, "config": config}, path)
+    cfg = SimpleNamespace(teacher=name, teacher_weights=str(path), teacher_data=own.to_dict(), image_size=64)
+    assert teacher_preprocessing_note(cfg) is None
+    cfg.image_size = 32
+    assert "trained and validated at image size 64, val resize 71; this run validates at 32, 35" in (
+        teacher_preprocessing_note(cfg) or ""
+    )

@@ -164,6 +164,19 @@ def test_a_resume_refuses_what_would_change_the_run(single, copy_of, option, wor
     assert files(run) == before
 
 
+@pytest.mark.parametrize("option", [{"teacher_weights": "none"}, {"teacher": "resnet50"}])
+def test_a_resume_of_a_run_without_a_teacher_says_it_had_none(option):
+    """A teacher option given to the resume of a --no-teacher run: the run's side of the refusal is no
+    teacher, not the defaults it never used (pretrained, auto)."""
+    from kd import config as kd_config
+    from kd.errors import KDError
+    from kd.run.resume import continued
+
+    ran = kd_config.resolve(options=dict(data="synthetic", student="resnet18", no_teacher=True, out="/tmp/r"))
+    with pytest.raises(KDError, match=r"cannot change --teacher[-a-z]* \S+ \(run: no teacher, --no-teacher\); "):
+        continued(ran, option, [])
+
+
 def test_a_resume_takes_the_same_values_and_what_may_change(single, copy_of, data):
     """The options of the run again (the same command with --resume) and the machine's (--workers,
     --no-progress, --data at another path) are taken; --epochs extends the run."""

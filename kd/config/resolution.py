@@ -115,11 +115,14 @@ def resolve(
         cfg = dataclasses.replace(cfg, lr_for_batch=None)
     if base is None and "epochs" in overrides:
         cfg = scale_schedule(cfg, planned.epochs, overrides)
+    if base is None and "image_size" in overrides and "val_resize" not in overrides and planned.val_resize:
+        # a recipe's val resize is for its own crop: kept in ratio, as timm's floor(size / crop_pct)
+        cfg = dataclasses.replace(cfg, val_resize=cfg.image_size * planned.val_resize // planned.image_size)
     if cfg.teacher is None and not cfg.no_teacher and cfg.teacher_weights:
         check_method(cfg.kd_loss)  # a mistyped name is answered before the checkpoint is read (with torch)
-        from kd.utils.weight_files import kd_run_model
+        from kd.utils.weight_files import named_teacher
 
-        cfg = dataclasses.replace(cfg, teacher=kd_run_model(cfg.teacher_weights))  # a kd checkpoint names its model
+        cfg = dataclasses.replace(cfg, teacher=named_teacher(cfg.teacher_weights))  # a kd checkpoint names its model
     return validate(cfg, teaching)
 
 

@@ -71,7 +71,8 @@ def timm_pieces(size: int, cfg, norm: Tuple[Sequence[float], Sequence[float]]):
         )
     except (AssertionError, ValueError, KeyError, IndexError) as e:
         examples = "rand-m9-mstd0.5-inc1, augmix-m5, original"
-        raise KDError(f"--aa {cfg.aa} is no augmentation string timm reads ({examples}): {e}") from None
+        why = f": {e}" if str(e) else ""  # timm's asserts carry no message
+        raise KDError(f"--aa {cfg.aa} is no augmentation string timm reads ({examples}){why}") from None
     erasing = next((t for t in final.transforms if isinstance(t, RandomErasing)), None)
     return (secondary if secondary.transforms else None), erasing
 

@@ -85,7 +85,8 @@ def teacher_preprocessing_note(cfg) -> Optional[str]:
     trained = run_settings(cfg.teacher_weights).get("config") or {}
     if not trained.get("image_size"):
         return None
-    theirs = (trained["image_size"], trained.get("val_resize") or DataConfig().val_resize(trained["image_size"]))
+    own = DataConfig.from_dict(trained.get("student_data") or {})  # its run validated as its student's config says
+    theirs = (trained["image_size"], trained.get("val_resize") or own.val_resize(trained["image_size"]))
     ours = DataConfig.from_dict(cfg.teacher_data or {}).evaluation(cfg.image_size)
     if theirs == ours:
         return None

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Sequence
 
 from kd.config.options import cli_flag, cli_value
-from kd.config.resolution import RETIRED, apply, resolve, validate
+from kd.config.resolution import RETIRED, TEACHER_OPTIONS, apply, resolve, validate
 from kd.config.resolution import load as load_config
 from kd.config.schema import FIELDS, LOSS_OPTIONS, RunConfig
 from kd.errors import KDError
@@ -170,7 +170,12 @@ def continued(ran: RunConfig, options: Dict[str, Any], sets: Sequence[str], reci
     if any(k in METHOD_KEYS for k in differ) and same_args(asked, ran):  # --temperature 4 where T was left at 4
         differ = [k for k in differ if k not in METHOD_KEYS]
     if differ:
-        shown = ", ".join(f"{cli_flag(k)} {run_value(asked, k)} (run: {run_value(ran, k)})" for k in differ)
+        no_teacher = "no teacher, --no-teacher"  # a teacher option's default was never used
+        shown = ", ".join(
+            f"{cli_flag(k)} {run_value(asked, k)} "
+            f"(run: {no_teacher if ran.no_teacher and k in TEACHER_OPTIONS else run_value(ran, k)})"
+            for k in differ
+        )
         raise KDError(
             f"--resume continues the run as it trained and cannot change {shown}; leave "
             f"{'it' if len(differ) == 1 else 'them'} out, or start a new run in another --out"

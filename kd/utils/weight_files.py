@@ -101,6 +101,25 @@ def kd_run_model(weights: str) -> Optional[str]:
     return obj.get("student_name") if obj else None
 
 
+def named_teacher(weights: str) -> Optional[str]:
+    """The model ``--teacher-weights`` name where ``--teacher`` is left out: a kd checkpoint's, or None where
+    ``weights`` is no file (pretrained, a tag); a KDError saying what is wrong with a file that names none
+    (missing, unreadable, damaged, or weights of another kind)."""
+    if not from_file(weights):
+        return None
+    if not Path(weights).is_file():
+        raise KDError(f"weights file {weights} does not exist (expected pretrained, none or a file path)")
+    checkpoint_io.verify(weights)
+    obj = checkpoint_io.read(weights, "cannot read weights file", mmap=True)
+    name = obj.get("student_name") if isinstance(obj, dict) and "kd_version" in obj else None
+    if not name:
+        raise KDError(
+            f"--teacher is required: {weights} is not a kd checkpoint, so it names no model; "
+            "give the model as --teacher NAME"
+        )
+    return name
+
+
 def kd_run_sizes(weights: str) -> Tuple[Optional[int], Optional[int]]:
     """The ``--image-size`` a kd checkpoint's run trained at and its ``--val-resize`` where given;
     None for any other weights."""
