@@ -42,6 +42,19 @@ def test_a_run_ends_with_where_its_result_is(teacher_run):
     assert found.group(1) == collect(out)["wall_time"], (line, collect(out)["wall_time"])
 
 
+def test_a_run_without_a_best_checkpoint_names_its_last_as_such(teacher_run, tmp_path):
+    """A run continued into a new folder from another run's checkpoint (--out NEW --resume OLD/last.pt) may
+    never beat the best top-1 it inherited, so it writes no best.pt: the line names last.pt as the last."""
+    from kd.commands.report import summary_line
+
+    _, out = teacher_run
+    copy = tmp_path / "fork"
+    shutil.copytree(out, copy)
+    (copy / "checkpoints" / "best.pt").unlink()
+    line = summary_line(copy, 1.0)
+    assert line.endswith(f"run {copy}, last checkpoint {copy / 'checkpoints' / 'last.pt'} (no best.pt)"), line
+
+
 def _wall(run: Path):
     """(the ended parts of ``run``'s wall.jsonl, the seconds of its epochs' training in metrics.jsonl);
     each ended part closes the line its start opened."""

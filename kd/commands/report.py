@@ -188,7 +188,10 @@ def summary_line(run: Path, seconds: float, name: str = "") -> str:
     if not evals:
         return f"{prefix}done: {epochs} in {duration(seconds)}; run {run}"
     best, last = max(evals, key=lambda r: r["val_top1"]), evals[-1]
-    checkpoint = folder.best if folder.best.is_file() else folder.last
+    # a run continued from another folder's checkpoint writes best.pt only where it beats the best it inherited
+    checkpoint = (
+        f"best checkpoint {folder.best}" if folder.best.is_file() else f"last checkpoint {folder.last} (no best.pt)"
+    )
     parts, unended = wall_parts(run), unended_parts(run)
     if parts:  # this part's line, just written: timed from the command's start, as kd report sums them
         seconds = parts[-1]["seconds"]
@@ -206,7 +209,7 @@ def summary_line(run: Path, seconds: float, name: str = "") -> str:
     return (
         f"{prefix}done: best top-1 {best['val_top1']:.2f} at epoch {best['epoch']}, last top-1 "
         f"{last['val_top1']:.2f} at epoch {last['epoch']}{val_count(last)}{averaged}, {took}; "
-        f"run {run}, best checkpoint {checkpoint}"
+        f"run {run}, {checkpoint}"
     )
 
 
