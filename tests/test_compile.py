@@ -273,7 +273,10 @@ def test_on_cuda_inductors_step_equals_the_eager_one(method, monkeypatch):
     """The feature methods compiled by inductor (Triton kernels) on the GPU, in float32: the loss and
     every gradient as eager computes them, to float32 rounding. TensorFloat-32 off: with it (cuDNN's
     default), eager and compiled convolutions of other layouts or algorithms round their inputs to 10-bit
-    mantissas apart, and AT's and ReviewKD's first-layer gradients differed by more than 1e-3."""
+    mantissas apart, and AT's and ReviewKD's first-layer gradients differed by more than 1e-3. Each
+    gradient is held to 1e-3 of its largest element: ReviewKD's first-layer gradient sums every path of the
+    step in another order (and its atomic adds vary from run to run): 23 of its 432 elements were 2.2e-4
+    apart with TensorFloat-32 off, outside a fixed 1e-5."""
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     side, _, inputs = step_of(method)
@@ -287,4 +290,7 @@ def test_on_cuda_inductors_step_equals_the_eager_one(method, monkeypatch):
     torch.testing.assert_close(got["loss"], eager["loss"], rtol=1e-4, atol=1e-5)
     for (name, a), b in zip(side.named_parameters(), twin.parameters()):
         if a.grad is not None:
-            torch.testing.assert_close(b.grad, a.grad, rtol=1e-3, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+            scale = float(a.grad.abs().max())
+            torch.testing.assert_close(
+                b.grad, a.grad, rtol=1e-3, atol=max(1e-5, 1e-3 * scale), msg=lambda m, name=name: f"{name}: {m}"
+            )

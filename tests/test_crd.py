@@ -256,6 +256,29 @@ def test_memory_and_z_travel_in_the_state_dict():
         small.load_state_dict(state)
 
 
+def test_the_memory_moves_to_the_device_last():
+    """DataParallel's replicas share the banks; a replica that finds the memory on the device takes every
+    other shared tensor to be there too, so the memory is the last to move (it marks the move done)."""
+
+    class Watched(dict):
+        def __setitem__(self, key, value):
+            if key == "memory" and value.device.type == "meta":
+                moved = [
+                    k for k in ("labels", "order", "counts", "starts", "draw_keys") if self[k].device.type == "meta"
+                ]
+                assert len(moved) == 5, (
+                    f"the memory moved before {set(['labels', 'order', 'counts', 'starts', 'draw_keys']) - set(moved)}"
+                )
+            super().__setitem__(key, value)
+
+    loss = crd64()
+    loss.shared = Watched(loss.shared)
+    assert loss._on(torch.device("meta")).type == "meta"
+    assert all(
+        loss.shared[k].device.type == "meta" for k in ("memory", "labels", "order", "counts", "starts", "draw_keys")
+    )
+
+
 def test_a_non_finite_embedding_leaves_its_memory_row():
     loss = crd64()
     before = loss.shared["memory"].clone()

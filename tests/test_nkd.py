@@ -240,6 +240,19 @@ def test_mixed_targets_take_their_larger_part_as_the_official_code_does(temp, ga
     torch.testing.assert_close(x.student_logits.grad, expected, rtol=RTOL, atol=1e-15)
 
 
+def test_a_mixed_target_of_two_equal_parts_takes_the_lower_class_as_torch_max_does():
+    tie = torch.zeros(BATCH, CLASSES, dtype=torch.float64)
+    tie[torch.arange(BATCH), torch.tensor([4, 2, 5])] = 0.5
+    tie[torch.arange(BATCH), torch.tensor([1, 3, 0])] = 0.5  # cutmix's half box, or lam = 0.5
+    assert torch.equal(torch.max(tie, dim=1)[1], torch.tensor([1, 2, 0]))  # the official code's choice
+    loss = build_loss("nkd", CLASSES, {"ce_weight": 0.0})
+    x = golden_inputs()
+    x.labels = tie
+    assert torch.equal(
+        loss(x)["loss"], loss(DistillInputs(x.student_logits, torch.tensor([1, 2, 0]), x.teacher_logits))["loss"]
+    )
+
+
 def test_the_parts_alone_refuse_soft_labels():
     with pytest.raises(KDError, match="class-index labels"):
         nkd_parts(fill((BATCH, CLASSES), 1), fill((BATCH, CLASSES), 2), F.one_hot(LABELS, CLASSES).double(), 1.0)

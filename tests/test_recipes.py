@@ -250,12 +250,14 @@ CLS_KD_DEIT = dict(
     drop_path=0.0, model_ema=False,  # deit-small:1-2
     aa="rand-m9-mstd0.5-inc1", color_jitter=None, train_interpolation="bicubic",  # datasets:17-31
     reprob=0.25, remode="pixel", recount=1,  # datasets:32-39
-    mixup=0.8, cutmix=1.0, mixup_prob=1.0, mixup_switch_prob=0.5,  # deit-small:29-32 (one of the two each batch)
-    smoothing=0.1, label_smoothing=None,  # deit-small:22-23 (LabelSmoothLoss 0.1 on the mixed targets)
+    # no mixing: the distiller config's model dict (_delete_ = True) drops deit-small:29-32's train_cfg augments,
+    # and ClassificationDistiller mixes only by its own train_cfg (distiller.py:40-42), which it is not given
+    mixup=0.0, cutmix=0.0, smoothing=0.0,
+    label_smoothing=0.1,  # deit-small:22-23 (LabelSmoothLoss 0.1, mode original, on the hard labels)
     image_size=224, min_crop_scale=0.08, val_resize=256, val_interpolation="bicubic",  # datasets:17-21, 43-51
     teacher="timm:deit3_small_patch16_224.fb_in22k_ft_in1k", teacher_weights="pretrained",  # distiller config:24
     student="timm:deit_tiny_patch16_224", kd_loss="kd",
-    loss={"ce_weight": 1 - 0.5, "kd_weight": 0.5, "temperature": 1.0},  # distiller config:64-70 (KDLoss)
+    loss={"ce_weight": 1 - 0.5, "kd_weight": 0.5, "temperature": 1.0, "label_smoothing": 0.1},  # config:64-70
 )  # fmt: skip
 PUBLISHED.update(
     {
@@ -267,7 +269,7 @@ PUBLISHED.update(
         "imagenet/deit3s_deitti_nkd": dict(
             CLS_KD_DEIT,
             kd_loss="nkd",
-            loss={"ce_weight": 1.0, "non_target_weight": 1.0, "temperature": 1.0},
+            loss={"ce_weight": 1.0, "non_target_weight": 1.0, "temperature": 1.0, "label_smoothing": 0.1},
             top1=76.68,
         ),
         # README_deit.md:216, 221 without the distillation flags (main.py:145: --distillation-type none)

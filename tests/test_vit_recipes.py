@@ -74,13 +74,15 @@ def test_the_deit3_row_trains_the_plain_deit_tiny_without_stochastic_depth():
         train_both_heads(student, cfg.student, "deit")
 
 
-def test_the_deit3_nkd_row_trains_on_mixed_targets_where_dkd_is_refused():
-    """cls_KD's NKD row takes each sample's target class from the mixed targets' arg-max, as kd's nkd does;
-    DKD's official code has no such rule (its scatter needs class indices), so kd refuses it under mixup."""
-    cfg = kd_config.resolve(recipe=DEIT3_NKD)
-    assert cfg.kd_loss == "nkd" and cfg.mixup == 0.8 and cfg.cutmix == 1.0
-    with pytest.raises(KDError, match="dkd splits each sample's target class"):
-        kd_config.resolve(recipe=DEIT3_NKD, options={"kd_loss": "dkd", "loss_args": {}})
+@pytest.mark.parametrize("name", [DEIT3, DEIT3_NKD])
+def test_the_deit3_rows_train_unmixed_as_cls_kds_distiller_does(name):
+    """cls_KD's distiller config replaces the model dict (``_delete_``) and with it the DeiT config's Mixup and
+    CutMix, which ClassificationDistiller would take only from its own ``train_cfg``: its labels stay class
+    indices, label-smoothed by 0.1. Were they mixed, NKD would take each mixed sample's larger part."""
+    cfg = kd_config.resolve(recipe=name)
+    assert (cfg.mixup, cfg.cutmix, cfg.smoothing, cfg.label_smoothing) == (0.0, 0.0, 0.0, 0.1)
+    mixed = kd_config.resolve(recipe=name, options={"mixup": 0.8, "label_smoothing": 0.0, "smoothing": 0.1})
+    assert mixed.mixup == 0.8  # each row's method takes mixed targets where a user mixes
 
 
 @pytest.mark.parametrize("name", DEIT + ALONE)

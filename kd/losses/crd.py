@@ -150,7 +150,8 @@ class CRD(DistillLoss):
         """The device of the banks and class index: moved from the CPU to ``device`` at the first step,
         then kept there (DataParallel's replicas on other GPUs read from it)."""
         if self.shared["memory"].device.type == "cpu" and device.type != "cpu":
-            for key in ("memory", "labels", "order", "counts", "starts", "draw_keys"):
+            # the memory last: a replica that finds it on the device reads the rest there
+            for key in ("labels", "order", "counts", "starts", "draw_keys", "memory"):
                 self.shared[key] = self.shared[key].to(device)
         return self.shared["memory"].device
 

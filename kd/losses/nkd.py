@@ -51,8 +51,9 @@ class NormalizedKD(DistillLoss):
     cross-entropy, as the official code computes it, not a KL divergence: same gradient, but its
     logged value keeps the teacher's non-target entropy and is not 0 when the student matches.
     Under mixup and cutmix (labels that are mixed targets, (N, C)) a sample's target class is the
-    larger part of its mixed target, their argmax, as the official code takes it
-    (``NKDLoss.forward``: ``torch.max(gt_label, dim=1)``); smoothing the targets does not move it.
+    larger part of its mixed target, their argmax (of two equal parts, the lower class index), as the
+    official code takes it (``NKDLoss.forward``: ``torch.max(gt_label, dim=1)``); smoothing the targets
+    does not move it.
     """
 
     defaults = {"ce_weight": 1.0, "non_target_weight": 1.5, "temperature": 1.0}
