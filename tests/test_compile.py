@@ -208,6 +208,32 @@ def test_a_step_compiles_once_whatever_its_progress_and_step():
     assert len(graphs) == 1
 
 
+@pytest.mark.parametrize("method", ["dkd", "ctkd"])
+def test_a_step_that_reads_the_progress_compiles_once_across_epochs(method):
+    """DKD's warm-up and CTKD's curriculum read the epoch: their compiled step is one graph over steps of
+    two epochs and past the warm-up's end (it was two: the progress, a float, was specialised at the first
+    step, then compiled symbolic at the second), and gives the loss eager gives."""
+    from kd.run.record import compile_numbers_dynamic
+
+    side, _, inputs = step_of(method)
+    side.loss.hparams["warmup"] = 1.0  # DKD's ramp ends within the steps below
+    graphs = []
+
+    def record(gm, _example):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compile_numbers_dynamic()
+    compiled = torch.compile(side, backend=record)
+    for step in range(6):
+        batch = Batch(inputs.images, inputs.loss_inputs["labels"])
+        targets = Targets(inputs.loss_inputs["teacher_logits"], {})
+        record_ = step_inputs(batch, targets, side.loss, [], lambda x: x, 0.45 * step, step)
+        torch.testing.assert_close(compiled(record_)["loss"], side(record_)["loss"])
+    assert len(graphs) == 1
+
+
 def test_a_graph_break_is_said_in_one_line_with_dynamos_reason():
     """A step torch.compile cuts into graphs (here a host read, ``.item()``) runs the code between them
     eager: the first step's log says so in one line, with dynamo's reason, counted from the run's start."""

@@ -54,16 +54,18 @@ def test_a_student_alone_gets_no_teacher_fields():
 
 def test_the_progress_and_the_step_go_to_the_methods_that_read_them():
     """Not to the others: a compiled step guards on every number its record hands the loss, and these
-    change every step (a second compilation at the second step, for nothing)."""
+    change every step (a second compilation at the second step, for nothing). The progress goes as its
+    whole part, an int (the epochs completed: every method reads the epoch)."""
     batch, targets = batch_and_targets()
     dkd = step_inputs(batch, targets, build_loss("dkd", CLASSES, {}), [], double, 1.5, 7)
-    assert dkd.loss_inputs["progress"] == 1.5 and "step" not in dkd.loss_inputs
+    assert dkd.loss_inputs["progress"] == 1 and type(dkd.loss_inputs["progress"]) is int
+    assert "step" not in dkd.loss_inputs
     crd = step_inputs(batch, targets, build_loss("crd", CLASSES, {}), [], double, 1.5, 7)
     assert crd.loss_inputs["step"] == 7 and "progress" not in crd.loss_inputs
     # a user's subclass that says no card of its own may read either: it is handed both
     kd_class = type(build_loss("kd", CLASSES, {}))
     mine = step_inputs(batch, targets, type("MyKD", (kd_class,), {})(CLASSES), [], double, 1.5, 7)
-    assert (mine.loss_inputs["progress"], mine.loss_inputs["step"]) == (1.5, 7)
+    assert (mine.loss_inputs["progress"], mine.loss_inputs["step"]) == (1, 7)
 
 
 def test_the_methods_needs_of_a_batch_are_read_where_the_record_is_made():

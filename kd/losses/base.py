@@ -43,9 +43,10 @@ class DistillInputs:
     them. ``teacher_logits`` is float32 (or None with ``--no-teacher``): the teacher may run in
     reduced precision, but its logits are cast up before the softmax of the KD term.
     ``student_feats`` / ``teacher_feats`` map a layer name to that module's output, for the
-    methods with ``uses_features``. ``progress`` is the training progress in epochs
-    (fractional), for warm-ups such as DKD's; the engine gives it to methods whose card
-    ``reads_progress`` only (0.0 to the others), and ``step`` likewise (``reads_step``).
+    methods with ``uses_features``. ``progress`` is the training progress in epochs, for
+    warm-ups such as DKD's: the engine gives its whole part, the epochs completed (an int, so that
+    a compiled step is one graph; every method reads the epoch, ``floor(progress) + 1``), to methods
+    whose card ``reads_progress`` only (0.0 to the others), and ``step`` likewise (``reads_step``).
 
     The engine sets the student's fields from its forward and every other field by name from one
     record per step (:func:`kd.run.record.step_inputs`): a new per-batch input is a field here, set

@@ -47,8 +47,8 @@ class MethodCard:
     #: under mixup and cutmix, takes a mixed sample's target class as the larger part of its mixed target
     #: (its argmax), as the method's official code does with mixed targets (cls_KD's NKD)
     class_of_mixed: bool = False
-    #: reads the training progress in epochs (a warm-up ramp, a curriculum); a method that does not is
-    #: not handed it, so its compiled step does not depend on a number that changes every step
+    #: reads the training progress in epochs (a warm-up ramp, a curriculum), handed as the epochs completed
+    #: (an int); a method that does not is not handed it, so its compiled step does not depend on it
     reads_progress: bool = False
     #: reads the optimizer step it trains (CRD's draw of negatives); likewise handed only where read
     reads_step: bool = False

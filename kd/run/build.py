@@ -25,6 +25,7 @@ from kd.run.ema import ModelEma
 from kd.run.lane import Lane, stop_in_setup
 from kd.run.log import NullLogger, RunLogger
 from kd.run.optim import build_optimizer, build_scheduler, lr_note
+from kd.run.record import compile_numbers_dynamic
 from kd.run.runtime import resolve as resolve_runtime
 from kd.run.sides import StudentSide
 from kd.utils.taps import check_layers, final_map, layer_names, pooled_key, pre_relu_keys, tap
@@ -104,6 +105,7 @@ def build_lane(
             f"torch.compile ({cfg.compile_mode}): the first step compiles the student "
             f"{'and the teacher ' if not cfg.no_teacher else ''}(a minute or more), the steps after run faster"
         )
+        compile_numbers_dynamic()  # a step that reads the progress or the step: one graph, not two
         model = torch.compile(model, mode=cfg.compile_mode)
     scheduler = build_scheduler(cfg, optimizer, len(data.train))
     # the teacher of a store is its manifest's (set later), not compared here

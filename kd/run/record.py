@@ -4,9 +4,29 @@ teacher source's targets by :func:`step_inputs`, and passed whole to the student
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optional
 
 import torch
+
+#: where a compiled student step finds the progress and the step in its record: the side's own forward
+#: (``inputs``), and DistributedDataParallel's (``*inputs``) around it. Marked dynamic from the first
+#: compilation (:func:`compile_numbers_dynamic`), a step that reads them compiles once, not again when
+#: they first change.
+NUMBER_SOURCES = tuple(
+    f"L['inputs']{at}.loss_inputs['{key}']" for key in ("progress", "step") for at in ("", "[0]")
+)
+
+
+def compile_numbers_dynamic() -> None:
+    """torch.compile takes the record's progress and step as symbolic ints from the first compilation
+    (``torch.compiler.config.dynamic_sources``; a torch without it compiles a reader's step twice)."""
+    config = torch.compiler.config
+    if not hasattr(config, "dynamic_sources"):
+        return
+    given = [s for s in config.dynamic_sources.split(",") if s]
+    config.dynamic_sources = ",".join(given + [s for s in NUMBER_SOURCES if s not in given])
+
 
 if TYPE_CHECKING:  # what the loop hands a lane's step
     from kd.data.loader import Batch
@@ -55,7 +75,9 @@ def step_inputs(
     # card (a user's subclass of a method) may read what its parent's card does not
     said = "card" in type(loss).__dict__
     if loss.card.reads_progress or not said:
-        fields["progress"] = progress
+        # its whole part, an int: every method reads the epoch (floor(progress) + 1), and an int changes
+        # once an epoch and can be compiled symbolic (a float is specialised at the first step)
+        fields["progress"] = math.floor(progress)
     if loss.card.reads_step or not said:
         fields["step"] = step
     if targets is not None:
