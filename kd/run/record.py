@@ -13,9 +13,7 @@ import torch
 #: (``inputs``), and DistributedDataParallel's (``*inputs``) around it. Marked dynamic from the first
 #: compilation (:func:`compile_numbers_dynamic`), a step that reads them compiles once, not again when
 #: they first change.
-NUMBER_SOURCES = tuple(
-    f"L['inputs']{at}.loss_inputs['{key}']" for key in ("progress", "step") for at in ("", "[0]")
-)
+NUMBER_SOURCES = tuple(f"L['inputs']{at}.loss_inputs['{key}']" for key in ("progress", "step") for at in ("", "[0]"))
 
 
 def compile_numbers_dynamic() -> None:
