@@ -6,8 +6,8 @@ Each method trains ``--epochs`` epochs of ``--steps`` steps on synthetic tensors
 32 px, batch 8) with ``--compile``, its graphs handed to a counting backend that runs them as they are
 (dynamo's capture without inductor's kernels: the graphs and the breaks are inductor's too). Prints one
 row per method: the graphs compiled in the run (the teacher's forward, the student's training step,
-its evaluation; one more where a method reads the step or the progress, which changes from the first
-step to the second) and the graph breaks with dynamo's reasons.
+its evaluation; CRD's student step twice: its first step sets the normaliser Z) and the graph breaks
+with dynamo's reasons.
 """
 
 from __future__ import annotations
