@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optiona
 import torch
 
 #: where a compiled student step finds the progress and the step in its record: the side's own forward
-#: (``inputs``), and DistributedDataParallel's (``*inputs``) around it. Marked dynamic from the first
+#: (``inputs``; torch's DistributedDataParallel leaves its own forward to eager and compiles the side's),
+#: and a wrapper's ``forward(*inputs)`` that torch.compile traces around it. Marked dynamic from the first
 #: compilation (:func:`compile_numbers_dynamic`), a step that reads them compiles once, not again when
 #: they first change.
 NUMBER_SOURCES = tuple(f"L['inputs']{at}.loss_inputs['{key}']" for key in ("progress", "step") for at in ("", "[0]"))
