@@ -45,6 +45,7 @@ def world(tmp_path_factory):
     (root / "list.yaml").write_text("- 1\n- 2\n")
     (root / "wrongtype.yaml").write_text("epochs: one\n")
     torch.save({"conv1.weight": torch.zeros(3)}, root / "wrong.pt")
+    torch.save({"conv1.weight": torch.zeros(3)}, root / "legacy.pth", _use_new_zipfile_serialization=False)
     (root / "garbage.pt").write_bytes(b"this is not a checkpoint")
     with open(root / "evil.pt", "wb") as fh:
         pickle.dump({"state_dict": Evil()}, fh)
@@ -144,6 +145,8 @@ CASES = {
     "teacher weights alone, missing": (UNNAMED("{root}/nope.pt"), "weights file {root}/nope.pt does not exist"),
     "teacher weights alone, garbage": (UNNAMED("{root}/garbage.pt"), "cannot read weights file {root}/garbage.pt"),
     "teacher weights alone, not kd's": (UNNAMED("{root}/wrong.pt"), "not a kd checkpoint, so it names no model"),
+    # torch's legacy format cannot be memory-mapped: read whole, not called damaged
+    "teacher weights alone, legacy": (UNNAMED("{root}/legacy.pth"), "legacy.pth is not a kd checkpoint"),
     "weights garbage": (T("--teacher-weights", "{root}/garbage.pt"), "cannot read weights"),
     "malicious pickle": (T("--teacher-weights", "{root}/evil.pt"), "refuses"),
     "resume nothing": (T("--resume", out="fresh"), "nothing to resume"),

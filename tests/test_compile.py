@@ -189,6 +189,26 @@ def test_a_method_reads_the_progress_and_the_step_only_where_its_card_says(metho
         side(inputs._replace(loss_inputs={**inputs.loss_inputs, **given}))
 
 
+@pytest.mark.parametrize("method", [m for m in LOSSES.names() if LOSSES.card(m).reads_progress])
+def test_a_method_whose_card_says_it_reads_the_progress_does(method):
+    """The other way round: a card that says it reads the progress is handed it (and its compiled step
+    depends on it) only where the method reads it: its loss or a logged term changes with the epoch."""
+    outputs = []
+    for progress in (0, 50):
+        if method in LOGIT_ONLY:
+            x = logit_inputs(LOSSES.card(method))
+            x.progress = progress
+            loss = build_loss(method, CLASSES, {})
+            loss.hparams.update({"warmup": 5.0} if "warmup" in loss.hparams else {})  # a ramp over epochs 1-5
+            out = loss(x)
+        else:
+            side, _, inputs = step_of(method)
+            side.loss.hparams.update({"warmup": 5.0} if "warmup" in side.loss.hparams else {})
+            out = side(inputs._replace(loss_inputs={**inputs.loss_inputs, "progress": progress}))
+        outputs.append({k: v.detach() for k, v in out.items()})
+    assert any(not torch.equal(outputs[0][k], outputs[1][k]) for k in outputs[0]), method
+
+
 def test_a_step_compiles_once_whatever_its_progress_and_step():
     """Each step's record differs in its progress and step: KD's compiled step, which reads neither,
     is one graph over several steps (it was two: a second compilation at the second step)."""
@@ -216,21 +236,28 @@ def test_a_step_that_reads_the_progress_compiles_once_across_epochs(method):
     from kd.run.record import compile_numbers_dynamic
 
     side, _, inputs = step_of(method)
-    side.loss.hparams["warmup"] = 1.0  # DKD's ramp ends within the steps below
+    side.loss.hparams["warmup"] = 3.0  # DKD's ramp (1/3, 2/3, 1 over the epochs below) ends within the steps
     graphs = []
 
     def record(gm, _example):
         graphs.append(gm)
         return gm.forward
 
+    if not hasattr(torch.compiler.config, "dynamic_sources"):
+        pytest.skip("this torch has no torch.compiler.config.dynamic_sources: a reader's step compiles twice")
     torch._dynamo.reset()
-    compile_numbers_dynamic()
-    compiled = torch.compile(side, backend=record)
-    for step in range(6):
-        batch = Batch(inputs.images, inputs.loss_inputs["labels"])
-        targets = Targets(inputs.loss_inputs["teacher_logits"], {})
-        record_ = step_inputs(batch, targets, side.loss, [], lambda x: x, 0.45 * step, step)
-        torch.testing.assert_close(compiled(record_)["loss"], side(record_)["loss"])
+    given = torch.compiler.config.dynamic_sources
+    torch.compiler.config.dynamic_sources = ""  # as a fresh process has it; restored after
+    try:
+        compile_numbers_dynamic()
+        compiled = torch.compile(side, backend=record)
+        for step in range(6):
+            batch = Batch(inputs.images, inputs.loss_inputs["labels"])
+            targets = Targets(inputs.loss_inputs["teacher_logits"], {})
+            record_ = step_inputs(batch, targets, side.loss, [], lambda x: x, 0.45 * step, step)
+            torch.testing.assert_close(compiled(record_)["loss"], side(record_)["loss"])
+    finally:
+        torch.compiler.config.dynamic_sources = given
     assert len(graphs) == 1
 
 

@@ -343,8 +343,8 @@ def test_short_schedule_scales_milestones():
 
 
 def test_another_image_size_scales_the_recipes_val_resize():
-    """A recipe's val resize (DeiT's 256 for 224) keeps its ratio at the user's --image-size, as the
-    default does and as timm derives it (floor(size / crop_pct)); a --val-resize given stays."""
+    """A recipe's val resize (DeiT's 256 for 224) keeps its ratio at the user's --image-size, floored, as the
+    default does (timm's floor(size / crop_pct) for DeiT's exact 0.875); a --val-resize given stays."""
     cfg = kd_config.resolve(recipe="imagenet/deit3s_deitti_nkd", options={"image_size": 64})
     assert cfg.val_resize == 73  # floor(64 / 0.875)
     assert kd_config.resolve(recipe="imagenet/deit3s_deitti_nkd", sets=["image_size=448"]).val_resize == 512

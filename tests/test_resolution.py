@@ -230,3 +230,14 @@ def test_a_kd_trained_timm_teacher_is_compared_with_its_runs_own_val_resize(tmp_
     assert "trained and validated at image size 64, val resize 71; this run validates at 32, 35" in (
         teacher_preprocessing_note(cfg) or ""
     )
+
+
+def test_teacher_weights_beside_a_store_are_not_read_for_a_model_name(tmp_path):
+    """With --soft-labels the store's manifest names the teacher: --teacher-weights without --teacher is not
+    opened to find one (a plain state dict there is no mistake)."""
+    plain = tmp_path / "plain.pth"
+    torch.save({"fc.weight": torch.zeros(3, 4)}, plain)
+    options = dict(
+        data="synthetic", student="resnet18", soft_labels=str(tmp_path / "store"), teacher_weights=str(plain)
+    )
+    assert kd_config.resolve(options=options).teacher is None

@@ -116,9 +116,10 @@ def resolve(
     if base is None and "epochs" in overrides:
         cfg = scale_schedule(cfg, planned.epochs, overrides)
     if base is None and "image_size" in overrides and "val_resize" not in overrides and planned.val_resize:
-        # a recipe's val resize is for its own crop: kept in ratio, as timm's floor(size / crop_pct)
+        # a recipe's val resize is for its own crop: kept in ratio, floored (timm's floor(size / crop_pct) where
+        # the recipe's resize is exact, as DeiT's 256 for 224; a pixel under it where it was floored itself)
         cfg = dataclasses.replace(cfg, val_resize=cfg.image_size * planned.val_resize // planned.image_size)
-    if cfg.teacher is None and not cfg.no_teacher and cfg.teacher_weights:
+    if cfg.teacher is None and not cfg.no_teacher and not cfg.soft_labels and cfg.teacher_weights:
         check_method(cfg.kd_loss)  # a mistyped name is answered before the checkpoint is read (with torch)
         from kd.utils.weight_files import named_teacher
 

@@ -51,7 +51,7 @@ LOSSES.add("crld", "kd.losses.crld:CrossViewKD", MethodCard("CRLD", views=2))
 LOSSES.add(
     "sdkd",
     "kd.losses.sdd:ScaleDecoupledKD",
-    MethodCard("SD-KD", uses_features=True, uses_classifier=True, class_labels=True, reads_progress=True),
+    MethodCard("SD-KD", uses_features=True, uses_classifier=True, class_labels=True),
 )
 LOSSES.add(
     "sddkd",
@@ -61,7 +61,7 @@ LOSSES.add(
 LOSSES.add(
     "sdnkd",
     "kd.losses.sdd:ScaleDecoupledNKD",
-    MethodCard("SD-NKD", uses_features=True, uses_classifier=True, class_labels=True, reads_progress=True),
+    MethodCard("SD-NKD", uses_features=True, uses_classifier=True, class_labels=True),
 )
 LOSSES.add("deit", "kd.losses.deit:DeiTDistillation", MethodCard("DeiT", reads_distill_head=True))
 

@@ -110,7 +110,10 @@ def named_teacher(weights: str) -> Optional[str]:
     if not Path(weights).is_file():
         raise KDError(f"weights file {weights} does not exist (expected pretrained, none or a file path)")
     checkpoint_io.verify(weights)
-    obj = checkpoint_io.read(weights, "cannot read weights file", mmap=True)
+    try:
+        obj = checkpoint_io.read(weights, "cannot read weights file", mmap=True)
+    except KDError:  # torch's legacy (non-zip) format cannot be memory-mapped: read it whole
+        obj = checkpoint_io.read(weights, "cannot read weights file")
     name = obj.get("student_name") if isinstance(obj, dict) and "kd_version" in obj else None
     if not name:
         raise KDError(
