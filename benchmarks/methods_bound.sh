@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Each KD method's step against KD's on one GPU (ResNet-34 -> ResNet-18, O1 float16, batch 256, synthetic
 # input): where the time goes, eager and compiled, and the six-row table run against the sum of its parts.
-# Usage: bash benchmarks/methods_bound.sh PART...   (PART: env | profile | profile_compiled | six | six_compiled |
+# Usage: bash benchmarks/methods_bound.sh PART...   (PART: env | tests | profile | profile_compiled | six | six_compiled |
 #        rest | parts | parts_compiled); logs go to $OUT (default /tmp/kd-methods).
+#   tests             the GPU tests of the methods' steps: compiled against eager, AT's and OFD's reduced-dtype paths
 #   profile           benchmarks/profile_step.py per method, eager: teacher forward, student fwd+loss+bwd, optimizer
 #                     step and the engine's whole step (ms), GPU kernel time by kind per method, top kernels
 #   profile_compiled  the same with --compile for KD and the feature methods of the six-row table ($CMETHODS)
@@ -26,6 +27,8 @@ for part in "$@"; do case "$part" in
   env) { git log --oneline -1 2>/dev/null; nvidia-smi -L; nproc
          $PY -c "import torch, torchvision, timm; print('torch', torch.__version__, 'torchvision', torchvision.__version__, 'timm', timm.__version__)"
        } 2>&1 | tee "$OUT/env.log" ;;
+  tests) timeout 300 $PY -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_compile.py tests/test_losses.py \
+           tests/test_ofd.py 2>&1 | tail -15 | tee "$OUT/tests.log" ;;
   profile) timeout 420 $P --methods ${PMETHODS:-kd,at,fitnet,ofd,crd,reviewkd,nkd,mlkd,dkd,dist,ctkd,lskd} 2>&1 | grep -v Warn | tee "$OUT/profile.log" ;;
   profile_compiled) timeout 420 $P --compile --methods "${CMETHODS:-kd,at,ofd,crd,reviewkd}" 2>&1 | grep -v Warn \
                       | tee "$OUT/profile_compiled.log" ;;
