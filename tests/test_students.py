@@ -123,6 +123,29 @@ def test_students_must_agree_on_what_they_share(data, tmp_path):
         multi.plan([str(a), str(b)], options(data, tmp_path / "t", kd_loss="kd,dkd"), [])
 
 
+def test_students_validated_on_other_crops_are_refused_unless_one_val_resize_is_given(data, tmp_path):
+    """The val loader makes one set of crops for every student (the first's resize and interpolation): a
+    student whose own would differ (timm's test_mambaout: crop_pct 1.0, bicubic, beside test_resnet's 0.95,
+    bilinear) would be logged and reported as validated on crops it was not; refused before any work, and
+    trained once --val-resize and val_interpolation make them one."""
+    a, b = tmp_path / "resnet.yaml", tmp_path / "mambaout.yaml"
+    a.write_text(yaml.safe_dump({"student": "timm:test_resnet", "kd_loss": "kd"}))
+    b.write_text(yaml.safe_dump({"student": "timm:test_mambaout", "kd_loss": "kd"}))
+    shared = dict(options(data, tmp_path / "t"), teacher="timm:test_resnet", teacher_weights="none")
+    shared.pop("student", None)
+    with pytest.raises(KDError) as refused:
+        launch(TrainJob(multi.plan([str(a), str(b)], shared, [])))
+    assert str(refused.value) == (
+        "the students of one run are validated on one set of crops, and theirs differ: resnet: resize 16, "
+        "bilinear; mambaout: resize 16, bicubic; give --val-resize and --set val_interpolation=... to validate "
+        "them alike, or train them in separate runs"
+    )
+    assert not (tmp_path / "t").exists()
+    alike = multi.plan([str(a), str(b)], dict(shared, val_resize=18, val_interpolation="bicubic"), [])
+    launch(TrainJob(alike))
+    assert (tmp_path / "t" / "mambaout" / "metrics.jsonl").is_file()
+
+
 def test_a_recipe_for_one_method_gives_the_others_their_defaults(data, tmp_path):
     students = multi.plan(["imagenet/r34_r18_kd"], options(data, tmp_path / "t", kd_loss="kd,dkd,dist,lskd"), [])
     cfgs = dict(zip(students.names, students.cfgs))

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 import torch
 
 from kd import config as kd_config
-from kd.data.loader import Batch
+from kd.data.loader import Batch, val_transform
 from kd.data.model_data import with_data_configs
 from kd.data.pipeline import build as build_data
 from kd.errors import KDError, NonFinite, writing
@@ -78,6 +78,19 @@ def check_classes(students: Students, resumed: Dict[str, Any], classes: Sequence
             weight_files.check_classes(kept, classes, cfg.student_weights, cfg.data)
 
 
+def check_evaluation(students: Students) -> None:
+    """One val loader crops for every student, at the first one's resize and interpolation (its data config
+    or --val-resize and val_interpolation): a KDError where another student's own would differ, since its
+    log and top-1 would name crops it was not validated on."""
+    crops = [(name, val_transform(with_data_configs(cfg))) for name, cfg in students.training()]
+    if len({crop for _, crop in crops}) > 1:
+        theirs = "; ".join(f"{name}: resize {size}, {mode}" for name, (size, mode) in crops)
+        raise KDError(
+            f"the students of one run are validated on one set of crops, and theirs differ: {theirs}; give "
+            "--val-resize and --set val_interpolation=... to validate them alike, or train them in separate runs"
+        )
+
+
 def start_folder(lane: Lane, resumed: bool) -> None:
     """Once set-up has succeeded, the main process starts ``lane``'s run folder (a failed start leaves no
     run behind; a resumed one is kept) and writes config.yaml and provenance.json."""
@@ -111,6 +124,7 @@ class Trainer:
         clock = SetupClock(command_start(default=time.time()))  # every student's first step counts from here
         clock.mark("launch")  # interpreter, imports, launcher, process group, device
         cfg = with_data_configs(students.first)  # the loaders normalise for the first student
+        check_evaluation(students)  # and validate at its crops
         runtime = resolve_runtime(cfg, backend.device)
         alone = len(students.names) == 1
         self.students = students
