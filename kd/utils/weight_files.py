@@ -31,11 +31,22 @@ def load_state_file(path: str) -> Dict[str, torch.Tensor]:
     Loaded with ``weights_only=True``: a file that needs arbitrary code to unpickle is refused; a
     file kd wrote is checked against the SHA-256 beside it first (:func:`kd.utils.checkpoint_io.verify`).
     """
+    return extract_state(read_weights(path), path)
+
+
+def read_weights(path: str, mmap: bool = False) -> Any:
+    """What a weights file holds (memory-mapped where ``mmap`` and the file allows it), read as kd reads
+    a tensor file; a KDError of one line where it does not exist, fails its SHA-256 or cannot be read."""
     p = Path(path)
     if not p.is_file():
         raise KDError(f"weights file {path} does not exist (expected pretrained, none or a file path)")
     checkpoint_io.verify(p)  # a file kd wrote: against the sum beside it
-    return extract_state(checkpoint_io.read(p, "cannot read weights file"), path)
+    if mmap:
+        try:
+            return checkpoint_io.read(p, "cannot read weights file", mmap=True)
+        except KDError:  # torch's legacy (non-zip) format cannot be memory-mapped: read it whole
+            pass
+    return checkpoint_io.read(p, "cannot read weights file")
 
 
 def extract_state(obj: Any, path: str) -> Dict[str, torch.Tensor]:
@@ -107,13 +118,7 @@ def named_teacher(weights: str) -> Optional[str]:
     (missing, unreadable, damaged, or weights of another kind)."""
     if not from_file(weights):
         return None
-    if not Path(weights).is_file():
-        raise KDError(f"weights file {weights} does not exist (expected pretrained, none or a file path)")
-    checkpoint_io.verify(weights)
-    try:
-        obj = checkpoint_io.read(weights, "cannot read weights file", mmap=True)
-    except KDError:  # torch's legacy (non-zip) format cannot be memory-mapped: read it whole
-        obj = checkpoint_io.read(weights, "cannot read weights file")
+    obj = read_weights(weights, mmap=True)
     name = obj.get("student_name") if isinstance(obj, dict) and "kd_version" in obj else None
     if not name:
         raise KDError(
